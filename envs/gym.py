@@ -1,0 +1,75 @@
+"""Adapter for any gymnasium id: ``env: {type: gym, id: Reacher-v5, num_envs: 8}``.
+
+An external simulator plugs in by its gymnasium id. An id of the form ``"package:Env-v0"``
+imports ``package`` first (gymnasium's own convention), so a third-party task needs no
+change to mmrl, only to be registered with gymnasium when its package is imported.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import gymnasium
+
+from mmrl.config import option
+from mmrl.errors import ConfigError
+from mmrl.registry import ENVS
+from mmrl.train.config import EnvConfig
+
+
+@dataclass
+class GymEnvConfig(EnvConfig):
+    """Any gymnasium id, vectorized with gymnasium's SyncVectorEnv or AsyncVectorEnv."""
+
+    type: str = option("gym", "registered name of this component (see `mmrl list`)")
+    kwargs: dict[str, Any] = option(factory=dict, doc="extra keyword arguments of gymnasium.make for every env")
+    context: str | None = option(
+        None, "start method of async workers (null = the platform default; spawn for simulators that hang after fork)",
+        choices=("fork", "spawn", "forkserver"),
+    )
+
+    def validate(self, path: str) -> None:
+        check_gym_id(self.id, f"{path}.id" if path else "id")
+
+
+def check_gym_id(env_id: str, field: str) -> None:
+    """Raise a ConfigError naming ``field`` unless ``env_id`` is a registered gymnasium id."""
+    name = env_id
+    if ":" in env_id:
+        module, name = env_id.split(":", 1)
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise ConfigError(field, env_id, f"could not import the module {module!r} before the id: {e}") from None
+    if name in gymnasium.registry:
+        return
+    close = difflib.get_close_matches(name, list(gymnasium.registry), n=5, cutoff=0.6)
+    hint = f"close matches: {', '.join(close)}" if close else "e.g. mmrl/PointReach-v0, Reacher-v5, CartPole-v1"
+    raise ConfigError(field, env_id, f"not a registered gymnasium id; {hint}")
+
+
+def _make_env(env_id: str, max_episode_steps: int | None, kwargs: dict) -> gymnasium.Env:
+    # A module-level function pickles by reference: an async worker started with spawn
+    # imports mmrl.envs to unpickle it, which registers mmrl's own ids there too.
+    return gymnasium.make(env_id, max_episode_steps=max_episode_steps, **kwargs)
+
+
+@ENVS.register("gym", config=GymEnvConfig)
+def make_vector_env(cfg: GymEnvConfig, seed: int) -> gymnasium.vector.VectorEnv:
+    """Any gymnasium id (MuJoCo, classic control, mmrl/PointReach-v0, plugins) as a vector env.
+
+    ``seed`` seeds the action space's sampler; episodes are seeded by the sampler at every
+    reset. Auto-reset is gymnasium's default (next step).
+    """
+    cfg.validate("env")
+    make_one = partial(_make_env, cfg.id, cfg.max_episode_steps, dict(cfg.kwargs))
+    if cfg.vectorization == "async":
+        env = gymnasium.vector.AsyncVectorEnv([make_one] * cfg.num_envs, context=cfg.context)
+    else:
+        env = gymnasium.vector.SyncVectorEnv([make_one] * cfg.num_envs)
+    env.action_space.seed(seed)
+    return env

@@ -1,0 +1,70 @@
+"""KL estimators between the policy and a reference policy, from sampled log-probs.
+
+Every registered estimator maps ``logp, ref_logp: Tensor[B, T]`` to a per-decision
+estimate ``Tensor[B, T]`` of KL(πθ ‖ πref) on samples from πθ (Schulman 2020,
+"Approximating KL Divergence"). Use one as a loss term (GRPO) or subtract it from the
+reward with :func:`kl_in_reward` (PPO-RLHF).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mmrl.registry import KL_ESTIMATORS
+
+REDUCTIONS = ("mean", "sum")
+
+
+@KL_ESTIMATORS.register("k1")
+def k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k1 = logπθ − logπref: unbiased, high variance, can be negative."""
+    return logp - ref_logp
+
+
+@KL_ESTIMATORS.register("k2")
+def k2(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k2 = ½(logπθ − logπref)²: biased, low variance, non-negative; its gradient is the
+    gradient of the true KL on πθ's samples."""
+    return 0.5 * (logp - ref_logp) ** 2
+
+
+@KL_ESTIMATORS.register("k3")
+def k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k3 = exp(δ) − δ − 1 with δ = logπref − logπθ: unbiased and non-negative (GRPO's KL).
+
+    Library semantics: δ is clamped to ±10 first (as verl), so one far-off-reference
+    decision cannot dominate the loss; beyond the clamp the gradient is zero.
+    """
+    delta = (ref_logp - logp).clamp(-10.0, 10.0)
+    return torch.exp(delta) - delta - 1
+
+
+def gaussian_kl(
+    mean: Tensor, ref_mean: Tensor, std: Tensor | float, reduce: str = "mean", batch_dims: int = 1
+) -> Tensor:
+    """KL between two Gaussian denoising steps with a shared std: ‖μθ − μref‖² / (2σ²)
+    (Flow-GRPO, Liu et al. 2025).
+
+    Per latent element (μθ − μref)² / (2σ²), then averaged (``reduce="mean"``, as Flow-GRPO,
+    matching its per-element-averaged log-probs) or summed (``"sum"``, the exact KL of the
+    two diagonal Gaussians) over all dims after the first ``batch_dims``. ``std``
+    broadcasts against ``mean`` (a float, or e.g. ``Tensor[B, 1, 1, 1]``).
+    """
+    if reduce not in REDUCTIONS:
+        raise ValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
+    per_element = (mean - ref_mean) ** 2 / (2 * std**2)
+    latent_dims = tuple(range(batch_dims, per_element.ndim))
+    return per_element.mean(latent_dims) if reduce == "mean" else per_element.sum(latent_dims)
+
+
+def kl_in_reward(
+    rewards: Tensor, logp: Tensor, ref_logp: Tensor, mask: Tensor, coef: float, estimator: str = "k1"
+) -> Tensor:
+    """KL-penalised reward: r_i − coef·Σ_t m·k(logπθ, logπref) (Ouyang et al. 2022, PPO-RLHF).
+
+    ``estimator`` names a registered KL estimator. The result is detached: it is a reward,
+    a constant for the policy gradient.
+    """
+    kl = KL_ESTIMATORS.get(estimator, "estimator")(logp, ref_logp)
+    return (rewards - coef * (kl * mask).sum(-1)).detach()

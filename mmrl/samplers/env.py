@@ -1,0 +1,245 @@
+"""``EnvSampler``: episodes of a vector env as a ``Rollout`` of action-chunk decisions.
+
+Each decision, the policy sees the observations of all envs and returns an action chunk
+[N, C, A] per env; the env executes the C actions one step each (clipped to the action
+bounds). A group's G copies are reset with the same seed, so they share their initial
+state; their actions differ only by the policy's noise.
+
+Episodes run in waves of at most ``num_envs``. A wave holds whole groups when
+``num_envs >= G``; otherwise a group spans several waves (all reset with the group's seed).
+A wave ends when all its episodes have ended (or after ``max_decisions``). The env's
+auto-reset is never relied on: every wave starts with a seeded reset, and whatever an env
+returns after its episode ended (gymnasium's next-step reset, a same-step reset, or more
+steps of a finished episode) is masked out and never counted.
+
+Randomness of a group depends only on (run seed, step, global group index): the reset
+seed is ``group_seed(seed, step, group) % 2**31`` and the policy's noise comes from a
+generator seeded by the ``group_seed`` of the wave's first group (plus the index of the
+wave's first copy when a group spans waves). One process and several therefore give the
+same samples whenever their waves hold the same groups, e.g. when each process's groups
+fill whole waves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import gymnasium
+import numpy as np
+import torch
+from torch import Tensor
+
+from mmrl.config import option
+from mmrl.core.rollout import Rollout
+from mmrl.core.sampler import Sampler, group_seed
+from mmrl.errors import ConfigError
+from mmrl.registry import ENVS, SAMPLERS
+from mmrl.train.config import SamplerConfig
+
+# Training resets use seeds below 2**31; evaluation uses seeds in [2**31, 2**32) so that
+# evaluation episodes never repeat training episodes (2**32 is the largest seed numpy's
+# legacy RandomState, used by some simulators, accepts).
+_TRAIN_SEEDS = 2**31
+
+
+@dataclass
+class EnvSamplerConfig(SamplerConfig):
+    """Episodes from a (vector) env; decisions are action chunks."""
+
+    type: str = option("env", "registered name of this component (see `mmrl list`)")
+    success_at: Literal["any", "end"] = option("any", "an episode succeeds if the env reports success at any step, or at its last step only")
+    max_decisions: int | None = option(None, "cap on decisions per episode; episodes cut by it count as truncated (null = until the env ends them)", ge=1)
+
+
+@SAMPLERS.register("env", config=EnvSamplerConfig)
+class EnvSampler(Sampler):
+    """Groups of episodes from a gymnasium vector env; the G copies share an initial state."""
+
+    def __init__(self, sampler_cfg: EnvSamplerConfig, train_cfg):
+        if train_cfg.env is None:
+            raise ConfigError("env", None, "the env sampler needs an env section, e.g. env: {type: gym, id: mmrl/PointReach-v0}")
+        self.config = sampler_cfg
+        self.seed = train_cfg.seed
+        self.gamma = train_cfg.algo.gamma
+        self.env = ENVS.get(train_cfg.env.type, "env.type")(train_cfg.env, train_cfg.seed)
+        self.num_envs = self.env.num_envs
+        space = self.env.single_action_space
+        if not isinstance(space, gymnasium.spaces.Box):
+            self.env.close()
+            raise ConfigError("env.id", train_cfg.env.id, f"the env sampler needs a continuous (Box) action space; this env has {space}")
+        self.action_low = space.low.astype(np.float32)
+        self.action_high = space.high.astype(np.float32)
+        self.env_steps = 0
+
+    def policy_spec(self) -> dict:
+        return {
+            "obs_dim": int(gymnasium.spaces.flatdim(self.env.single_observation_space)),
+            "action_dim": int(np.prod(self.action_low.shape)),
+            "action_low": self.action_low.reshape(-1).tolist(),
+            "action_high": self.action_high.reshape(-1).tolist(),
+        }
+
+    # ------------------------------------------------------------------ sampling
+
+    def collect(self, policy, num_groups: int, group_size: int, step: int, group_offset: int = 0) -> Rollout:
+        seeds = [group_seed(self.seed, step, group_offset + g) for g in range(num_groups)]
+        episodes = num_groups * group_size
+        wave = (self.num_envs // group_size) * group_size or self.num_envs
+        parts = []
+        for start in range(0, episodes, wave):
+            members = range(start, min(start + wave, episodes))
+            first_group, first_copy = divmod(start, group_size)
+            generator = torch.Generator().manual_seed(seeds[first_group] + first_copy)
+            reset_seeds = [seeds[i // group_size] % _TRAIN_SEEDS for i in members]
+            part = self._run_wave(policy, reset_seeds, generator, deterministic=False)
+            part.group_id = torch.tensor([group_offset + i // group_size for i in members], device=part.group_id.device)
+            parts.append(part)
+        return Rollout.cat(parts)
+
+    @torch.no_grad()
+    def evaluate(self, policy, episodes: int, seed: int) -> dict[str, Any]:
+        """Deterministic policy on ``episodes`` episodes seeded from ``seed``, disjoint from
+        every training episode's seed."""
+        seeds = [_TRAIN_SEEDS + group_seed(seed, 0, i) % _TRAIN_SEEDS for i in range(episodes)]
+        parts = [self._run_wave(policy, seeds[s : s + self.num_envs], None, deterministic=True) for s in range(0, episodes, self.num_envs)]
+        info = Rollout.cat(parts).info
+        return {
+            "success_rate": info["success"].mean().item(),
+            "return_mean": info["return"].mean().item(),
+            "length_mean": info["length"].float().mean().item(),
+            "episodes": episodes,
+        }
+
+    @torch.no_grad()
+    def _run_wave(self, policy, seeds: list[int], generator: torch.Generator | None, deterministic: bool) -> Rollout:
+        """One episode per seed on the first ``len(seeds)`` envs; the other envs (a last,
+        partial wave) step along, masked out.
+
+        The step loop only records what the env returned; who was alive when, returns,
+        success and truncation are worked out once per wave from those records."""
+        n, num_envs = len(seeds), self.num_envs
+        obs, _ = self.env.reset(seed=seeds + seeds[:1] * (num_envs - n))
+        device = _device_of(policy)
+        alive = np.arange(num_envs) < n
+        no_success = np.zeros(num_envs, dtype=bool)
+        samples, rewards, terminated, truncated, success, chunk_index = [], [], [], [], [], []
+        cap = self.config.max_decisions
+        while alive.any() and (cap is None or len(samples) < cap):
+            sample = policy.sample(_obs_tensor(obs, device), generator, deterministic=deterministic)
+            actions = np.minimum(np.maximum(_numpy(sample.output), self.action_low), self.action_high)
+            samples.append(sample)
+            for j in range(actions.shape[1]):
+                obs, reward, term, trunc, info = self.env.step(actions[:, j])
+                term, trunc = _numpy(term), _numpy(trunc)
+                rewards.append(_numpy(reward))
+                terminated.append(term)
+                truncated.append(trunc)
+                success.append(_numpy(info["success"]) if "success" in info else no_success)
+                chunk_index.append(j)
+                alive = alive & ~(term | trunc)
+                if not alive.any():
+                    break
+        self.env_steps += num_envs * len(rewards)
+        return self._wave_rollout(samples, n, rewards, terminated, truncated, success, chunk_index)
+
+    def _wave_rollout(self, samples: list, n: int, rewards: list, terminated: list, truncated: list, success: list, chunk_index: list) -> Rollout:
+        """Per-episode stats and the [n, T] decision tensors of one wave (first ``n`` envs).
+
+        A policy call may return k > 1 decisions (e.g. the denoising steps of one action
+        chunk); the chunk's reward then sits on the last of them."""
+        # np.array of equal-shape rows is np.stack, several times faster for many small rows
+        term = np.array(terminated)[:, :n].astype(bool)  # [S, n] over env steps S
+        trunc = np.array(truncated)[:, :n].astype(bool)
+        done = term | trunc
+        # alive[s]: the episode had not ended before step s
+        alive = np.cumsum(done, 0) - done == 0
+        reward = np.array(rewards)[:, :n].astype(np.float64) * alive
+        succ = np.array(success)[:, :n].astype(bool) & alive
+        lengths = alive.sum(0)
+        last = np.maximum(lengths - 1, 0), np.arange(n)
+        ended = done[last] & alive[last]
+        episode_success = succ.any(0) if self.config.success_at == "any" else succ[last]
+        episode_truncated = ~ended | (trunc[last] & ~term[last])  # time limit, or cut by max_decisions
+
+        chunk_index = np.asarray(chunk_index)
+        first_steps = np.flatnonzero(chunk_index == 0)  # each decision's first env step
+        num_decisions = len(samples)
+        chunk_reward = np.add.reduceat(reward * (self.gamma ** chunk_index)[:, None], first_steps, axis=0)  # [D, n]
+        alive_at_decision = alive[first_steps]
+
+        logp = torch.cat([s.logp for s in samples], 1)[:n]
+        k = samples[0].logp.shape[1]
+        device = logp.device
+        mask = torch.as_tensor(np.repeat(alive_at_decision.T, k, axis=1), dtype=torch.float32, device=device)
+        if samples[0].mask is not None:
+            mask = mask * torch.cat([s.mask for s in samples], 1)[:n]
+        step_rewards = torch.zeros(n, num_decisions, k, dtype=torch.float32, device=device)
+        step_rewards[:, :, -1] = torch.as_tensor(chunk_reward.T, dtype=torch.float32, device=device)
+        entropy = torch.cat([s.entropy for s in samples], 1)[:n] if samples[0].entropy is not None else None
+        return Rollout(
+            group_id=torch.zeros(n, dtype=torch.long, device=device),
+            old_logp=logp,
+            mask=mask,
+            replay=_cat_replay([s.replay for s in samples], n),
+            step_rewards=step_rewards.view(n, -1),
+            entropy=entropy,
+            info={
+                "success": torch.as_tensor(episode_success, dtype=torch.float32),
+                "return": torch.as_tensor(reward.sum(0), dtype=torch.float32),
+                "length": torch.as_tensor(lengths, dtype=torch.long),
+                "truncated": torch.as_tensor(episode_truncated, dtype=torch.bool),
+            },
+        )
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"env_steps": self.env_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.env_steps = int(state.get("env_steps", 0))
+
+    def close(self) -> None:
+        self.env.close()
+
+
+def _cat_replay(replays: list[dict], n: int) -> dict:
+    out = {}
+    for key, first in replays[0].items():
+        values = [r[key] for r in replays]
+        out[key] = _cat_replay(values, n) if isinstance(first, dict) else torch.cat(values, 1)[:n]
+    return out
+
+
+def _obs_tensor(obs, device) -> Tensor:
+    """The policy's input [N, D] float32, a copy: the policy may keep it in its replay,
+    and an env may reuse its observation buffer."""
+    if isinstance(obs, Tensor):
+        return obs.reshape(obs.shape[0], -1).to(device, torch.float32, copy=True)
+    obs = _flatten(obs)
+    if obs.dtype == np.float32:
+        return torch.from_numpy(obs).to(device, copy=True)
+    return torch.from_numpy(obs.astype(np.float32)).to(device)
+
+
+def _flatten(obs) -> np.ndarray:
+    """[N, ...] array, or a dict of them (state_dict observations), as [N, D]."""
+    if isinstance(obs, dict):
+        return np.concatenate([_flatten(v) for v in obs.values()], axis=1)
+    obs = _numpy(obs)
+    return obs.reshape(obs.shape[0], -1)
+
+
+def _numpy(x) -> np.ndarray:
+    """numpy view of an env's or a policy's batch (a simulator's batched env may return
+    torch tensors, possibly on a GPU)."""
+    if isinstance(x, Tensor):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def _device_of(policy) -> torch.device:
+    for p in getattr(policy, "parameters", lambda: iter(()))():
+        return p.device
+    return torch.device("cpu")

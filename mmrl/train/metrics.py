@@ -1,0 +1,64 @@
+"""Metrics: ``metrics.jsonl`` is the source of truth; TensorBoard and the progress bar are
+views of it."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: Path, tensorboard: bool = True, enabled: bool = True):
+        self.enabled = enabled
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._file = open(self.path, "a") if enabled else None
+        self._tb = None
+        if enabled and tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # tensorboard is a dependency, but a trimmed install may lack it
+                SummaryWriter = None
+            if SummaryWriter is not None:
+                self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+
+    def truncate_after(self, step: int) -> None:
+        """On resume, drop records of steps after the checkpoint (they will be redone)."""
+        if not self.enabled or not self.path.exists():
+            return
+        self._file.close()
+        kept = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line).get("step", -1) <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+        self._file = open(self.path, "a")
+
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def _plain(v):
+    if hasattr(v, "item"):
+        return v.item()
+    return v
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

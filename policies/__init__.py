@@ -1,0 +1,8 @@
+"""Policy families, one folder each (``<name>/config.py`` + ``<name>/model.py``).
+
+Importing this package registers every built-in family; a new family is one import line
+below.
+"""
+
+from mmrl.policies import gaussian_mlp  # noqa: F401  (registration)
+from mmrl.policies import toy  # noqa: F401  (registration)

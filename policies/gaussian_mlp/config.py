@@ -1,0 +1,32 @@
+"""Config of the Gaussian MLP policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from mmrl.config import option
+from mmrl.errors import ConfigError
+from mmrl.train.config import PolicyConfig
+
+
+@dataclass
+class GaussianMLPConfig(PolicyConfig):
+    """A Gaussian policy whose mean is an MLP of the (flat) observation."""
+
+    type: str = option("gaussian_mlp", "registered name of this component (see `mmrl list`)")
+    hidden_sizes: list[int] = option(factory=lambda: [64, 64], doc="widths of the hidden layers of the mean MLP")
+    activation: Literal["tanh", "relu"] = option("tanh", "activation between hidden layers")
+    init_log_std: float = option(-0.5, "initial log standard deviation of every action dimension (normalized action space)")
+    min_log_std: float = option(-5.0, "lower clamp of the log standard deviation")
+    max_log_std: float = option(1.0, "upper clamp of the log standard deviation")
+    action_chunk: int = option(1, "actions emitted per decision (an action chunk; the env executes them in turn)", ge=1)
+    state_dependent_std: bool = option(False, "the MLP also outputs the log std (otherwise one learned log std per action dimension)")
+    obs_norm: bool = option(False, "normalize observations by running mean/std (updated while sampling stochastically, saved with the weights)")
+
+    def validate(self, path: str) -> None:
+        p = f"{path}." if path else ""
+        if self.min_log_std > self.max_log_std:
+            raise ConfigError(p + "min_log_std", self.min_log_std, f"must be <= max_log_std ({self.max_log_std})")
+        if any(width < 1 for width in self.hidden_sizes):
+            raise ConfigError(p + "hidden_sizes", self.hidden_sizes, "every width must be >= 1")

@@ -1,0 +1,151 @@
+"""Gaussian MLP policy for continuous actions.
+
+One decision = one action chunk of C actions of A dimensions. Its log-prob is that of a
+diagonal Gaussian over the chunk's C x A dimensions:
+
+    a_n ~ N(mu(o), diag(sigma^2)),   log pi(a_n | o) = sum_i log N(a_n,i; mu_i, sigma_i^2)
+
+The Gaussian lives in a normalized action space: where the env's bounds [low, high] are
+finite, the env action is ``center + half_range * a_n`` (so a_n = ±1 are the bounds);
+unbounded dimensions are used as they are. Log-probs are densities of ``a_n``; they differ
+from densities of env actions by the constant sum(log half_range), which cancels in
+importance ratios and KL terms. The samples are not clipped here: the env sampler clips
+what it executes, and the log-prob is that of the unclipped sample.
+
+Replay holds the network's inputs (normalized observations) and the normalized actions,
+so ``log_prob(replay)`` recomputes exactly what ``sample`` computed, whatever the running
+observation statistics did in between.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from mmrl.core.policy import PolicyModule, Sample
+from mmrl.policies.gaussian_mlp.config import GaussianMLPConfig
+from mmrl.registry import POLICIES
+
+_LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+# Observations further than this many running stds from the running mean are clipped
+# (as in Stable-Baselines3's VecNormalize), so one outlier cannot blow up the MLP input.
+_OBS_CLIP = 10.0
+
+
+@POLICIES.register("gaussian_mlp", config=GaussianMLPConfig)
+class GaussianMLPPolicy(PolicyModule):
+    """Diagonal Gaussian over action chunks, mean from an MLP; for state-based control."""
+
+    def __init__(self, config: GaussianMLPConfig, spec: dict):
+        super().__init__()
+        self.config, self.spec = config, spec
+        self.obs_dim = int(spec["obs_dim"])
+        self.action_dim = int(spec["action_dim"])
+        self.chunk = config.action_chunk
+        out = self.chunk * self.action_dim
+
+        act = {"tanh": nn.Tanh, "relu": nn.ReLU}[config.activation]
+        layers: list[nn.Module] = []
+        width = self.obs_dim
+        for hidden in config.hidden_sizes:
+            layers += [nn.Linear(width, hidden), act()]
+            width = hidden
+        head = nn.Linear(width, out * (2 if config.state_dependent_std else 1))
+        self.net = nn.Sequential(*layers, head)
+        # PPO-style init: orthogonal hidden layers, a near-zero head so the initial mean is
+        # the centre of the action range and the initial std is exp(init_log_std).
+        for layer in self.net:
+            if isinstance(layer, nn.Linear):
+                nn.init.orthogonal_(layer.weight, gain=math.sqrt(2) if layer is not head else 0.01)
+                nn.init.zeros_(layer.bias)
+        if config.state_dependent_std:
+            with torch.no_grad():
+                head.bias[out:] = config.init_log_std
+        else:
+            self.log_std = nn.Parameter(torch.full((out,), float(config.init_log_std)))
+
+        low = torch.as_tensor(spec.get("action_low", [-math.inf] * self.action_dim), dtype=torch.float32)
+        high = torch.as_tensor(spec.get("action_high", [math.inf] * self.action_dim), dtype=torch.float32)
+        finite = torch.isfinite(low) & torch.isfinite(high)
+        # Derived from the spec, not learned: kept out of the saved weights.
+        self.register_buffer("action_center", torch.where(finite, (low + high) / 2, 0.0), persistent=False)
+        self.register_buffer("action_half_range", torch.where(finite, (high - low) / 2, 1.0), persistent=False)
+
+        if config.obs_norm:
+            # Running statistics (parallel Welford). A tiny prior count with unit variance
+            # keeps the first normalizations finite.
+            self.register_buffer("obs_mean", torch.zeros(self.obs_dim))
+            self.register_buffer("obs_var", torch.ones(self.obs_dim))
+            self.register_buffer("obs_count", torch.tensor(1e-4, dtype=torch.float64))
+
+    # ------------------------------------------------------------------ helpers
+
+    @torch.no_grad()
+    def _update_obs_stats(self, obs: Tensor) -> None:
+        n = obs.shape[0]
+        batch_mean = obs.mean(0)
+        batch_var = obs.var(0, unbiased=False)
+        count = self.obs_count.item()
+        total = count + n
+        delta = batch_mean - self.obs_mean
+        self.obs_mean += delta * (n / total)
+        self.obs_var.copy_((self.obs_var * count + batch_var * n + delta.square() * (count * n / total)) / total)
+        self.obs_count.fill_(total)
+
+    def _normalize(self, obs: Tensor) -> Tensor:
+        if not self.config.obs_norm:
+            return obs
+        return ((obs - self.obs_mean) / torch.sqrt(self.obs_var + 1e-8)).clamp(-_OBS_CLIP, _OBS_CLIP)
+
+    def _mean_log_std(self, obs_n: Tensor) -> tuple[Tensor, Tensor]:
+        """Mean and log std of the normalized chunk, both [N, C*A]."""
+        out = self.net(obs_n)
+        if self.config.state_dependent_std:
+            mean, log_std = out.chunk(2, dim=-1)
+        else:
+            mean, log_std = out, self.log_std.expand_as(out)
+        return mean, log_std.clamp(self.config.min_log_std, self.config.max_log_std)
+
+    @staticmethod
+    def _log_density(x: Tensor, mean: Tensor, log_std: Tensor) -> Tensor:
+        """Diagonal Gaussian log-density summed over the last dim."""
+        z = (x - mean) * torch.exp(-log_std)
+        return (-0.5 * z.square() - log_std - _LOG_SQRT_2PI).sum(-1)
+
+    # ------------------------------------------------------------------ protocol
+
+    @torch.no_grad()
+    def sample(self, inputs: Tensor, generator: torch.Generator | None = None, deterministic: bool = False) -> Sample:
+        """``inputs``: observations [N, obs_dim]. Returns env actions [N, C, A], logp [N, 1],
+        replay {"obs": [N, 1, obs_dim] normalized, "action": [N, 1, C, A] normalized}.
+        ``deterministic`` returns the mean and leaves the observation statistics alone."""
+        obs = inputs.to(self.action_center.device, torch.float32)
+        if self.config.obs_norm and not deterministic:
+            self._update_obs_stats(obs)
+        obs_n = self._normalize(obs)
+        mean, log_std = self._mean_log_std(obs_n)
+        if deterministic:
+            action_n = mean
+        else:
+            noise = torch.randn(mean.shape, generator=generator, device=generator.device if generator is not None else mean.device)
+            action_n = mean + torch.exp(log_std) * noise.to(mean.device)
+        n = obs.shape[0]
+        logp = self._log_density(action_n, mean, log_std).unsqueeze(1)
+        entropy = (log_std + _LOG_SQRT_2PI + 0.5).sum(-1).unsqueeze(1)
+        chunk = action_n.view(n, self.chunk, self.action_dim)
+        return Sample(
+            output=self.action_center + self.action_half_range * chunk,
+            logp=logp,
+            replay={"obs": obs_n.unsqueeze(1), "action": chunk.unsqueeze(1)},
+            entropy=entropy,
+        )
+
+    def log_prob(self, replay: dict) -> Tensor:
+        """Log-probs [B, T] of replayed normalized actions [B, T, C, A] given the replayed
+        normalized observations [B, T, obs_dim], under the current parameters."""
+        obs_n, action_n = replay["obs"], replay["action"]
+        b, t = obs_n.shape[:2]
+        mean, log_std = self._mean_log_std(obs_n.reshape(b * t, -1))
+        return self._log_density(action_n.reshape(b * t, -1), mean, log_std).view(b, t)

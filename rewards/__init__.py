@@ -1,0 +1,8 @@
+"""Reward functions ``(rollout, cfg) -> Tensor[B]``, registered by name.
+
+Importing this package registers every built-in reward; a new module is one import line
+below.
+"""
+
+from mmrl.rewards import env  # noqa: F401  (registration)
+from mmrl.rewards import toy  # noqa: F401  (registration)

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Installs everything mmrl needs on a fresh Debian machine with no GPU:
+# system libraries for offscreen rendering (MuJoCo: EGL/OSMesa; ManiSkill/SAPIEN: Vulkan
+# through lavapipe from bookworm-backports Mesa 25), a virtual environment, the CPU build
+# of torch first (an unpinned torch pulls a multi-GB CUDA build), then mmrl and its extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+EXTRAS=${EXTRAS:-dev,mujoco,maniskill}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+
+have_mesa25_lavapipe() {
+    dpkg-query -W -f='${Version}' mesa-vulkan-drivers 2>/dev/null | grep -qE '^(2[5-9]|[3-9][0-9])\.'
+}
+
+install_system_packages() {
+    command -v apt-get >/dev/null || { echo "setup: not a Debian system; install Vulkan (lavapipe), EGL and OSMesa yourself" >&2; return 0; }
+    local sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    local need=()
+    dpkg -s libosmesa6 >/dev/null 2>&1 || need+=(libosmesa6)
+    dpkg -s libegl1 >/dev/null 2>&1 || need+=(libegl1)
+    dpkg -s ffmpeg >/dev/null 2>&1 || need+=(ffmpeg)
+    if ! have_mesa25_lavapipe; then
+        # SAPIEN needs a Vulkan device even for state observations; stock bookworm Mesa 22
+        # lavapipe is refused, bookworm-backports Mesa 25 works.
+        if [ -f /etc/apt/sources.list.d/debian.sources ] && [ ! -f /etc/apt/sources.list.d/backports.sources ]; then
+            awk 'BEGIN{RS="";ORS="\n"} NR==1{sub(/Suites: [^\n]*/,"Suites: bookworm-backports"); print}' \
+                /etc/apt/sources.list.d/debian.sources | $sudo tee /etc/apt/sources.list.d/backports.sources >/dev/null
+        fi
+        $sudo apt-get update -qq
+        $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -t bookworm-backports mesa-vulkan-drivers libvulkan1
+    fi
+    if [ ${#need[@]} -gt 0 ]; then
+        $sudo apt-get update -qq
+        $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}"
+    fi
+}
+
+if [ "${MMRL_SKIP_SYSTEM:-0}" != "1" ]; then
+    install_system_packages
+fi
+
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+"$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
+"$VENV/bin/python" -m pip install -q -e ".[${EXTRAS}]"
+touch "$VENV/.installed"
+echo "setup: done ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"

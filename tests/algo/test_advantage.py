@@ -1,0 +1,170 @@
+import pytest
+import torch
+
+from mmrl.algo.advantage import clip_advantages, combine_rewards, discounted_returns, grpo, median, passk, psr_nsr, rloo
+from mmrl.registry import ADVANTAGES
+
+# Two groups with non-contiguous, negative and interleaved ids:
+#   group 7:  rewards 1, 0, 0, 1  (mean 0.5, population std 0.5, Bessel std sqrt(1/3) = 0.57735)
+#   group -3: rewards 2, 4        (mean 3,   population std 1,   Bessel std sqrt(2) = 1.41421)
+REWARDS = torch.tensor([1.0, 2.0, 0.0, 0.0, 4.0, 1.0])
+GROUPS = torch.tensor([7, -3, 7, 7, -3, 7])
+
+
+def test_registry_holds_every_advantage():
+    assert ADVANTAGES.names() == ["grpo", "median", "passk", "psr_nsr", "rloo"]
+
+
+def test_grpo_divides_by_population_group_std():
+    adv, keep = grpo(REWARDS, GROUPS, eps=0.0)
+    # group 7: ±0.5 / 0.5;  group -3: ±1 / 1
+    torch.testing.assert_close(adv, torch.tensor([1.0, -1.0, -1.0, -1.0, 1.0, 1.0]))
+    assert keep.dtype == torch.bool and keep.all()
+
+
+def test_grpo_ddof_one_matches_bessel_std():
+    adv, _ = grpo(REWARDS, GROUPS, eps=0.0, ddof=1)
+    # group 7: 0.5 / 0.57735 = 0.866025;  group -3: 1 / 1.414214 = 0.707107
+    torch.testing.assert_close(adv, torch.tensor([0.866025, -0.707107, -0.866025, -0.866025, 0.707107, 0.866025]))
+
+
+def test_grpo_batch_std_keeps_group_mean():
+    adv, _ = grpo(REWARDS, GROUPS, eps=0.0, std="batch")
+    # batch mean 8/6, E[r²] = 22/6, var = 22/6 − 64/36 = 1.888889, std = 1.374369
+    # group 7: ±0.5 / 1.374369 = ±0.363803;  group -3: ±1 / 1.374369 = ±0.727607
+    torch.testing.assert_close(adv, torch.tensor([0.363803, -0.727607, -0.363803, -0.363803, 0.727607, 0.363803]))
+
+
+def test_grpo_std_none_is_dr_grpo_centering():
+    adv, _ = grpo(REWARDS, GROUPS, std="none")
+    torch.testing.assert_close(adv, torch.tensor([0.5, -1.0, -0.5, -0.5, 1.0, 0.5]))
+
+
+def test_grpo_eps_is_added_to_std():
+    adv, _ = grpo(REWARDS, GROUPS, eps=0.5)
+    # group 7: 0.5 / (0.5 + 0.5);  group -3: 1 / (1 + 0.5)
+    torch.testing.assert_close(adv, torch.tensor([0.5, -0.666667, -0.5, -0.5, 0.666667, 0.5]))
+
+
+@pytest.mark.parametrize("ddof", [0, 1])
+@pytest.mark.parametrize("std", ["group", "batch", "none"])
+def test_grpo_group_of_one_gets_zero(std, ddof):
+    adv, _ = grpo(torch.tensor([3.0, 1.0, 2.0]), torch.tensor([5, 9, 9]), std=std, ddof=ddof)
+    assert adv[0] == 0.0
+    assert torch.isfinite(adv).all()
+
+
+def test_grpo_rejects_unknown_std_mode():
+    with pytest.raises(ValueError, match="'global'"):
+        grpo(REWARDS, GROUPS, std="global")
+
+
+def test_rloo_subtracts_mean_of_the_others():
+    adv, keep = rloo(torch.tensor([1.0, 2.0, 0.0, 0.0, 4.0, 1.0, 5.0]), torch.tensor([7, -3, 7, 7, -3, 7, 11]))
+    # group 7: 1 − (0+0+1)/3 = 0.666667, 0 − 2/3 = −0.666667;  group -3: 2 − 4 = −2, 4 − 2 = 2;  group 11: alone → 0
+    torch.testing.assert_close(adv, torch.tensor([0.666667, -2.0, -0.666667, -0.666667, 2.0, 0.666667, 0.0]))
+    assert keep.all()
+
+
+def test_median_baseline_and_single_pivot_per_group():
+    # group 0: 4, 1, 3, 2 → sorted 1 2 3 4, lower median 2 (sample 3);  group 1: 1, 0, 0, 1, 3 → median 1
+    rewards = torch.tensor([4.0, 1.0, 3.0, 2.0, 1.0, 0.0, 0.0, 1.0, 3.0])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 1])
+    adv, keep = median(rewards, groups, std="none")
+    torch.testing.assert_close(adv, torch.tensor([2.0, -1.0, 1.0, 0.0, 0.0, -1.0, -1.0, 0.0, 2.0]))
+    assert not keep[3] and keep[:3].all()
+    # group 1: exactly one of the two samples with the median reward is the pivot
+    assert (~keep[4:]).sum() == 1 and not (keep[4] and keep[7]) and keep[[5, 6, 8]].all()
+
+
+def test_median_divides_by_group_std():
+    adv, keep = median(torch.tensor([4.0, 1.0, 3.0, 2.0]), torch.tensor([3, 3, 3, 3]), eps=0.0)
+    # mean 2.5, population var (2.25 + 2.25 + 0.25 + 0.25)/4 = 1.25, std 1.118034; baseline 2
+    torch.testing.assert_close(adv, torch.tensor([1.788854, -0.894427, 0.894427, 0.0]))
+    assert keep.tolist() == [True, True, True, False]
+
+
+def test_median_group_of_one_is_its_own_pivot():
+    adv, keep = median(torch.tensor([5.0, 1.0, 2.0, 3.0]), torch.tensor([0, 1, 1, 1]), eps=0.0)
+    assert adv[0] == 0.0 and not keep[0]
+    assert (~keep).sum() == 2
+
+
+def test_psr_nsr_weights_binary_rewards():
+    rewards = torch.tensor([1.0, 0.0, 0.7, 0.2, 0.5])
+    adv, keep = psr_nsr(rewards, torch.zeros(5, dtype=torch.long))
+    torch.testing.assert_close(adv, torch.tensor([0.1, -1.0, 0.1, -1.0, -1.0]))
+    adv, _ = psr_nsr(rewards, torch.zeros(5, dtype=torch.long), psr_weight=0.5, nsr_weight=2.0)
+    torch.testing.assert_close(adv, torch.tensor([0.5, -2.0, 0.5, -2.0, -2.0]))
+    assert keep.all()
+
+
+def test_passk_rewards_only_the_best_by_its_margin():
+    # group 4: best 0.9, second 0.5 → 0.4;  group 1: tie at the top → 0;  group 8: alone → 0
+    rewards = torch.tensor([0.2, 1.0, 0.9, 1.0, 0.5, 0.0, 0.3])
+    groups = torch.tensor([4, 1, 4, 1, 4, 1, 8])
+    adv, keep = passk(rewards, groups)
+    torch.testing.assert_close(adv, torch.tensor([0.0, 0.0, 0.4, 0.0, 0.0, 0.0, 0.0]))
+    assert keep.all()
+
+
+def test_advantages_handle_a_large_batch_of_many_groups():
+    rewards = torch.rand(4096)
+    groups = torch.randperm(4096) // 8 * 1000  # 512 sparse ids, shuffled
+    for name in ADVANTAGES.names():
+        adv, keep = ADVANTAGES.get(name)(rewards, groups)
+        assert adv.shape == keep.shape == (4096,)
+    adv, _ = grpo(rewards, groups)
+    group_sums = torch.zeros(4096 * 1000).index_add_(0, groups, adv)
+    assert group_sums.abs().max() < 1e-4  # advantages sum to zero within each group
+
+
+def test_combine_sum_then_normalize_sums_first():
+    rewards = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0]])
+    adv, keep = combine_rewards(rewards, torch.zeros(4, dtype=torch.long), [1.0, 2.0], "sum_then_normalize", grpo, std="none")
+    # weighted sums 1, 2, 3, 0; mean 1.5
+    torch.testing.assert_close(adv, torch.tensor([-0.5, 0.5, 1.5, -1.5]))
+    assert keep.all()
+
+
+def test_combine_normalize_then_sum_z_scores_the_weighted_sum():
+    rewards = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0]])
+    adv, _ = combine_rewards(rewards, torch.zeros(4, dtype=torch.long), [1.0, 2.0], "normalize_then_sum", grpo, eps=0.0)
+    # per component: [1, −1, 1, −1] and [−1, 1, 1, −1]; weighted sum [−1, 1, 3, −3];
+    # batch mean 0, population std sqrt(20/4) = 2.236068
+    torch.testing.assert_close(adv, torch.tensor([-0.447214, 0.447214, 1.341641, -1.341641]))
+
+
+def test_combine_normalize_then_sum_drops_any_components_pivot():
+    rewards = torch.tensor([[0.0, 3.0], [1.0, 2.0], [2.0, 1.0], [3.0, 0.0]])
+    adv, keep = combine_rewards(rewards, torch.zeros(4, dtype=torch.long), [1.0, 2.0], "normalize_then_sum", median, eps=0.0, std="none")
+    # component 0: median 1 (pivot sample 1), adv [−1, 0, 1, 2]; component 1: median 1 (pivot sample 2), adv [2, 1, 0, −1]
+    # weighted sum [3, 2, 1, 0]; kept samples 0 and 3: mean 1.5, std 1.5 → [1, ·, ·, −1]
+    assert keep.tolist() == [True, False, False, True]
+    torch.testing.assert_close(adv, torch.tensor([1.0, 0.0, 0.0, -1.0]))
+
+
+def test_combine_rejects_mismatched_weights_and_unknown_mode():
+    rewards = torch.zeros(4, 2)
+    with pytest.raises(ValueError, match="one column per weight"):
+        combine_rewards(rewards, torch.zeros(4, dtype=torch.long), [1.0], "sum_then_normalize", grpo)
+    with pytest.raises(ValueError, match="'average'"):
+        combine_rewards(rewards, torch.zeros(4, dtype=torch.long), [1.0, 1.0], "average", grpo)
+
+
+def test_clip_advantages():
+    adv = torch.tensor([-3.0, -0.5, 0.5, 3.0])
+    torch.testing.assert_close(clip_advantages(adv, 1.0), torch.tensor([-1.0, -0.5, 0.5, 1.0]))
+    assert clip_advantages(adv, None) is adv
+    with pytest.raises(ValueError):
+        clip_advantages(adv, 0.0)
+
+
+def test_discounted_returns_within_mask():
+    rewards = torch.tensor([[1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    returns = discounted_returns(rewards, mask, gamma=0.5)
+    # row 0: G2 = 3, G1 = 2 + 0.5·3 = 3.5, G0 = 1 + 0.5·3.5 = 2.75;  row 1: G1 = 1, G0 = 1.5
+    # row 2: the hole at t=2 cuts the sum: G3 = 1, G2 = 0, G1 = 1, G0 = 1.5
+    expected = torch.tensor([[2.75, 3.5, 3.0, 0.0], [1.5, 1.0, 0.0, 0.0], [1.5, 1.0, 0.0, 1.0]])
+    torch.testing.assert_close(returns, expected)

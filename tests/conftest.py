@@ -1,0 +1,56 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("MUJOCO_GL", "egl")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def point_reach_config(**sections) -> dict:
+    """A tiny env run as a plain dict (what a YAML file would hold)."""
+    cfg = {
+        "name": "tiny",
+        "seed": 0,
+        "total_steps": 3,
+        "env": {"type": "gym", "id": "mmrl/PointReach-v0", "num_envs": 8},
+        "policy": {"type": "gaussian_mlp", "hidden_sizes": [16, 16]},
+        "sampler": {"type": "env"},
+        "rewards": [{"type": "success"}, {"type": "return", "weight": 0.05}],
+        "algo": {"group_size": 4, "groups_per_step": 2, "ppo_epochs": 2},
+        "eval": {"episodes": 4},
+        "log": {"progress": False, "tensorboard": False},
+    }
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(cfg.get(key), dict):
+            cfg[key] = {**cfg[key], **value}
+        else:
+            cfg[key] = value
+    return cfg
+
+
+@pytest.fixture
+def write_config(tmp_path):
+    import yaml
+
+    def write(data: dict, name: str = "cfg.yaml") -> Path:
+        path = tmp_path / name
+        path.write_text(yaml.safe_dump(data))
+        return path
+
+    return write
+
+
+def run_mmrl(*args, cwd=None, timeout=300, env=None):
+    import subprocess
+
+    return subprocess.run(
+        [sys.executable, "-m", "mmrl", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )

@@ -1,0 +1,135 @@
+import sys
+
+import gymnasium
+import numpy as np
+import pytest
+
+import mmrl.envs  # noqa: F401  (registers mmrl/PointReach-v0)
+from mmrl.config import from_dict
+from mmrl.envs.gym import GymEnvConfig
+from mmrl.envs.maniskill import ManiSkillEnvConfig
+from mmrl.errors import ConfigError, MissingExtraError
+from mmrl.registry import ENVS
+
+# ------------------------------------------------------------------ PointReach
+
+
+def test_point_reach_start_and_goal_come_from_the_reset_seed():
+    env = gymnasium.make("mmrl/PointReach-v0")
+    a, _ = env.reset(seed=3)
+    b, _ = env.reset(seed=3)
+    c, _ = env.reset(seed=4)
+    assert np.array_equal(a, b) and not np.array_equal(a, c)
+    assert env.observation_space.contains(a)
+
+
+def test_point_reach_reward_is_minus_the_distance_and_success_terminates():
+    env = gymnasium.make("mmrl/PointReach-v0")
+    obs, _ = env.reset(seed=0)
+    for _ in range(30):
+        # head straight for the goal at most one step_size per step
+        obs, reward, terminated, truncated, info = env.step(np.clip(obs[2:] / 0.2, -1, 1))
+        assert reward == pytest.approx(-np.linalg.norm(obs[2:]), abs=1e-6)
+        if terminated or truncated:
+            break
+    assert terminated and not truncated and info["success"]
+
+
+def test_point_reach_truncates_at_its_time_limit_and_min_steps_varies_it():
+    env = gymnasium.make("mmrl/PointReach-v0", max_steps=12, min_steps=3)
+    lengths = set()
+    for seed in range(12):
+        env.reset(seed=seed)
+        for t in range(1, 20):
+            _, _, terminated, truncated, _ = env.step(np.zeros(2, np.float32))  # standing still never succeeds
+            if terminated or truncated:
+                break
+        assert truncated and not terminated and 3 <= t <= 12
+        lengths.add(t)
+    assert len(lengths) > 3
+
+
+# ------------------------------------------------------------------ gym adapter
+
+
+def test_gym_adapter_builds_a_mujoco_vector_env_with_no_specific_code():
+    env = ENVS.get("gym")(GymEnvConfig(id="Reacher-v5", num_envs=2), seed=0)
+    obs, _ = env.reset(seed=[1, 1])
+    assert obs.shape == (2, 10) and np.array_equal(obs[0], obs[1])
+    for _ in range(3):
+        obs, reward, terminated, truncated, _ = env.step(env.action_space.sample())
+    assert reward.shape == (2,) and np.isfinite(reward).all()
+    env.close()
+
+
+def test_gym_adapter_async_vector_env_passes_kwargs_and_time_limit():
+    cfg = GymEnvConfig(id="mmrl/PointReach-v0", num_envs=2, vectorization="async", max_episode_steps=2, kwargs={"step_size": 0.0})
+    env = ENVS.get("gym")(cfg, seed=0)
+    assert isinstance(env, gymnasium.vector.AsyncVectorEnv)
+    first, _ = env.reset(seed=[5, 6])
+    obs, _, _, _, _ = env.step(np.ones((2, 2), np.float32))
+    assert np.array_equal(obs, first)  # step_size 0 from kwargs: the point does not move
+    _, _, terminated, truncated, _ = env.step(np.ones((2, 2), np.float32))
+    assert truncated.all() and not terminated.any()
+    env.close()
+
+
+def test_unknown_gym_id_is_a_config_error_naming_env_id_with_close_matches():
+    with pytest.raises(ConfigError, match="Reacher-v5") as err:
+        from_dict(GymEnvConfig, {"type": "gym", "id": "Reacher-v55"}, "env")
+    assert err.value.field == "env.id" and err.value.value == "Reacher-v55"
+
+
+def test_gym_id_with_an_unimportable_module_prefix_is_a_config_error():
+    with pytest.raises(ConfigError, match="no_such_package") as err:
+        from_dict(GymEnvConfig, {"type": "gym", "id": "no_such_package:Thing-v0"}, "env")
+    assert err.value.field == "env.id"
+
+
+# ------------------------------------------------------------------ ManiSkill
+
+
+def test_maniskill_without_the_package_says_which_extra_to_install(monkeypatch):
+    for name in ("mani_skill", "mani_skill.envs", "mani_skill.utils.registration"):
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(MissingExtraError, match=r"mmrl\[maniskill\]"):
+        ManiSkillEnvConfig(id="PushCube-v1").validate("env")
+
+
+@pytest.fixture(scope="module")
+def mani_skill():
+    return pytest.importorskip("mani_skill", reason="mani_skill is not installed (pip install 'mmrl[maniskill]')")
+
+
+def test_unknown_maniskill_id_is_a_config_error_with_close_matches(mani_skill):
+    with pytest.raises(ConfigError, match="PushCube-v1") as err:
+        from_dict(ManiSkillEnvConfig, {"type": "maniskill", "id": "PushCube-v2"}, "env")
+    assert err.value.field == "env.id"
+
+
+@pytest.mark.filterwarnings("ignore:__array_wrap__:DeprecationWarning")  # inside ManiSkill
+def test_maniskill_pushcube_state_collects_a_small_rollout(mani_skill):
+    from mmrl.core.policy import build_policy
+    from mmrl.policies.gaussian_mlp import GaussianMLPConfig
+    from mmrl.samplers.env import EnvSampler, EnvSamplerConfig
+    from mmrl.train.config import AlgoConfig, TrainConfig
+
+    cfg = TrainConfig(
+        env=ManiSkillEnvConfig(id="PushCube-v1", num_envs=2),
+        policy=GaussianMLPConfig(hidden_sizes=[16]),
+        sampler=EnvSamplerConfig(max_decisions=4),
+        algo=AlgoConfig(group_size=2),
+    )
+    sampler = EnvSampler(cfg.sampler, cfg)
+    try:
+        spec = sampler.policy_spec()
+        assert spec["obs_dim"] == 35 and spec["action_dim"] == 4
+        rollout = sampler.collect(build_policy(cfg.policy, spec), num_groups=1, group_size=2, step=0)
+    finally:
+        sampler.close()
+    assert rollout.old_logp.shape == (2, 4) and rollout.mask.sum() == 8
+    obs = rollout.replay["obs"][:, 0]
+    assert np.array_equal(obs[0].numpy(), obs[1].numpy())  # the group shares its initial state
+    assert not np.array_equal(rollout.replay["obs"][0, 1].numpy(), rollout.replay["obs"][1, 1].numpy())
+    assert rollout.info["truncated"].all() and (rollout.info["length"] == 4).all()
+    assert np.isfinite(rollout.info["return"].numpy()).all() and sampler.env_steps == 8

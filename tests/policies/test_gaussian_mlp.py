@@ -1,0 +1,138 @@
+import math
+
+import pytest
+import torch
+
+from mmrl.core.policy import build_policy, load_pretrained, save_pretrained
+from mmrl.policies.gaussian_mlp import GaussianMLPConfig, GaussianMLPPolicy
+from mmrl.registry import POLICIES
+
+SPEC = {"obs_dim": 5, "action_dim": 2, "action_low": [0.0, -2.0], "action_high": [2.0, 2.0]}
+VARIANTS = {
+    "default": {},
+    "chunk3": {"action_chunk": 3},
+    "state_dependent_std": {"state_dependent_std": True, "activation": "relu"},
+    "obs_norm": {"obs_norm": True},
+}
+
+
+def make(spec=SPEC, **fields) -> GaussianMLPPolicy:
+    torch.manual_seed(0)
+    return build_policy(GaussianMLPConfig(hidden_sizes=[16, 16], **fields), spec)
+
+
+def obs_batch(n=6, seed=1):
+    return 3.0 + 2.0 * torch.randn(n, SPEC["obs_dim"], generator=torch.Generator().manual_seed(seed))
+
+
+def test_registered_under_its_type_name():
+    assert POLICIES.get("gaussian_mlp") is GaussianMLPPolicy
+    assert POLICIES.entry("gaussian_mlp").config is GaussianMLPConfig
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_sample_shapes_and_log_prob_of_replay_equals_sampling_logp(variant):
+    policy = make(**VARIANTS[variant])
+    chunk = policy.config.action_chunk
+    sample = policy.sample(obs_batch(), torch.Generator().manual_seed(0))
+    assert sample.output.shape == (6, chunk, 2)
+    assert sample.logp.shape == sample.entropy.shape == (6, 1)
+    assert sample.replay["obs"].shape == (6, 1, 5)
+    assert sample.replay["action"].shape == (6, 1, chunk, 2)
+    if policy.config.obs_norm:  # the statistics move after sampling; the replay must not care
+        policy.sample(obs_batch(seed=7) * 5, torch.Generator().manual_seed(1))
+    replay = {k: torch.cat([v, v], 1) for k, v in sample.replay.items()}  # T = 2 decisions
+    logp = policy.log_prob(replay)
+    assert logp.shape == (6, 2)
+    torch.testing.assert_close(logp, sample.logp.expand(6, 2), atol=1e-5, rtol=1e-6)
+
+
+def test_logp_and_entropy_are_those_of_a_diagonal_gaussian_over_the_chunk():
+    policy = make(action_chunk=2)
+    sample = policy.sample(obs_batch(), torch.Generator().manual_seed(0))
+    obs_n, action_n = sample.replay["obs"][:, 0], sample.replay["action"][:, 0].reshape(6, -1)
+    dist = torch.distributions.Normal(policy.net(obs_n), policy.log_std.exp())
+    torch.testing.assert_close(sample.logp[:, 0], dist.log_prob(action_n).sum(-1))
+    torch.testing.assert_close(sample.entropy[:, 0], dist.entropy().sum(-1))
+
+
+def test_actions_are_scaled_to_finite_bounds_and_left_alone_when_unbounded():
+    bounded = make()
+    mean = bounded.sample(obs_batch(), deterministic=True).output
+    # the head starts near zero, so the deterministic action is the centre of [low, high]
+    torch.testing.assert_close(mean, torch.tensor([1.0, 0.0]).expand_as(mean), atol=0.1, rtol=0)
+    sample = bounded.sample(obs_batch(), torch.Generator().manual_seed(0))
+    action_n = sample.replay["action"][:, 0]
+    torch.testing.assert_close(sample.output, torch.tensor([1.0, 0.0]) + torch.tensor([1.0, 2.0]) * action_n)
+
+    unbounded = make({"obs_dim": 5, "action_dim": 2, "action_low": [-math.inf] * 2, "action_high": [math.inf] * 2})
+    sample = unbounded.sample(obs_batch(), torch.Generator().manual_seed(0))
+    torch.testing.assert_close(sample.output, sample.replay["action"][:, 0])
+
+
+def test_deterministic_sample_is_the_mean_and_ignores_the_generator():
+    policy = make()
+    a = policy.sample(obs_batch(), torch.Generator().manual_seed(0), deterministic=True).output
+    b = policy.sample(obs_batch(), torch.Generator().manual_seed(1), deterministic=True).output
+    c = policy.sample(obs_batch(), torch.Generator().manual_seed(0)).output
+    torch.testing.assert_close(a, b)
+    assert not torch.allclose(a, c)
+
+
+def test_same_generator_seed_gives_the_same_sample():
+    policy = make()
+    a = policy.sample(obs_batch(), torch.Generator().manual_seed(3))
+    b = policy.sample(obs_batch(), torch.Generator().manual_seed(3))
+    assert torch.equal(a.output, b.output) and torch.equal(a.logp, b.logp)
+
+
+@pytest.mark.parametrize("variant", ["default", "state_dependent_std"])
+def test_positive_advantage_raises_that_actions_log_prob_after_one_adam_step(variant):
+    policy = make(**VARIANTS[variant])
+    sample = policy.sample(obs_batch(), torch.Generator().manual_seed(0))
+    advantage = torch.zeros(6, 1)
+    advantage[2] = 1.0
+    optimizer = torch.optim.Adam(policy.parameters(), lr=1e-2)
+    loss = -(advantage * policy.log_prob(sample.replay)).sum()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    after = policy.log_prob(sample.replay).detach()
+    assert after[2, 0] > sample.logp[2, 0] + 1e-3
+
+
+def test_obs_norm_statistics_update_only_when_sampling_stochastically():
+    policy = make(obs_norm=True)
+    policy.sample(obs_batch(), deterministic=True)
+    assert torch.equal(policy.obs_mean, torch.zeros(5))
+    obs = obs_batch(n=64)
+    policy.sample(obs, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(policy.obs_mean, obs.mean(0), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(policy.obs_var, obs.var(0, unbiased=False), atol=1e-3, rtol=1e-3)
+    # a second batch merges into the running statistics (parallel Welford)
+    more = obs_batch(n=32, seed=5) * 2
+    policy.sample(more, torch.Generator().manual_seed(0))
+    both = torch.cat([obs, more])
+    torch.testing.assert_close(policy.obs_mean, both.mean(0), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(policy.obs_var, both.var(0, unbiased=False), atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_save_and_load_pretrained_round_trip_gives_exactly_equal_outputs(tmp_path, variant):
+    policy = make(**VARIANTS[variant])
+    policy.sample(obs_batch(n=32), torch.Generator().manual_seed(0))  # moves obs_norm statistics
+    save_pretrained(policy, tmp_path / "policy")
+    loaded = load_pretrained(tmp_path / "policy")
+    assert isinstance(loaded, GaussianMLPPolicy) and loaded.config == policy.config
+    a = policy.sample(obs_batch(), torch.Generator().manual_seed(4))
+    b = loaded.sample(obs_batch(), torch.Generator().manual_seed(4))
+    assert torch.equal(a.output, b.output) and torch.equal(a.logp, b.logp)
+    assert torch.equal(policy.log_prob(a.replay), loaded.log_prob(a.replay))
+
+
+def test_config_rejects_min_log_std_above_max():
+    from mmrl.config import from_dict
+    from mmrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="policy.min_log_std"):
+        from_dict(GaussianMLPConfig, {"type": "gaussian_mlp", "min_log_std": 2.0, "max_log_std": 1.0}, "policy")

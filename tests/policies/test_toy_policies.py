@@ -1,0 +1,223 @@
+"""The toy policies (tokens, denoising steps) and their rewards."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mmrl.config import from_dict
+from mmrl.core.policy import build_policy, load_pretrained, save_pretrained
+from mmrl.core.rollout import Rollout
+from mmrl.errors import ConfigError
+from mmrl.policies.toy import CategoricalSequenceConfig, CategoricalSequencePolicy, GaussianChainConfig, GaussianChainPolicy
+from mmrl.registry import POLICIES, REWARDS
+from mmrl.rewards.toy import TargetDistanceConfig, TokenFractionConfig, target_distance, token_fraction
+
+SPEC = {"num_prompts": 4}
+PROMPTS = torch.arange(32) % 4
+
+
+def make(kind: str, **fields):
+    torch.manual_seed(0)
+    if kind == "categorical_sequence":
+        return build_policy(CategoricalSequenceConfig(type=kind, **fields), SPEC)
+    return build_policy(GaussianChainConfig(type=kind, **fields), SPEC)
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def rollout_of(sample, prompts) -> Rollout:
+    mask = sample.mask if sample.mask is not None else torch.ones_like(sample.logp)
+    return Rollout(group_id=prompts.clone(), old_logp=sample.logp, mask=mask, replay=sample.replay, info=dict(sample.info))
+
+
+KINDS = ["categorical_sequence", "gaussian_chain"]
+
+
+def test_toy_policies_and_rewards_are_registered():
+    assert {"categorical_sequence", "gaussian_chain"} <= set(POLICIES.names())
+    assert {"token_fraction", "target_distance"} <= set(REWARDS.names())
+    assert POLICIES.get("categorical_sequence") is CategoricalSequencePolicy and POLICIES.get("gaussian_chain") is GaussianChainPolicy
+    assert POLICIES.entry("categorical_sequence").config is CategoricalSequenceConfig
+    assert POLICIES.entry("gaussian_chain").config is GaussianChainConfig
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_log_prob_of_replay_equals_sampling_logp(kind):
+    policy = make(kind, **({"eos_token": 0} if kind == "categorical_sequence" else {}))
+    sample = policy.sample(PROMPTS, gen(1))
+    logp = policy.log_prob(sample.replay)
+    assert logp.shape == sample.logp.shape
+    assert logp.requires_grad and not sample.logp.requires_grad
+    torch.testing.assert_close(logp, sample.logp, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_samples_depend_only_on_the_generator(kind):
+    policy = make(kind)
+    a, b, c = (policy.sample(PROMPTS, gen(s)) for s in (5, 5, 6))
+    assert torch.equal(a.output, b.output) and torch.equal(a.logp, b.logp)
+    assert not torch.equal(a.output, c.output)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_save_and_load_pretrained_round_trip_exactly(kind, tmp_path):
+    fields = {"eos_token": 1, "seq_len": 5} if kind == "categorical_sequence" else {"dim": 2, "num_steps": 4}
+    policy = make(kind, **fields)
+    save_pretrained(policy, tmp_path)
+    torch.manual_seed(123)  # the rebuilt policy starts from different random weights
+    loaded = load_pretrained(tmp_path)
+    assert type(loaded) is type(policy) and loaded.config == policy.config and loaded.spec == SPEC
+    a, b = policy.sample(PROMPTS, gen(2)), loaded.sample(PROMPTS, gen(2))
+    assert torch.equal(a.output, b.output) and torch.equal(a.logp, b.logp)
+    assert torch.equal(policy.log_prob(a.replay), loaded.log_prob(a.replay))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_policy_without_prompt_spec_says_which_sampler_to_use(kind):
+    with pytest.raises(ConfigError, match="sampler.type: prompt"):
+        POLICIES.get(kind)(POLICIES.entry(kind).config(type=kind), {})
+
+
+# ---------------------------------------------------------------- categorical sequence
+
+
+def test_eos_masks_later_tokens_and_flags_truncation():
+    eos = 2
+    policy = make("categorical_sequence", eos_token=eos)
+    sample = policy.sample(torch.arange(64) % 4, gen(3))
+    tokens, mask, truncated = sample.info["tokens"], sample.mask, sample.info["truncated"]
+    is_eos = tokens == eos
+    eos_before = torch.cumsum(is_eos.long(), 1) - is_eos.long() > 0  # an EOS at an earlier position
+    assert torch.equal(mask, (~eos_before).float())  # the EOS itself stays a valid decision
+    assert torch.all(tokens[eos_before] == eos)  # padding after EOS
+    assert torch.equal(truncated, ~is_eos.any(1))
+    assert truncated.any() and (~truncated).any() and (mask == 0).any()  # both cases occurred
+
+
+def test_without_eos_every_token_is_valid_and_nothing_is_truncated():
+    sample = make("categorical_sequence").sample(PROMPTS, gen(3))
+    assert torch.equal(sample.mask, torch.ones(32, 6))
+    assert not sample.info["truncated"].any()
+    assert sample.output.shape == (32, 6) and sample.output.dtype == torch.long
+
+
+def test_deterministic_sequence_is_greedy():
+    policy = make("categorical_sequence", vocab_size=5, seq_len=4)
+    sample = policy.sample(torch.arange(4), gen(0), deterministic=True)
+    assert torch.equal(sample.output, policy.sample(torch.arange(4), gen(9), deterministic=True).output)
+    with torch.no_grad():
+        for pos in range(4):
+            alternatives = []
+            for token in range(5):
+                tokens = sample.output.clone()
+                tokens[:, pos] = token
+                alternatives.append(policy.log_prob({"prompt": sample.replay["prompt"], "tokens": tokens})[:, pos])
+            torch.testing.assert_close(sample.logp[:, pos], torch.stack(alternatives, 1).max(1).values)
+
+
+def test_eos_token_outside_the_vocabulary_is_a_config_error():
+    with pytest.raises(ConfigError, match="eos_token"):
+        from_dict(CategoricalSequenceConfig, {"type": "categorical_sequence", "vocab_size": 8, "eos_token": 8}, "policy")
+
+
+# ---------------------------------------------------------------- gaussian chain
+
+
+def test_chain_transition_logp_matches_torch_normal():
+    policy = make("gaussian_chain", dim=2, num_steps=5)
+    sample = policy.sample(PROMPTS, gen(4))
+    chain = sample.replay["chain"]
+    assert chain.shape == (32, 6, 2) and torch.equal(sample.output, chain[:, -1])
+    with torch.no_grad():
+        mean, std = policy.mean_std(sample.replay)
+    k = 2
+    expected = torch.distributions.Normal(mean[:, k], std[:, k]).log_prob(chain[:, k + 1]).sum(-1)
+    torch.testing.assert_close(sample.logp[:, k], expected, atol=1e-5, rtol=0)
+    sigmas = 0.5 * (0.05 / 0.5) ** (torch.arange(5) / 4)  # geometric from sigma_max to sigma_min
+    torch.testing.assert_close(std[0, :, 0], sigmas)
+
+
+def test_deterministic_chain_follows_the_means():
+    policy = make("gaussian_chain", num_steps=4)
+    sample = policy.sample(PROMPTS, gen(4), deterministic=True)
+    with torch.no_grad():
+        mean, std = policy.mean_std(sample.replay)
+    torch.testing.assert_close(sample.replay["chain"][:, 1:], mean)
+    torch.testing.assert_close(sample.logp, (-torch.log(std) - 0.5 * math.log(2 * math.pi))[..., 0])
+    assert not torch.equal(sample.output, policy.sample(PROMPTS, gen(5), deterministic=True).output)  # x_T differs
+
+
+def test_untrained_chain_mean_path_stays_close_to_its_start():
+    sample = make("gaussian_chain").sample(torch.arange(512) % 4, gen(0), deterministic=True)
+    drift = sample.output - sample.replay["chain"][:, 0]
+    assert drift.abs().mean() < 0.3
+
+
+# ---------------------------------------------------------------- rewards
+
+
+def test_token_fraction_counts_only_valid_tokens():
+    tokens = torch.tensor([[3, 3, 1, 3], [3, 0, 0, 0], [3, 3, 3, 3]])
+    mask = torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]])
+    rollout = Rollout(group_id=torch.zeros(3, dtype=torch.long), old_logp=torch.zeros(3, 4), mask=mask, replay={}, info={"tokens": tokens})
+    torch.testing.assert_close(token_fraction(rollout, TokenFractionConfig(type="token_fraction")), torch.tensor([2 / 3, 1 / 2, 0.0]))
+
+
+def test_target_distance_is_minus_mean_absolute_error():
+    sample = torch.tensor([[1.0, 3.5], [2.0, 2.0]])
+    rollout = Rollout(group_id=torch.zeros(2, dtype=torch.long), old_logp=torch.zeros(2, 1), mask=torch.ones(2, 1), replay={}, info={"sample": sample})
+    torch.testing.assert_close(target_distance(rollout, TargetDistanceConfig(type="target_distance")), torch.tensor([-1.25, 0.0]))
+
+
+def test_reward_on_the_wrong_policy_names_the_policy_it_needs():
+    rollout = Rollout(group_id=torch.zeros(2, dtype=torch.long), old_logp=torch.zeros(2, 1), mask=torch.ones(2, 1), replay={}, info={})
+    with pytest.raises(ConfigError, match="gaussian_chain"):
+        target_distance(rollout, TargetDistanceConfig(type="target_distance"))
+
+
+# ---------------------------------------------------------------- behaviour
+
+
+def reinforce(policy, reward_fn, steps: int, lr: float, groups: int = 8, group_size: int = 8) -> None:
+    """Group-mean-baseline REINFORCE: minimise −mean(A · Σ_t m_t logp_t), A = r − mean_group(r)."""
+    optimizer = torch.optim.Adam(policy.parameters(), lr=lr)
+    prompts = (torch.arange(groups) % 4).repeat_interleave(group_size)
+    for step in range(steps):
+        sample = policy.sample(prompts, gen(1000 + step))
+        reward = reward_fn(rollout_of(sample, prompts)).view(groups, group_size)
+        advantage = (reward - reward.mean(1, keepdim=True)).view(-1)
+        mask = sample.mask if sample.mask is not None else torch.ones_like(sample.logp)
+        loss = -(advantage[:, None] * policy.log_prob(sample.replay) * mask).sum(1).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def mean_reward(policy, reward_fn) -> float:
+    prompts = torch.arange(256) % 4
+    return reward_fn(rollout_of(policy.sample(prompts, gen(7)), prompts)).mean().item()
+
+
+def test_reinforce_makes_the_rewarded_token_more_frequent():
+    policy = make("categorical_sequence")
+    cfg = TokenFractionConfig(type="token_fraction", token=3)
+    reward = lambda rollout: token_fraction(rollout, cfg)  # noqa: E731
+    before = mean_reward(policy, reward)
+    reinforce(policy, reward, steps=30, lr=3e-2)
+    after = mean_reward(policy, reward)
+    assert before < 0.2 and after > 0.6, (before, after)
+
+
+def test_reinforce_moves_the_chain_towards_the_target():
+    policy = make("gaussian_chain")
+    cfg = TargetDistanceConfig(type="target_distance", target=2.0)
+    reward = lambda rollout: target_distance(rollout, cfg)  # noqa: E731
+    before = mean_reward(policy, reward)
+    reinforce(policy, reward, steps=30, lr=1e-2)
+    after = mean_reward(policy, reward)
+    assert before < -1.5 and after > -0.7, (before, after)

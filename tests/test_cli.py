@@ -1,0 +1,76 @@
+"""Bad input exits with code 2 and one line naming the field, the value and what is allowed."""
+
+import pytest
+
+from mmrl.cli import main
+from tests.conftest import point_reach_config, run_mmrl
+
+
+def _error_line(capsys):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "Traceback" not in err[0]
+    return err[0]
+
+
+@pytest.mark.parametrize(
+    "changes, overrides, expected",
+    [
+        ({}, ["algo.epz=1"], ["algo.epz", "unknown key", "eps_high"]),
+        ({}, ["algo.group_size=abc"], ["algo.group_size", "'abc'", "expected an integer"]),
+        ({}, ["algo.eps_high=-0.5"], ["algo.eps_high", "-0.5", ">= 0"]),
+        ({}, ["policy.type=transformer9"], ["policy.type", "transformer9", "gaussian_mlp"]),
+        ({"env": {"type": "gym", "id": "NoSuchEnv-v9", "num_envs": 2}}, [], ["env.id", "NoSuchEnv-v9"]),
+        ({}, ["algo.std=sideways"], ["algo.std", "sideways", "group"]),
+    ],
+)
+def test_bad_config_exits_2_with_one_line(tmp_path, write_config, capsys, changes, overrides, expected):
+    path = write_config(point_reach_config(**changes))
+    code = main(["train", str(path), *overrides, "--run-dir", str(tmp_path / "run")])
+    assert code == 2
+    line = _error_line(capsys)
+    for part in expected:
+        assert part in line
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_missing_config_file_exits_2(tmp_path, capsys):
+    assert main(["train", str(tmp_path / "nope.yaml")]) == 2
+    assert "nope.yaml" in _error_line(capsys)
+
+
+def test_unknown_flag_exits_2_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "x.yaml", "--bogus"])
+    assert e.value.code == 2
+    assert "--bogus" in _error_line(capsys)
+
+
+def test_invalid_yaml_exits_2(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("algo: [unclosed\n")
+    assert main(["train", str(bad)]) == 2
+    assert "not valid YAML" in _error_line(capsys)
+
+
+def test_subprocess_exit_code_and_no_traceback(tmp_path, write_config):
+    path = write_config(point_reach_config(algo={"group_size": 0}))
+    proc = run_mmrl("train", path, "--run-dir", tmp_path / "run")
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("mmrl: error: algo.group_size")
+
+
+def test_train_help_documents_every_field(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for field in ("algo.eps_high", "algo.advantage", "optim.lr", "checkpoint.every", "policy.hidden_sizes", "env.num_envs"):
+        assert field in out
+
+
+def test_list_shows_registered_components(capsys):
+    for kind, name in (("policies", "gaussian_mlp"), ("presets", "dapo"), ("objectives", "cispo"), ("envs", "mmrl/PointReach-v0"), ("rewards", "success")):
+        assert main(["list", kind]) == 0
+        assert name in capsys.readouterr().out

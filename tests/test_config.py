@@ -1,0 +1,93 @@
+from dataclasses import dataclass
+
+import pytest
+
+from mmrl.config import apply_overrides, describe, from_dict, load_config, option
+from mmrl.errors import ConfigError
+from mmrl.train.config import TrainConfig
+from tests.conftest import ROOT, point_reach_config
+
+
+@dataclass
+class _Inner:
+    lr: float = option(0.1, "learning rate", gt=0)
+    mode: str = option("a", "a mode", choices=["a", "b"])
+
+
+@dataclass
+class _Outer:
+    steps: int = option(1, "steps", ge=0)
+    inner: _Inner = option(factory=_Inner, doc="inner section")
+    tags: list[str] = option(factory=list, doc="tags")
+
+
+def test_nested_dataclass_from_yaml_values():
+    cfg = from_dict(_Outer, {"steps": 3, "inner": {"lr": "1e-3", "mode": "b"}, "tags": ["x"]})
+    assert cfg.steps == 3 and cfg.inner.lr == 1e-3 and cfg.inner.mode == "b" and cfg.tags == ["x"]
+
+
+@pytest.mark.parametrize(
+    "data, field, allowed",
+    [
+        ({"stepz": 1}, "stepz", "unknown key"),
+        ({"steps": "many"}, "steps", "expected an integer"),
+        ({"steps": True}, "steps", "expected an integer"),
+        ({"steps": -1}, "steps", "must be >= 0"),
+        ({"inner": {"lr": 0}}, "inner.lr", "must be > 0"),
+        ({"inner": {"mode": "c"}}, "inner.mode", "allowed: a, b"),
+        ({"inner": 3}, "inner", "expected a mapping"),
+        ({"tags": "x"}, "tags", "expected a list"),
+    ],
+)
+def test_bad_values_name_field_value_and_allowed(data, field, allowed):
+    with pytest.raises(ConfigError) as e:
+        from_dict(_Outer, data)
+    assert e.value.field == field
+    assert allowed in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_dotted_overrides_win_and_parse_types():
+    data = apply_overrides({"algo": {"eps_high": 0.2}}, ["algo.eps_high=0.28", "algo.filters=[zero_variance]", "seed=3"])
+    assert data == {"algo": {"eps_high": 0.28, "filters": ["zero_variance"]}, "seed": 3}
+
+
+def test_preset_defaults_are_merged_under_the_file(write_config):
+    path = write_config({"defaults": "presets/dapo", **point_reach_config(algo={"eps_high": 0.3, "group_size": 4})})
+    cfg = load_config(TrainConfig, path, ["algo.eps_low=0.1"])
+    assert cfg.algo.filters == ["zero_variance"]  # from the preset
+    assert cfg.algo.eps_high == 0.3  # the file wins over the preset
+    assert cfg.algo.eps_low == 0.1  # the command line wins over both
+
+
+def test_type_selects_the_registered_component_config(write_config):
+    cfg = load_config(TrainConfig, write_config(point_reach_config()))
+    assert type(cfg.policy).__name__ == "GaussianMLPConfig"
+    assert cfg.policy.hidden_sizes == [16, 16]
+    assert [type(r).__name__ for r in cfg.rewards] != ["RewardConfig", "RewardConfig"]
+
+
+def test_unknown_type_lists_known_names(write_config):
+    with pytest.raises(ConfigError) as e:
+        load_config(TrainConfig, write_config(point_reach_config(policy={"type": "nope"})))
+    assert e.value.field == "policy.type" and "gaussian_mlp" in str(e.value)
+
+
+def test_unknown_registry_option_in_algo_lists_known_names(write_config):
+    with pytest.raises(ConfigError) as e:
+        load_config(TrainConfig, write_config(point_reach_config()), ["algo.objective=ppo2"])
+    assert e.value.field == "algo.objective" and "ppo_clip" in str(e.value)
+
+
+def test_every_field_has_a_doc():
+    missing = [name for name, tp, _, doc in describe(TrainConfig) if not doc]
+    assert not missing
+
+
+def test_every_shipped_config_and_preset_loads():
+    paths = sorted((ROOT / "configs").glob("*.yaml"))
+    assert len(paths) >= 4
+    for path in paths:
+        load_config(TrainConfig, path)
+    for preset in sorted((ROOT / "configs" / "presets").glob("*.yaml")):
+        load_config(TrainConfig, ROOT / "configs" / "point_reach_grpo.yaml", [f"defaults=presets/{preset.stem}", "algo.group_size=5"])

@@ -1,0 +1,85 @@
+"""Runs through the real command line: two processes vs one, SIGTERM + resume, train → eval → plot."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from mmrl.train.metrics import read_metrics
+from tests.conftest import ROOT, point_reach_config, run_mmrl
+
+
+def _sequence_config(tmp_path, **algo):
+    data = yaml.safe_load((ROOT / "configs" / "toy_sequence_grpo.yaml").read_text())
+    data["defaults"] = str(ROOT / "configs" / "presets" / "lite_ppo.yaml")  # batch std: a global statistic
+    data.update(total_steps=3, log={"progress": False, "tensorboard": False}, eval={"at_end": False})
+    data["algo"].update(groups_per_step=4, group_size=4, ppo_epochs=2, **algo)
+    path = tmp_path / "seq.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_two_processes_match_one_process(tmp_path):
+    """DDP over two gloo processes (each sampling half of the groups) ends with the same
+    parameters as one process on the whole batch."""
+    cfg = _sequence_config(tmp_path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run([sys.executable, "-m", "mmrl", "train", cfg, "--run-dir", tmp_path / "one"], capture_output=True, text=True, env=env, timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531", "-m", "mmrl", "train", cfg, "--run-dir", tmp_path / "two"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert two.returncode == 0, two.stderr[-3000:]
+    a = load_file(str(tmp_path / "one/checkpoints/step_00000003/model.safetensors"))
+    b = load_file(str(tmp_path / "two/checkpoints/step_00000003/model.safetensors"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+    ra, rb = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    assert [r["reward/total"] for r in ra] == [r["reward/total"] for r in rb]
+
+
+def test_sigterm_writes_a_final_checkpoint_and_resume_finishes(tmp_path, write_config):
+    path = write_config(point_reach_config(total_steps=500))
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "mmrl", "train", path, "--run-dir", run], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if (run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "--resume" in err
+    latest = (run / "checkpoints/latest").read_text()
+    stopped_at = int(latest.split("_")[1])
+    assert stopped_at >= 2
+    finish = run_mmrl("train", run, "total_steps=" + str(stopped_at + 2), "--resume")
+    assert finish.returncode == 0, finish.stderr[-2000:]
+    steps = [r["step"] for r in read_metrics(run) if "reward/total" in r]
+    assert steps == list(range(1, stopped_at + 3))
+
+
+def test_train_then_eval_then_plot(tmp_path, write_config):
+    path = write_config(point_reach_config(total_steps=2))
+    run = tmp_path / "run"
+    proc = run_mmrl("train", path, "--run-dir", run)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "eval success" in proc.stdout
+    ev = run_mmrl("eval", run, "--episodes", "6")
+    assert ev.returncode == 0, ev.stderr[-2000:]
+    assert (run / "eval" / "eval.md").read_text().count("|") > 4
+    assert "success_ci95" in (run / "eval" / "eval.json").read_text()
+    pl = run_mmrl("plot", run)
+    assert pl.returncode == 0, pl.stderr[-2000:]
+    png = run / "plots" / "learning_curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
