@@ -39,8 +39,10 @@ class ManiSkillEnvConfig(EnvConfig):
 
     type: str = option("maniskill", "registered name of this component (see `mmrl list`)")
     id: str = option("PushCube-v1", "ManiSkill task id (PushCube-v1, PickCube-v1, StackCube-v1, ...)")
-    # Measured on 2 cores (PushCube-v1, state): see the module's measure() notes in
-    # make_vector_env; one process stepping N envs in turn beats N spawned workers here.
+    # sync is the default: measured on 2 CPU cores (PushCube-v1, state, EnvSampler with a
+    # Gaussian MLP, waves of seeded episodes), sync ran 400-480 env steps/s against 245-270
+    # for async, whose N spawned workers also take 30-40 s to start (8 envs) against ~3 s.
+    # Bare stepping with random actions was a tie (sync 450-550, async 420-780, noisy).
     vectorization: Literal["sync", "async"] = option("sync", "CPU backend: sync (one process) or async (one spawned process per env)")
     obs_mode: str = option("state", "ManiSkill observation mode (state, state_dict, rgb, rgbd, pointcloud ...)")
     control_mode: str = option("pd_ee_delta_pos", "robot controller (pd_ee_delta_pos, pd_ee_delta_pose, pd_joint_delta_pos ...)")

@@ -12,6 +12,12 @@ auto-reset is never relied on: every wave starts with a seeded reset, and whatev
 returns after its episode ended (gymnasium's next-step reset, a same-step reset, or more
 steps of a finished episode) is masked out and never counted.
 
+Per sample, ``info`` holds the episode's ``success`` (float; at any step or at the last
+step, see ``success_at``), ``return`` (undiscounted sum of env rewards), ``length`` (env
+steps) and ``truncated`` (ended by a time limit or ``max_decisions``, not by the task).
+``step_rewards[b, t]`` is decision t's chunk reward discounted to its first env step,
+sum_j gamma^j r_{t,j} (gamma = ``algo.gamma``), for step-level advantages.
+
 Randomness of a group depends only on (run seed, step, global group index): the reset
 seed is ``group_seed(seed, step, group) % 2**31`` and the policy's noise comes from a
 generator seeded by the ``group_seed`` of the wave's first group (plus the index of the
@@ -70,7 +76,7 @@ class EnvSampler(Sampler):
             raise ConfigError("env.id", train_cfg.env.id, f"the env sampler needs a continuous (Box) action space; this env has {space}")
         self.action_low = space.low.astype(np.float32)
         self.action_high = space.high.astype(np.float32)
-        self.env_steps = 0
+        self.env_steps = 0  # env steps of training rollouts, masked ones included (evaluation not counted)
 
     def policy_spec(self) -> dict:
         return {
@@ -92,7 +98,8 @@ class EnvSampler(Sampler):
             first_group, first_copy = divmod(start, group_size)
             generator = torch.Generator().manual_seed(seeds[first_group] + first_copy)
             reset_seeds = [seeds[i // group_size] % _TRAIN_SEEDS for i in members]
-            part = self._run_wave(policy, reset_seeds, generator, deterministic=False)
+            vector_steps, part = self._run_wave(policy, reset_seeds, generator, deterministic=False)
+            self.env_steps += vector_steps * self.num_envs
             part.group_id = torch.tensor([group_offset + i // group_size for i in members], device=part.group_id.device)
             parts.append(part)
         return Rollout.cat(parts)
@@ -102,7 +109,7 @@ class EnvSampler(Sampler):
         """Deterministic policy on ``episodes`` episodes seeded from ``seed``, disjoint from
         every training episode's seed."""
         seeds = [_TRAIN_SEEDS + group_seed(seed, 0, i) % _TRAIN_SEEDS for i in range(episodes)]
-        parts = [self._run_wave(policy, seeds[s : s + self.num_envs], None, deterministic=True) for s in range(0, episodes, self.num_envs)]
+        parts = [self._run_wave(policy, seeds[s : s + self.num_envs], None, deterministic=True)[1] for s in range(0, episodes, self.num_envs)]
         info = Rollout.cat(parts).info
         return {
             "success_rate": info["success"].mean().item(),
@@ -112,9 +119,9 @@ class EnvSampler(Sampler):
         }
 
     @torch.no_grad()
-    def _run_wave(self, policy, seeds: list[int], generator: torch.Generator | None, deterministic: bool) -> Rollout:
+    def _run_wave(self, policy, seeds: list[int], generator: torch.Generator | None, deterministic: bool) -> tuple[int, Rollout]:
         """One episode per seed on the first ``len(seeds)`` envs; the other envs (a last,
-        partial wave) step along, masked out.
+        partial wave) step along, masked out. Returns (vector env steps taken, rollout).
 
         The step loop only records what the env returned; who was alive when, returns,
         success and truncation are worked out once per wave from those records."""
@@ -140,8 +147,7 @@ class EnvSampler(Sampler):
                 alive = alive & ~(term | trunc)
                 if not alive.any():
                     break
-        self.env_steps += num_envs * len(rewards)
-        return self._wave_rollout(samples, n, rewards, terminated, truncated, success, chunk_index)
+        return len(rewards), self._wave_rollout(samples, n, rewards, terminated, truncated, success, chunk_index)
 
     def _wave_rollout(self, samples: list, n: int, rewards: list, terminated: list, truncated: list, success: list, chunk_index: list) -> Rollout:
         """Per-episode stats and the [n, T] decision tensors of one wave (first ``n`` envs).
@@ -158,7 +164,7 @@ class EnvSampler(Sampler):
         succ = np.array(success)[:, :n].astype(bool) & alive
         lengths = alive.sum(0)
         last = np.maximum(lengths - 1, 0), np.arange(n)
-        ended = done[last] & alive[last]
+        ended = done[last]  # the alive steps are a prefix, the last one is lengths - 1
         episode_success = succ.any(0) if self.config.success_at == "any" else succ[last]
         episode_truncated = ~ended | (trunc[last] & ~term[last])  # time limit, or cut by max_decisions
 

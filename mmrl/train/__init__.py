@@ -1,4 +1,15 @@
+"""The training loop. ``mmrl.train.config`` is light; the trainer (accelerate, tensorboard)
+loads on first use so that env worker processes importing configs stay fast."""
+
 from mmrl.train.config import TrainConfig
-from mmrl.train.trainer import Trainer, train
+
+
+def __getattr__(name):
+    if name in ("Trainer", "train"):
+        from mmrl.train import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(name)
+
 
 __all__ = ["TrainConfig", "Trainer", "train"]

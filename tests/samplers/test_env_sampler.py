@@ -220,9 +220,11 @@ def test_evaluate_is_deterministic_and_depends_on_its_seed():
     assert long_episodes.evaluate(GoalSeeker(), episodes=5, seed=0)["success_rate"] == 1.0
 
 
-def test_env_steps_count_every_env_step_and_round_trip_through_state_dict():
+def test_env_steps_count_every_training_env_step_and_round_trip_through_state_dict():
     sampler = make_sampler(num_envs=4)
     rollout = sampler.collect(make_policy(sampler), num_groups=2, group_size=2, step=0)
+    assert sampler.env_steps == 4 * int(rollout.info["length"].max())
+    sampler.evaluate(make_policy(sampler), episodes=4, seed=0)  # evaluation is not training experience
     assert sampler.env_steps == 4 * int(rollout.info["length"].max())
     other = make_sampler(num_envs=4)
     other.load_state_dict(sampler.state_dict())
