@@ -48,6 +48,7 @@ class ManiSkillEnvConfig(EnvConfig):
     control_mode: str = option("pd_ee_delta_pos", "robot controller (pd_ee_delta_pos, pd_ee_delta_pose, pd_joint_delta_pos ...)")
     reward_mode: str = option("normalized_dense", "reward of each step", choices=("normalized_dense", "dense", "sparse", "none"))
     sim_backend: str = option("physx_cpu", "physx_cpu / cpu (gymnasium-vectorized) or gpu / physx_cuda (batched)", choices=("physx_cpu", "cpu", "gpu", "physx_cuda"))
+    ignore_terminations: bool = option(False, "run every episode to its time limit instead of ending it on success (success is then 'success once')")
     kwargs: dict[str, Any] = option(factory=dict, doc="extra keyword arguments of gymnasium.make (e.g. robot_uids)")
 
     def validate(self, path: str) -> None:
@@ -73,12 +74,13 @@ def check_maniskill_id(env_id: str, field: str) -> None:
     raise ConfigError(field, env_id, f"not a ManiSkill task; {hint}")
 
 
-def _make_cpu_env(env_id: str, max_episode_steps: int | None, kwargs: dict) -> gymnasium.Env:
+def _make_cpu_env(env_id: str, max_episode_steps: int | None, ignore_terminations: bool, kwargs: dict) -> gymnasium.Env:
     # Runs in spawned workers too: import mani_skill there to register its tasks.
     _import_maniskill()
     from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
 
-    return CPUGymWrapper(gymnasium.make(env_id, num_envs=1, max_episode_steps=max_episode_steps, **kwargs))
+    env = gymnasium.make(env_id, num_envs=1, max_episode_steps=max_episode_steps, **kwargs)
+    return CPUGymWrapper(env, ignore_terminations=ignore_terminations)
 
 
 def _make_gpu_env(cfg: ManiSkillEnvConfig, kwargs: dict) -> gymnasium.vector.VectorEnv:
@@ -102,7 +104,7 @@ def _make_gpu_env(cfg: ManiSkillEnvConfig, kwargs: dict) -> gymnasium.vector.Vec
     env = gymnasium.make(cfg.id, num_envs=cfg.num_envs, max_episode_steps=cfg.max_episode_steps, **kwargs)
     # The sampler resets every wave of episodes itself and ignores what a finished env
     # returns, so ManiSkill's partial auto-resets would only cost time.
-    return SeedSharingVectorEnv(env, cfg.num_envs, auto_reset=False, ignore_terminations=False)
+    return SeedSharingVectorEnv(env, cfg.num_envs, auto_reset=False, ignore_terminations=cfg.ignore_terminations)
 
 
 def _index_tree(tree, index):
@@ -123,7 +125,7 @@ def make_vector_env(cfg: ManiSkillEnvConfig, seed: int) -> gymnasium.vector.Vect
     if cfg.sim_backend in _GPU_BACKENDS:
         env = _make_gpu_env(cfg, kwargs)
     else:
-        make_one = partial(_make_cpu_env, cfg.id, cfg.max_episode_steps, kwargs)
+        make_one = partial(_make_cpu_env, cfg.id, cfg.max_episode_steps, cfg.ignore_terminations, kwargs)
         if cfg.vectorization == "async":
             env = gymnasium.vector.AsyncVectorEnv([make_one] * cfg.num_envs, context="spawn")
         else:

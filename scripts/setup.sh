@@ -20,7 +20,6 @@ install_system_packages() {
     local need=()
     dpkg -s libosmesa6 >/dev/null 2>&1 || need+=(libosmesa6)
     dpkg -s libegl1 >/dev/null 2>&1 || need+=(libegl1)
-    dpkg -s ffmpeg >/dev/null 2>&1 || need+=(ffmpeg)
     if ! have_mesa25_lavapipe; then
         # SAPIEN needs a Vulkan device even for state observations; stock bookworm Mesa 22
         # lavapipe is refused, bookworm-backports Mesa 25 works.
