@@ -24,14 +24,14 @@ from mmrl.algo.objective import ppo_clip
 def reference_loss(logp, old_logp, rewards, group_size, mask, eps_clip=0.2, eps=1e-6):
     r = rewards.view(-1, group_size)
     adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, unbiased=False, keepdim=True) + eps)).view(-1, 1)
-    ratio = torch.exp(logp - old_logp)
+    ratio = torch.exp((logp - old_logp).clamp(-20, 20))  # the same loss: log-ratio clamped as verl
     surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - eps_clip, 1 + eps_clip) * adv)
     return -(surrogate * mask).sum() / mask.sum()
 
 
 def mmrl_loss(logp, old_logp, rewards, group_id, mask):
     adv, _ = grpo(rewards, group_id)
-    per_decision, _ = ppo_clip(logp, old_logp, adv[:, None].expand_as(logp), mask=mask)
+    per_decision, _ = ppo_clip(logp, old_logp, adv[:, None], mask=mask)  # as the trainer passes it
     return token_mean(per_decision, mask)
 
 

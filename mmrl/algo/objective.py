@@ -30,9 +30,10 @@ def _ratio(logp: Tensor, base_logp: Tensor, log_ratio_clamp: float) -> Tensor:
 def _clipped_surrogate(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float) -> tuple[Tensor, Tensor]:
     """−min(w·A, clip(w, 1−eps_low, 1+eps_high)·A), and where the clipped term is the minimum
     (there the gradient is zero)."""
-    unclipped = ratio * adv
-    clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * adv
-    return -torch.minimum(unclipped, clipped), clipped < unclipped
+    neg_adv = -adv  # negate the (often [B, 1]) advantage, not the [B, T] products
+    unclipped = ratio * neg_adv
+    clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * neg_adv
+    return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
 @OBJECTIVES.register("ppo_clip")

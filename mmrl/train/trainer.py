@@ -229,7 +229,7 @@ class Trainer:
         device = self.accelerator.device
         rollout = rollout.to(device)
         adv = adv.to(device)
-        adv = adv[:, None].expand_as(rollout.mask) if adv.dim() == 1 else adv
+        adv = adv[:, None] if adv.dim() == 1 else adv  # [B, 1] broadcasts over decisions for free
         if getattr(self.objective_fn, "needs_proximal", False):
             with torch.no_grad():
                 rollout.info["_prox_logp"] = self.model(rollout.replay).detach()
