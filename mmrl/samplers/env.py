@@ -56,6 +56,7 @@ class EnvSamplerConfig(SamplerConfig):
     type: str = option("env", "registered name of this component (see `mmrl list`)")
     success_at: Literal["any", "end"] = option("any", "an episode succeeds if the env reports success at any step, or at its last step only")
     max_decisions: int | None = option(None, "cap on decisions per episode; episodes cut by it count as truncated (null = until the env ends them)", ge=1)
+    eval_deterministic: bool = option(True, "evaluate the policy's mean action (false: sample actions, seeded, as in training)")
 
 
 @SAMPLERS.register("env", config=EnvSamplerConfig)
@@ -109,7 +110,9 @@ class EnvSampler(Sampler):
         """Deterministic policy on ``episodes`` episodes seeded from ``seed``, disjoint from
         every training episode's seed."""
         seeds = [_TRAIN_SEEDS + group_seed(seed, 0, i) % _TRAIN_SEEDS for i in range(episodes)]
-        parts = [self._run_wave(policy, seeds[s : s + self.num_envs], None, deterministic=True)[1] for s in range(0, episodes, self.num_envs)]
+        deterministic = self.config.eval_deterministic
+        generator = None if deterministic else torch.Generator().manual_seed(group_seed(seed, 1, 0))
+        parts = [self._run_wave(policy, seeds[s : s + self.num_envs], generator, deterministic)[1] for s in range(0, episodes, self.num_envs)]
         info = Rollout.cat(parts).info
         return {
             "success_rate": info["success"].mean().item(),

@@ -252,3 +252,32 @@ def test_success_and_return_rewards_read_the_episode_stats():
     torch.testing.assert_close(scaled, 0.5 * rollout.info["return"])
     with pytest.raises(ConfigError, match="env"):
         REWARDS.get("success")(rollout.with_(info={}), SuccessRewardConfig())
+
+
+def test_stochastic_evaluation_is_seeded_and_differs_from_the_mean_action():
+    from mmrl.config import from_dict
+    from mmrl.core.policy import build_policy
+    from mmrl.registry import SAMPLERS
+    from mmrl.train.config import TrainConfig
+
+    def evaluate(deterministic):
+        cfg = from_dict(
+            TrainConfig,
+            {
+                "env": {"type": "gym", "id": "mmrl/PointReach-v0", "num_envs": 4},
+                "policy": {"type": "gaussian_mlp", "hidden_sizes": [8]},
+                "sampler": {"type": "env", "eval_deterministic": deterministic},
+                "rewards": [{"type": "return"}],
+                "algo": {"group_size": 2, "groups_per_step": 2},
+            },
+        )
+        torch.manual_seed(0)
+        sampler = SAMPLERS.get("env")(cfg.sampler, cfg)
+        policy = build_policy(cfg.policy, sampler.policy_spec())
+        try:
+            return sampler.evaluate(policy, 8, seed=5)["return_mean"]
+        finally:
+            sampler.close()
+
+    assert evaluate(False) == evaluate(False)
+    assert evaluate(False) != evaluate(True)
