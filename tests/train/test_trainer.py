@@ -50,7 +50,6 @@ def _first_last(records, key):
 def test_one_loop_one_preset_trains_tokens_denoising_steps_and_actions(tmp_path):
     """The core is modality-agnostic: the GRPO preset and the same Trainer raise the reward
     of a token policy, a denoising chain and an env policy."""
-    from mmrl.config import load_config, resolve_defaults  # noqa: F401
 
     runs = {
         "sequence": toy_config("sequence", total_steps=25),
