@@ -107,8 +107,8 @@ class EnvSampler(Sampler):
 
     @torch.no_grad()
     def evaluate(self, policy, episodes: int, seed: int) -> dict[str, Any]:
-        """Deterministic policy on ``episodes`` episodes seeded from ``seed``, disjoint from
-        every training episode's seed."""
+        """``episodes`` episodes seeded from ``seed`` (disjoint from every training episode's
+        seed), with the mean action or, if ``eval_deterministic`` is false, seeded samples."""
         seeds = [_TRAIN_SEEDS + group_seed(seed, 0, i) % _TRAIN_SEEDS for i in range(episodes)]
         deterministic = self.config.eval_deterministic
         generator = None if deterministic else torch.Generator().manual_seed(group_seed(seed, 1, 0))
