@@ -177,7 +177,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Options may come after the overrides (`mmrl train cfg.yaml a.b=1 --run-dir X`):
+    # argparse stops filling a positional list at the first option, so dotted overrides
+    # left over after the options are appended here; anything else is an error.
+    args, rest = parser.parse_known_args(argv)
+    if rest:
+        if not hasattr(args, "overrides") or any(r.startswith("-") or "=" not in r for r in rest):
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        args.overrides = [*args.overrides, *rest]
     try:
         return args.func(args)
     except (ConfigError, MissingExtraError) as e:

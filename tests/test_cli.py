@@ -74,3 +74,14 @@ def test_list_shows_registered_components(capsys):
     for kind, name in (("policies", "gaussian_mlp"), ("presets", "dapo"), ("objectives", "cispo"), ("envs", "mmrl/PointReach-v0"), ("rewards", "success")):
         assert main(["list", kind]) == 0
         assert name in capsys.readouterr().out
+
+
+def test_options_may_follow_the_overrides(tmp_path, write_config):
+    """`mmrl train cfg.yaml key=value --run-dir X key2=value2`: overrides on both sides of an
+    option are all applied."""
+    path = write_config(point_reach_config(total_steps=1, eval={"every": 0}))
+    assert main(["train", str(path), "seed=3", "--run-dir", str(tmp_path / "run"), "algo.group_size=2"]) == 0
+    import yaml
+
+    resolved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert resolved["seed"] == 3 and resolved["algo"]["group_size"] == 2

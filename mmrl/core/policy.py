@@ -43,6 +43,13 @@ class PolicyModule(nn.Module):
     def forward(self, replay: dict[str, Any]) -> Tensor:
         return self.log_prob(replay)
 
+    def save_extra(self, directory) -> None:
+        """Write files the weights do not hold (e.g. a tokenizer) next to them; called by
+        ``save_pretrained`` and by checkpoints."""
+
+    def load_extra(self, directory) -> None:
+        """Read what ``save_extra`` wrote; called before the weights are loaded."""
+
     def reference(self) -> "nn.Module | None":
         """A frozen model for KL terms; ``None`` lets the trainer keep a frozen copy of the
         initial weights."""
@@ -69,6 +76,8 @@ def save_pretrained(policy: PolicyModule, directory, spec: dict | None = None) -
     tmp = d / ".model.safetensors.tmp"
     save_file(state, str(tmp))
     os.replace(tmp, d / "model.safetensors")
+    if hasattr(policy, "save_extra"):
+        policy.save_extra(d)
 
 
 def _plain(obj):
@@ -97,6 +106,8 @@ def load_state(policy: nn.Module, directory, field: str = "policy.pretrained") -
     path = Path(directory) / "model.safetensors"
     if not path.is_file():
         raise ConfigError(field, str(directory), "expected a directory holding model.safetensors (written by mmrl or save_pretrained)")
+    if hasattr(policy, "load_extra"):
+        policy.load_extra(Path(directory))
     state = load_file(str(path))
     missing, unexpected = policy.load_state_dict(state, strict=False)
     if missing or unexpected:

@@ -77,15 +77,42 @@ class EnvSampler(Sampler):
             raise ConfigError("env.id", train_cfg.env.id, f"the env sampler needs a continuous (Box) action space; this env has {space}")
         self.action_low = space.low.astype(np.float32)
         self.action_high = space.high.astype(np.float32)
+        self.structured = _is_structured(self.env.single_observation_space)
         self.env_steps = 0  # env steps of training rollouts, masked ones included (evaluation not counted)
 
     def policy_spec(self) -> dict:
-        return {
-            "obs_dim": int(gymnasium.spaces.flatdim(self.env.single_observation_space)),
+        spec = {
             "action_dim": int(np.prod(self.action_low.shape)),
             "action_low": self.action_low.reshape(-1).tolist(),
             "action_high": self.action_high.reshape(-1).tolist(),
         }
+        space = self.env.single_observation_space
+        if not self.structured:
+            return {"obs_dim": int(gymnasium.spaces.flatdim(space)), **spec}
+        state = space.spaces.get("state")
+        spec["state_dim"] = spec["obs_dim"] = int(gymnasium.spaces.flatdim(state)) if state is not None else 0
+        if "image" in space.spaces:
+            spec["image_shape"] = list(space["image"].shape)
+        if "instruction" in space.spaces:
+            spec["instructions"] = _env_instructions(self.env)
+        return spec
+
+    def observation(self, obs, device) -> "Tensor | dict":
+        """The policy's input for a batch of env observations: a float tensor [N, D] for flat
+        observations; for image/language observations a dict {"image": uint8 [N, (K,) H, W, 3],
+        "state": float32 [N, D], "instruction": list of N strings} (keys the env has)."""
+        if not self.structured:
+            return _obs_tensor(obs, device)
+        out: dict[str, Any] = {}
+        if "image" in obs:
+            image = obs["image"]
+            image = image.to(device, copy=True) if isinstance(image, Tensor) else torch.from_numpy(np.array(image, dtype=np.uint8)).to(device)
+            out["image"] = image
+        if "state" in obs:
+            out["state"] = _obs_tensor(obs["state"], device)
+        if "instruction" in obs:
+            out["instruction"] = [str(text) for text in obs["instruction"]]
+        return out
 
     # ------------------------------------------------------------------ sampling
 
@@ -136,7 +163,7 @@ class EnvSampler(Sampler):
         samples, rewards, terminated, truncated, success, chunk_index = [], [], [], [], [], []
         cap = self.config.max_decisions
         while alive.any() and (cap is None or len(samples) < cap):
-            sample = policy.sample(_obs_tensor(obs, device), generator, deterministic=deterministic)
+            sample = policy.sample(self.observation(obs, device), generator, deterministic=deterministic)
             actions = np.minimum(np.maximum(_numpy(sample.output), self.action_low), self.action_high)
             samples.append(sample)
             for j in range(actions.shape[1]):
@@ -211,6 +238,25 @@ class EnvSampler(Sampler):
 
     def close(self) -> None:
         self.env.close()
+
+
+def _is_structured(space) -> bool:
+    """Image and/or language observations (passed to the policy as a dict), as opposed to
+    state vectors (flattened)."""
+    return isinstance(space, gymnasium.spaces.Dict) and ("image" in space.spaces or "instruction" in space.spaces)
+
+
+def _env_instructions(env) -> list[str]:
+    """Every instruction the env can give (its ``instructions`` attribute), in order, once."""
+    try:
+        per_env = env.get_attr("instructions")
+    except Exception:  # a simulator's own batched env: the attribute sits on the env itself
+        per_env = [getattr(env, "instructions", None) or getattr(env.unwrapped, "instructions", None) or []]
+    seen: dict[str, None] = {}
+    for texts in per_env:
+        for text in texts or []:
+            seen.setdefault(str(text), None)
+    return list(seen)
 
 
 def _cat_replay(replays: list[dict], n: int) -> dict:
