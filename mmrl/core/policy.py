@@ -40,8 +40,16 @@ class PolicyModule(nn.Module):
     def log_prob(self, replay: dict[str, Any]) -> Tensor:
         raise NotImplementedError
 
-    def forward(self, replay: dict[str, Any]) -> Tensor:
-        return self.log_prob(replay)
+    def sft_loss(self, batch: dict[str, Any]) -> Tensor:
+        """Behaviour-cloning loss on demonstrations (``algo.type: sft``); ``batch`` holds the
+        observations ("image", "state", "instruction" or "obs"), "actions" [B, C, A] in env
+        units and "action_mask" [B, C]."""
+        raise NotImplementedError(f"{type(self).__name__} has no sft_loss (behaviour cloning)")
+
+    def forward(self, replay: dict[str, Any], mode: str = "log_prob") -> Tensor:
+        # the distributed wrapper syncs gradients of what goes through forward: both the RL
+        # pass (log_prob) and supervised fine-tuning (sft) do
+        return self.sft_loss(replay) if mode == "sft" else self.log_prob(replay)
 
     def save_extra(self, directory) -> None:
         """Write files the weights do not hold (e.g. a tokenizer) next to them; called by

@@ -133,25 +133,39 @@ class EnvSampler(Sampler):
         return Rollout.cat(parts)
 
     @torch.no_grad()
-    def evaluate(self, policy, episodes: int, seed: int) -> dict[str, Any]:
+    def evaluate(self, policy, episodes: int, seed: int, videos: int = 0) -> dict[str, Any]:
         """``episodes`` episodes seeded from ``seed`` (disjoint from every training episode's
-        seed), with the mean action or, if ``eval_deterministic`` is false, seeded samples."""
+        seed), with the mean action or, if ``eval_deterministic`` is false, seeded samples.
+
+        Returns the success rate, mean return and length, the per-episode ``successes``, and,
+        if ``videos`` > 0, ``frames``: the camera images [T, H, W, 3] of the first ``videos``
+        episodes (image observations only)."""
         seeds = [_TRAIN_SEEDS + group_seed(seed, 0, i) % _TRAIN_SEEDS for i in range(episodes)]
         deterministic = self.config.eval_deterministic
         generator = None if deterministic else torch.Generator().manual_seed(group_seed(seed, 1, 0))
-        parts = [self._run_wave(policy, seeds[s : s + self.num_envs], generator, deterministic)[1] for s in range(0, episodes, self.num_envs)]
+        parts, frames = [], []
+        for s in range(0, episodes, self.num_envs):
+            record = max(0, min(videos - s, self.num_envs)) if self.structured else 0
+            _, part, *wave_frames = self._run_wave(policy, seeds[s : s + self.num_envs], generator, deterministic, record=record)
+            parts.append(part)
+            frames += wave_frames[0] if wave_frames else []
         info = Rollout.cat(parts).info
-        return {
+        out = {
             "success_rate": info["success"].mean().item(),
             "return_mean": info["return"].mean().item(),
             "length_mean": info["length"].float().mean().item(),
             "episodes": episodes,
+            "successes": info["success"].tolist(),
         }
+        if videos:
+            out["frames"] = frames
+        return out
 
     @torch.no_grad()
-    def _run_wave(self, policy, seeds: list[int], generator: torch.Generator | None, deterministic: bool) -> tuple[int, Rollout]:
+    def _run_wave(self, policy, seeds: list[int], generator: torch.Generator | None, deterministic: bool, record: int = 0):
         """One episode per seed on the first ``len(seeds)`` envs; the other envs (a last,
-        partial wave) step along, masked out. Returns (vector env steps taken, rollout).
+        partial wave) step along, masked out. Returns (vector env steps taken, rollout), plus
+        the frames of the first ``record`` episodes if ``record`` > 0.
 
         The step loop only records what the env returned; who was alive when, returns,
         success and truncation are worked out once per wave from those records."""
@@ -162,6 +176,7 @@ class EnvSampler(Sampler):
         no_success = np.zeros(num_envs, dtype=bool)
         samples, rewards, terminated, truncated, success, chunk_index = [], [], [], [], [], []
         cap = self.config.max_decisions
+        images = [_first_camera(obs)[:record]] if record else None
         while alive.any() and (cap is None or len(samples) < cap):
             sample = policy.sample(self.observation(obs, device), generator, deterministic=deterministic)
             actions = np.minimum(np.maximum(_numpy(sample.output), self.action_low), self.action_high)
@@ -175,9 +190,19 @@ class EnvSampler(Sampler):
                 success.append(_numpy(info["success"]) if "success" in info else no_success)
                 chunk_index.append(j)
                 alive = alive & ~(term | trunc)
+                if images is not None:
+                    images.append(_first_camera(obs)[:record])
                 if not alive.any():
                     break
-        return len(rewards), self._wave_rollout(samples, n, rewards, terminated, truncated, success, chunk_index)
+        rollout = self._wave_rollout(samples, n, rewards, terminated, truncated, success, chunk_index)
+        if images is None:
+            return len(rewards), rollout
+        # frame 0 is the reset observation, frame t the one seen after action t; with
+        # gymnasium's default next-step auto-reset the frame after the last action is the
+        # episode's final observation
+        stacked = np.stack(images, 1)  # [record, S + 1, H, W, 3]
+        lengths = rollout.info["length"].tolist()
+        return len(rewards), rollout, [stacked[i, : lengths[i] + 1] for i in range(record)]
 
     def _wave_rollout(self, samples: list, n: int, rewards: list, terminated: list, truncated: list, success: list, chunk_index: list) -> Rollout:
         """Per-episode stats and the [n, T] decision tensors of one wave (first ``n`` envs).
@@ -238,6 +263,12 @@ class EnvSampler(Sampler):
 
     def close(self) -> None:
         self.env.close()
+
+
+def _first_camera(obs) -> np.ndarray:
+    """[N, H, W, 3] uint8 images of the first camera of a batch of image observations."""
+    image = _numpy(obs["image"])
+    return image[:, 0] if image.ndim == 5 else image
 
 
 def _is_structured(space) -> bool:

@@ -39,7 +39,17 @@ class RewardConfig(Component):
 
 
 @dataclass
+class DataConfig:
+    path: str | None = option(None, "directory of demonstrations written by `mmrl collect` (algo.type: sft)")
+    batch_size: int = option(64, "sft: samples per optimizer step (over all processes)", ge=1)
+    max_episodes_per_task: int | None = option(None, "sft: use only the first N demonstrations of each task (few-shot SFT)", ge=1)
+
+
+@dataclass
 class AlgoConfig:
+    type: Literal["rl", "sft"] = option(
+        "rl", "rl: the group-relative policy-gradient loop; sft: behaviour cloning / supervised fine-tuning on data.path"
+    )
     group_size: int = option(8, "G: samples per prompt / initial state (MC-GRPO: G+1)", ge=1)
     groups_per_step: int = option(8, "groups collected per training step (over all processes)", ge=1)
     advantage: str = option("grpo", "advantage estimator (mmrl list advantages)")
@@ -135,6 +145,7 @@ class TrainConfig:
     sampler: SamplerConfig = option(factory=lambda: SamplerConfig(type=""), doc="sampler section")
     rewards: list[RewardConfig] = option(factory=list, doc="reward components, each with a type and a weight")
     algo: AlgoConfig = option(factory=AlgoConfig, doc="the group-relative core: advantage, filters, objective, aggregation, KL")
+    data: DataConfig = option(factory=DataConfig, doc="demonstrations for algo.type: sft")
     optim: OptimConfig = option(factory=OptimConfig, doc="optimizer")
     eval: EvalConfig = option(factory=EvalConfig, doc="evaluation")
     log: LogConfig = option(factory=LogConfig, doc="logging")
@@ -145,7 +156,10 @@ class TrainConfig:
             raise ConfigError("policy.type", None, "required; see `mmrl list policies`")
         if not self.sampler.type:
             raise ConfigError("sampler.type", None, "required; env or prompt")
-        if not self.rewards:
+        if self.algo.type == "sft":
+            if not self.data.path:
+                raise ConfigError("data.path", None, "algo.type sft needs a directory of demonstrations (written by `mmrl collect`)")
+        elif not self.rewards:
             raise ConfigError("rewards", [], "at least one reward component is required; see `mmrl list rewards`")
         if self.device not in ("auto", "cpu", "mps") and not self.device.startswith("cuda"):
             raise ConfigError("device", self.device, "allowed: auto, cpu, cuda, cuda:N, mps")

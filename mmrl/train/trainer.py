@@ -97,6 +97,7 @@ class Trainer:
         self.kl_fn = registry.KL_ESTIMATORS.get(algo.kl_estimator)
         self.filters = [(registry.FILTERS.get(name), name) for name in algo.filters]
 
+        self.demos = self._load_demos() if algo.type == "sft" else None
         self.start_step = 0
         self.stop = StopRequest()
         if self.rank == 0:
@@ -288,6 +289,55 @@ class Trainer:
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         return int(t)
 
+    # ------------------------------------------------------------------ supervised fine-tuning
+
+    def _load_demos(self) -> dict[str, Any]:
+        """Every time step of the demonstrations as one SFT sample (observation, the next C
+        actions, their mask), C = the policy's action chunk; tensors on the CPU."""
+        import numpy as np
+
+        from mmrl.demos import chunk_samples, read_demos
+
+        data = self.cfg.data
+        if data.batch_size % self.world:
+            raise ConfigError("data.batch_size", data.batch_size, f"must be divisible by the number of processes ({self.world})")
+        episodes = read_demos(data.path)
+        if data.max_episodes_per_task is not None:
+            per_task: dict[str, int] = {}
+            kept = []
+            for ep in episodes:
+                per_task[ep.task] = per_task.get(ep.task, 0) + 1
+                if per_task[ep.task] <= data.max_episodes_per_task:
+                    kept.append(ep)
+            episodes = kept
+        if not episodes:
+            raise ConfigError("data.path", data.path, "holds no demonstrations")
+        chunk = int(getattr(self.policy.config, "action_chunk", 1) or 1)
+        samples = chunk_samples(episodes, chunk)
+        out = {k: (v if isinstance(v, list) else torch.as_tensor(np.asarray(v))) for k, v in samples.items()}
+        self.demo_info = {"episodes": len(episodes), "samples": int(out["actions"].shape[0])}
+        return out
+
+    def sft_step(self, step: int) -> dict[str, float]:
+        """One optimizer step of behaviour cloning on ``data.batch_size`` samples drawn (with
+        replacement, seeded by run seed and step) from the demonstrations; each process takes
+        its share, the distributed wrapper averages the gradients."""
+        cfg = self.cfg
+        n = self.demos["actions"].shape[0]
+        gen = torch.Generator().manual_seed(group_seed(cfg.seed, step, _UPDATE_STREAM))
+        idx = torch.randint(n, (cfg.data.batch_size,), generator=gen).chunk(self.world)[self.rank]
+        batch = {k: ([v[i] for i in idx.tolist()] if isinstance(v, list) else v[idx].to(self.accelerator.device)) for k, v in self.demos.items()}
+        loss = self.model(batch, mode="sft")
+        if not torch.isfinite(loss):
+            raise NonFiniteError(f"step {step + 1}: sft loss is {loss.item()}")
+        self.accelerator.backward(loss)
+        out = {"loss/sft": float(loss.detach())}
+        if cfg.optim.max_grad_norm is not None:
+            out["grad_norm"] = float(self.accelerator.clip_grad_norm_(self.model.parameters(), cfg.optim.max_grad_norm))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return out
+
     # ------------------------------------------------------------------ the loop
 
     def train(self) -> dict[str, Any]:
@@ -304,12 +354,15 @@ class Trainer:
         try:
             for step in range(self.start_step, cfg.total_steps):
                 t0 = time.time()
-                rollout = self.collect(step)
-                t_sample = time.time() - t0
-                adv, keep = self.advantages(rollout) if rollout.batch_size else (torch.zeros(0), torch.zeros(0, dtype=torch.bool))
-                rollout = rollout.with_(mask=self.train_mask(rollout, keep))
-                update_stats = self.update(rollout, adv, step) if rollout.mask.sum() > 0 else {}
-                metrics = self._metrics(rollout, adv, update_stats, t_sample, time.time() - t0)
+                if self.demos is not None:
+                    metrics = {**self.sft_step(step), "time/step_s": time.time() - t0}
+                else:
+                    rollout = self.collect(step)
+                    t_sample = time.time() - t0
+                    adv, keep = self.advantages(rollout) if rollout.batch_size else (torch.zeros(0), torch.zeros(0, dtype=torch.bool))
+                    rollout = rollout.with_(mask=self.train_mask(rollout, keep))
+                    update_stats = self.update(rollout, adv, step) if rollout.mask.sum() > 0 else {}
+                    metrics = self._metrics(rollout, adv, update_stats, t_sample, time.time() - t0)
                 done = step + 1
                 if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.total_steps:
                     last_eval = self.evaluate(done)
@@ -342,6 +395,7 @@ class Trainer:
             self.policy.eval()
             with torch.no_grad():
                 result = self.sampler.evaluate(self.policy, self.cfg.eval.episodes, seed=self.cfg.seed + 1_000_003)
+                result = {k: v for k, v in result.items() if isinstance(v, (int, float))}  # per-episode lists stay out of the metrics
             self.policy.train()
         self.accelerator.wait_for_everyone()
         return result
@@ -401,7 +455,7 @@ class Trainer:
 
 def _postfix(metrics: dict[str, Any]) -> dict[str, str]:
     out = {}
-    for key, short in (("success_rate", "success"), ("reward/total", "reward"), ("eval/success_rate", "eval_success")):
+    for key, short in (("success_rate", "success"), ("reward/total", "reward"), ("loss/sft", "loss"), ("eval/success_rate", "eval_success")):
         if key in metrics and isinstance(metrics[key], float) and math.isfinite(metrics[key]):
             out[short] = f"{metrics[key]:.3f}"
     return out

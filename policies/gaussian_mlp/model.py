@@ -149,3 +149,22 @@ class GaussianMLPPolicy(PolicyModule):
         b, t = obs_n.shape[:2]
         mean, log_std = self._mean_log_std(obs_n.reshape(b * t, -1))
         return self._log_density(action_n.reshape(b * t, -1), mean, log_std).view(b, t)
+
+    def sft_loss(self, batch: dict) -> Tensor:
+        """Behaviour cloning: the masked mean negative log-likelihood of the demonstrated
+        chunks, -log N(a_n; mu(o), sigma^2) per action, with a_n the demo actions in the
+        normalized space (clipped to the env bounds first). Observations come as "obs" (flat)
+        or "state"; with ``obs_norm`` the running statistics are updated from the batch."""
+        obs = batch["obs"] if "obs" in batch else batch["state"]
+        obs = obs.to(self.action_center.device, torch.float32).reshape(obs.shape[0], -1)
+        if self.config.obs_norm:
+            self._update_obs_stats(obs)
+        actions = batch["actions"].to(obs.device, torch.float32)  # [B, C, A] env units
+        b = actions.shape[0]
+        action_n = ((actions - self.action_center) / self.action_half_range).clamp(-1, 1)
+        mean, log_std = self._mean_log_std(self._normalize(obs))
+        z = (action_n.reshape(b, -1) - mean) / torch.exp(log_std)
+        nll = (0.5 * z.square() + log_std + _LOG_SQRT_2PI).view(b, self.chunk, self.action_dim).sum(-1)  # [B, C]
+        mask = batch.get("action_mask")
+        mask = torch.ones_like(nll) if mask is None else mask.to(nll)
+        return (nll * mask).sum() / mask.sum().clamp_min(1)
