@@ -62,3 +62,140 @@ def evaluate_run(cfg, run_dir: Path | None, episodes: int | None = None, checkpo
             rows.append(f"| success 95% CI | [{result['success_ci95'][0]:.3f}, {result['success_ci95'][1]:.3f}] |")
         (out / "eval.md").write_text("| metric | value |\n|---|---|\n" + "\n".join(rows) + "\n")
     return result
+
+
+# ---------------------------------------------------------------------- task suites
+
+
+def write_video(path: Path, frames, fps: int = 10, scale: int = 4) -> Path:
+    """Write uint8 frames [T, H, W, 3] as an H.264 mp4 (imageio-ffmpeg), each pixel
+    enlarged ``scale`` times (nearest neighbour, so 64×64 observations stay sharp)."""
+    import numpy as np
+
+    frames = np.asarray(frames, dtype=np.uint8)
+    if scale > 1:
+        frames = frames.repeat(scale, axis=1).repeat(scale, axis=2)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    try:
+        import imageio.v2 as imageio
+
+        imageio.mimwrite(tmp, list(frames), fps=fps, macro_block_size=1)
+    except ImportError:  # OpenCV only: MPEG-4 part 2 instead of H.264
+        import cv2
+
+        writer = cv2.VideoWriter(str(tmp), cv2.VideoWriter_fourcc(*"mp4v"), fps, (frames.shape[2], frames.shape[1]))
+        for frame in frames:
+            writer.write(cv2.cvtColor(frame, cv2.COLOR_RGB2BGR))
+        writer.release()
+    tmp.replace(path)
+    return path
+
+
+def _task_env_config(env_section: dict, task, field: str):
+    """The suite's env section with the task filled in: the env type's ``task`` field if it
+    has one, otherwise ``kwargs.task`` (gymnasium ids that take the task as a make argument)."""
+    import dataclasses
+
+    from mmrl.config import from_dict
+
+    data = dict(env_section)
+    if "type" not in data:
+        raise ConfigError(f"{field}.type", None, "the suite's env section needs a type (see `mmrl list envs`)")
+    entry = registry.ENVS.entry(data["type"], f"{field}.type")
+    names = {f.name for f in dataclasses.fields(entry.config)}
+    if "task" in names:
+        data["task"] = task
+    elif "kwargs" in names:
+        data["kwargs"] = {**(data.get("kwargs") or {}), "task": task}
+    else:
+        raise ConfigError(f"{field}.type", data["type"], "this env type takes no task (no `task` or `kwargs` field)")
+    return from_dict(entry.config, data, field)
+
+
+def evaluate_suite(
+    cfg,
+    run_dir: Path | None,
+    suite,
+    checkpoint: str | None = None,
+    out_dir: str | None = None,
+    episodes_per_task: int | None = None,
+    videos: int = 1,
+) -> dict[str, Any]:
+    """Evaluate one policy on every task of ``suite``: ``episodes_per_task`` episodes for
+    each of the suite's seeds, success with a 95% Wilson interval per task and overall,
+    written as Markdown, CSV and JSON with mp4 videos of the first ``videos`` episodes of
+    each task; the numbers also go to the run's metrics.jsonl (``suite/<name>/...``)."""
+    import dataclasses
+
+    torch.manual_seed(cfg.seed)
+    policy, source, step = _policy_for(cfg, run_dir, checkpoint)
+    policy.eval()
+    n_per_seed = episodes_per_task or suite.episodes_per_task
+    out = Path(out_dir) if out_dir else ((run_dir / "eval" / suite.name) if run_dir is not None else Path("eval") / suite.name)
+    rows = []
+    all_successes: list[float] = []
+    for task in suite.tasks:
+        task_cfg = dataclasses.replace(cfg, env=_task_env_config(suite.env, task, "suite.env"))
+        sampler = registry.SAMPLERS.get(cfg.sampler.type, "sampler.type")(cfg.sampler, task_cfg)
+        successes: list[float] = []
+        try:
+            for i, seed in enumerate(suite.seeds):
+                with torch.no_grad():
+                    result = sampler.evaluate(policy, n_per_seed, seed=int(seed), videos=videos if i == 0 else 0)
+                successes += result["successes"]
+                for k, frames in enumerate(result.get("frames", [])):
+                    outcome = "success" if result["successes"][k] else "failure"
+                    write_video(out / "videos" / f"{_slug(task)}_{k}_{outcome}.mp4", frames)
+        finally:
+            sampler.close()
+        lo, hi = wilson_interval(sum(successes), len(successes))
+        rows.append({"task": str(task), "episodes": len(successes), "successes": int(sum(successes)), "success_rate": sum(successes) / len(successes), "ci95_low": lo, "ci95_high": hi})
+        all_successes += successes
+    lo, hi = wilson_interval(sum(all_successes), len(all_successes))
+    overall = {"task": "overall", "episodes": len(all_successes), "successes": int(sum(all_successes)), "success_rate": sum(all_successes) / len(all_successes), "ci95_low": lo, "ci95_high": hi}
+    summary = {"suite": suite.name, "weights": source, "step": step, "seeds": list(suite.seeds), "episodes_per_seed": n_per_seed, "tasks": rows, "overall": overall}
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(summary, indent=2))
+    cols = ["task", "episodes", "successes", "success_rate", "ci95_low", "ci95_high"]
+    (out / "results.csv").write_text(",".join(cols) + "\n" + "".join(",".join(str(r[c]) for c in cols) + "\n" for r in [*rows, overall]))
+    md = [f"Suite `{suite.name}` — weights `{source}`, {n_per_seed} episodes × {len(suite.seeds)} seeds per task", "", "| task | episodes | success | 95% CI |", "|---|---|---|---|"]
+    md += [f"| {r['task']} | {r['episodes']} | {r['success_rate']:.3f} | {r['ci95_low']:.3f}–{r['ci95_high']:.3f} |" for r in rows]
+    md.append(f"| **overall** | {overall['episodes']} | **{overall['success_rate']:.3f}** | {overall['ci95_low']:.3f}–{overall['ci95_high']:.3f} |")
+    (out / "results.md").write_text("\n".join(md) + "\n")
+    if run_dir is not None:
+        from mmrl.train.metrics import MetricsWriter
+
+        writer = MetricsWriter(run_dir, tensorboard=False)
+        record = {f"suite/{suite.name}/success_rate": overall["success_rate"]}
+        record.update({f"suite/{suite.name}/{r['task']}/success_rate": r["success_rate"] for r in rows})
+        writer.write(step, record)
+        writer.close()
+    summary["out_dir"] = str(out)
+    return summary
+
+
+def _slug(task) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in str(task))
+
+
+def _policy_for(cfg, run_dir: Path | None, checkpoint: str | None):
+    """The policy of a run (latest or given checkpoint) or of a config (initial/pretrained
+    weights), built with the spec of the config's own env; returns (policy, source, step)."""
+    sampler = registry.SAMPLERS.get(cfg.sampler.type, "sampler.type")(cfg.sampler, cfg)
+    try:
+        policy = build_policy(cfg.policy, sampler.policy_spec())
+    finally:
+        sampler.close()
+    if checkpoint and not Path(checkpoint).is_dir():
+        raise ConfigError("--checkpoint", checkpoint, "no such checkpoint directory")
+    ckpt = Path(checkpoint) if checkpoint else (Checkpointer(run_dir).latest() if run_dir else None)
+    if run_dir is not None and ckpt is None:
+        raise ConfigError("run_dir", str(run_dir), "holds no checkpoint yet")
+    if ckpt is None:
+        return policy, "config", 0
+    load_state(policy, ckpt, "--checkpoint")
+    state_path = ckpt / "state.pt"
+    step = int(torch.load(state_path, weights_only=True)["step"]) if state_path.is_file() else 0
+    return policy, str(ckpt), step

@@ -1,0 +1,114 @@
+"""Suite evaluation: per-task success with confidence intervals, tables, videos, metrics."""
+
+import json
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import gymnasium
+import numpy as np
+import torch
+from gymnasium import spaces
+
+from mmrl.config import option
+from mmrl.core.policy import PolicyModule, Sample
+from mmrl.envs.gym import GymEnvConfig
+from mmrl.evaluate import evaluate_suite, wilson_interval
+from mmrl.registry import POLICIES
+from mmrl.samplers.env import EnvSamplerConfig
+from mmrl.train.checkpoint import Checkpointer
+from mmrl.train.config import AlgoConfig, PolicyConfig, TrainConfig
+from mmrl.train.metrics import read_metrics
+
+
+class SideTask(gymnasium.Env):
+    """Task "left" or "right": move the state coordinate to that side within 5 steps."""
+
+    instructions = ["go left", "go right"]
+
+    def __init__(self, task="left"):
+        self.task = task
+        self.observation_space = spaces.Dict(
+            {
+                "image": spaces.Box(0, 255, (8, 8, 3), np.uint8),
+                "state": spaces.Box(-np.inf, np.inf, (1,), np.float32),
+                "instruction": spaces.Text(max_length=16, charset="abcdefghijklmnopqrstuvwxyz "),
+            }
+        )
+        self.action_space = spaces.Box(-1.0, 1.0, (1,), np.float32)
+
+    def _obs(self):
+        image = np.full((8, 8, 3), self.t * 40, np.uint8)  # frames differ step by step
+        return {"image": image, "state": np.array([self.x], np.float32), "instruction": f"go {self.task}"}
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        self.x, self.t = 0.0, 0
+        return self._obs(), {}
+
+    def step(self, action):
+        self.x += float(action[0])
+        self.t += 1
+        success = self.x * (1 if self.task == "right" else -1) >= 2
+        return self._obs(), float(success), success, self.t >= 5, {"success": success}
+
+
+gymnasium.register("test/SideTask-v0", entry_point=SideTask)
+
+
+@dataclass
+class GoRightConfig(PolicyConfig):
+    type: str = option("test_go_right", "registered name")
+
+
+@POLICIES.register("test_go_right", config=GoRightConfig)
+class GoRight(PolicyModule):
+    """Always pushes right with a learnable gain (test policy)."""
+
+    def __init__(self, config, spec):
+        super().__init__()
+        self.config = config
+        self.gain = torch.nn.Parameter(torch.ones(1))
+
+    def sample(self, inputs, generator=None, deterministic=False):
+        n = inputs["state"].shape[0]
+        return Sample(output=self.gain.detach().expand(n).reshape(n, 1, 1).clone(), logp=torch.zeros(n, 1), replay={"state": inputs["state"][:, None]})
+
+    def log_prob(self, replay):
+        return torch.zeros(replay["state"].shape[:2]) * self.gain
+
+
+def _config():
+    return TrainConfig(
+        env=GymEnvConfig(id="test/SideTask-v0", num_envs=3, kwargs={"task": "right"}),
+        policy=GoRightConfig(),
+        sampler=EnvSamplerConfig(),
+        algo=AlgoConfig(group_size=2),
+    )
+
+
+def test_suite_tables_videos_and_metrics(tmp_path):
+    cfg = _config()
+    run_dir = tmp_path / "run"
+    policy = GoRight(cfg.policy, {})
+    Checkpointer(run_dir).save(7, policy, torch.optim.SGD(policy.parameters(), lr=0.1), {}, "")
+    suite = SimpleNamespace(name="sides", env={"type": "gym", "id": "test/SideTask-v0", "num_envs": 3}, tasks=["left", "right"], episodes_per_task=4, seeds=[0, 1])
+    summary = evaluate_suite(cfg, run_dir, suite, videos=2)
+
+    rows = {r["task"]: r for r in summary["tasks"]}
+    assert rows["right"]["success_rate"] == 1.0 and rows["left"]["success_rate"] == 0.0
+    assert rows["left"]["episodes"] == 8  # 4 episodes x 2 seeds
+    assert summary["overall"]["success_rate"] == 0.5
+    assert summary["overall"]["ci95_low"] == wilson_interval(8, 16)[0]
+    out = run_dir / "eval" / "sides"
+    assert "| right | 8 | 1.000 |" in (out / "results.md").read_text()
+    assert (out / "results.csv").read_text().splitlines()[0] == "task,episodes,successes,success_rate,ci95_low,ci95_high"
+    assert json.loads((out / "results.json").read_text())["step"] == 7
+    videos = sorted(p.name for p in (out / "videos").glob("*.mp4"))
+    assert videos == ["left_0_failure.mp4", "left_1_failure.mp4", "right_0_success.mp4", "right_1_success.mp4"]
+    import imageio.v2 as imageio
+
+    frames = imageio.mimread(out / "videos" / "right_0_success.mp4")
+    assert len(frames) == 3  # reset frame + 2 steps (success after two pushes of +1)
+    assert frames[0].shape == (32, 32, 3)  # 8x8 observations enlarged 4x
+    record = read_metrics(run_dir)[-1]
+    assert record["step"] == 7 and record["suite/sides/success_rate"] == 0.5 and record["suite/sides/left/success_rate"] == 0.0
