@@ -28,7 +28,7 @@ class GymEnvConfig(EnvConfig):
     type: str = option("gym", "registered name of this component (see `mmrl list`)")
     kwargs: dict[str, Any] = option(factory=dict, doc="extra keyword arguments of gymnasium.make for every env")
     context: str | None = option(
-        None, "start method of async workers (null = the platform default; spawn for simulators that hang after fork)",
+        "spawn", "start method of async workers (spawn is safe with GL/simulator state in the parent; fork starts faster for light envs; null = the platform default)",
         choices=("fork", "spawn", "forkserver"),
     )
 
@@ -58,6 +58,29 @@ def _make_env(env_id: str, max_episode_steps: int | None, kwargs: dict) -> gymna
     return gymnasium.make(env_id, max_episode_steps=max_episode_steps, **kwargs)
 
 
+def _has_text(make_one) -> bool:
+    """Whether the env's observations hold a Text space (e.g. an instruction).
+
+    gymnasium's shared-memory buffers read Text observations only once, at start-up (later
+    ones come back blank or stale), so such envs send observations through pipes instead.
+    """
+    probe = make_one()
+    try:
+        return _contains_text(probe.observation_space)
+    finally:
+        probe.close()
+
+
+def _contains_text(space: gymnasium.Space) -> bool:
+    if isinstance(space, gymnasium.spaces.Text):
+        return True
+    if isinstance(space, gymnasium.spaces.Dict):
+        return any(_contains_text(s) for s in space.spaces.values())
+    if isinstance(space, gymnasium.spaces.Tuple):
+        return any(_contains_text(s) for s in space.spaces)
+    return False
+
+
 @ENVS.register("gym", config=GymEnvConfig)
 def make_vector_env(cfg: GymEnvConfig, seed: int) -> gymnasium.vector.VectorEnv:
     """Any gymnasium id (MuJoCo, classic control, mmrl/PointReach-v0, plugins) as a vector env.
@@ -68,7 +91,9 @@ def make_vector_env(cfg: GymEnvConfig, seed: int) -> gymnasium.vector.VectorEnv:
     cfg.validate("env")
     make_one = partial(_make_env, cfg.id, cfg.max_episode_steps, dict(cfg.kwargs))
     if cfg.vectorization == "async":
-        env = gymnasium.vector.AsyncVectorEnv([make_one] * cfg.num_envs, context=cfg.context)
+        env = gymnasium.vector.AsyncVectorEnv(
+            [make_one] * cfg.num_envs, context=cfg.context, shared_memory=not _has_text(make_one)
+        )
     else:
         env = gymnasium.vector.SyncVectorEnv([make_one] * cfg.num_envs)
     env.action_space.seed(seed)

@@ -1,5 +1,17 @@
 """Adapter for ManiSkill3 tasks: ``env: {type: maniskill, id: PushCube-v1, num_envs: 8}``.
 
+Observations:
+
+- ``obs_mode: state``: ManiSkill's flat state vector (robot proprioception plus the task's
+  privileged object state), as a float32 Box.
+- ``obs_mode: rgb``: structured observations ``{"image", "state", "instruction"}``:
+  ``image`` is the sensor camera's uint8 ``(H, W, 3)`` frame, or ``(K, H, W, 3)`` for K
+  cameras (``image_size`` sets H = W; ``cameras`` picks and orders them); ``state`` is the
+  flattened ``agent`` and ``extra`` parts ManiSkill gives in this mode (joint positions and
+  velocities, TCP pose, goal position ... but no object poses); ``instruction`` is a fixed
+  sentence per task ("push the cube to the goal"), also listed in the env's
+  ``instructions`` attribute so a policy can build its vocabulary offline.
+
 Two backends:
 
 - CPU (``sim_backend: physx_cpu``): ManiSkill's CPU simulation holds one env per scene, so
@@ -19,6 +31,7 @@ and most cube/peg tasks need none.
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal
@@ -32,6 +45,24 @@ from mmrl.train.config import EnvConfig
 
 _GPU_BACKENDS = ("gpu", "physx_cuda")
 
+# Fixed instructions of tasks that need no asset download, written from each task's
+# description in ManiSkill; other ids get their name in words ("TurnFaucet-v1" -> "turn faucet").
+INSTRUCTIONS = {
+    "PushCube-v1": "push the cube to the goal",
+    "PullCube-v1": "pull the cube to the goal",
+    "PickCube-v1": "pick up the cube and move it to the goal",
+    "StackCube-v1": "stack the red cube on the green cube",
+    "PokeCube-v1": "poke the cube with the peg to push it to the goal",
+    "PlaceSphere-v1": "place the sphere into the bin",
+    "RollBall-v1": "roll the ball to the goal",
+    "PushT-v1": "push the t block onto the t goal",
+    "PullCubeTool-v1": "use the tool to pull the cube",
+    "StackPyramid-v1": "stack the cubes into a pyramid",
+    "LiftPegUpright-v1": "lift the peg upright",
+    "PegInsertionSide-v1": "insert the peg into the hole",
+    "PlugCharger-v1": "plug the charger into the receptacle",
+}
+
 
 @dataclass
 class ManiSkillEnvConfig(EnvConfig):
@@ -44,7 +75,10 @@ class ManiSkillEnvConfig(EnvConfig):
     # for async, whose N spawned workers also take 30-40 s to start (8 envs) against ~3 s.
     # Bare stepping with random actions was a tie (sync 450-550, async 420-780, noisy).
     vectorization: Literal["sync", "async"] = option("sync", "CPU backend: sync (one process) or async (one spawned process per env)")
-    obs_mode: str = option("state", "ManiSkill observation mode (state, state_dict, rgb, rgbd, pointcloud ...)")
+    obs_mode: str = option("state", "state: ManiSkill's flat state vector; rgb: {image, state (proprioception), instruction}", choices=("state", "rgb"))
+    image_size: int | None = option(None, "rgb: side of the square sensor camera images (null = the task's own, 128 for most)", ge=8)
+    cameras: list[str] | None = option(None, "rgb: sensor cameras to stack as the image, in this order (null = all the task's)")
+    instruction: str | None = option(None, "rgb: the instruction given with every observation (null = the task's built-in sentence)")
     control_mode: str = option("pd_ee_delta_pos", "robot controller (pd_ee_delta_pos, pd_ee_delta_pose, pd_joint_delta_pos ...)")
     reward_mode: str = option("normalized_dense", "reward of each step", choices=("normalized_dense", "dense", "sparse", "none"))
     sim_backend: str = option("physx_cpu", "physx_cpu / cpu (gymnasium-vectorized) or gpu / physx_cuda (batched)", choices=("physx_cpu", "cpu", "gpu", "physx_cuda"))
@@ -52,7 +86,78 @@ class ManiSkillEnvConfig(EnvConfig):
     kwargs: dict[str, Any] = option(factory=dict, doc="extra keyword arguments of gymnasium.make (e.g. robot_uids)")
 
     def validate(self, path: str) -> None:
-        check_maniskill_id(self.id, f"{path}.id" if path else "id")
+        p = f"{path}." if path else ""
+        check_maniskill_id(self.id, p + "id")
+        if self.cameras is not None and not self.cameras:
+            raise ConfigError(p + "cameras", self.cameras, "name at least one sensor camera, or null for all")
+        if self.instruction is not None and not self.instruction.strip():
+            raise ConfigError(p + "instruction", self.instruction, "a sentence, or null for the task's built-in one")
+
+
+def task_instruction(env_id: str) -> str:
+    """The fixed instruction of a ManiSkill task: from :data:`INSTRUCTIONS`, else its id in words."""
+    if env_id in INSTRUCTIONS:
+        return INSTRUCTIONS[env_id]
+    name = re.sub(r"-v\d+$", "", env_id).replace("-", " ")
+    return " ".join(re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+", name)).lower() or env_id
+
+
+class StructuredObservation(gymnasium.ObservationWrapper):
+    """ManiSkill's rgb observations (batched torch, inside the simulator's env) as
+    ``{"image": uint8 [n, (K,) H, W, 3], "state": float32 [n, D]}``.
+
+    ``state`` concatenates every leaf of ``agent`` and ``extra`` in ManiSkill's order (booleans
+    such as ``is_grasped`` become 0/1). Camera parameters are dropped.
+    """
+
+    def __init__(self, env: gymnasium.Env, cameras: list[str] | None):
+        super().__init__(env)
+        raw = self.env.unwrapped._init_raw_obs
+        available = list(raw["sensor_data"])
+        missing = [c for c in cameras or () if c not in available]
+        if missing:
+            raise ConfigError("env.cameras", cameras, f"sensor cameras of this task: {', '.join(available)}")
+        self.cameras = list(cameras or available)
+        # ManiSkill derives its observation spaces from one observation; give it ours.
+        self.env.unwrapped.update_obs_space(self.observation(raw))
+
+    def observation(self, observation: dict) -> dict:
+        import torch
+
+        frames = [observation["sensor_data"][c]["rgb"] for c in self.cameras]
+        image = frames[0] if len(frames) == 1 else torch.stack(frames, dim=1)
+        leaves = []
+        for part in ("agent", "extra"):
+            _collect_leaves(observation.get(part, {}), leaves)
+        n = image.shape[0]
+        state = torch.cat([leaf.reshape(n, -1).to(torch.float32) for leaf in leaves], dim=1) if leaves else image.new_zeros((n, 0), dtype=torch.float32)
+        return {"image": image.to(torch.uint8), "state": state}
+
+
+def _collect_leaves(tree, out: list) -> None:
+    if isinstance(tree, dict):
+        for value in tree.values():
+            _collect_leaves(value, out)
+    else:
+        out.append(tree)
+
+
+def _text_space(texts: list[str]) -> gymnasium.spaces.Text:
+    # A sorted string, not a set: async workers send text as indices into the charset, and
+    # a set's order changes with each process's string hashing.
+    return gymnasium.spaces.Text(max_length=max(len(t) for t in texts), min_length=0, charset="".join(sorted(set("".join(texts)))))
+
+
+class WithInstruction(gymnasium.ObservationWrapper):
+    """Adds the task's fixed ``instruction`` to a (single, numpy) structured observation."""
+
+    def __init__(self, env: gymnasium.Env, instruction: str):
+        super().__init__(env)
+        self.instructions = [instruction]
+        self.observation_space = gymnasium.spaces.Dict({**env.observation_space.spaces, "instruction": _text_space(self.instructions)})
+
+    def observation(self, observation: dict) -> dict:
+        return {**observation, "instruction": self.instructions[0]}
 
 
 def _import_maniskill():
@@ -74,17 +179,24 @@ def check_maniskill_id(env_id: str, field: str) -> None:
     raise ConfigError(field, env_id, f"not a ManiSkill task; {hint}")
 
 
-def _make_cpu_env(env_id: str, max_episode_steps: int | None, ignore_terminations: bool, kwargs: dict) -> gymnasium.Env:
+def _make_cpu_env(env_id: str, max_episode_steps: int | None, ignore_terminations: bool, kwargs: dict, structured: dict | None = None) -> gymnasium.Env:
+    """One CPU env; ``structured`` = {"cameras", "instruction"} for rgb observations."""
     # Runs in spawned workers too: import mani_skill there to register its tasks.
     _import_maniskill()
     from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
 
     env = gymnasium.make(env_id, num_envs=1, max_episode_steps=max_episode_steps, **kwargs)
-    return CPUGymWrapper(env, ignore_terminations=ignore_terminations)
+    if structured is not None:
+        env = StructuredObservation(env, structured["cameras"])
+    env = CPUGymWrapper(env, ignore_terminations=ignore_terminations)
+    if structured is not None:
+        env = WithInstruction(env, structured["instruction"])
+    return env
 
 
-def _make_gpu_env(cfg: ManiSkillEnvConfig, kwargs: dict) -> gymnasium.vector.VectorEnv:
+def _make_gpu_env(cfg: ManiSkillEnvConfig, kwargs: dict, structured: dict | None) -> gymnasium.vector.VectorEnv:
     import torch
+    from gymnasium.vector.utils import batch_space
     from mani_skill.vector.wrappers.gymnasium import ManiSkillVectorEnv
 
     class SeedSharingVectorEnv(ManiSkillVectorEnv):
@@ -101,10 +213,34 @@ def _make_gpu_env(cfg: ManiSkillEnvConfig, kwargs: dict) -> gymnasium.vector.Vec
             states = _index_tree(self.base_env.get_state_dict(), source)
             return super().reset(seed=list(seed), options={"reset_to_env_states": {"env_states": states}})
 
+    class InstructedVectorEnv(SeedSharingVectorEnv):
+        """Structured observations of the batched env plus the fixed instruction of every env."""
+
+        def __init__(self, env, num_envs, instruction, **kwargs):
+            super().__init__(env, num_envs, **kwargs)
+            self.instructions = [instruction]
+            self.single_observation_space = gymnasium.spaces.Dict({**self.single_observation_space.spaces, "instruction": _text_space(self.instructions)})
+            self.observation_space = batch_space(self.single_observation_space, self.num_envs)
+
+        def _instructed(self, obs):
+            return {**obs, "instruction": tuple(self.instructions * self.num_envs)}
+
+        def reset(self, *, seed=None, options=None):
+            obs, info = super().reset(seed=seed, options=options)
+            return self._instructed(obs), info
+
+        def step(self, actions):
+            obs, *rest = super().step(actions)
+            return (self._instructed(obs), *rest)
+
     env = gymnasium.make(cfg.id, num_envs=cfg.num_envs, max_episode_steps=cfg.max_episode_steps, **kwargs)
     # The sampler resets every wave of episodes itself and ignores what a finished env
     # returns, so ManiSkill's partial auto-resets would only cost time.
-    return SeedSharingVectorEnv(env, cfg.num_envs, auto_reset=False, ignore_terminations=cfg.ignore_terminations)
+    options = dict(auto_reset=False, ignore_terminations=cfg.ignore_terminations)
+    if structured is None:
+        return SeedSharingVectorEnv(env, cfg.num_envs, **options)
+    env = StructuredObservation(env, structured["cameras"])
+    return InstructedVectorEnv(env, cfg.num_envs, structured["instruction"], **options)
 
 
 def _index_tree(tree, index):
@@ -122,12 +258,19 @@ def make_vector_env(cfg: ManiSkillEnvConfig, seed: int) -> gymnasium.vector.Vect
     """
     cfg.validate("env")
     kwargs = dict(obs_mode=cfg.obs_mode, control_mode=cfg.control_mode, reward_mode=cfg.reward_mode, sim_backend=cfg.sim_backend, **cfg.kwargs)
+    structured = None
+    if cfg.obs_mode == "rgb":
+        structured = {"cameras": cfg.cameras, "instruction": cfg.instruction if cfg.instruction is not None else task_instruction(cfg.id)}
+        if cfg.image_size is not None:
+            kwargs["sensor_configs"] = {**kwargs.get("sensor_configs", {}), "width": cfg.image_size, "height": cfg.image_size}
     if cfg.sim_backend in _GPU_BACKENDS:
-        env = _make_gpu_env(cfg, kwargs)
+        env = _make_gpu_env(cfg, kwargs, structured)
     else:
-        make_one = partial(_make_cpu_env, cfg.id, cfg.max_episode_steps, cfg.ignore_terminations, kwargs)
+        make_one = partial(_make_cpu_env, cfg.id, cfg.max_episode_steps, cfg.ignore_terminations, kwargs, structured)
         if cfg.vectorization == "async":
-            env = gymnasium.vector.AsyncVectorEnv([make_one] * cfg.num_envs, context="spawn")
+            # gymnasium reads Text observations out of shared memory only once, at start-up
+            # (the instruction would stay blank): structured observations go through pipes.
+            env = gymnasium.vector.AsyncVectorEnv([make_one] * cfg.num_envs, context="spawn", shared_memory=structured is None)
         else:
             env = gymnasium.vector.SyncVectorEnv([make_one] * cfg.num_envs)
     env.action_space.seed(seed)

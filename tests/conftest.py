@@ -8,6 +8,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MUJOCO_GL", "egl")
 ROOT = Path(__file__).resolve().parents[1]
 
+# Two cores shared with simulators and subprocesses: one intra-op thread is much
+# faster and steadier than two under load (tests measure behaviour, never speed).
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
 
 def point_reach_config(**sections) -> dict:
     """A tiny env run as a plain dict (what a YAML file would hold)."""

@@ -1,5 +1,3 @@
-import sys
-
 import gymnasium
 import numpy as np
 import pytest
@@ -7,8 +5,7 @@ import pytest
 import mmrl.envs  # noqa: F401  (registers mmrl/PointReach-v0)
 from mmrl.config import from_dict
 from mmrl.envs.gym import GymEnvConfig
-from mmrl.envs.maniskill import ManiSkillEnvConfig
-from mmrl.errors import ConfigError, MissingExtraError
+from mmrl.errors import ConfigError
 from mmrl.registry import ENVS
 
 # ------------------------------------------------------------------ PointReach
@@ -84,52 +81,3 @@ def test_gym_id_with_an_unimportable_module_prefix_is_a_config_error():
     with pytest.raises(ConfigError, match="no_such_package") as err:
         from_dict(GymEnvConfig, {"type": "gym", "id": "no_such_package:Thing-v0"}, "env")
     assert err.value.field == "env.id"
-
-
-# ------------------------------------------------------------------ ManiSkill
-
-
-def test_maniskill_without_the_package_says_which_extra_to_install(monkeypatch):
-    for name in ("mani_skill", "mani_skill.envs", "mani_skill.utils.registration"):
-        monkeypatch.setitem(sys.modules, name, None)
-    with pytest.raises(MissingExtraError, match=r"mmrl\[maniskill\]"):
-        ManiSkillEnvConfig(id="PushCube-v1").validate("env")
-
-
-@pytest.fixture(scope="module")
-def mani_skill():
-    return pytest.importorskip("mani_skill", reason="mani_skill is not installed (pip install 'mmrl[maniskill]')")
-
-
-def test_unknown_maniskill_id_is_a_config_error_with_close_matches(mani_skill):
-    with pytest.raises(ConfigError, match="PushCube-v1") as err:
-        from_dict(ManiSkillEnvConfig, {"type": "maniskill", "id": "PushCube-v2"}, "env")
-    assert err.value.field == "env.id"
-
-
-@pytest.mark.filterwarnings("ignore:__array_wrap__:DeprecationWarning")  # inside ManiSkill
-def test_maniskill_pushcube_state_collects_a_small_rollout(mani_skill):
-    from mmrl.core.policy import build_policy
-    from mmrl.policies.gaussian_mlp import GaussianMLPConfig
-    from mmrl.samplers.env import EnvSampler, EnvSamplerConfig
-    from mmrl.train.config import AlgoConfig, TrainConfig
-
-    cfg = TrainConfig(
-        env=ManiSkillEnvConfig(id="PushCube-v1", num_envs=2),
-        policy=GaussianMLPConfig(hidden_sizes=[16]),
-        sampler=EnvSamplerConfig(max_decisions=4),
-        algo=AlgoConfig(group_size=2),
-    )
-    sampler = EnvSampler(cfg.sampler, cfg)
-    try:
-        spec = sampler.policy_spec()
-        assert spec["obs_dim"] == 35 and spec["action_dim"] == 4
-        rollout = sampler.collect(build_policy(cfg.policy, spec), num_groups=1, group_size=2, step=0)
-    finally:
-        sampler.close()
-    assert rollout.old_logp.shape == (2, 4) and rollout.mask.sum() == 8
-    obs = rollout.replay["obs"][:, 0]
-    assert np.array_equal(obs[0].numpy(), obs[1].numpy())  # the group shares its initial state
-    assert not np.array_equal(rollout.replay["obs"][0, 1].numpy(), rollout.replay["obs"][1, 1].numpy())
-    assert rollout.info["truncated"].all() and (rollout.info["length"] == 4).all()
-    assert np.isfinite(rollout.info["return"].numpy()).all() and sampler.env_steps == 8

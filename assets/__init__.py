@@ -1,0 +1,1 @@
+"""Data files shipped with mmrl: MJCF scenes and small weights made by mmrl."""

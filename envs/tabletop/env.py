@@ -1,0 +1,246 @@
+"""``mmrl/Tabletop-v0``: language-conditioned pushing on a MuJoCo table, rendered on the CPU.
+
+A floating cylindrical pusher (two slide joints, velocity actuators) pushes 5 cm blocks
+(free bodies) on a walled table; flat coloured zones are visual only. The tasks, their
+instructions, initial-state distributions and success predicates are in
+:mod:`mmrl.envs.tabletop.tasks`.
+
+- action: ``Box(-1, 1, (2,), float32)``, the pusher's planar velocity command as a fraction
+  of ``MAX_SPEED`` (0.4 m/s); one control step lasts ``CONTROL_DT`` (0.1 s = 20 physics
+  steps of 5 ms), so the pusher moves at most 4 cm per step.
+- observation: ``Dict(image=uint8 (H, W, 3) or (K, H, W, 3) for K cameras, state=float32
+  [x, y, vx, vy] of the pusher, instruction=Text)``. Block positions are not in the state:
+  the policy sees the blocks only in the image.
+- reward: 1 on the step that solves the task, else 0 (sparse); ``info["success"]`` every
+  step and ``info["task"]`` the task's name. The episode terminates on success and is
+  truncated at the time limit (60 steps unless ``max_episode_steps`` says otherwise).
+- reset seed → task (when the env has several) and initial state, so equal seeds give equal
+  tasks, states and observations. ``reset(options={"task": name})`` picks the task (one of
+  the env's) instead of the seed; the state then depends on the seed only, as in an env of
+  that single task.
+
+MuJoCo is imported when the first env is built (``pip install 'mmrl[mujoco]'``), after
+:mod:`mmrl.envs.render` has chosen an offscreen GL backend.
+"""
+
+from __future__ import annotations
+
+import atexit
+import string
+import weakref
+from pathlib import Path
+
+import gymnasium
+import numpy as np
+from gymnasium import spaces
+
+from mmrl.envs.tabletop.tasks import FAMILIES, TASKS, Scene, Task, resolve_tasks, sample_scene
+from mmrl.errors import ConfigError, MissingExtraError
+
+MAX_SPEED = 0.4  # m/s at |action| = 1
+PHYSICS_STEPS = 20  # per control step; with the 5 ms timestep of the scenes, CONTROL_DT = 0.1 s
+CONTROL_DT = 0.1
+BLOCK_Z = 0.025
+CAMERAS = ("top", "front")
+INSTRUCTION_CHARSET = string.ascii_letters + string.digits + " -,.'"
+MAX_INSTRUCTION_LENGTH = 128
+
+
+def _import_mujoco():
+    from mmrl.envs.render import select_gl_backend
+
+    select_gl_backend()
+    try:
+        import mujoco
+    except ImportError:
+        raise MissingExtraError("mujoco", "mujoco", "env mmrl/Tabletop-v0") from None
+    return mujoco
+
+
+def scene_path(family: str) -> Path:
+    """The MJCF file of a family's scene (package data of ``mmrl.assets``)."""
+    import mmrl.assets
+
+    return Path(mmrl.assets.__file__).parent / "tabletop" / FAMILIES[family].scene
+
+
+_live_simulations: "weakref.WeakSet[_Simulation]" = weakref.WeakSet()
+_exit_hook = False
+
+
+def _close_live_simulations() -> None:
+    for sim in list(_live_simulations):
+        sim.close()
+
+
+class _Simulation:
+    """One family's MuJoCo model and data, and a renderer per image size in use."""
+
+    def __init__(self, family: str):
+        mujoco = self.mujoco = _import_mujoco()
+        self.model = mujoco.MjModel.from_xml_path(str(scene_path(family)))
+        self.model.vis.quality.shadowsize = 0  # shadows and multisampling cost most of a CPU frame
+        self.model.vis.quality.offsamples = 0
+        self.data = mujoco.MjData(self.model)
+        self.num_blocks = len(FAMILIES[family].colours)
+        joints = [self.model.joint(f"block_{i}") for i in range(self.num_blocks)]
+        self.block_qpos = np.array([j.qposadr[0] for j in joints])
+        self.pusher_qpos = np.array([self.model.joint(n).qposadr[0] for n in ("pusher_x", "pusher_y")])
+        self.pusher_qvel = np.array([self.model.joint(n).dofadr[0] for n in ("pusher_x", "pusher_y")])
+        self.zone_mocap = int(self.model.body("zone").mocapid[0]) if FAMILIES[family].zone else None
+        self.renderers: dict[tuple[int, int], object] = {}
+        _live_simulations.add(self)
+
+    def reset(self, scene: Scene) -> None:
+        mujoco, data = self.mujoco, self.data
+        mujoco.mj_resetData(self.model, data)
+        data.qpos[self.pusher_qpos] = scene.pusher
+        for i, adr in enumerate(self.block_qpos):
+            half = scene.yaw[i] / 2
+            data.qpos[adr : adr + 7] = [*scene.blocks[i], BLOCK_Z, np.cos(half), 0.0, 0.0, np.sin(half)]
+        if self.zone_mocap is not None:
+            data.mocap_pos[self.zone_mocap, :2] = scene.zone
+        mujoco.mj_forward(self.model, data)
+
+    def step(self, velocity: np.ndarray) -> None:
+        self.data.ctrl[:] = velocity
+        self.mujoco.mj_step(self.model, self.data, nstep=PHYSICS_STEPS)
+
+    def blocks(self) -> np.ndarray:
+        return np.stack([self.data.qpos[adr : adr + 2] for adr in self.block_qpos])
+
+    def render(self, cameras: tuple[str, ...], height: int, width: int) -> np.ndarray:
+        global _exit_hook
+        renderer = self.renderers.get((height, width))
+        if renderer is None:
+            vis = self.model.vis.global_
+            vis.offwidth, vis.offheight = max(vis.offwidth, width), max(vis.offheight, height)
+            renderer = self.renderers[(height, width)] = self.mujoco.Renderer(self.model, height, width)
+            if not _exit_hook:
+                # EGL registers the termination of its display at exit when the first
+                # context is made; renderers still open after that fail noisily in
+                # __del__. Registered later, this hook runs earlier and closes them.
+                atexit.register(_close_live_simulations)
+                _exit_hook = True
+        frames = []
+        for camera in cameras:
+            renderer.update_scene(self.data, camera=camera)
+            frames.append(renderer.render())
+        return np.stack(frames)
+
+    def close(self) -> None:
+        for renderer in self.renderers.values():
+            renderer.close()
+        self.renderers.clear()
+
+
+class TabletopEnv(gymnasium.Env):
+    """Language-conditioned planar pushing; see the module docstring."""
+
+    metadata = {"render_modes": ["rgb_array"], "render_fps": int(1 / CONTROL_DT)}
+
+    def __init__(
+        self,
+        task: str | list[str] = "all",
+        image_size: int = 64,
+        cameras: str | list[str] = "top",
+        render_mode: str | None = None,
+        render_size: int = 256,
+    ):
+        """``task``: a task name, a family (spatial, object, goal), ``all``, or a list of
+        these; ``image_size``: side of the observed images; ``cameras``: one camera name or a
+        list (``top``, ``front``); ``render_size``: side of ``render()`` frames (all cameras
+        side by side)."""
+        self.task_names = resolve_tasks(task, "env.kwargs.task")
+        names = [cameras] if isinstance(cameras, str) else list(cameras)
+        if not names or any(c not in CAMERAS for c in names):
+            raise ConfigError("env.kwargs.cameras", cameras, f"expected one or a list of {', '.join(CAMERAS)}")
+        for field, value in (("image_size", image_size), ("render_size", render_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or not 8 <= value <= 2048:
+                raise ConfigError(f"env.kwargs.{field}", value, "expected an integer in [8, 2048]")
+        if render_mode not in (None, "rgb_array"):
+            raise ConfigError("render_mode", render_mode, "expected null or 'rgb_array'")
+        _import_mujoco()  # fail at make, not at the first reset, when the extra is missing
+        self.cameras = tuple(names)
+        self.image_size, self.render_size, self.render_mode = image_size, render_size, render_mode
+        self.instructions = list(dict.fromkeys(TASKS[name].instruction for name in self.task_names))
+        image_shape = (image_size, image_size, 3) if len(names) == 1 else (len(names), image_size, image_size, 3)
+        self.observation_space = spaces.Dict(
+            {
+                "image": spaces.Box(0, 255, image_shape, np.uint8),
+                "state": spaces.Box(-np.inf, np.inf, (4,), np.float32),
+                "instruction": spaces.Text(MAX_INSTRUCTION_LENGTH, charset=INSTRUCTION_CHARSET),
+            }
+        )
+        self.action_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
+        self._scenes: dict[str, _Simulation] = {}
+        self._sim: _Simulation | None = None
+        self.task: Task = TASKS[self.task_names[0]]
+        self.target = 0
+        self.zone: np.ndarray | None = None
+
+    # ------------------------------------------------------------------ gymnasium API
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        name = (options or {}).get("task")
+        if name is not None:
+            if name not in self.task_names:
+                raise ConfigError("options.task", name, f"not a task of this env; its tasks: {', '.join(self.task_names)}")
+        elif len(self.task_names) > 1:
+            name = self.task_names[int(self.np_random.integers(len(self.task_names)))]
+        else:
+            name = self.task_names[0]
+        self.task = TASKS[name]
+        scene = sample_scene(FAMILIES[self.task.family], self.task, self.np_random)
+        if self.task.family not in self._scenes:
+            self._scenes[self.task.family] = _Simulation(self.task.family)
+        self._sim = self._scenes[self.task.family]
+        self._sim.reset(scene)
+        self.target = self.task.target_of(scene.blocks)
+        self.zone = scene.zone
+        return self._observation(), {"success": False, "task": name}
+
+    def step(self, action):
+        if self._sim is None:
+            raise RuntimeError("call reset() before step()")
+        command = np.clip(np.asarray(action, dtype=np.float64).reshape(2), -1.0, 1.0)
+        self._sim.step(command * MAX_SPEED)
+        success = self.task.success(self._sim.blocks(), self.target, self.zone)
+        return self._observation(), float(success), success, False, {"success": success, "task": self.task.name}
+
+    def render(self):
+        if self.render_mode != "rgb_array" or self._sim is None:
+            return None
+        frames = self._sim.render(self.cameras, self.render_size, self.render_size)
+        return np.concatenate(list(frames), axis=1)
+
+    def close(self):
+        for sim in self._scenes.values():
+            sim.close()
+        self._scenes.clear()
+        self._sim = None
+
+    # ------------------------------------------------------------------ observations and privileged state
+
+    def _observation(self) -> dict:
+        images = self._sim.render(self.cameras, self.image_size, self.image_size)
+        return {
+            "image": images[0] if len(self.cameras) == 1 else images,
+            "state": np.concatenate([self.pusher_position(), self.pusher_velocity()]).astype(np.float32),
+            "instruction": self.task.instruction,
+        }
+
+    def pusher_position(self) -> np.ndarray:
+        return self._sim.data.qpos[self._sim.pusher_qpos].copy()
+
+    def pusher_velocity(self) -> np.ndarray:
+        return self._sim.data.qvel[self._sim.pusher_qvel].copy()
+
+    def block_positions(self) -> np.ndarray:
+        """Centres ``[n, 2]`` of the scene's blocks (privileged: not in the observation)."""
+        return self._sim.blocks()
+
+    def goal_point(self) -> np.ndarray:
+        """Where the target block should go now (the scripted expert's aim)."""
+        return self.task.goal_point(self._sim.blocks(), self.target, self.zone)

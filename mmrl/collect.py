@@ -1,0 +1,125 @@
+"""``mmrl collect``: run the scripted experts of ``mmrl/Tabletop-v0`` and write demonstrations.
+
+Episode j of every task resets with seed ``seed + j`` (and the task forced through
+``reset(options={"task": ...})``), so a task's demonstrations are reproducible and equal to
+those of an env holding that task alone. Demonstration seeds must stay below 2**31: mmrl
+evaluates with reset seeds at or above 2**31 (``mmrl/samplers/env.py``), so no evaluation
+episode starts from a demonstrated initial state.
+
+Only successful episodes are written unless ``keep_failures``; the summary says how many
+failed. Episodes are written task by task (see :mod:`mmrl.demos` for the format).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from mmrl.demos import INDEX, Episode, read_index, write_demos
+from mmrl.errors import ConfigError
+
+TABLETOP_ID = "mmrl/Tabletop-v0"
+DEMO_SEED_LIMIT = 2**31  # evaluation reset seeds start here
+
+
+def collect(
+    tasks: list[str],
+    episodes_per_task: int,
+    out: str | os.PathLike,
+    *,
+    seed: int = 0,
+    env_kwargs: dict[str, Any] | None = None,
+    max_episode_steps: int | None = None,
+    noise: float = 0.0,
+    keep_failures: bool = False,
+    append: bool = False,
+    env_id: str = TABLETOP_ID,
+    report: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Collect ``episodes_per_task`` expert episodes of each task into ``out``.
+
+    ``env_kwargs`` go to ``gymnasium.make`` (``image_size``, ``cameras`` ...; ``task`` is set
+    here); ``noise`` is the standard deviation of Gaussian noise added to the expert's
+    actions (seeded per episode); ``report`` receives one line per task. Returns a summary:
+    ``{"out", "written", "failed", "steps", "tasks": {task: {"succeeded", "failed"}}}``."""
+    import gymnasium
+
+    import mmrl.envs  # noqa: F401  (registers mmrl/Tabletop-v0)
+    from mmrl.envs.tabletop.expert import expert_action
+    from mmrl.envs.tabletop.tasks import resolve_tasks
+
+    if env_id != TABLETOP_ID:
+        raise ConfigError("env_id", env_id, f"scripted experts exist for {TABLETOP_ID} only")
+    tasks = resolve_tasks(tasks, "task")
+    if not isinstance(episodes_per_task, int) or episodes_per_task < 1:
+        raise ConfigError("episodes_per_task", episodes_per_task, "expected a positive integer")
+    if not isinstance(seed, int) or seed < 0 or seed + episodes_per_task > DEMO_SEED_LIMIT:
+        raise ConfigError("seed", seed, "demonstration seeds seed .. seed + episodes_per_task - 1 must lie in [0, 2**31) (evaluation uses seeds >= 2**31)")
+    if noise < 0:
+        raise ConfigError("noise", noise, "expected a standard deviation >= 0")
+    kwargs = {k: v for k, v in (env_kwargs or {}).items() if k != "task"}
+    out = Path(out)
+    previous: list = []
+    if (out / INDEX).exists():
+        index = read_index(out)
+        if not append:
+            raise ConfigError("out", str(out), "already holds demonstrations; choose another directory or append to it")
+        if (index.get("env_id"), index.get("env_kwargs")) != (env_id, kwargs):
+            raise ConfigError("out", str(out), f"holds demonstrations of {index.get('env_id')} with env kwargs {index.get('env_kwargs')}; append only with the same env and kwargs ({kwargs})")
+        previous = index.get("collections", [])
+
+    env = gymnasium.make(env_id, max_episode_steps=max_episode_steps, task=tasks, **kwargs)
+    summary: dict[str, Any] = {"out": str(out), "written": 0, "failed": 0, "steps": 0, "tasks": {}}
+    try:
+        for task_index, task in enumerate(tasks):
+            episodes, failed = [], 0
+            for j in range(episodes_per_task):
+                episode = _run_episode(env, expert_action, task, seed + j, noise, np.random.default_rng([seed + j, task_index]))
+                summary["steps"] += len(episode)
+                if episode.success or keep_failures:
+                    episodes.append(episode)
+                failed += not episode.success
+            summary["tasks"][task] = {"succeeded": episodes_per_task - failed, "failed": failed}
+            summary["written"] += len(episodes)
+            summary["failed"] += failed
+            run = {"tasks": tasks[: task_index + 1], "episodes_per_task": episodes_per_task, "seed": seed, "noise": noise, "keep_failures": keep_failures}
+            metadata = {
+                "env_id": env_id,
+                "env_kwargs": kwargs,
+                "max_episode_steps": env.spec.max_episode_steps if env.spec else None,
+                "collections": previous + [run],
+            }
+            write_demos(out, episodes, metadata=metadata, append=append or task_index > 0)
+            if report is not None:
+                report(f"{task}: {episodes_per_task - failed}/{episodes_per_task} succeeded")
+    finally:
+        env.close()
+    return summary
+
+
+def _run_episode(env, expert_action, task: str, seed: int, noise: float, rng: np.random.Generator) -> Episode:
+    obs, _ = env.reset(seed=seed, options={"task": task})
+    images, states, actions, rewards = [], [], [], []
+    info: dict = {"success": False}
+    done = False
+    while not done:
+        action = expert_action(env, noise=noise, rng=rng)
+        images.append(obs["image"])
+        states.append(obs["state"])
+        actions.append(action)
+        obs, reward, terminated, truncated, info = env.step(action)
+        rewards.append(reward)
+        done = terminated or truncated
+    return Episode(
+        image=np.stack(images).astype(np.uint8),
+        state=np.stack(states).astype(np.float32),
+        action=np.stack(actions).astype(np.float32),
+        reward=np.asarray(rewards, dtype=np.float32),
+        success=bool(info["success"]),
+        instruction=str(obs["instruction"]),
+        task=task,
+        seed=seed,
+    )

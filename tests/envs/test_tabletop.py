@@ -1,0 +1,291 @@
+"""mmrl/Tabletop-v0: spaces, determinism, task selection, success predicates, experts,
+rendering backend selection."""
+
+import os
+import subprocess
+import sys
+
+import gymnasium
+import numpy as np
+import pytest
+
+import mmrl.envs  # noqa: F401  (registers mmrl/Tabletop-v0)
+from mmrl.envs.gym import GymEnvConfig
+from mmrl.envs.tabletop.expert import expert_action
+from mmrl.envs.tabletop.tasks import FAMILIES, TASKS, family_tasks, resolve_tasks
+from mmrl.errors import ConfigError
+from mmrl.registry import ENVS
+
+ID = "mmrl/Tabletop-v0"
+
+
+def _run_expert(env, seed, task=None, noise=0.0):
+    """Roll the expert out; returns (actions, last info, terminated, steps)."""
+    env.reset(seed=seed, options={"task": task} if task else None)
+    rng = np.random.default_rng(seed)
+    actions = []
+    while True:
+        action = expert_action(env, noise=noise, rng=rng)
+        actions.append(action)
+        _, reward, terminated, truncated, info = env.step(action)
+        if terminated or truncated:
+            return actions, info, terminated, reward
+
+
+def _subprocess(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k not in ("MUJOCO_GL", "PYOPENGL_PLATFORM")}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**environ, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def env():
+    env = gymnasium.make(ID, task="all")
+    yield env
+    env.close()
+
+
+# ------------------------------------------------------------------ tasks
+
+
+def test_suite_has_at_least_12_tasks_in_three_families_with_distinct_instructions():
+    assert len(TASKS) >= 12
+    assert set(FAMILIES) == {"spatial", "object", "goal"}
+    for family in FAMILIES:
+        assert len(family_tasks(family)) >= 4
+    instructions = [t.instruction for t in TASKS.values()]
+    assert len(set(instructions)) == len(instructions)
+
+
+def test_resolve_tasks_expands_families_and_rejects_unknown_names_with_the_field():
+    assert resolve_tasks("spatial") == family_tasks("spatial")
+    assert resolve_tasks(["object_red", "goal", "object_red"]) == ["object_red", *family_tasks("goal")]
+    assert resolve_tasks("all") == list(TASKS)
+    with pytest.raises(ConfigError, match="spatial_left") as err:
+        resolve_tasks(["spatial_lft"], "env.kwargs.task")
+    assert err.value.field == "env.kwargs.task" and err.value.value == "spatial_lft"
+
+
+def test_success_predicates_count_only_the_named_block():
+    spatial = TASKS["spatial_left"]
+    zone = np.array([0.0, 0.1])
+    blocks = np.array([[-0.15, -0.1], [0.0, -0.1], [0.15, -0.1]])
+    left = spatial.target_of(blocks)
+    assert left == 0 and TASKS["spatial_right"].target_of(blocks) == 2
+    wrong = blocks.copy()
+    wrong[2] = zone  # the right block, moved into the zone
+    right = blocks.copy()
+    right[0] = zone + 0.04
+    assert not spatial.success(wrong, left, zone) and spatial.success(right, left, zone)
+    goal = TASKS["goal_blue_top_left"]  # blue is block 1 of the goal scene
+    scene = np.array([[0.0, 0.0], [-0.2, 0.2], [0.1, 0.1]])
+    assert goal.success(scene, 1, None) and not TASKS["goal_red_bottom_right"].success(scene, 0, None)
+    near = TASKS["goal_red_next_to_yellow"]
+    assert near.success(np.array([[0.1, 0.05], [0.0, -0.2], [0.1, 0.1]]), 0, None)
+    assert not near.success(np.array([[0.1, -0.05], [0.0, -0.2], [0.1, 0.1]]), 0, None)
+
+
+# ------------------------------------------------------------------ env API
+
+
+def test_observation_holds_image_state_and_instruction_of_the_spaces(env):
+    obs, info = env.reset(seed=0)
+    space = env.observation_space
+    assert space.contains(obs)
+    assert obs["image"].shape == (64, 64, 3) and obs["image"].dtype == np.uint8
+    assert obs["state"].shape == (4,) and obs["state"].dtype == np.float32
+    assert obs["instruction"] == TASKS[info["task"]].instruction
+    assert env.unwrapped.instructions == [t.instruction for t in TASKS.values()]
+    assert env.action_space.shape == (2,) and env.action_space.dtype == np.float32
+    assert env.spec.max_episode_steps == 60
+    assert obs["image"].std() > 10  # a real rendered scene, not a blank frame
+
+
+def test_two_cameras_give_k_images_and_image_size_is_configurable():
+    env = gymnasium.make(ID, task="object_red", image_size=32, cameras=["top", "front"])
+    obs, _ = env.reset(seed=1)
+    assert obs["image"].shape == (2, 32, 32, 3) and env.observation_space["image"].shape == (2, 32, 32, 3)
+    assert not np.array_equal(obs["image"][0], obs["image"][1])
+    env.close()
+
+
+def test_state_is_the_pusher_only_and_moves_with_the_action(env):
+    obs, _ = env.reset(seed=2, options={"task": "object_blue"})
+    before = obs["state"][:2].copy()
+    for _ in range(3):
+        obs, *_ = env.step(np.array([1.0, 0.0], np.float32) * -np.sign(before[0]))
+    moved = obs["state"][:2] - before
+    assert abs(moved[0]) > 0.05 and abs(moved[1]) < 0.01
+    assert np.allclose(obs["state"][:2], env.unwrapped.pusher_position(), atol=1e-6)
+
+
+def test_equal_seeds_give_equal_tasks_states_and_observations():
+    a = gymnasium.make(ID, task="all")
+    b = gymnasium.make(ID, task="all")
+    actions = np.random.default_rng(0).uniform(-1, 1, size=(5, 2)).astype(np.float32)
+    obs_a, info_a = a.reset(seed=123)
+    obs_b, info_b = b.reset(seed=123)
+    assert info_a["task"] == info_b["task"]
+    for action in actions:
+        assert np.array_equal(obs_a["image"], obs_b["image"]) and np.array_equal(obs_a["state"], obs_b["state"])
+        obs_a, *_ = a.step(action)
+        obs_b, *_ = b.step(action)
+    obs_c, _ = a.reset(seed=124)
+    assert not np.array_equal(obs_c["image"], b.reset(seed=123)[0]["image"])
+    a.close()
+    b.close()
+
+
+def test_the_task_is_drawn_from_the_seed_and_forcing_it_matches_a_single_task_env(env):
+    tasks = {env.reset(seed=s)[1]["task"] for s in range(40)}
+    assert len(tasks) >= 8
+    single = gymnasium.make(ID, task="goal_red_next_to_yellow")
+    forced, info = env.reset(seed=7, options={"task": "goal_red_next_to_yellow"})
+    alone, _ = single.reset(seed=7)
+    assert info["task"] == "goal_red_next_to_yellow" and np.array_equal(forced["image"], alone["image"])
+    single.close()
+    with pytest.raises(ConfigError, match="options.task"):
+        gymnasium.make(ID, task="spatial").reset(seed=0, options={"task": "object_red"})
+
+
+def test_a_family_shares_its_layout_so_only_the_instruction_names_the_block(env):
+    left, _ = env.reset(seed=5, options={"task": "spatial_left"})
+    right, _ = env.reset(seed=5, options={"task": "spatial_right"})
+    assert np.array_equal(left["image"], right["image"]) and left["instruction"] != right["instruction"]
+
+
+def test_pushing_the_wrong_block_never_succeeds(env):
+    """Replay the expert of "the block on the right" on the same scene asked for "the block on
+    the left": the right block ends in the zone, and that is no success."""
+    actions, info, terminated, _ = _run_expert(env, 11, "spatial_right")
+    assert terminated and info["success"]
+    env.reset(seed=11, options={"task": "spatial_left"})
+    for action in actions:
+        _, _, terminated, _, info = env.step(action)
+        assert not info["success"] and not terminated
+
+
+def test_success_terminates_with_reward_one_and_the_time_limit_truncates():
+    env = gymnasium.make(ID, task="goal", max_episode_steps=7)
+    env.reset(seed=3)
+    for t in range(7):
+        _, reward, terminated, truncated, info = env.step(np.zeros(2, np.float32))
+        assert reward == 0.0 and not terminated and not info["success"]
+    assert truncated and t == 6
+    env.close()
+    env = gymnasium.make(ID, task="goal")
+    _, info, terminated, reward = _run_expert(env, 3)
+    assert terminated and info["success"] and reward == 1.0
+    env.close()
+
+
+def test_render_returns_a_larger_frame_of_every_camera():
+    env = gymnasium.make(ID, task="object", cameras=["top", "front"], render_mode="rgb_array", render_size=96)
+    env.reset(seed=0)
+    frame = env.render()
+    assert frame.shape == (96, 192, 3) and frame.dtype == np.uint8
+    env.close()
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [({"task": "stack_blocks"}, "env.kwargs.task"), ({"cameras": "side"}, "env.kwargs.cameras"), ({"image_size": 0}, "env.kwargs.image_size")],
+)
+def test_bad_kwargs_are_config_errors_naming_the_field(kwargs, field):
+    with pytest.raises(ConfigError) as err:
+        gymnasium.make(ID, **kwargs)
+    assert err.value.field == field
+
+
+def test_gym_adapter_vectorizes_it_and_equal_seeds_share_the_initial_state():
+    env = ENVS.get("gym")(GymEnvConfig(id=ID, num_envs=2, kwargs={"task": "spatial", "image_size": 32}), seed=0)
+    obs, _ = env.reset(seed=[9, 9])
+    assert obs["image"].shape == (2, 32, 32, 3) and obs["state"].shape == (2, 4)
+    assert np.array_equal(obs["image"][0], obs["image"][1]) and obs["instruction"][0] == obs["instruction"][1]
+    obs, reward, terminated, truncated, info = env.step(np.zeros((2, 2), np.float32))
+    assert list(info["success"]) == [False, False] and reward.shape == (2,)
+    env.close()
+
+
+def test_async_workers_send_every_instruction_not_only_the_first():
+    # gymnasium's shared memory reads Text observations once; the adapter must use pipes.
+    cfg = GymEnvConfig(id=ID, num_envs=2, vectorization="async", kwargs={"image_size": 16})
+    env = ENVS.get("gym")(cfg, seed=0)
+    single = gymnasium.make(ID, image_size=16)
+    try:
+        for seeds in ([1, 2], [3, 4], [5, 6]):
+            obs, _ = env.reset(seed=seeds)
+            expected = [single.reset(seed=s)[0]["instruction"] for s in seeds]
+            assert list(obs["instruction"]) == expected
+    finally:
+        env.close()
+        single.close()
+
+
+# ------------------------------------------------------------------ experts
+
+
+def _expert_success_rate(task: str, seeds) -> float:
+    env = gymnasium.make(ID, task=task)
+    wins = [_run_expert(env, seed)[1]["success"] for seed in seeds]
+    env.close()
+    return float(np.mean(wins))
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+def test_expert_solves_every_task(task):
+    assert _expert_success_rate(task, range(10)) >= 0.95
+
+
+def test_noisy_expert_still_solves_the_tasks(env):
+    wins = [_run_expert(env, seed, noise=0.3)[1]["success"] for seed in range(13)]
+    assert np.mean(wins) >= 0.9
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", list(TASKS))
+def test_expert_solves_every_task_over_100_seeds(task):
+    assert _expert_success_rate(task, range(1000, 1100)) >= 0.95
+
+
+# ------------------------------------------------------------------ import and rendering backend
+
+
+def test_import_is_light_and_building_without_mujoco_names_the_extra():
+    code = (
+        "import sys\n"
+        "import mmrl.envs, gymnasium\n"
+        "assert 'mujoco' not in sys.modules, 'mujoco imported by mmrl.envs'\n"
+        "sys.modules['mujoco'] = None  # as if not installed\n"
+        "from mmrl.errors import MissingExtraError\n"
+        "try:\n"
+        "    gymnasium.make('mmrl/Tabletop-v0')\n"
+        "except MissingExtraError as e:\n"
+        "    print(e)\n"
+    )
+    proc = _subprocess(code, {"MUJOCO_GL": "egl"})
+    assert proc.returncode == 0, proc.stderr
+    assert "mmrl[mujoco]" in proc.stdout
+
+
+def test_gl_backend_is_chosen_when_unset_and_kept_when_set():
+    code = (
+        "import os\n"
+        "from mmrl.envs.render import select_gl_backend, chosen_backend\n"
+        "backend, how = select_gl_backend()\n"
+        "assert os.environ['MUJOCO_GL'] == backend and chosen_backend() == (backend, how)\n"
+        "import gymnasium, mmrl.envs\n"
+        "env = gymnasium.make('mmrl/Tabletop-v0', image_size=16)\n"
+        "obs, _ = env.reset(seed=0)\n"
+        "print(backend, obs['image'].shape)\n"
+    )
+    proc = _subprocess(code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[0] in ("egl", "osmesa") and "(16, 16, 3)" in proc.stdout
+    proc = _subprocess("from mmrl.envs.render import select_gl_backend\nprint(select_gl_backend())", {"MUJOCO_GL": "osmesa"})
+    assert "osmesa" in proc.stdout and "was set" in proc.stdout
+
+
+def test_exit_without_close_is_quiet():
+    code = "import gymnasium, mmrl.envs\nenv = gymnasium.make('mmrl/Tabletop-v0', render_mode='rgb_array')\nenv.reset(seed=0)\nenv.render()\n"
+    proc = _subprocess(code, {"MUJOCO_GL": "egl"})
+    assert proc.returncode == 0 and "Exception ignored" not in proc.stderr, proc.stderr
