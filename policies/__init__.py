@@ -4,5 +4,8 @@ Importing this package registers every built-in family; a new family is one impo
 below.
 """
 
+from mmrl.policies import diffusion_policy  # noqa: F401  (registration)
+from mmrl.policies import flow_vla  # noqa: F401  (registration)
 from mmrl.policies import gaussian_mlp  # noqa: F401  (registration)
+from mmrl.policies import token_vla  # noqa: F401  (registration)
 from mmrl.policies import toy  # noqa: F401  (registration)

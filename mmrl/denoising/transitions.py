@@ -1,0 +1,278 @@
+"""Denoising transitions: the Gaussian N(mean, std²) of x_next given x and the model output.
+
+Each pure function maps (x, model output, schedule values) to ``(mean, std)``; a sampler
+draws x_next = mean + std·z and the log-prob of the step is log N(x_next; mean, std²)
+(:func:`mmrl.denoising.gaussian.gaussian_log_prob`). ``std`` is 0 for deterministic
+steps (ODE, DDIM with η = 0). Schedule values may be Python floats or tensors that
+broadcast against ``x`` (e.g. per-sample ``[B, 1, …]``).
+
+:class:`DiffusionTransition` and :class:`FlowTransition` bind these functions to a K-step
+schedule for :func:`mmrl.denoising.chain.run_chain`: step k ∈ [0, K) goes from latent k to
+latent k + 1, and a step that is not stochastic takes the deterministic update (DDIM η = 0
+or the flow ODE) so that a chain can mix SDE and ODE steps (an SDE window).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from mmrl.denoising.schedules import alphas_cumprod, ddim_timesteps, ddpm_betas, flow_sigmas
+
+# ------------------------------------------------------------------ diffusion (ε-prediction)
+
+
+def predicted_x0(x: Tensor, eps: Tensor, alpha_bar, clip_denoised: float | None = None) -> tuple[Tensor, Tensor]:
+    """x̂0 = (x − sqrt(1 − ᾱ)·ε̂) / sqrt(ᾱ), optionally clipped to ±``clip_denoised``; when
+    clipped, ε̂ is recomputed from the clipped x̂0 so both stay consistent with x (as DPPO
+    and diffusers do). Returns (x̂0, ε̂)."""
+    sqrt_ab = _sqrt(alpha_bar)
+    sqrt_1m = _sqrt(1 - alpha_bar)
+    x0 = (x - sqrt_1m * eps) / sqrt_ab
+    if clip_denoised is not None:
+        x0 = x0.clamp(-clip_denoised, clip_denoised)
+        eps = (x - sqrt_ab * x0) / sqrt_1m
+    return x0, eps
+
+
+def ddpm_step(x: Tensor, eps: Tensor, alpha_bar, alpha_bar_prev, clip_denoised: float | None = None) -> tuple[Tensor, Tensor]:
+    """Ancestral DDPM step: the posterior q(x_prev | x_t, x̂0) (Ho et al. 2020, eq. 6–7),
+    valid for strided timesteps with α = ᾱ_t/ᾱ_prev, β = 1 − α:
+
+        mean = sqrt(ᾱ_prev)·β/(1 − ᾱ_t)·x̂0 + sqrt(α)·(1 − ᾱ_prev)/(1 − ᾱ_t)·x_t
+        std  = sqrt((1 − ᾱ_prev)/(1 − ᾱ_t)·β)
+    """
+    x0, _ = predicted_x0(x, eps, alpha_bar, clip_denoised)
+    alpha = alpha_bar / alpha_bar_prev
+    beta = 1 - alpha
+    mean = _sqrt(alpha_bar_prev) * beta / (1 - alpha_bar) * x0 + _sqrt(alpha) * (1 - alpha_bar_prev) / (1 - alpha_bar) * x
+    std = _sqrt((1 - alpha_bar_prev) / (1 - alpha_bar) * beta)
+    return mean, _like(std, x)
+
+
+def ddim_step(x: Tensor, eps: Tensor, alpha_bar, alpha_bar_prev, eta: float, clip_denoised: float | None = None) -> tuple[Tensor, Tensor]:
+    """DDIM step with stochasticity η (Song et al. 2021, eq. 12; DDPO's η = 1 sampler,
+    Black et al. 2023):
+
+        σ    = η·sqrt((1 − ᾱ_prev)/(1 − ᾱ_t))·sqrt(1 − ᾱ_t/ᾱ_prev)
+        mean = sqrt(ᾱ_prev)·x̂0 + sqrt(1 − ᾱ_prev − σ²)·ε̂,    std = σ
+
+    η = 0 is the deterministic DDIM (probability-flow) step; η = 1 has the DDPM posterior
+    variance (and, given the true ε, the DDPM posterior mean).
+    """
+    x0, eps = predicted_x0(x, eps, alpha_bar, clip_denoised)
+    std = eta * _sqrt((1 - alpha_bar_prev) / (1 - alpha_bar) * (1 - alpha_bar / alpha_bar_prev))
+    direction = _sqrt(_clamp_min0(1 - alpha_bar_prev - std**2))
+    mean = _sqrt(alpha_bar_prev) * x0 + direction * eps
+    return mean, _like(std, x)
+
+
+# ------------------------------------------------------------------ flow matching (v-prediction)
+
+
+def flow_ode_step(x: Tensor, v: Tensor, sigma, sigma_next) -> tuple[Tensor, Tensor]:
+    """Euler step of the flow ODE dx = v dσ: mean = x + v·(σ_next − σ), std = 0."""
+    return x + v * (sigma_next - sigma), torch.zeros_like(x)
+
+
+def flow_sde_step(x: Tensor, v: Tensor, sigma, sigma_next, noise_level: float, sigma_max=None) -> tuple[Tensor, Tensor]:
+    """Euler–Maruyama step of the marginal-preserving SDE of a rectified flow with noise
+    level a (Flow-GRPO, Liu et al. 2025; πRL's Flow-SDE, Chen et al. 2025):
+
+        σ_t  = a·sqrt(σ / (1 − σ)),   dt = σ_next − σ < 0
+        mean = x + [v + σ_t²/(2σ)·(x + (1 − σ)·v)]·dt,    std = σ_t·sqrt(−dt)
+
+    At σ = 1 the ratio σ/(1 − σ) is infinite; as Flow-GRPO, the denominator then uses
+    ``sigma_max`` (the schedule's largest σ below 1) instead of σ.
+    """
+    sigma_den = sigma if sigma_max is None else _where_one(sigma, sigma_max)
+    sigma_t = noise_level * _sqrt(sigma / (1 - sigma_den))
+    dt = sigma_next - sigma
+    mean = x + (v + sigma_t**2 / (2 * sigma) * (x + (1 - sigma) * v)) * dt
+    std = sigma_t * _sqrt(-dt)
+    return mean, _like(std, x)
+
+
+def flow_cps_step(x: Tensor, v: Tensor, sigma, sigma_next, noise_level: float) -> tuple[Tensor, Tensor]:
+    """Coefficient-preserving sampling (CPS; Wang & Yu 2025, "Coefficients-Preserving
+    Sampling for Reinforcement Learning with Flow Matching"): with x̂0 = x − σ·v and
+    x̂1 = x + (1 − σ)·v (the predicted data and noise),
+
+        std  = σ_next·sin(aπ/2)
+        mean = (1 − σ_next)·x̂0 + sqrt(σ_next² − std²)·x̂1
+
+    so the noise coefficient of x_next stays exactly σ_next. a = 0 is the ODE step; the
+    last step (σ_next = 0) is always deterministic. Unlike the SDE's, its per-step noise does
+    not shrink with the step size: with x̂0 = E[x0 | x] (even the exact one) every step
+    loses a little of the data's variance, more as a grows (Gaussian data of std 0.30
+    ends at ~0.28 for a = 0.3 and ~0.25 for a = 0.7, at 100 or 1000 steps).
+    """
+    x0 = x - sigma * v
+    x1 = x + (1 - sigma) * v
+    std = sigma_next * math.sin(noise_level * math.pi / 2)
+    mean = (1 - sigma_next) * x0 + _sqrt(_clamp_min0(sigma_next**2 - std**2)) * x1
+    return mean, _like(std, x)
+
+
+def flow_noise_step(x: Tensor, v: Tensor, sigma, sigma_next, std: Tensor) -> tuple[Tensor, Tensor]:
+    """Flow-Noise (πRL, Chen et al. 2025): the ODE step's mean x + v·(σ_next − σ) with a
+    std predicted by a learned noise head, so every step has an exact Gaussian log-likelihood."""
+    mean, _ = flow_ode_step(x, v, sigma, sigma_next)
+    return mean, std.expand_as(x)
+
+
+# ------------------------------------------------------------------ schedules bound to K steps
+
+
+class Transition(Protocol):
+    """A K-step schedule: what the denoiser is told the time is, and each step's Gaussian."""
+
+    num_steps: int
+
+    def model_time(self, step: Tensor) -> Tensor:
+        """Time fed to the denoiser for step indices ``step`` (long [B]) → float [B]."""
+        ...
+
+    def mean_std(self, step: Tensor, x: Tensor, model_output, stochastic: Tensor) -> tuple[Tensor, Tensor]:
+        """(mean, std) of x_next for steps ``step`` [B] from latents ``x`` [B, …]; rows with
+        ``stochastic`` [B] false take the deterministic update (std 0)."""
+        ...
+
+
+DIFFUSION_KINDS = ("ddim", "ddpm")
+FLOW_METHODS = ("sde", "cps", "noise", "ode")
+
+
+class DiffusionTransition:
+    """K steps of an ε-prediction diffusion model over training timesteps ``timesteps``
+    (noisiest first). ``kind="ddim"``: :func:`ddim_step` with ``eta``; ``"ddpm"``:
+    :func:`ddpm_step`. Deterministic steps use DDIM with η = 0. The step after the last
+    timestep goes to ᾱ = ``final_alpha_cumprod`` (1.0: the clean sample).
+
+    The denoiser is given the training timestep t_k (as a float) as its time.
+    """
+
+    def __init__(
+        self,
+        alphas_cumprod: Tensor,
+        timesteps: Tensor,
+        kind: str = "ddim",
+        eta: float = 1.0,
+        clip_denoised: float | None = None,
+        final_alpha_cumprod: float = 1.0,
+    ):
+        if kind not in DIFFUSION_KINDS:
+            raise ValueError(f"kind must be one of {DIFFUSION_KINDS}, got {kind!r}")
+        self.kind, self.eta, self.clip_denoised = kind, float(eta), clip_denoised
+        self.timesteps = timesteps.long()
+        self.num_steps = int(timesteps.shape[0])
+        ab = alphas_cumprod.to(torch.float64)[self.timesteps.to(alphas_cumprod.device)]
+        # Schedules are computed in float64 and used in float32, the latents' precision.
+        self.alpha_bar = ab.float()
+        self.alpha_bar_prev = torch.cat([ab[1:], ab.new_tensor([final_alpha_cumprod])]).float()
+
+    @classmethod
+    def from_config(
+        cls,
+        num_train_timesteps: int,
+        num_steps: int,
+        beta_schedule: str = "cosine",
+        kind: str = "ddim",
+        eta: float = 1.0,
+        clip_denoised: float | None = None,
+        spacing: str = "trailing",
+        device=None,
+    ) -> "DiffusionTransition":
+        ab = alphas_cumprod(ddpm_betas(num_train_timesteps, beta_schedule)).to(device)
+        return cls(ab, ddim_timesteps(num_train_timesteps, num_steps, spacing).to(device), kind, eta, clip_denoised)
+
+    def model_time(self, step: Tensor) -> Tensor:
+        return self.timesteps.to(step.device)[step].float()
+
+    def mean_std(self, step: Tensor, x: Tensor, model_output: Tensor, stochastic: Tensor) -> tuple[Tensor, Tensor]:
+        ab = _per_sample(self.alpha_bar.to(x.device)[step], x)
+        ab_prev = _per_sample(self.alpha_bar_prev.to(x.device)[step], x)
+        det_mean, _ = ddim_step(x, model_output, ab, ab_prev, 0.0, self.clip_denoised)
+        if self.kind == "ddim":
+            mean, std = ddim_step(x, model_output, ab, ab_prev, self.eta, self.clip_denoised)
+        else:
+            mean, std = ddpm_step(x, model_output, ab, ab_prev, self.clip_denoised)
+        keep = _per_sample(stochastic, x)
+        return torch.where(keep, mean, det_mean), torch.where(keep, std, torch.zeros_like(std))
+
+
+class FlowTransition:
+    """K Euler steps of a rectified flow over ``sigmas`` (σ_0 = 1 … σ_K = 0, [K + 1]).
+
+    ``method``: ``"sde"`` (:func:`flow_sde_step`, noise level a), ``"cps"``
+    (:func:`flow_cps_step`), ``"noise"`` (:func:`flow_noise_step`; the denoiser returns
+    ``(v, std)``), ``"ode"`` (every step deterministic). Deterministic steps take the ODE
+    step. The denoiser is given σ_k as its time.
+    """
+
+    def __init__(self, sigmas: Tensor, method: str = "sde", noise_level: float = 0.7):
+        if method not in FLOW_METHODS:
+            raise ValueError(f"method must be one of {FLOW_METHODS}, got {method!r}")
+        self.method, self.noise_level = method, float(noise_level)
+        self.sigmas = sigmas.float()
+        self.num_steps = int(sigmas.shape[0]) - 1
+        # Flow-GRPO's stand-in for σ = 1 in σ/(1 − σ): the largest σ below 1.
+        below_one = self.sigmas[self.sigmas < 1]
+        self.sigma_max = float(below_one.max()) if below_one.numel() else 0.0
+
+    @classmethod
+    def from_config(cls, num_steps: int, method: str = "sde", noise_level: float = 0.7, shift: float = 1.0, device=None) -> "FlowTransition":
+        return cls(flow_sigmas(num_steps, shift).to(device), method, noise_level)
+
+    def model_time(self, step: Tensor) -> Tensor:
+        return self.sigmas.to(step.device)[step]
+
+    def mean_std(self, step: Tensor, x: Tensor, model_output, stochastic: Tensor) -> tuple[Tensor, Tensor]:
+        learned_std = None
+        if self.method == "noise":
+            model_output, learned_std = model_output
+        v = model_output
+        sigmas = self.sigmas.to(x.device)
+        sigma, sigma_next = _per_sample(sigmas[step], x), _per_sample(sigmas[step + 1], x)
+        det_mean, zero = flow_ode_step(x, v, sigma, sigma_next)
+        if self.method == "ode":
+            return det_mean, zero
+        if self.method == "sde":
+            mean, std = flow_sde_step(x, v, sigma, sigma_next, self.noise_level, self.sigma_max)
+        elif self.method == "cps":
+            mean, std = flow_cps_step(x, v, sigma, sigma_next, self.noise_level)
+        else:
+            mean, std = flow_noise_step(x, v, sigma, sigma_next, learned_std)
+        keep = _per_sample(stochastic, x)
+        return torch.where(keep, mean, det_mean), torch.where(keep, std, zero)
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _per_sample(values: Tensor, x: Tensor) -> Tensor:
+    """[B] → [B, 1, …] broadcasting against x [B, …]."""
+    return values.reshape(values.shape[0], *([1] * (x.ndim - 1)))
+
+
+def _sqrt(value):
+    return value.sqrt() if isinstance(value, Tensor) else math.sqrt(value)
+
+
+def _clamp_min0(value):
+    return value.clamp(min=0) if isinstance(value, Tensor) else max(value, 0.0)
+
+
+def _where_one(sigma, replacement):
+    if isinstance(sigma, Tensor):
+        return torch.where(sigma >= 1, torch.as_tensor(replacement, dtype=sigma.dtype, device=sigma.device), sigma)
+    return replacement if sigma >= 1 else sigma
+
+
+def _like(std, x: Tensor) -> Tensor:
+    """std as a tensor broadcast to x's shape."""
+    std = std if isinstance(std, Tensor) else x.new_tensor(float(std))
+    return std.to(x.dtype).expand_as(x)

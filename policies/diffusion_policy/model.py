@@ -1,0 +1,271 @@
+"""Diffusion policy fine-tuned as in DPPO (Ren et al. 2024, "Diffusion Policy Policy Optimization").
+
+The policy denoises an action chunk x ∈ R^{C×A} in the normalized action space
+(env = center + half_range·x where the env's bounds are finite; a_n = ±1 are the bounds),
+conditioned on an encoding of the observation:
+
+- observation encoder: uint8 images [N, (K,) H, W, 3] → [−1, 1] → stride-2 3×3 convs
+  (``vision_channels``, shared across the K cameras) → average-pooled to an
+  ``image_grid``² map, or the coordinates of learned keypoints (spatial softmax) → linear;
+  concatenated with the state and mixed by a 2-layer MLP into a conditioning vector
+  c ∈ R^hidden (Diffusion Policy, Chi et al. 2023, in miniature);
+- denoiser: ε̂θ(x_t, t, c), a residual MLP over [x_t, time features of t/T, c].
+
+Behaviour cloning (``sft_loss``) is DDPM's noise-prediction loss (Ho et al. 2020) on
+expert chunks x0: x_t = sqrt(ᾱ_t)·x0 + sqrt(1 − ᾱ_t)·ε, loss = ‖ε̂θ(x_t, t, c) − ε‖²,
+averaged over the valid (unmasked) actions of the chunks.
+
+Sampling runs K = ``num_denoising_steps`` DDIM (or DDPM) steps from x_K ~ N(0, I) with
+:mod:`mmrl.denoising`. As in DPPO, only the last K' = ``ft_denoising_steps`` steps are
+stochastic and trained: the policy's call makes K' decisions, step j's log-prob being
+log N(x_{j+1}; μθ(x_j), max(σ_j, ``min_logprob_std``)²); the earlier steps are
+deterministic DDIM (η = 0) and carry no log-prob (DPPO runs them with a frozen copy of the
+pretrained network; here they share the fine-tuned weights). The environment sampler puts
+the chunk's reward on the last of its K' decisions (a two-layer MDP). The action sent to
+the env is the final latent clipped to [−1, 1]; the log-probs are those of the unclipped
+chain. ``deterministic=True`` runs every step as DDIM with η = 0 from x_K = 0, so the
+action depends on the observation only (logp and entropy are then 0).
+
+Replay: observation tensors hold one entry per chunk (``image`` [N, 1, …], ``state``
+[N, 1, D] per call), denoising tensors one per decision (``x_t``, ``x_next`` [N, K', C, A],
+``step`` [N, K'] long). Both concatenate along dim 1 across calls; ``log_prob`` encodes
+each chunk's observation once and recomputes all its K' steps in one batched pass.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from mmrl.core.policy import PolicyModule, Sample
+from mmrl.denoising import DiffusionTransition, alphas_cumprod, ddim_timesteps, ddpm_betas, last_steps, run_chain, sinusoidal_embedding, transition_log_probs
+from mmrl.errors import ConfigError
+from mmrl.policies.diffusion_policy.config import DiffusionPolicyConfig
+from mmrl.registry import POLICIES
+
+
+def _conv_out(size: int) -> int:
+    """Output size of a 3×3, stride-2, padding-1 convolution."""
+    return (size - 1) // 2 + 1
+
+
+class SpatialSoftmax(nn.Module):
+    """Feature map [B, C, h, w] → the expected image coordinates of K learned keypoints,
+    [B, 2K] in [−1, 1] (Levine et al. 2016, "End-to-End Training of Deep Visuomotor
+    Policies"; the image pooling of robomimic and Diffusion Policy)."""
+
+    def __init__(self, channels: int, keypoints: int, h: int, w: int):
+        super().__init__()
+        self.keypoints = nn.Conv2d(channels, keypoints, kernel_size=1)
+        ys, xs = torch.meshgrid(torch.linspace(-1, 1, h), torch.linspace(-1, 1, w), indexing="ij")
+        self.register_buffer("grid", torch.stack([xs.flatten(), ys.flatten()], dim=1), persistent=False)  # [h*w, 2]
+
+    def forward(self, features: Tensor) -> Tensor:
+        attention = torch.softmax(self.keypoints(features).flatten(2), dim=-1)  # [B, K, h*w]
+        return (attention @ self.grid).flatten(1)
+
+
+class ObservationEncoder(nn.Module):
+    """Images and/or state → a conditioning vector [N, hidden]."""
+
+    def __init__(self, spec: dict, vision_channels: list[int], hidden: int, image_pooling: str = "grid", image_grid: int = 8, keypoints: int = 32):
+        super().__init__()
+        self.state_dim = int(spec.get("state_dim", spec.get("obs_dim", 0)) or 0)
+        image_shape = spec.get("image_shape")
+        self.num_cameras = 0
+        features = self.state_dim
+        if image_shape is not None:
+            image_shape = [int(s) for s in image_shape]
+            if len(image_shape) not in (3, 4) or image_shape[-1] != 3:
+                raise ConfigError("env", image_shape, "expected RGB images of shape [H, W, 3] or [K, H, W, 3] (K cameras)")
+            self.image_shape = tuple(image_shape[-3:])
+            self.num_cameras = 1 if len(image_shape) == 3 else image_shape[0]
+            layers: list[nn.Module] = []
+            channels, h, w = 3, image_shape[-3], image_shape[-2]
+            for c in vision_channels:
+                layers += [nn.Conv2d(channels, c, kernel_size=3, stride=2, padding=1), nn.GELU()]
+                channels, h, w = c, _conv_out(h), _conv_out(w)
+            self.vision = nn.Sequential(*layers)
+            if image_pooling == "spatial_softmax":
+                self.grid = (h, w)
+                self.pool = SpatialSoftmax(channels, keypoints, h, w)
+                pooled = 2 * keypoints
+            else:
+                self.grid = (min(h, image_grid), min(w, image_grid))
+                self.pool = nn.Flatten(1)
+                pooled = channels * self.grid[0] * self.grid[1]
+            self.image_proj = nn.Linear(pooled, hidden)
+            features += self.num_cameras * hidden
+        if features == 0:
+            raise ConfigError("policy.type", "diffusion_policy", "needs image and/or state observations; the env gives neither")
+        self.mlp = nn.Sequential(nn.Linear(features, hidden), nn.Mish(), nn.Linear(hidden, hidden))
+
+    def forward(self, image: Tensor | None, state: Tensor | None) -> Tensor:
+        parts = []
+        if self.num_cameras:
+            if image.dim() == 4:
+                image = image.unsqueeze(1)
+            n, k = image.shape[:2]
+            if k != self.num_cameras or tuple(image.shape[2:]) != self.image_shape:
+                raise ValueError(f"expected images [N, {self.num_cameras}, {', '.join(map(str, self.image_shape))}], got {list(image.shape)}")
+            x = image.reshape(n * k, *self.image_shape).permute(0, 3, 1, 2).float() * (2 / 255.0) - 1.0
+            features = self.vision(x)
+            if tuple(features.shape[-2:]) != self.grid:
+                features = nn.functional.adaptive_avg_pool2d(features, self.grid)
+            parts.append(self.image_proj(self.pool(features)).view(n, -1))
+        if self.state_dim:
+            parts.append(state.reshape(state.shape[0], self.state_dim))
+        return self.mlp(torch.cat(parts, dim=1))
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.net = nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, hidden), nn.Mish(), nn.Linear(hidden, hidden))
+
+    def forward(self, h: Tensor) -> Tensor:
+        return h + self.net(h)
+
+
+class NoisePredictor(nn.Module):
+    """ε̂θ(x_t, t/T, c): a residual MLP over the flattened chunk, time features and conditioning."""
+
+    def __init__(self, chunk_numel: int, hidden: int, num_layers: int):
+        super().__init__()
+        self.hidden = hidden
+        self.time_mlp = nn.Sequential(nn.Linear(hidden, hidden), nn.Mish(), nn.Linear(hidden, hidden))
+        self.inp = nn.Linear(chunk_numel + 2 * hidden, hidden)
+        self.blocks = nn.Sequential(*(ResidualBlock(hidden) for _ in range(num_layers)))
+        self.out = nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, chunk_numel))
+
+    def forward(self, x: Tensor, t: Tensor, cond: Tensor) -> Tensor:
+        time = self.time_mlp(sinusoidal_embedding(t, self.hidden))
+        h = self.inp(torch.cat([x.flatten(1), time, cond], dim=1))
+        return self.out(self.blocks(h)).view_as(x)
+
+
+@POLICIES.register("diffusion_policy", config=DiffusionPolicyConfig)
+class DiffusionPolicy(PolicyModule):
+    """DDPM/DDIM action-chunk denoiser on images + state; its last K' denoising steps are the decisions (DPPO)."""
+
+    def __init__(self, config: DiffusionPolicyConfig, spec: dict):
+        super().__init__()
+        config.validate("policy")
+        self.config, self.spec = config, dict(spec)
+        self.action_dim = int(spec["action_dim"])
+        self.chunk = config.action_chunk
+        self.encoder = ObservationEncoder(spec, config.vision_channels, config.hidden_size, config.image_pooling, config.image_grid, config.keypoints)
+        self.denoiser = NoisePredictor(self.chunk * self.action_dim, config.hidden_size, config.num_layers)
+
+        low = torch.as_tensor(spec.get("action_low", [-math.inf] * self.action_dim), dtype=torch.float32)
+        high = torch.as_tensor(spec.get("action_high", [math.inf] * self.action_dim), dtype=torch.float32)
+        finite = torch.isfinite(low) & torch.isfinite(high)
+        # Derived from the spec and config, not learned: kept out of the saved weights.
+        self.register_buffer("action_center", torch.where(finite, (low + high) / 2, 0.0), persistent=False)
+        self.register_buffer("action_half_range", torch.where(finite, (high - low) / 2, 1.0), persistent=False)
+        schedule = alphas_cumprod(ddpm_betas(config.num_train_timesteps, config.beta_schedule))
+        self.register_buffer("alphas_cumprod", schedule, persistent=False)  # float64
+        self.register_buffer("sampler_timesteps", ddim_timesteps(config.num_train_timesteps, config.num_denoising_steps), persistent=False)
+
+    # ------------------------------------------------------------------ pieces
+
+    def observation(self, inputs) -> dict[str, Tensor]:
+        """The policy's observation tensors (uint8 image, float state) for a batch of inputs
+        (a dict from the env sampler, or a flat observation tensor used as the state)."""
+        device = self.action_center.device
+        if isinstance(inputs, Tensor):
+            inputs = {"state": inputs}
+        obs: dict[str, Tensor] = {}
+        if self.encoder.num_cameras:
+            obs["image"] = inputs["image"].to(device)
+        if self.encoder.state_dim:
+            obs["state"] = inputs["state"].to(device, torch.float32)
+        return obs
+
+    def _transition(self) -> DiffusionTransition:
+        c = self.config
+        return DiffusionTransition(self.alphas_cumprod, self.sampler_timesteps, kind=c.sampler, eta=c.eta, clip_denoised=c.clip_denoised)
+
+    def _denoiser(self, cond: Tensor):
+        scale = 1.0 / self.config.num_train_timesteps
+
+        def denoise(x: Tensor, t: Tensor, rows: Tensor) -> Tensor:
+            return self.denoiser(x, t * scale, cond[rows])
+
+        return denoise
+
+    def _chain_options(self) -> dict:
+        c = self.config
+        clamp = tuple(c.logp_element_clamp) if c.logp_element_clamp is not None else None
+        return {"min_std": c.min_logprob_std, "reduce": c.logp_reduction, "clamp": clamp}
+
+    def normalize_actions(self, actions: Tensor) -> Tensor:
+        """Env-unit actions [..., A] → normalized actions (not clipped)."""
+        return (actions.to(self.action_center.device, torch.float32) - self.action_center) / self.action_half_range
+
+    # ------------------------------------------------------------------ protocol
+
+    @torch.no_grad()
+    def sample(self, inputs, generator: torch.Generator | None = None, deterministic: bool = False) -> Sample:
+        """Actions [N, C, A] (env units), logp / entropy [N, K'] of the K' trained steps."""
+        obs = self.observation(inputs)
+        cond = self.encoder(obs.get("image"), obs.get("state"))
+        n, device = cond.shape[0], cond.device
+        steps, trained = self.config.num_denoising_steps, self.config.ft_denoising_steps
+        shape = (n, self.chunk, self.action_dim)
+        if deterministic:
+            x_init = torch.zeros(shape, device=device)
+            stochastic = torch.zeros(n, steps, dtype=torch.bool, device=device)
+        else:
+            x_init = torch.randn(shape, generator=generator).to(device)
+            stochastic = last_steps(n, steps, trained, device=device)
+        chain = run_chain(self._denoiser(cond), self._transition(), x_init, stochastic, generator, **self._chain_options())
+        first = steps - trained
+        replay = {key: value.unsqueeze(1) for key, value in obs.items()}
+        replay["x_t"] = chain.latents[:, first:steps]
+        replay["x_next"] = chain.latents[:, first + 1 :]
+        replay["step"] = torch.arange(first, steps, device=device).expand(n, trained).clone()
+        return Sample(
+            output=self.action_center + self.action_half_range * chain.final.clamp(-1.0, 1.0),
+            logp=chain.log_probs[:, first:],
+            replay=replay,
+            entropy=chain.entropies[:, first:],
+        )
+
+    def log_prob(self, replay: dict) -> Tensor:
+        """Log-probs [B, T] of the replayed denoising steps (T = calls × K') under the
+        current parameters; each chunk's observation is encoded once."""
+        x_t = replay["x_t"]
+        b, t = x_t.shape[:2]
+        obs = {key: replay[key].flatten(0, 1) for key in ("image", "state") if key in replay}
+        calls = next(iter(obs.values())).shape[0] // b
+        if calls * self.config.ft_denoising_steps != t:
+            raise ValueError(f"replay holds {calls} observations per sample but {t} denoising steps; expected {self.config.ft_denoising_steps} steps per observation")
+        cond = self.encoder(obs.get("image"), obs.get("state"))
+        rows = torch.arange(b * t, device=x_t.device) // self.config.ft_denoising_steps
+        logp = transition_log_probs(
+            self._denoiser(cond), self._transition(), x_t.flatten(0, 1), replay["x_next"].flatten(0, 1), replay["step"].flatten(), rows, **self._chain_options()
+        )
+        return logp.view(b, t)
+
+    def sft_loss(self, batch: dict) -> Tensor:
+        """DDPM noise-prediction loss on expert chunks ``batch["actions"]`` [B, C, A] (env
+        units; normalized and clipped to [−1, 1]), averaged over the valid actions of
+        ``batch["action_mask"]`` [B, C] (all valid if absent). Timesteps and noise come
+        from torch's global generator."""
+        obs = self.observation(batch)
+        cond = self.encoder(obs.get("image"), obs.get("state"))
+        x0 = self.normalize_actions(batch["actions"]).clamp(-1.0, 1.0)
+        if tuple(x0.shape[1:]) != (self.chunk, self.action_dim):
+            raise ValueError(f"expected actions [B, {self.chunk}, {self.action_dim}], got {list(x0.shape)}")
+        b = x0.shape[0]
+        mask = batch.get("action_mask")
+        mask = torch.ones(b, self.chunk, device=x0.device) if mask is None else mask.to(x0.device, torch.float32)
+        t = torch.randint(0, self.config.num_train_timesteps, (b,), device=x0.device)
+        eps = torch.randn_like(x0)
+        alpha_bar = self.alphas_cumprod[t].float().view(b, 1, 1)
+        x_t = alpha_bar.sqrt() * x0 + (1 - alpha_bar).sqrt() * eps
+        error = (self.denoiser(x_t, t.float() / self.config.num_train_timesteps, cond) - eps).square().mean(-1)
+        return (error * mask).sum() / mask.sum().clamp(min=1.0)

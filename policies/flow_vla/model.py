@@ -1,0 +1,318 @@
+"""Flow-matching VLA (π0 style), fine-tuned with Flow-SDE or Flow-Noise log-likelihoods (πRL).
+
+Architecture (π0, Black et al. 2024, "π0: A Vision-Language-Action Flow Model for General
+Robot Control", in miniature):
+
+- the shared backbone (``mmrl.policies.vla.backbone``) reads the prefix
+  [camera patches | state | instruction] and returns its hidden states H [N, P, hidden];
+- the action expert is a small transformer over the C tokens of a noisy action chunk
+  x ∈ R^{C×A} (normalized units): token i = MLP([W·x_i + pos_i, time features of σ]),
+  then ``expert_layers`` blocks of self-attention over the chunk and cross-attention to H
+  (padding masked), then a linear head giving the velocity v ∈ R^{C×A}. π0's expert
+  attends to the prefix's keys/values inside the same transformer; cross-attention to the
+  prefix's hidden states plays that role here. The prefix — the backbone pass and each
+  expert block's prefix keys/values — is computed once per chunk and reused by every
+  denoising step, in sampling and in ``log_prob``.
+
+Time convention (rectified flow; openpi's implementation of π0, SD3, Flow-GRPO): with
+x0 the expert chunk and ε ~ N(0, I),
+
+    x_σ = (1 − σ)·x0 + σ·ε,     target velocity v = ε − x0,
+
+σ = 1 is pure noise and sampling integrates dx = v dσ from σ = 1 down to 0 in K Euler
+steps over the (optionally shifted) sigmas. π0's paper writes τ = 1 − σ. ``sft_loss`` is
+the flow-matching loss ‖vθ(x_σ, σ, o) − (ε − x0)‖², averaged over valid actions, with
+σ from π0's Beta(1.5, 1) (more weight on noisy times) or uniform.
+
+RL (πRL, Chen et al. 2025, "πRL: Online RL Fine-tuning for Flow-based Vision-Language-
+Action Models"): the chain is made stochastic so that the chunk has a likelihood.
+
+- ``flow_sde``: the flow's marginal-preserving SDE with noise level a
+  (:func:`mmrl.denoising.flow_sde_step`, Flow-GRPO's formula);
+- ``flow_noise``: the ODE step's mean with a std from a learned noise head on the
+  expert's output tokens, squashed log-uniformly into ``noise_std_range``
+  (:func:`mmrl.denoising.flow_noise_step`).
+
+``sde_steps: all`` makes every step stochastic; ``one`` makes one step per chunk stochastic,
+chosen uniformly at random (kept in the replay), the others ODE. One chunk is one decision
+(k = 1): its log-prob is the joint log-likelihood Σ_k log N(x_{k+1}; μ_k, σ_k²) of the
+stochastic steps (the initial noise's density does not depend on the parameters and is
+left out). The env action is the final latent clipped to [−1, 1], mapped to env units
+(center + half_range·a_n); the log-prob is that of the unclipped chain.
+``deterministic=True`` integrates the ODE from x = 0, so the action depends on the
+observation only.
+
+Replay per call (k = 1): ``image`` uint8 [N, 1, …], ``state`` [N, 1, D], ``instruction_ids`` /
+``instruction_mask`` [N, 1, L], ``chain`` [N, 1, K + 1, C, A], ``stochastic`` bool [N, 1, K].
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from mmrl.core.policy import PolicyModule, Sample
+from mmrl.denoising import FlowTransition, chain_log_probs, flow_sigmas, random_step, run_chain, sinusoidal_embedding
+from mmrl.policies.flow_vla.config import FlowVLAConfig
+from mmrl.policies.vla.backbone import VLABackbone
+from mmrl.policies.vla.tokenizer import InstructionTokenizer
+from mmrl.registry import POLICIES
+
+_OBS_KEYS = ("image", "state", "instruction_ids", "instruction_mask")
+
+
+class ExpertBlock(nn.Module):
+    """Pre-norm transformer block of the action expert: self-attention over the chunk's
+    tokens, cross-attention to the prefix, MLP. The prefix's keys/values depend only on the
+    observation, so :meth:`memory_kv` computes them once per chunk for all denoising steps."""
+
+    def __init__(self, hidden: int, heads: int, intermediate: int):
+        super().__init__()
+        self.heads = heads
+        self.self_norm = nn.LayerNorm(hidden)
+        self.self_qkv = nn.Linear(hidden, 3 * hidden)
+        self.self_out = nn.Linear(hidden, hidden)
+        self.cross_norm = nn.LayerNorm(hidden)
+        self.cross_q = nn.Linear(hidden, hidden)
+        self.cross_kv = nn.Linear(hidden, 2 * hidden)
+        self.cross_out = nn.Linear(hidden, hidden)
+        self.mlp_norm = nn.LayerNorm(hidden)
+        self.mlp = nn.Sequential(nn.Linear(hidden, intermediate), nn.GELU(), nn.Linear(intermediate, hidden))
+
+    def _split(self, x: Tensor) -> Tensor:
+        """[B, S, hidden] → [B, heads, S, hidden / heads]."""
+        b, s, _ = x.shape
+        return x.view(b, s, self.heads, -1).transpose(1, 2)
+
+    def _merge(self, x: Tensor) -> Tensor:
+        b, _, s, _ = x.shape
+        return x.transpose(1, 2).reshape(b, s, -1)
+
+    def memory_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values of the (normalized) prefix states [N, P, hidden], each [N, heads, P, d]."""
+        k, v = self.cross_kv(memory).chunk(2, dim=-1)
+        return self._split(k), self._split(v)
+
+    def forward(self, h: Tensor, kv: tuple[Tensor, Tensor], attend: Tensor) -> Tensor:
+        """h [B, C, hidden]; kv from :meth:`memory_kv` (rows matching h); attend [B, 1, 1, P] bool."""
+        q, k, v = self._split(self.self_qkv(self.self_norm(h))).chunk(3, dim=-1)
+        h = h + self.self_out(self._merge(nn.functional.scaled_dot_product_attention(q, k, v)))
+        q = self._split(self.cross_q(self.cross_norm(h)))
+        h = h + self.cross_out(self._merge(nn.functional.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=attend)))
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class ActionExpert(nn.Module):
+    """Velocity (and, for Flow-Noise, a std) of a noisy chunk given σ and the prefix's hidden states."""
+
+    def __init__(self, action_dim: int, chunk: int, hidden: int, layers: int, heads: int, intermediate: int, std_range: list[float] | None):
+        super().__init__()
+        self.hidden = hidden
+        self.action_in = nn.Linear(action_dim, hidden)
+        self.position = nn.Parameter(torch.randn(chunk, hidden) * 0.02)
+        self.time_mix = nn.Sequential(nn.Linear(2 * hidden, hidden), nn.SiLU(), nn.Linear(hidden, hidden))
+        self.memory_norm = nn.LayerNorm(hidden)
+        self.blocks = nn.ModuleList(ExpertBlock(hidden, heads, intermediate) for _ in range(layers))
+        self.norm = nn.LayerNorm(hidden)
+        self.velocity = nn.Linear(hidden, action_dim)
+        self.noise_head = None
+        if std_range is not None:
+            self.noise_head = nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, action_dim))
+            self.log_std_low, self.log_std_high = math.log(std_range[0]), math.log(std_range[1])
+
+    def memory(self, prefix: Tensor, prefix_mask: Tensor) -> dict:
+        """What every denoising step of a chunk reuses: each block's prefix keys/values and
+        the attention mask, from the prefix states [N, P, hidden] and mask [N, P]."""
+        states = self.memory_norm(prefix)
+        kv = [block.memory_kv(states) for block in self.blocks]
+        return {"kv": kv, "attend": (prefix_mask > 0.5)[:, None, None, :]}
+
+    def forward(self, x: Tensor, sigma: Tensor, memory: dict, rows: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """x [B, C, A], σ [B], ``memory`` from :meth:`memory` for N chunks, ``rows`` [B] the
+        chunk of each row (None: row i is chunk i) → (v [B, C, A], std [B, C, A] or None)."""
+        tokens = self.action_in(x) + self.position
+        time = sinusoidal_embedding(sigma, self.hidden).unsqueeze(1).expand_as(tokens)
+        h = self.time_mix(torch.cat([tokens, time], dim=-1))
+        attend = memory["attend"] if rows is None else memory["attend"][rows]
+        for block, (k, v) in zip(self.blocks, memory["kv"]):
+            h = block(h, (k, v) if rows is None else (k[rows], v[rows]), attend)
+        h = self.norm(h)
+        std = None
+        if self.noise_head is not None:
+            squash = torch.sigmoid(self.noise_head(h))
+            std = torch.exp(self.log_std_low + (self.log_std_high - self.log_std_low) * squash)
+        return self.velocity(h), std
+
+
+@POLICIES.register("flow_vla", config=FlowVLAConfig)
+class FlowVLAPolicy(PolicyModule):
+    """Vision-language backbone + flow-matching action expert; RL via Flow-SDE / Flow-Noise chains (πRL)."""
+
+    def __init__(self, config: FlowVLAConfig, spec: dict):
+        super().__init__()
+        config.validate("policy")
+        self.config, self.spec = config, dict(spec)
+        self.action_dim = int(spec["action_dim"])
+        self.chunk = config.action_chunk
+        self.max_words = config.backbone.max_instruction_tokens
+
+        self.tokenizer = InstructionTokenizer.build(list(spec.get("instructions") or []))
+        self.backbone = VLABackbone(config.backbone, spec, self.tokenizer.vocab_size)
+        hd = self.backbone.hidden_size
+        learned_noise = config.noise_method == "flow_noise"
+        self.expert = ActionExpert(
+            self.action_dim,
+            self.chunk,
+            hd,
+            config.expert_layers,
+            config.expert_heads,
+            config.backbone.intermediate_size,
+            config.noise_std_range if learned_noise else None,
+        )
+
+        low = torch.as_tensor(spec.get("action_low", [-math.inf] * self.action_dim), dtype=torch.float32)
+        high = torch.as_tensor(spec.get("action_high", [math.inf] * self.action_dim), dtype=torch.float32)
+        finite = torch.isfinite(low) & torch.isfinite(high)
+        # Derived from the spec and config, not learned: kept out of the saved weights.
+        self.register_buffer("action_center", torch.where(finite, (low + high) / 2, 0.0), persistent=False)
+        self.register_buffer("action_half_range", torch.where(finite, (high - low) / 2, 1.0), persistent=False)
+        self.register_buffer("sigmas", flow_sigmas(config.num_denoising_steps, config.time_shift).float(), persistent=False)
+
+    # ------------------------------------------------------------------ pieces
+
+    def observation(self, inputs) -> dict[str, Tensor]:
+        """The policy's tensors for a batch of observations (what replay stores, without the
+        decision dim): uint8 image, float state, instruction token ids and mask."""
+        device = self.action_center.device
+        if isinstance(inputs, Tensor):  # a flat-observation env: the observation is the state
+            inputs = {"state": inputs}
+        obs: dict[str, Tensor] = {}
+        n = None
+        if self.backbone.num_cameras:
+            obs["image"] = inputs["image"].to(device)
+            n = obs["image"].shape[0]
+        if self.backbone.state_dim > 0:
+            obs["state"] = inputs["state"].to(device, torch.float32)
+            n = obs["state"].shape[0]
+        texts = inputs.get("instruction")
+        if texts is None:
+            if n is None:
+                raise ValueError("the flow VLA needs an image, a state or an instruction in its inputs")
+            texts = [""] * n
+        ids, mask = self.tokenizer.encode(list(texts), self.max_words)
+        obs["instruction_ids"], obs["instruction_mask"] = ids.to(device), mask.to(device)
+        return obs
+
+    def prefix_memory(self, obs: dict[str, Tensor]) -> dict:
+        """Run the backbone over each chunk's prefix once: the action expert's per-block
+        prefix keys/values and attention mask, reused by every denoising step."""
+        # Every real instruction starts with [BOS]; forcing its slot on keeps all-padding
+        # rows (right-padded replays) finite without changing real ones.
+        instruction_mask = obs["instruction_mask"].clone()
+        instruction_mask[:, 0] = 1.0
+        embeds, mask = self.backbone.prefix(obs.get("image"), obs.get("state"), obs["instruction_ids"], instruction_mask)
+        return self.expert.memory(self.backbone(embeds, mask), mask)
+
+    def _denoiser(self, memory: dict, learned_std: bool):
+        def denoise(x: Tensor, sigma: Tensor, rows: Tensor):
+            v, std = self.expert(x, sigma, memory, rows)
+            return (v, std) if learned_std else v
+
+        return denoise
+
+    def _stochastic_method(self) -> str:
+        return "noise" if self.config.noise_method == "flow_noise" else "sde"
+
+    def _transition(self, method: str) -> FlowTransition:
+        return FlowTransition(self.sigmas, method, self.config.noise_level)
+
+    def normalize_actions(self, actions: Tensor) -> Tensor:
+        """Env-unit actions [..., A] → normalized actions (not clipped)."""
+        return (actions.to(self.action_center.device, torch.float32) - self.action_center) / self.action_half_range
+
+    # ------------------------------------------------------------------ protocol
+
+    @torch.no_grad()
+    def sample(self, inputs, generator: torch.Generator | None = None, deterministic: bool = False) -> Sample:
+        """Actions [N, C, A] (env units); logp / entropy [N, 1]: the chunk's joint chain
+        log-likelihood and the summed entropy of its stochastic steps."""
+        obs = self.observation(inputs)
+        memory = self.prefix_memory(obs)
+        n, device = memory["attend"].shape[0], self.action_center.device
+        steps = self.config.num_denoising_steps
+        shape = (n, self.chunk, self.action_dim)
+        if deterministic:
+            method = "ode"
+            x_init = torch.zeros(shape, device=device)
+            stochastic = torch.zeros(n, steps, dtype=torch.bool, device=device)
+        else:
+            method = self._stochastic_method()
+            x_init = torch.randn(shape, generator=generator).to(device)
+            if self.config.sde_steps == "all":
+                stochastic = torch.ones(n, steps, dtype=torch.bool, device=device)
+            else:
+                stochastic = random_step(n, steps, generator, device=device)
+        denoiser = self._denoiser(memory, learned_std=method == "noise")
+        chain = run_chain(denoiser, self._transition(method), x_init, stochastic, generator, reduce=self.config.logp_reduction)
+        replay = {key: value.unsqueeze(1) for key, value in obs.items()}
+        replay["chain"] = chain.latents.unsqueeze(1)
+        replay["stochastic"] = stochastic.unsqueeze(1)
+        return Sample(
+            output=self.action_center + self.action_half_range * chain.final.clamp(-1.0, 1.0),
+            logp=chain.log_probs.sum(1, keepdim=True),
+            replay=replay,
+            entropy=chain.entropies.sum(1, keepdim=True),
+        )
+
+    def log_prob(self, replay: dict) -> Tensor:
+        """Joint chain log-likelihoods [B, T] of the replayed chunks under the current
+        parameters; each chunk's prefix is computed once for all its denoising steps."""
+        chain = replay["chain"]
+        b, t = chain.shape[:2]
+        obs = {key: replay[key].flatten(0, 1) for key in _OBS_KEYS if key in replay}
+        method = self._stochastic_method()
+        per_step = chain_log_probs(
+            self._denoiser(self.prefix_memory(obs), learned_std=method == "noise"),
+            self._transition(method),
+            chain.flatten(0, 1),
+            replay["stochastic"].flatten(0, 1),
+            reduce=self.config.logp_reduction,
+        )
+        return per_step.sum(1).view(b, t)
+
+    def sft_loss(self, batch: dict) -> Tensor:
+        """Flow-matching loss ‖vθ(x_σ, σ, o) − (ε − x0)‖² on expert chunks ``batch["actions"]``
+        [B, C, A] (env units; normalized and clipped to [−1, 1]), averaged over the valid
+        actions of ``batch["action_mask"]`` [B, C] (all valid if absent). σ and ε come from
+        torch's global generator."""
+        obs = self.observation(batch)
+        memory = self.prefix_memory(obs)
+        x0 = self.normalize_actions(batch["actions"]).clamp(-1.0, 1.0)
+        if tuple(x0.shape[1:]) != (self.chunk, self.action_dim):
+            raise ValueError(f"expected actions [B, {self.chunk}, {self.action_dim}], got {list(x0.shape)}")
+        b = x0.shape[0]
+        action_mask = batch.get("action_mask")
+        action_mask = torch.ones(b, self.chunk, device=x0.device) if action_mask is None else action_mask.to(x0.device, torch.float32)
+        u = torch.rand(b, device=x0.device)
+        if self.config.time_sampling == "beta":
+            u = u ** (1 / 1.5)  # inverse CDF of Beta(1.5, 1): F(u) = u^1.5
+        sigma = 0.001 + 0.999 * u
+        eps = torch.randn_like(x0)
+        s = sigma.view(b, 1, 1)
+        x_sigma = (1 - s) * x0 + s * eps
+        v, _ = self.expert(x_sigma, sigma, memory)
+        error = (v - (eps - x0)).square().mean(-1)
+        return (error * action_mask).sum() / action_mask.sum().clamp(min=1.0)
+
+    # ------------------------------------------------------------------ files
+
+    def save_extra(self, directory) -> None:
+        self.tokenizer.save(directory)
+
+    def load_extra(self, directory) -> None:
+        """The saved tokenizer replaces the one built from the spec (the embedding table
+        is resized to its vocabulary before the weights are loaded)."""
+        self.tokenizer = InstructionTokenizer.load(directory)
+        self.backbone.resize_instruction_vocab(self.tokenizer.vocab_size)

@@ -1,0 +1,31 @@
+"""Config of the discrete-token VLA policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mmrl.config import option
+from mmrl.errors import ConfigError
+from mmrl.policies.vla.backbone import VLABackboneConfig
+from mmrl.train.config import PolicyConfig
+
+
+@dataclass
+class TokenVLAConfig(PolicyConfig):
+    """A vision-language-action model that predicts binned actions as tokens (OpenVLA style)."""
+
+    type: str = option("token_vla", "registered name of this component (see `mmrl list`)")
+    backbone: VLABackboneConfig = option(factory=VLABackboneConfig, doc="image encoder, instruction embeddings and transformer decoder")
+    action_bins: int = option(32, "uniform bins per action dimension over the normalized range [-1, 1] (the action-token vocabulary)", ge=2)
+    action_chunk: int = option(1, "actions emitted per decision (an action chunk of action_chunk x action_dim tokens)", ge=1)
+    temperature: float = option(1.0, "sampling temperature of the action tokens (log-probs are those of the tempered distribution)", gt=0)
+
+    def validate(self, path: str) -> None:
+        p = f"{path}." if path else ""
+        if self.action_bins < 2:
+            raise ConfigError(p + "action_bins", self.action_bins, "must be >= 2")
+        if self.action_chunk < 1:
+            raise ConfigError(p + "action_chunk", self.action_chunk, "must be >= 1")
+        if not self.temperature > 0:
+            raise ConfigError(p + "temperature", self.temperature, "must be > 0")
+        self.backbone.validate(p + "backbone")

@@ -1,0 +1,214 @@
+"""Discrete-token VLA: binned actions predicted autoregressively as tokens (OpenVLA style).
+
+Every action dimension is normalized to [-1, 1] (env = center + half_range * a_n where the
+env's bounds are finite; unbounded dimensions are used as they are and binned over [-1, 1])
+and cut into B uniform bins; bin k decodes to its centre
+
+    a_n = -1 + (2k + 1) / B,        k = clip(floor((a_n + 1) / 2 * B), 0, B - 1).
+
+One decision is one action chunk of C actions × A dimensions = C·A tokens, generated after
+the backbone's prefix (cameras, state, instruction; see ``mmrl.policies.vla.backbone``):
+
+    [prefix] [start] [tok_1] … [tok_{CA-1}]   →   logits of tok_1 … tok_CA
+
+The input at slot j is the embedding of the previous action token (a learned start vector
+for j = 0) plus a learned slot embedding of (chunk index, dimension) = divmod(j, A); one
+linear head over the B bins serves every slot. This follows OpenVLA (Kim et al. 2024,
+"OpenVLA: An Open-Source Vision-Language-Action Model"), which discretizes each dimension into
+256 bins and predicts them as language-model tokens, and its chunked variant OpenVLA-OFT;
+RL fine-tuning of such a policy with group-relative advantages is SimpleVLA-RL (Li et al.
+2025).
+
+The decision's log-prob is the sum of its token log-probs under the tempered distribution
+softmax(logits / temperature):
+
+    log π(chunk | o) = Σ_{j=1}^{CA} log softmax(z_j / τ)[tok_j],
+
+and its entropy is the sum of the per-token entropies (the entropy of the chunk's
+distribution given the sampled prefix of tokens). Sampling decodes token by token with the
+decoder's key/value cache; ``log_prob`` recomputes all C·A tokens in one teacher-forced pass,
+equal to the sampling log-prob up to float rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from mmrl.core.policy import PolicyModule, Sample
+from mmrl.errors import ConfigError
+from mmrl.policies.token_vla.config import TokenVLAConfig
+from mmrl.policies.vla.backbone import VLABackbone
+from mmrl.policies.vla.tokenizer import FILE_NAME as TOKENIZER_FILE
+from mmrl.policies.vla.tokenizer import InstructionTokenizer
+from mmrl.registry import POLICIES
+
+
+@POLICIES.register("token_vla", config=TokenVLAConfig)
+class TokenVLAPolicy(PolicyModule):
+    """Vision-language-action transformer emitting action chunks as binned tokens."""
+
+    def __init__(self, config: TokenVLAConfig, spec: dict):
+        super().__init__()
+        config.validate("policy")
+        self.config, self.spec = config, dict(spec)
+        self.action_dim = int(spec["action_dim"])
+        self.chunk = config.action_chunk
+        self.num_tokens = self.chunk * self.action_dim
+        self.bins = config.action_bins
+        self.max_words = config.backbone.max_instruction_tokens
+
+        self.tokenizer = InstructionTokenizer.build(list(spec.get("instructions") or []))
+        self.backbone = VLABackbone(config.backbone, spec, self.tokenizer.vocab_size)
+        hd = self.backbone.hidden_size
+        self.action_embedding = nn.Embedding(self.bins, hd)
+        nn.init.normal_(self.action_embedding.weight, std=0.02)
+        self.action_start = nn.Parameter(torch.randn(hd) * 0.02)
+        self.action_slot = nn.Parameter(torch.randn(self.num_tokens, hd) * 0.02)  # one per (chunk index, dim)
+        self.action_head = nn.Linear(hd, self.bins)
+        nn.init.normal_(self.action_head.weight, std=0.02)
+        nn.init.zeros_(self.action_head.bias)
+
+        low = torch.as_tensor(spec.get("action_low", [-math.inf] * self.action_dim), dtype=torch.float32)
+        high = torch.as_tensor(spec.get("action_high", [math.inf] * self.action_dim), dtype=torch.float32)
+        finite = torch.isfinite(low) & torch.isfinite(high)
+        # Derived from the spec and config, not learned: kept out of the saved weights.
+        self.register_buffer("action_center", torch.where(finite, (low + high) / 2, 0.0), persistent=False)
+        self.register_buffer("action_half_range", torch.where(finite, (high - low) / 2, 1.0), persistent=False)
+        self.register_buffer("bin_centers", -1.0 + (2 * torch.arange(self.bins, dtype=torch.float32) + 1) / self.bins, persistent=False)
+
+    # ------------------------------------------------------------------ actions <-> tokens
+
+    def tokens_to_actions(self, tokens: Tensor) -> Tensor:
+        """Token ids [..., C*A] → env-unit actions [..., C, A] (bin centres)."""
+        a_n = self.bin_centers[tokens].view(*tokens.shape[:-1], self.chunk, self.action_dim)
+        return self.action_center + self.action_half_range * a_n
+
+    def actions_to_tokens(self, actions: Tensor) -> Tensor:
+        """Env-unit actions [..., C, A] → token ids [..., C*A] (clipped to the range)."""
+        a_n = (actions.to(self.action_center.device, torch.float32) - self.action_center) / self.action_half_range
+        tokens = torch.floor((a_n.clamp(-1.0, 1.0) + 1.0) / 2.0 * self.bins).long().clamp(0, self.bins - 1)
+        return tokens.flatten(-2)
+
+    # ------------------------------------------------------------------ forward pieces
+
+    def encode_inputs(self, inputs) -> dict[str, Tensor]:
+        """The policy's tensors for a batch of observations (what replay stores, without
+        the decision dim): uint8 image, float state, instruction token ids and mask."""
+        device = self.action_center.device
+        if isinstance(inputs, Tensor):  # a flat-observation env: the observation is the state
+            inputs = {"state": inputs}
+        obs: dict[str, Tensor] = {}
+        n = None
+        if self.backbone.num_cameras:
+            obs["image"] = inputs["image"].to(device)
+            n = obs["image"].shape[0]
+        if self.backbone.state_dim > 0:
+            obs["state"] = inputs["state"].to(device, torch.float32)
+            n = obs["state"].shape[0]
+        texts = inputs.get("instruction")
+        if texts is None:
+            if n is None:
+                raise ValueError("the token VLA needs an image, a state or an instruction in its inputs")
+            texts = [""] * n
+        ids, mask = self.tokenizer.encode(list(texts), self.max_words)
+        obs["instruction_ids"], obs["instruction_mask"] = ids.to(device), mask.to(device)
+        return obs
+
+    def _prefix(self, obs: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        return self.backbone.prefix(obs.get("image"), obs.get("state"), obs["instruction_ids"], obs["instruction_mask"])
+
+    def _action_inputs(self, tokens: Tensor) -> Tensor:
+        """Decoder inputs of the C*A action slots given the chunk's tokens [M, C*A]:
+        slot j holds the embedding of token j-1 (the start vector for j = 0) + slot j's embedding."""
+        start = self.action_start.expand(tokens.shape[0], 1, -1)
+        previous = self.action_embedding(tokens[:, :-1])
+        return torch.cat([start, previous], dim=1) + self.action_slot
+
+    def _logits(self, obs: dict[str, Tensor], tokens: Tensor) -> Tensor:
+        """Teacher-forced logits [M, C*A, bins] of the chunk ``tokens`` [M, C*A] (untempered)."""
+        embeds, mask = self._prefix(obs)
+        m, p = mask.shape
+        seq = torch.cat([embeds, self._action_inputs(tokens)], dim=1)
+        full_mask = torch.cat([mask, mask.new_ones(m, self.num_tokens)], dim=1)
+        hidden = self.backbone(seq, full_mask)
+        return self.action_head(hidden[:, p:])
+
+    # ------------------------------------------------------------------ protocol
+
+    @torch.no_grad()
+    def sample(self, inputs, generator: torch.Generator | None = None, deterministic: bool = False) -> Sample:
+        """``inputs``: {"image": uint8 [N, (K,) H, W, 3], "state": [N, D], "instruction":
+        N strings} (the keys the env has) or a state tensor [N, D]. Returns env actions
+        [N, C, A], logp [N, 1] (sum over the C*A tokens), entropy [N, 1], replay {image,
+        state, instruction_ids, instruction_mask, action_tokens [N, 1, C*A]}.
+        ``deterministic`` takes the most likely bin of every token (greedy decoding)."""
+        obs = self.encode_inputs(inputs)
+        embeds, mask = self._prefix(obs)
+        n = embeds.shape[0]
+        cache = self.backbone.new_cache()
+        x = (self.action_start + self.action_slot[0]).expand(n, 1, -1)
+        mask = torch.cat([mask, mask.new_ones(n, 1)], dim=1)
+        hidden = self.backbone(torch.cat([embeds, x], dim=1), mask, cache)[:, -1]
+        tokens, logps, entropies = [], [], []
+        for j in range(self.num_tokens):
+            log_probs = torch.log_softmax(self.action_head(hidden) / self.config.temperature, dim=-1)
+            if deterministic:
+                token = log_probs.argmax(-1)
+            else:
+                device = generator.device if generator is not None else log_probs.device
+                token = torch.multinomial(log_probs.exp().to(device), 1, generator=generator).squeeze(1).to(log_probs.device)
+            tokens.append(token)
+            logps.append(log_probs.gather(-1, token[:, None]).squeeze(1))
+            entropies.append(-(log_probs.exp() * log_probs).sum(-1))
+            if j + 1 < self.num_tokens:
+                x = (self.action_embedding(token) + self.action_slot[j + 1]).unsqueeze(1)
+                mask = torch.cat([mask, mask.new_ones(n, 1)], dim=1)
+                hidden = self.backbone(x, mask, cache)[:, -1]
+        tokens_t = torch.stack(tokens, dim=1)
+        replay = {k: v.unsqueeze(1) for k, v in obs.items()}
+        replay["action_tokens"] = tokens_t.unsqueeze(1)
+        return Sample(
+            output=self.tokens_to_actions(tokens_t),
+            logp=torch.stack(logps, 1).sum(1, keepdim=True),
+            replay=replay,
+            entropy=torch.stack(entropies, 1).sum(1, keepdim=True),
+        )
+
+    def log_prob(self, replay: dict) -> Tensor:
+        """Log-probs [N, T] of the replayed chunks (replay tensors [N, T, ...]) under the
+        current parameters: one teacher-forced pass over the N*T decisions."""
+        tokens = replay["action_tokens"]
+        n, t = tokens.shape[:2]
+        flat = {k: v.reshape(n * t, *v.shape[2:]) for k, v in replay.items()}
+        tokens = flat.pop("action_tokens").to(self.action_center.device)
+        log_probs = torch.log_softmax(self._logits(flat, tokens) / self.config.temperature, dim=-1)
+        return log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).sum(-1).view(n, t)
+
+    def sft_loss(self, batch: dict) -> Tensor:
+        """Behaviour cloning: masked mean cross-entropy of the expert's binned action tokens
+        (teacher forcing, untempered logits). ``batch``: image/state/instruction as in
+        ``sample``, "actions" [B, C, A] in env units, optional "action_mask" [B, C]."""
+        obs = self.encode_inputs(batch)
+        tokens = self.actions_to_tokens(batch["actions"])
+        logits = self._logits(obs, tokens)
+        ce = nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten(), reduction="none").view_as(tokens).float()
+        action_mask = batch.get("action_mask")
+        if action_mask is None:
+            return ce.mean()
+        weight = action_mask.to(ce.device, ce.dtype).repeat_interleave(self.action_dim, dim=1)
+        return (ce * weight).sum() / weight.sum().clamp(min=1.0)
+
+    def save_extra(self, directory) -> None:
+        self.tokenizer.save(directory)
+
+    def load_extra(self, directory) -> None:
+        """The saved tokenizer replaces the one built from the spec (its vocabulary sizes
+        the instruction embeddings whose weights follow)."""
+        if not (Path(directory) / TOKENIZER_FILE).is_file():
+            raise ConfigError("policy.pretrained", str(directory), f"no {TOKENIZER_FILE}: expected a directory saved from a token_vla policy")
+        self.tokenizer = InstructionTokenizer.load(directory)
+        self.backbone.resize_instruction_vocab(self.tokenizer.vocab_size)

@@ -1,0 +1,201 @@
+"""The shared vision-language backbone of mmrl's VLA policies.
+
+A VLA reads a *prefix* of tokens and runs a causal transformer decoder over it (and over
+whatever the policy appends: action tokens for the token VLA, action-expert queries for the
+flow VLA):
+
+    prefix = [ patches(camera 1) … patches(camera K) | state | [BOS] w_1 … w_L ]
+
+- image: uint8 [N, (K,) H, W, 3] → float in [0, 1] → a small CNN of stride-2 3×3 convs
+  (``vision_channels``) → a feature map whose cells are patch tokens (optionally average-pooled
+  to a ``patch_grid`` × ``patch_grid`` grid), each projected to ``hidden_size`` plus a learned
+  position embedding (per grid cell) and a learned camera embedding (per camera);
+- state: one token, a linear projection of the proprioceptive state (if the env has one);
+- instruction: word embeddings of the tokenized instruction (padding masked out).
+
+This is the OpenVLA recipe in miniature (vision encoder → projector → language-model
+decoder; Kim et al. 2024, "OpenVLA: An Open-Source Vision-Language-Action Model"), with a CNN
+in place of the pretrained ViTs so that tiny models train from scratch on a CPU.
+
+The decoder is a ``transformers`` decoder-only model built from its config with random
+weights (``arch`` picks the family); it is fed ``inputs_embeds`` and a padding mask, and
+its own token embedding table is removed (nothing here has token ids for it). Its rotary
+position embeddings give every prefix slot its position. Pretrained weights of a whole
+policy come from mmrl's ``save_pretrained``/``load_pretrained`` directories.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from mmrl.config import option
+from mmrl.errors import ConfigError, MissingExtraError
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma")
+
+
+@dataclass
+class VLABackboneConfig:
+    """The ``backbone:`` section of every VLA policy config."""
+
+    hidden_size: int = option(64, "width of the transformer decoder (every token is projected to it)", ge=1)
+    num_layers: int = option(2, "decoder layers", ge=1)
+    num_heads: int = option(4, "attention heads (hidden_size / num_heads must be an even integer)", ge=1)
+    intermediate_size: int = option(128, "width of the decoder's MLP", ge=1)
+    vision_channels: list[int] = option(factory=lambda: [16, 32], doc="output channels of the image CNN's stride-2 3x3 convs (each halves H and W)")
+    patch_grid: int | None = option(8, "average-pool the CNN feature map to at most this many cells per side (fewer patch tokens, a faster decoder); null keeps every cell", ge=1)
+    max_instruction_tokens: int = option(16, "instruction tokens kept ([BOS] included); longer instructions are truncated", ge=1)
+    arch: str = option("llama", "transformers decoder family, built from a config with random weights", choices=ARCHS)
+    attn_implementation: str = option("sdpa", "transformers attention kernel", choices=("sdpa", "eager"))
+
+    def validate(self, path: str) -> None:
+        p = f"{path}." if path else ""
+        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 2:
+            raise ConfigError(
+                p + "num_heads", self.num_heads, f"must divide hidden_size ({self.hidden_size}) into heads of even width (rotary embeddings)"
+            )
+        if not self.vision_channels or any(c < 1 for c in self.vision_channels):
+            raise ConfigError(p + "vision_channels", self.vision_channels, "expected a non-empty list of positive channel counts")
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise MissingExtraError("transformers", "vla", "the VLA backbone") from None
+    return transformers
+
+
+def _conv_out(size: int) -> int:
+    """Output size of a 3×3, stride-2, padding-1 convolution."""
+    return (size - 1) // 2 + 1
+
+
+class VLABackbone(nn.Module):
+    """Prefix embeddings (cameras, state, instruction) + a causal ``transformers`` decoder."""
+
+    def __init__(self, cfg: VLABackboneConfig, spec: dict, vocab_size: int):
+        super().__init__()
+        cfg.validate("policy.backbone")
+        self.cfg = cfg
+        self.hidden_size = hd = cfg.hidden_size
+        self.state_dim = int(spec.get("state_dim", spec.get("obs_dim", 0)) or 0)
+
+        image_shape = spec.get("image_shape")
+        self.num_cameras = 0
+        if image_shape is not None:
+            image_shape = [int(s) for s in image_shape]
+            if len(image_shape) not in (3, 4) or image_shape[-1] != 3:
+                raise ConfigError("env", image_shape, "expected RGB images of shape [H, W, 3] or [K, H, W, 3] (K cameras)")
+            self.image_shape = tuple(image_shape)
+            self.num_cameras = 1 if len(image_shape) == 3 else image_shape[0]
+            h, w = image_shape[-3:-1]
+            layers: list[nn.Module] = []
+            channels = 3
+            for c in cfg.vision_channels:
+                layers += [nn.Conv2d(channels, c, kernel_size=3, stride=2, padding=1), nn.GELU()]
+                channels = c
+                h, w = _conv_out(h), _conv_out(w)
+            if cfg.patch_grid is not None:
+                h, w = min(h, cfg.patch_grid), min(w, cfg.patch_grid)
+            self.grid = (h, w)
+            self.vision = nn.Sequential(*layers)
+            self.patch_proj = nn.Linear(channels, hd)
+            self.patch_position = nn.Parameter(torch.randn(h * w, hd) * 0.02)
+            self.camera_embedding = nn.Parameter(torch.randn(self.num_cameras, hd) * 0.02)
+        if self.state_dim > 0:
+            self.state_proj = nn.Linear(self.state_dim, hd)
+        self.instruction_embedding = nn.Embedding(vocab_size, hd)
+        nn.init.normal_(self.instruction_embedding.weight, std=0.02)
+
+        tf = _transformers()
+        decoder_config = tf.AutoConfig.for_model(
+            cfg.arch,
+            hidden_size=hd,
+            num_hidden_layers=cfg.num_layers,
+            num_attention_heads=cfg.num_heads,
+            num_key_value_heads=cfg.num_heads,
+            head_dim=hd // cfg.num_heads,
+            intermediate_size=cfg.intermediate_size,
+            vocab_size=1,
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=None,
+            tie_word_embeddings=False,
+        )
+        self.decoder = tf.AutoModel.from_config(decoder_config, attn_implementation=cfg.attn_implementation)
+        self.decoder.set_input_embeddings(None)  # fed inputs_embeds only; an unused table would stall DDP
+
+    @property
+    def num_patch_tokens(self) -> int:
+        """Prefix tokens the images give (all cameras)."""
+        return self.num_cameras * self.grid[0] * self.grid[1] if self.num_cameras else 0
+
+    def prefix_length(self, instruction_length: int | None = None) -> int:
+        length = self.cfg.max_instruction_tokens if instruction_length is None else instruction_length
+        return self.num_patch_tokens + (1 if self.state_dim > 0 else 0) + length
+
+    def resize_instruction_vocab(self, vocab_size: int) -> None:
+        """A fresh embedding table of ``vocab_size`` words (before loading weights saved
+        with a tokenizer of that size)."""
+        old = self.instruction_embedding.weight
+        if old.shape[0] != vocab_size:
+            self.instruction_embedding = nn.Embedding(vocab_size, self.hidden_size, device=old.device, dtype=old.dtype)
+            nn.init.normal_(self.instruction_embedding.weight, std=0.02)
+
+    def encode_images(self, image: Tensor) -> Tensor:
+        """uint8 [N, H, W, 3] or [N, K, H, W, 3] → patch tokens [N, K*h*w, hidden]."""
+        if image.dim() == 4:
+            image = image.unsqueeze(1)
+        n, k = image.shape[:2]
+        if k != self.num_cameras or tuple(image.shape[2:]) != tuple(self.image_shape[-3:]):
+            raise ValueError(f"expected images [N, {self.num_cameras}, {', '.join(map(str, self.image_shape[-3:]))}], got {list(image.shape)}")
+        x = image.to(self.patch_position.device).reshape(n * k, *image.shape[2:]).permute(0, 3, 1, 2).float() / 255.0
+        features = self.vision(x)
+        if tuple(features.shape[-2:]) != self.grid:
+            features = nn.functional.adaptive_avg_pool2d(features, self.grid)
+        tokens = self.patch_proj(features.flatten(2).transpose(1, 2)) + self.patch_position  # [N*K, h*w, hd]
+        tokens = tokens.view(n, k, -1, self.hidden_size) + self.camera_embedding[:, None, :]
+        return tokens.reshape(n, -1, self.hidden_size)
+
+    def prefix(self, image: Tensor | None, state: Tensor | None, instruction_ids: Tensor, instruction_mask: Tensor) -> tuple[Tensor, Tensor]:
+        """Prefix embeddings [N, P, hidden] and mask [N, P] (1 = attend), P = K*h*w
+        (+1 with a state) + L. ``image``/``state`` may be None when the env has none."""
+        device = self.instruction_embedding.weight.device
+        ids = instruction_ids.to(device)
+        n = ids.shape[0]
+        parts = []
+        if self.num_cameras:
+            if image is None:
+                raise ValueError("this backbone was built for image observations; got none")
+            parts.append(self.encode_images(image))
+        if self.state_dim > 0:
+            if state is None:
+                raise ValueError(f"this backbone was built for a state of {self.state_dim} dims; got none")
+            parts.append(self.state_proj(state.to(device, torch.float32).reshape(n, self.state_dim)).unsqueeze(1))
+        words = self.instruction_embedding(ids)
+        always = sum(p.shape[1] for p in parts)
+        embeds = torch.cat([*parts, words], dim=1)
+        mask = torch.cat([torch.ones(n, always, device=device), instruction_mask.to(device, torch.float32)], dim=1)
+        return embeds, mask
+
+    def new_cache(self):
+        """An empty key/value cache for incremental decoding with ``forward(..., cache=)``."""
+        return _transformers().DynamicCache(config=self.decoder.config)
+
+    def forward(self, embeds: Tensor, mask: Tensor, cache=None) -> Tensor:
+        """Causal decoder over ``embeds`` [N, S, hidden] → last hidden states [N, S, hidden].
+
+        ``mask`` [N, S] marks the tokens to attend to (without a cache), or [N, S_past + S]
+        with a ``cache`` from :meth:`new_cache` that holds the S_past earlier tokens (the
+        cache is extended in place, so decoding one token at a time equals one full pass)."""
+        out = self.decoder(
+            inputs_embeds=embeds,
+            attention_mask=mask.to(embeds.device, torch.long),
+            past_key_values=cache,
+            use_cache=cache is not None,
+        )
+        return out.last_hidden_state

@@ -1,0 +1,217 @@
+import math
+
+import pytest
+import torch
+
+from mmrl.config import from_dict
+from mmrl.core.policy import build_policy, load_pretrained, save_pretrained
+from mmrl.errors import ConfigError
+from mmrl.policies.diffusion_policy import DiffusionPolicy, DiffusionPolicyConfig
+from mmrl.registry import POLICIES
+
+SPEC = {"action_dim": 2, "action_low": [-1.0, 0.0], "action_high": [1.0, 4.0], "state_dim": 3, "obs_dim": 3, "image_shape": [16, 16, 3]}
+TWO_CAMERAS = {**SPEC, "image_shape": [2, 12, 12, 3], "state_dim": 0, "obs_dim": 0}
+STATE_ONLY = {"action_dim": 2, "action_low": [-1.0, -1.0], "action_high": [1.0, 1.0], "obs_dim": 3}
+TINY = {"hidden_size": 32, "num_layers": 2, "vision_channels": [8, 8], "action_chunk": 3, "num_train_timesteps": 20, "num_denoising_steps": 5, "ft_denoising_steps": 3}
+VARIANTS = {
+    "image_state": (SPEC, {}),
+    "two_cameras": (TWO_CAMERAS, {}),
+    "spatial_softmax": (TWO_CAMERAS, {"image_pooling": "spatial_softmax", "keypoints": 4}),
+    "flat_state": (STATE_ONLY, {}),
+    "ddpm": (SPEC, {"sampler": "ddpm"}),
+    "mean_clamped": (SPEC, {"logp_reduction": "mean", "logp_element_clamp": [-5.0, 2.0], "clip_denoised": None}),
+    "all_steps": (SPEC, {"ft_denoising_steps": 5}),
+}
+
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads; on a busy machine (other test
+    processes, simulators) the threads' synchronisation made these tests 10-20x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make(spec=SPEC, **fields) -> DiffusionPolicy:
+    torch.manual_seed(0)
+    return build_policy(DiffusionPolicyConfig(**{**TINY, **fields}), spec)
+
+
+def inputs(spec, n=6, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    if "image_shape" not in spec:
+        return torch.randn(n, spec["obs_dim"], generator=gen)  # a flat-observation env
+    out = {"image": torch.randint(0, 256, (n, *spec["image_shape"]), generator=gen, dtype=torch.uint8)}
+    if spec.get("state_dim"):
+        out["state"] = torch.randn(n, spec["state_dim"], generator=gen)
+    return out
+
+
+def test_registered_under_its_type_name():
+    assert POLICIES.get("diffusion_policy") is DiffusionPolicy
+    assert POLICIES.entry("diffusion_policy").config is DiffusionPolicyConfig
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_sample_shapes_and_log_prob_of_replay_equals_sampling_logp(variant):
+    spec, fields = VARIANTS[variant]
+    policy = make(spec, **fields)
+    k = policy.config.ft_denoising_steps
+    sample = policy.sample(inputs(spec), torch.Generator().manual_seed(0))
+    assert sample.output.shape == (6, 3, 2)
+    assert sample.logp.shape == sample.entropy.shape == (6, k)
+    assert sample.replay["x_t"].shape == sample.replay["x_next"].shape == (6, k, 3, 2)
+    assert sample.replay["step"].tolist() == [list(range(5 - k, 5))] * 6
+    if "image_shape" in spec:
+        assert sample.replay["image"].shape == (6, 1, *spec["image_shape"]) and sample.replay["image"].dtype == torch.uint8
+    # a second call with other observations, concatenated along dim 1 as the env sampler does
+    other = policy.sample(inputs(spec, seed=2), torch.Generator().manual_seed(1))
+    replay = {key: torch.cat([sample.replay[key], other.replay[key]], 1) for key in sample.replay}
+    logp = policy.log_prob(replay)
+    assert logp.shape == (6, 2 * k) and logp.requires_grad
+    torch.testing.assert_close(logp, torch.cat([sample.logp, other.logp], 1), atol=1e-5, rtol=1e-5)
+
+
+def test_actions_are_clipped_chain_ends_mapped_to_env_units():
+    policy = make()
+    sample = policy.sample(inputs(SPEC), torch.Generator().manual_seed(0))
+    final = sample.replay["x_next"][:, -1].clamp(-1, 1)
+    torch.testing.assert_close(sample.output, torch.tensor([0.0, 2.0]) + torch.tensor([1.0, 2.0]) * final)
+    assert (sample.output[..., 1] >= 0).all() and (sample.output[..., 1] <= 4).all()
+
+
+def test_log_prob_of_zero_padded_decisions_is_finite():
+    """Rollout.cat right-pads shorter rollouts with zeros; those decisions are masked, but
+    their log-probs must not be NaN (0 * NaN would poison the loss)."""
+    policy = make()
+    sample = policy.sample(inputs(SPEC), torch.Generator().manual_seed(0))
+    padded = {key: torch.cat([value, torch.zeros_like(value)], 1) for key, value in sample.replay.items()}
+    assert torch.isfinite(policy.log_prob(padded)).all()
+
+
+def test_deterministic_sampling_is_a_ddim_ode_independent_of_the_generator():
+    policy = make()
+    a = policy.sample(inputs(SPEC), torch.Generator().manual_seed(0), deterministic=True)
+    b = policy.sample(inputs(SPEC), None, deterministic=True)
+    c = policy.sample(inputs(SPEC), torch.Generator().manual_seed(0))
+    assert torch.equal(a.output, b.output) and not torch.allclose(a.output, c.output)
+    assert (a.logp == 0).all()
+
+
+def test_same_generator_seed_gives_the_same_sample():
+    policy = make()
+    a = policy.sample(inputs(SPEC), torch.Generator().manual_seed(3))
+    b = policy.sample(inputs(SPEC), torch.Generator().manual_seed(3))
+    assert torch.equal(a.output, b.output) and torch.equal(a.logp, b.logp)
+
+
+def test_log_probs_are_those_of_the_floored_ddim_steps():
+    """Each trained step is N(mu, max(sigma, min_logprob_std)^2); the last DDIM step's sigma
+    is 0, so its std is the floor."""
+    policy = make(min_logprob_std=0.2)
+    sample = policy.sample(inputs(SPEC), torch.Generator().manual_seed(0))
+    per_element = math.log(0.2) + 0.5 * math.log(2 * math.pi * math.e)
+    torch.testing.assert_close(sample.entropy[:, -1], torch.full((6,), 6 * per_element))
+
+
+@pytest.mark.parametrize("variant", ["image_state", "mean_clamped"])
+def test_positive_advantage_raises_that_chunks_chain_log_prob_after_one_adam_step(variant):
+    spec, fields = VARIANTS[variant]
+    policy = make(spec, **fields)
+    sample = policy.sample(inputs(spec), torch.Generator().manual_seed(0))
+    advantage = torch.zeros(6, 1)
+    advantage[2] = 1.0
+    # the floored stds are small (0.1), so the log-prob is sharp: a small step, as in RL training
+    optimizer = torch.optim.Adam(policy.parameters(), lr=1e-4)
+    loss = -(advantage * policy.log_prob(sample.replay)).sum()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    with torch.no_grad():
+        after = policy.log_prob(sample.replay)
+    assert after[2].sum() > sample.logp[2].sum() + 1e-3
+
+
+def test_sft_makes_deterministic_actions_reach_the_expert_chunks_of_two_states():
+    torch.manual_seed(0)
+    policy = build_policy(DiffusionPolicyConfig(**TINY), STATE_ONLY)
+    state = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]).repeat(32, 1)
+    targets = torch.tensor([[[0.6, -0.4]] * 3, [[-0.5, 0.5], [-0.3, 0.3], [0.0, 0.0]]]).repeat(32, 1, 1)
+    mask = torch.ones(64, 3)
+    mask[1::2, 2] = 0  # the second state's last action is padding: not learned, not checked
+    before = policy.sample(state[:2], deterministic=True).output
+    optimizer = torch.optim.Adam(policy.parameters(), lr=3e-3)
+    for _ in range(200):
+        loss = policy.sft_loss({"state": state, "actions": targets, "action_mask": mask})
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    after = policy.sample(state[:2], deterministic=True).output
+    valid = mask[:2, :, None].expand(2, 3, 2).bool()
+    error_before = (before - targets[:2])[valid].abs().max()
+    error_after = (after - targets[:2])[valid].abs().max()
+    assert error_after < 0.15 and error_before > 0.3, (error_before, error_after)
+    assert (after[0] - after[1])[:2].abs().min() > 0.3  # the two states get different chunks
+
+
+def test_save_and_load_pretrained_round_trip_gives_exactly_equal_outputs(tmp_path):
+    policy = make(TWO_CAMERAS)
+    save_pretrained(policy, tmp_path / "policy")
+    loaded = load_pretrained(tmp_path / "policy")
+    assert isinstance(loaded, DiffusionPolicy) and loaded.config == policy.config
+    a = policy.sample(inputs(TWO_CAMERAS), torch.Generator().manual_seed(4))
+    b = loaded.sample(inputs(TWO_CAMERAS), torch.Generator().manual_seed(4))
+    assert torch.equal(a.output, b.output) and torch.equal(a.logp, b.logp)
+    assert torch.equal(policy.log_prob(a.replay), loaded.log_prob(a.replay))
+
+
+@pytest.mark.parametrize(
+    "fields, field",
+    [
+        ({"ft_denoising_steps": 6, "num_denoising_steps": 5}, "policy.ft_denoising_steps"),
+        ({"num_denoising_steps": 30, "num_train_timesteps": 20}, "policy.num_denoising_steps"),
+        ({"logp_element_clamp": [2.0, -5.0]}, "policy.logp_element_clamp"),
+        ({"min_logprob_std": 0.0}, "policy.min_logprob_std"),
+        ({"sampler": "euler"}, "policy.sampler"),
+    ],
+)
+def test_bad_config_is_a_config_error_naming_the_field(fields, field):
+    with pytest.raises(ConfigError, match=field):
+        from_dict(DiffusionPolicyConfig, {"type": "diffusion_policy", **fields}, "policy")
+
+
+def test_a_spec_without_observations_is_a_config_error():
+    with pytest.raises(ConfigError, match="needs image and/or state"):
+        make({"action_dim": 2, "obs_dim": 0})
+
+
+def test_env_sampler_rollout_replays_exactly_and_a_train_step_runs(tmp_path):
+    """Through the env sampler (k = 3 decisions per chunk, waves of different lengths
+    right-padded) and two steps of the trainer on PointReach."""
+    from mmrl.train.config import TrainConfig
+    from mmrl.train.metrics import read_metrics
+    from mmrl.train.trainer import train
+    from tests.conftest import point_reach_config
+
+    data = point_reach_config(
+        total_steps=2,
+        env={"num_envs": 4, "kwargs": {"max_steps": 10, "min_steps": 3}},
+        algo={"group_size": 2, "groups_per_step": 4, "ppo_epochs": 1},
+    )
+    data["policy"] = {"type": "diffusion_policy", **{k: v for k, v in TINY.items() if k != "vision_channels"}}
+    cfg = from_dict(TrainConfig, data)
+    from mmrl.samplers.env import EnvSampler
+
+    sampler = EnvSampler(cfg.sampler, cfg)
+    policy = make(sampler.policy_spec())
+    rollout = sampler.collect(policy, num_groups=4, group_size=2, step=0)
+    assert rollout.old_logp.shape[1] % 3 == 0
+    logp = policy.log_prob(rollout.replay)
+    torch.testing.assert_close(logp * rollout.mask, rollout.old_logp * rollout.mask, atol=1e-5, rtol=1e-5)
+    sampler.close()
+    train(cfg, tmp_path / "run")
+    steps = [r for r in read_metrics(tmp_path / "run") if "loss/policy" in r]
+    assert len(steps) == 2 and all(math.isfinite(r["loss/policy"]) and math.isfinite(r["grad_norm"]) for r in steps)
