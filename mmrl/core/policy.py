@@ -103,6 +103,18 @@ def _plain(obj):
     return obj
 
 
+def resolve_weights_dir(directory):
+    """A weights directory as given, or a run directory's latest checkpoint (so that
+    ``policy.pretrained: runs/my_sft_run`` starts RL from where that run ended)."""
+    from pathlib import Path
+
+    d = Path(directory)
+    pointer = d / "checkpoints" / "latest"
+    if not (d / "model.safetensors").is_file() and pointer.is_file():
+        return d / "checkpoints" / pointer.read_text().strip()
+    return d
+
+
 def load_state(policy: nn.Module, directory, field: str = "policy.pretrained") -> None:
     """Load ``model.safetensors`` from ``directory`` into ``policy`` (strict)."""
     from pathlib import Path
@@ -111,6 +123,7 @@ def load_state(policy: nn.Module, directory, field: str = "policy.pretrained") -
 
     from mmrl.errors import ConfigError
 
+    directory = resolve_weights_dir(directory)
     path = Path(directory) / "model.safetensors"
     if not path.is_file():
         raise ConfigError(field, str(directory), "expected a directory holding model.safetensors (written by mmrl or save_pretrained)")
@@ -129,6 +142,7 @@ def load_pretrained(directory, **overrides) -> PolicyModule:
     from mmrl import registry
     from mmrl.config import from_dict, load_yaml
 
+    directory = resolve_weights_dir(directory)
     meta = load_yaml(Path(directory) / "config.yaml", "policy.pretrained")
     data = dict(meta["policy"], **overrides)
     data["pretrained"] = None
