@@ -23,10 +23,14 @@ class GaussianMLPConfig(PolicyConfig):
     action_chunk: int = option(1, "actions emitted per decision (an action chunk; the env executes them in turn)", ge=1)
     state_dependent_std: bool = option(False, "the MLP also outputs the log std (otherwise one learned log std per action dimension)")
     obs_norm: bool = option(False, "normalize observations by running mean/std (updated while sampling stochastically, saved with the weights)")
+    final_log_std: float | None = option(None, "anneal the exploration noise: cap the log std at a value going linearly from init_log_std to this over log_std_anneal_decisions sampled decisions (null = no cap)")
+    log_std_anneal_decisions: int = option(200_000, "decisions sampled stochastically in training mode (env steps for chunk 1, summed over this process's envs) over which the log std cap reaches final_log_std", ge=1)
 
     def validate(self, path: str) -> None:
         p = f"{path}." if path else ""
         if self.min_log_std > self.max_log_std:
             raise ConfigError(p + "min_log_std", self.min_log_std, f"must be <= max_log_std ({self.max_log_std})")
+        if self.final_log_std is not None and self.final_log_std > self.init_log_std:
+            raise ConfigError(p + "final_log_std", self.final_log_std, f"must be <= init_log_std ({self.init_log_std}): the cap anneals the noise down")
         if any(width < 1 for width in self.hidden_sizes):
             raise ConfigError(p + "hidden_sizes", self.hidden_sizes, "every width must be >= 1")

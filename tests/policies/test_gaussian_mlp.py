@@ -13,6 +13,7 @@ VARIANTS = {
     "chunk3": {"action_chunk": 3},
     "state_dependent_std": {"state_dependent_std": True, "activation": "relu"},
     "obs_norm": {"obs_norm": True},
+    "anneal_std": {"final_log_std": -2.0, "log_std_anneal_decisions": 12},
 }
 
 
@@ -39,7 +40,7 @@ def test_sample_shapes_and_log_prob_of_replay_equals_sampling_logp(variant):
     assert sample.logp.shape == sample.entropy.shape == (6, 1)
     assert sample.replay["obs"].shape == (6, 1, 5)
     assert sample.replay["action"].shape == (6, 1, chunk, 2)
-    if policy.config.obs_norm:  # the statistics move after sampling; the replay must not care
+    if policy.config.obs_norm or policy.config.final_log_std is not None:  # statistics / std cap move after sampling; the replay must not care
         policy.sample(obs_batch(seed=7) * 5, torch.Generator().manual_seed(1))
     replay = {k: torch.cat([v, v], 1) for k, v in sample.replay.items()}  # T = 2 decisions
     logp = policy.log_prob(replay)
@@ -136,3 +137,57 @@ def test_config_rejects_min_log_std_above_max():
 
     with pytest.raises(ConfigError, match="policy.min_log_std"):
         from_dict(GaussianMLPConfig, {"type": "gaussian_mlp", "min_log_std": 2.0, "max_log_std": 1.0}, "policy")
+
+
+def test_learned_log_std_below_the_cap_keeps_its_gradient_and_above_it_gets_none():
+    policy = make(init_log_std=-0.5, final_log_std=-1.0, log_std_anneal_decisions=1)
+    policy.sample(obs_batch(), torch.Generator().manual_seed(0))  # the cap is now -1.0
+    with torch.no_grad():
+        policy.log_std.copy_(torch.tensor([-0.2, -1.5]))  # above the cap, below it
+    sample = policy.sample(obs_batch(), torch.Generator().manual_seed(1))
+    torch.testing.assert_close(sample.replay["log_std_cap"], torch.full((6, 1), -1.0))
+    policy.log_prob(sample.replay).sum().backward()
+    assert policy.log_std.grad[0] == 0 and policy.log_std.grad[1] != 0
+
+
+def test_config_rejects_final_log_std_above_init():
+    from mmrl.config import from_dict
+    from mmrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="policy.final_log_std"):
+        from_dict(GaussianMLPConfig, {"type": "gaussian_mlp", "init_log_std": -1.0, "final_log_std": 0.0}, "policy")
+
+
+def test_annealed_log_std_cap_moves_linearly_with_training_samples_only():
+    policy = make(init_log_std=-0.5, final_log_std=-2.0, log_std_anneal_decisions=12)
+    assert policy.log_std_cap() == -0.5
+    first = policy.sample(obs_batch(), torch.Generator().manual_seed(0))  # 6 decisions at cap -0.5
+    torch.testing.assert_close(first.replay["log_std_cap"], torch.full((6, 1), -0.5))
+    assert policy.log_std_cap() == pytest.approx(-1.25)
+    # neither the mean action nor sampling in eval mode (sampled evaluation) moves the clock
+    policy.sample(obs_batch(), deterministic=True)
+    policy.eval()
+    policy.sample(obs_batch(), torch.Generator().manual_seed(0))
+    policy.train()
+    assert policy.log_std_cap() == pytest.approx(-1.25)
+    second = policy.sample(obs_batch(), torch.Generator().manual_seed(0))
+    # the learned log std (-0.5) is above the cap: the noise has the cap's std
+    obs_n, action_n = second.replay["obs"][:, 0], second.replay["action"][:, 0].reshape(6, -1)
+    expected = torch.distributions.Normal(policy.net(obs_n), math.exp(-1.25)).log_prob(action_n).sum(-1)
+    torch.testing.assert_close(second.logp[:, 0], expected)
+    torch.testing.assert_close(second.entropy[:, 0], torch.full((6,), 2 * (-1.25 + 0.5 * math.log(2 * math.pi) + 0.5)))
+    for _ in range(3):
+        policy.sample(obs_batch(), torch.Generator().manual_seed(0))
+    assert policy.log_std_cap() == pytest.approx(-2.0)  # stays at final_log_std
+    # an early decision's log-prob is still that of its own (higher) cap
+    torch.testing.assert_close(policy.log_prob(first.replay), first.logp, atol=1e-5, rtol=1e-6)
+
+
+def test_annealed_noise_shrinks_the_spread_of_sampled_actions_around_the_same_mean():
+    policy = make(init_log_std=0.0, final_log_std=-3.0, log_std_anneal_decisions=1000)
+    obs = obs_batch(n=1000)
+    early = policy.sample(obs, torch.Generator().manual_seed(0)).replay["action"][:, 0, 0]
+    late = policy.sample(obs, torch.Generator().manual_seed(0)).replay["action"][:, 0, 0]
+    mean = policy.sample(obs, deterministic=True).replay["action"][:, 0, 0]
+    assert (early - mean).std().item() == pytest.approx(1.0, rel=0.1)
+    assert (late - mean).std().item() == pytest.approx(math.exp(-3.0), rel=0.1)
