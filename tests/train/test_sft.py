@@ -1,0 +1,82 @@
+"""algo.type: sft — behaviour cloning from demonstrations on disk, then RL that starts from
+the SFT run directory (policy.pretrained may name a run: its latest checkpoint is loaded)."""
+
+import numpy as np
+import pytest
+from safetensors.torch import load_file
+
+from mmrl.config import from_dict
+from mmrl.demos import Episode, write_demos
+from mmrl.envs.point_reach import PointReachEnv
+from mmrl.errors import ConfigError
+from mmrl.train.config import TrainConfig
+from mmrl.train.trainer import Trainer, train
+from tests.conftest import point_reach_config
+
+
+def _expert_demos(directory, episodes: int) -> None:
+    """A straight-line expert on mmrl/PointReach-v0 (full-speed steps toward the goal)."""
+    env = PointReachEnv()
+    demos = []
+    for seed in range(episodes):
+        obs, _ = env.reset(seed=10_000 + seed)
+        states, actions = [], []
+        while True:
+            delta = obs[2:]
+            action = np.clip(delta / max(np.abs(delta).max(), 1e-6), -1, 1) * min(1.0, np.abs(delta).max() / 0.2)
+            states.append(obs)
+            actions.append(action.astype(np.float32))
+            obs, _, terminated, truncated, info = env.step(action)
+            if terminated or truncated:
+                break
+        t = len(actions)
+        demos.append(Episode(
+            image=np.zeros((t, 0), np.uint8), state=np.stack(states).astype(np.float32), action=np.stack(actions),
+            reward=np.zeros(t, np.float32), success=bool(info["success"]), instruction="", task="reach", seed=seed,
+        ))
+    write_demos(directory, demos)
+
+
+def _sft_config(tmp_path, demos, **changes) -> TrainConfig:
+    data = point_reach_config(
+        name="sft", total_steps=150, run_dir=str(tmp_path / "sft"),
+        policy={"type": "gaussian_mlp", "hidden_sizes": [32, 32]},
+        algo={"type": "sft"}, data={"path": str(demos), "batch_size": 64},
+        optim={"lr": 0.003}, eval={"episodes": 64},
+    )
+    for key, value in changes.items():
+        data[key] = {**data[key], **value} if isinstance(value, dict) and isinstance(data.get(key), dict) else value
+    return from_dict(TrainConfig, data)
+
+
+@pytest.fixture(scope="module")
+def demos(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("demos")
+    _expert_demos(directory, 40)
+    return directory
+
+
+def test_sft_from_expert_demos_raises_success_and_rl_continues_from_the_run_dir(tmp_path, demos):
+    before = Trainer(_sft_config(tmp_path, demos, total_steps=0, run_dir=str(tmp_path / "init"))).evaluate(0)["success_rate"]
+    summary = train(_sft_config(tmp_path, demos))
+    after = summary["eval"]["success_rate"]
+    assert after >= 0.7 and after >= before + 0.4, (before, after)
+
+    # RL from the SFT run: the policy starts where SFT ended (weights equal before any update).
+    rl = point_reach_config(run_dir=str(tmp_path / "rl"), total_steps=0, policy={"type": "gaussian_mlp", "hidden_sizes": [32, 32], "pretrained": str(tmp_path / "sft")})
+    trainer = Trainer(from_dict(TrainConfig, rl))
+    latest = (tmp_path / "sft" / "checkpoints" / "latest").read_text().strip()
+    saved = load_file(str(tmp_path / "sft" / "checkpoints" / latest / "model.safetensors"))
+    state = trainer.policy.state_dict()
+    assert all(np.allclose(saved[k].numpy(), state[k].detach().cpu().numpy()) for k in saved)
+    assert trainer.evaluate(0)["success_rate"] >= after - 0.25
+
+
+def test_few_shot_keeps_the_first_n_demonstrations_of_each_task(tmp_path, demos):
+    trainer = Trainer(_sft_config(tmp_path, demos, total_steps=0, data={"path": str(demos), "max_episodes_per_task": 3}))
+    assert trainer.demo_info["episodes"] == 3
+
+
+def test_sft_without_demonstrations_is_a_config_error_naming_data_path(tmp_path):
+    with pytest.raises(ConfigError, match="data.path"):
+        Trainer(_sft_config(tmp_path, None, data={"path": None})).train()
