@@ -6,7 +6,8 @@ flow VLA):
 
     prefix = [ patches(camera 1) … patches(camera K) | state | [BOS] w_1 … w_L ]
 
-- image: uint8 [N, (K,) H, W, 3] → float in [0, 1] → a small CNN of stride-2 3×3 convs
+- image: uint8 [N, (K,) H, W, 3] → float in [0, 1] (plus two coordinate planes with
+  ``coord_channels``) → a small CNN of stride-2 3×3 convs
   (``vision_channels``) → a feature map whose cells are patch tokens (optionally average-pooled
   to a ``patch_grid`` × ``patch_grid`` grid), each projected to ``hidden_size`` plus a learned
   position embedding (per grid cell) and a learned camera embedding (per camera);
@@ -46,6 +47,7 @@ class VLABackboneConfig:
     num_heads: int = option(4, "attention heads (hidden_size / num_heads must be an even integer)", ge=1)
     intermediate_size: int = option(128, "width of the decoder's MLP", ge=1)
     vision_channels: list[int] = option(factory=lambda: [16, 32], doc="output channels of the image CNN's stride-2 3x3 convs (each halves H and W)")
+    coord_channels: bool = option(False, "append x/y coordinate planes in [-1, 1] to the image before the CNN (CoordConv, Liu et al. 2018): pooled patches can then tell where in their cell an object lies")
     patch_grid: int | None = option(8, "average-pool the CNN feature map to at most this many cells per side (fewer patch tokens, a faster decoder); null keeps every cell", ge=1)
     max_instruction_tokens: int = option(16, "instruction tokens kept ([BOS] included); longer instructions are truncated", ge=1)
     arch: str = option("llama", "transformers decoder family, built from a config with random weights", choices=ARCHS)
@@ -94,7 +96,8 @@ class VLABackbone(nn.Module):
             self.num_cameras = 1 if len(image_shape) == 3 else image_shape[0]
             h, w = image_shape[-3:-1]
             layers: list[nn.Module] = []
-            channels = 3
+            channels = 5 if cfg.coord_channels else 3
+            self.coord_channels = cfg.coord_channels
             for c in cfg.vision_channels:
                 layers += [nn.Conv2d(channels, c, kernel_size=3, stride=2, padding=1), nn.GELU()]
                 channels = c
@@ -154,6 +157,11 @@ class VLABackbone(nn.Module):
         if k != self.num_cameras or tuple(image.shape[2:]) != tuple(self.image_shape[-3:]):
             raise ValueError(f"expected images [N, {self.num_cameras}, {', '.join(map(str, self.image_shape[-3:]))}], got {list(image.shape)}")
         x = image.to(self.patch_position.device).reshape(n * k, *image.shape[2:]).permute(0, 3, 1, 2).float() / 255.0
+        if self.coord_channels:
+            ys = torch.linspace(-1.0, 1.0, x.shape[-2], device=x.device)
+            xs = torch.linspace(-1.0, 1.0, x.shape[-1], device=x.device)
+            grid = torch.stack(torch.meshgrid(ys, xs, indexing="ij"))  # [2, H, W]
+            x = torch.cat([x, grid.expand(x.shape[0], -1, -1, -1)], dim=1)
         features = self.vision(x)
         if tuple(features.shape[-2:]) != self.grid:
             features = nn.functional.adaptive_avg_pool2d(features, self.grid)

@@ -97,6 +97,19 @@ def test_patch_grid_pools_the_feature_map_to_fewer_tokens():
     assert backbone.grid == (4, 4) and embeds.shape[1] == 16 + 1 + 8
 
 
+def test_coord_channels_let_patches_of_a_uniform_image_tell_where_they_are():
+    image = torch.full((1, 32, 32, 3), 128, dtype=torch.uint8)
+    for coords in (False, True):
+        backbone = make(coord_channels=coords)
+        with torch.no_grad():
+            backbone.patch_position.zero_()
+            backbone.camera_embedding.zero_()
+            tokens = backbone.encode_images(image)[0].view(*backbone.grid, -1)
+        inner = tokens[1:-1, 1:-1]  # cells away from the zero padding of the convs
+        spread = (inner - inner[0, 0]).abs().max().item()
+        assert (spread > 1e-3) == coords, (coords, spread)
+
+
 def test_each_camera_and_the_state_change_the_features_and_padding_does_not():
     backbone = make({"image_shape": [2, 32, 32, 3], "state_dim": 4})
     image, state, ids, mask = inputs(cameras=2)
