@@ -1,0 +1,161 @@
+"""Rollout and training cost of mmrl's VLA policy families at the tabletop demo size.
+
+``token_vla`` (binned action tokens, decoded one by one), ``flow_vla`` (flow-matching action
+expert, ``num_denoising_steps`` Euler steps) and ``diffusion_policy`` (DDIM chain, the last
+``ft_denoising_steps`` trained; no language input) are built from their config classes with
+the backbone of configs/tabletop_token_vla_sft.yaml (hidden 64, 2 layers, 4 heads, CNN
+[16, 32], 8x8 patch grid), action chunks of 4 and the spec the env sampler gives for
+``mmrl/Tabletop-v0`` (64x64 top camera, state dim 4, action dim 2, the suite's instructions).
+Inputs are real observations of the suite (seeded resets over all its tasks).
+
+Per family: decisions/s of ``policy.sample`` (no grad) at each batch size, and the training
+pass ``log_prob(replay)`` + backward on the replay of ``--replay-decisions`` decisions per
+sample (as the env sampler concatenates it), in ms per decision. A decision is one action
+chunk, i.e. 4 env steps; the single env's steps/s are printed for scale. Rounds of all
+families alternate and the medians are reported (the machine is shared).
+
+    .venv/bin/python benchmarks/vla_rollout_cost.py                  # batch 32 and 1
+    .venv/bin/python benchmarks/vla_rollout_cost.py --batch-sizes 64 16 1 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import gymnasium
+import numpy as np
+import torch
+
+from mmrl.core.policy import build_policy
+from mmrl.policies.diffusion_policy import DiffusionPolicyConfig
+from mmrl.policies.flow_vla import FlowVLAConfig
+from mmrl.policies.token_vla import TokenVLAConfig
+from mmrl.policies.vla import VLABackboneConfig
+
+CHUNK = 4
+BACKBONE = dict(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, vision_channels=[16, 32], patch_grid=8)
+
+
+def configs() -> dict:
+    """Each family's config at the demo size (its own defaults otherwise)."""
+    return {
+        "token_vla": TokenVLAConfig(backbone=VLABackboneConfig(**BACKBONE), action_bins=32, action_chunk=CHUNK),
+        "flow_vla": FlowVLAConfig(backbone=VLABackboneConfig(**BACKBONE), action_chunk=CHUNK),
+        "diffusion_policy": DiffusionPolicyConfig(hidden_size=64, num_layers=2, vision_channels=[16, 32], image_grid=8, action_chunk=CHUNK),
+    }
+
+
+def env_observations(env, n: int) -> dict:
+    """n observations of seeded resets, as the env sampler hands them to the policy."""
+    obs = [env.reset(seed=i)[0] for i in range(n)]
+    return {
+        "image": torch.from_numpy(np.stack([o["image"] for o in obs])),
+        "state": torch.from_numpy(np.stack([o["state"] for o in obs])),
+        "instruction": [o["instruction"] for o in obs],
+    }
+
+
+def env_steps_per_second(env, steps: int) -> float:
+    """Random-action steps/s of one env (rendering included), resets at episode ends."""
+    env.reset(seed=0)
+    t0 = time.perf_counter()
+    for i in range(steps):
+        _, _, term, trunc, _ = env.step(env.action_space.sample())
+        if term or trunc:
+            env.reset(seed=i)
+    return steps / (time.perf_counter() - t0)
+
+
+def time_sampling(policy, inputs, calls: int) -> float:
+    """Decisions/s of ``calls`` sample calls on the batch ``inputs``."""
+    n = inputs["state"].shape[0]
+    generator = torch.Generator().manual_seed(0)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for _ in range(calls):
+            policy.sample(inputs, generator)
+    return calls * n / (time.perf_counter() - t0)
+
+
+def make_replay(policy, inputs, decisions: int) -> dict:
+    """The replay of ``decisions`` sample calls per input, concatenated along dim 1."""
+    generator = torch.Generator().manual_seed(1)
+    replays = [policy.sample(inputs, generator).replay for _ in range(decisions)]
+    return {key: torch.cat([r[key] for r in replays], 1) for key in replays[0]}
+
+
+def time_training(policy, replay, decisions: int) -> float:
+    """Milliseconds per decision of one log_prob(replay) + backward pass."""
+    policy.zero_grad(set_to_none=True)
+    t0 = time.perf_counter()
+    policy.log_prob(replay).sum().backward()
+    return (time.perf_counter() - t0) * 1000 / decisions
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[32, 1], help="inputs per sample call")
+    p.add_argument("--calls", type=int, default=0, help="sample calls per round and batch size (0: about 64 decisions, at least 8 calls)")
+    p.add_argument("--train-batch", type=int, default=32, help="samples of the training pass")
+    p.add_argument("--replay-decisions", type=int, default=4, help="decisions per sample in the training pass")
+    p.add_argument("--env-steps", type=int, default=300, help="env steps per round for the env's steps/s")
+    p.add_argument("--rounds", type=int, default=7)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    import mmrl.envs  # noqa: F401  (registers mmrl/Tabletop-v0)
+
+    env = gymnasium.make("mmrl/Tabletop-v0", task="all", image_size=64, cameras="top")
+    env.action_space.seed(0)
+    largest = max(args.batch_sizes + [args.train_batch])
+    obs = env_observations(env, largest)
+    spec = {
+        "action_dim": 2,
+        "action_low": [-1.0, -1.0],
+        "action_high": [1.0, 1.0],
+        "state_dim": 4,
+        "obs_dim": 4,
+        "image_shape": [64, 64, 3],
+        "instructions": list(env.unwrapped.instructions),
+    }
+    policies = {}
+    for name, cfg in configs().items():
+        torch.manual_seed(0)
+        policies[name] = build_policy(cfg, spec)
+    batches = {b: {"image": obs["image"][:b], "state": obs["state"][:b], "instruction": obs["instruction"][:b]} for b in args.batch_sizes}
+    train_inputs = {"image": obs["image"][: args.train_batch], "state": obs["state"][: args.train_batch], "instruction": obs["instruction"][: args.train_batch]}
+    replays = {name: make_replay(policy, train_inputs, args.replay_decisions) for name, policy in policies.items()}
+    calls = {b: args.calls or max(8, 64 // b) for b in args.batch_sizes}
+    train_decisions = args.train_batch * args.replay_decisions
+
+    sample_rates = {(n, b): [] for n in policies for b in args.batch_sizes}
+    train_ms = {n: [] for n in policies}
+    env_rates = []
+    for name, policy in policies.items():  # warm-up
+        time_sampling(policy, batches[args.batch_sizes[0]], 1), time_training(policy, replays[name], train_decisions)
+    for _ in range(args.rounds):
+        env_rates.append(env_steps_per_second(env, args.env_steps))
+        for name, policy in policies.items():
+            for b in args.batch_sizes:
+                sample_rates[name, b].append(time_sampling(policy, batches[b], calls[b]))
+            train_ms[name].append(time_training(policy, replays[name], train_decisions))
+    env.close()
+
+    env_rate = statistics.median(env_rates)
+    print(f"tabletop (one env, 64x64 top camera): {env_rate:.0f} env steps/s = {env_rate / CHUNK:.0f} decisions/s of {CHUNK} steps")
+    cols = "".join(f"{f'sample B={b}':>14}" for b in args.batch_sizes)
+    print(f"{'policy':<18}{'params':>9}{cols}{'train ms/dec':>14}{'train dec/s':>13}{'pol/env B=' + str(args.batch_sizes[0]):>13}")
+    for name, policy in policies.items():
+        params = sum(p.numel() for p in policy.parameters())
+        rates = [statistics.median(sample_rates[name, b]) for b in args.batch_sizes]
+        ms = statistics.median(train_ms[name])
+        cells = "".join(f"{r:>14.0f}" for r in rates)
+        print(f"{name:<18}{params / 1e3:>8.0f}k{cells}{ms:>14.3f}{1000 / ms:>13.0f}{env_rate / CHUNK / rates[0]:>13.2f}")
+    print("sample columns: decisions/s of policy.sample (no grad); train: log_prob(replay) + backward on")
+    print(f"{args.train_batch} samples x {args.replay_decisions} decisions; pol/env: policy time per decision / one env's time for its steps")
+    print(f"(diffusion_policy trains {configs()['diffusion_policy'].ft_denoising_steps} denoising steps per decision; flow_vla integrates {configs()['flow_vla'].num_denoising_steps})")
+
+
+if __name__ == "__main__":
+    main()
