@@ -10,7 +10,9 @@ flow VLA):
   ``coord_channels``) → a small CNN of stride-2 3×3 convs
   (``vision_channels``) → a feature map whose cells are patch tokens (optionally average-pooled
   to a ``patch_grid`` × ``patch_grid`` grid), each projected to ``hidden_size`` plus a learned
-  position embedding (per grid cell) and a learned camera embedding (per camera);
+  position embedding (per grid cell) and a learned camera embedding (per camera); with
+  ``keypoints`` K > 0 also K keypoint tokens per camera, the softmax-expected (x, y) of K
+  learned feature maps (spatial softmax), projected to ``hidden_size``;
 - state: one token, a linear projection of the proprioceptive state (if the env has one);
 - instruction: word embeddings of the tokenized instruction (padding masked out).
 
@@ -48,6 +50,7 @@ class VLABackboneConfig:
     intermediate_size: int = option(128, "width of the decoder's MLP", ge=1)
     vision_channels: list[int] = option(factory=lambda: [16, 32], doc="output channels of the image CNN's stride-2 3x3 convs (each halves H and W)")
     coord_channels: bool = option(False, "append x/y coordinate planes in [-1, 1] to the image before the CNN (CoordConv, Liu et al. 2018): pooled patches can then tell where in their cell an object lies")
+    keypoints: int = option(0, "also give K keypoint tokens per camera: the expected (x, y) of K learned feature maps under a spatial softmax (Levine et al. 2016), precise object positions that pooled patches blur; 0 = none", ge=0)
     patch_grid: int | None = option(8, "average-pool the CNN feature map to at most this many cells per side (fewer patch tokens, a faster decoder); null keeps every cell", ge=1)
     max_instruction_tokens: int = option(16, "instruction tokens kept ([BOS] included); longer instructions are truncated", ge=1)
     arch: str = option("llama", "transformers decoder family, built from a config with random weights", choices=ARCHS)
@@ -88,6 +91,7 @@ class VLABackbone(nn.Module):
 
         image_shape = spec.get("image_shape")
         self.num_cameras = 0
+        self.num_keypoints = 0
         if image_shape is not None:
             image_shape = [int(s) for s in image_shape]
             if len(image_shape) not in (3, 4) or image_shape[-1] != 3:
@@ -106,6 +110,16 @@ class VLABackbone(nn.Module):
                 h, w = min(h, cfg.patch_grid), min(w, cfg.patch_grid)
             self.grid = (h, w)
             self.vision = nn.Sequential(*layers)
+            self.num_keypoints = cfg.keypoints
+            if cfg.keypoints:
+                fh, fw = image_shape[-3], image_shape[-2]
+                for _ in cfg.vision_channels:
+                    fh, fw = _conv_out(fh), _conv_out(fw)
+                self.keypoint_maps = nn.Conv2d(channels, cfg.keypoints, kernel_size=1)
+                ys, xs = torch.meshgrid(torch.linspace(-1, 1, fh), torch.linspace(-1, 1, fw), indexing="ij")
+                self.register_buffer("keypoint_grid", torch.stack([xs.flatten(), ys.flatten()], dim=1), persistent=False)
+                self.keypoint_proj = nn.Linear(2, hd)
+                self.keypoint_embedding = nn.Parameter(torch.randn(cfg.keypoints, hd) * 0.02)
             self.patch_proj = nn.Linear(channels, hd)
             self.patch_position = nn.Parameter(torch.randn(h * w, hd) * 0.02)
             self.camera_embedding = nn.Parameter(torch.randn(self.num_cameras, hd) * 0.02)
@@ -135,7 +149,7 @@ class VLABackbone(nn.Module):
     @property
     def num_patch_tokens(self) -> int:
         """Prefix tokens the images give (all cameras)."""
-        return self.num_cameras * self.grid[0] * self.grid[1] if self.num_cameras else 0
+        return self.num_cameras * (self.grid[0] * self.grid[1] + self.num_keypoints) if self.num_cameras else 0
 
     def prefix_length(self, instruction_length: int | None = None) -> int:
         length = self.cfg.max_instruction_tokens if instruction_length is None else instruction_length
@@ -163,9 +177,15 @@ class VLABackbone(nn.Module):
             grid = torch.stack(torch.meshgrid(ys, xs, indexing="ij"))  # [2, H, W]
             x = torch.cat([x, grid.expand(x.shape[0], -1, -1, -1)], dim=1)
         features = self.vision(x)
+        keypoint_tokens = None
+        if self.num_keypoints:
+            attention = torch.softmax(self.keypoint_maps(features).flatten(2), dim=-1)  # [N*K, P, h*w]
+            keypoint_tokens = self.keypoint_proj(attention @ self.keypoint_grid) + self.keypoint_embedding  # [N*K, P, hd]
         if tuple(features.shape[-2:]) != self.grid:
             features = nn.functional.adaptive_avg_pool2d(features, self.grid)
         tokens = self.patch_proj(features.flatten(2).transpose(1, 2)) + self.patch_position  # [N*K, h*w, hd]
+        if keypoint_tokens is not None:
+            tokens = torch.cat([tokens, keypoint_tokens], dim=1)
         tokens = tokens.view(n, k, -1, self.hidden_size) + self.camera_embedding[:, None, :]
         return tokens.reshape(n, -1, self.hidden_size)
 
