@@ -50,6 +50,7 @@ class VLABackboneConfig:
     intermediate_size: int = option(128, "width of the decoder's MLP", ge=1)
     vision_channels: list[int] = option(factory=lambda: [16, 32], doc="output channels of the image CNN's stride-2 3x3 convs (each halves H and W)")
     coord_channels: bool = option(False, "append x/y coordinate planes in [-1, 1] to the image before the CNN (CoordConv, Liu et al. 2018): pooled patches can then tell where in their cell an object lies")
+    film: bool = option(False, "condition every CNN layer on the instruction with FiLM (per-channel scale and shift from the mean word embedding; RT-1, Brohan et al. 2022), so the vision features can single out what the instruction names")
     keypoints: int = option(0, "also give K keypoint tokens per camera: the expected (x, y) of K learned feature maps under a spatial softmax (Levine et al. 2016), precise object positions that pooled patches blur; 0 = none", ge=0)
     patch_grid: int | None = option(8, "average-pool the CNN feature map to at most this many cells per side (fewer patch tokens, a faster decoder); null keeps every cell", ge=1)
     max_instruction_tokens: int = option(16, "instruction tokens kept ([BOS] included); longer instructions are truncated", ge=1)
@@ -92,6 +93,7 @@ class VLABackbone(nn.Module):
         image_shape = spec.get("image_shape")
         self.num_cameras = 0
         self.num_keypoints = 0
+        self.film = None
         if image_shape is not None:
             image_shape = [int(s) for s in image_shape]
             if len(image_shape) not in (3, 4) or image_shape[-1] != 3:
@@ -102,8 +104,14 @@ class VLABackbone(nn.Module):
             layers: list[nn.Module] = []
             channels = 5 if cfg.coord_channels else 3
             self.coord_channels = cfg.coord_channels
+            self.film = nn.ModuleList() if cfg.film else None
             for c in cfg.vision_channels:
                 layers += [nn.Conv2d(channels, c, kernel_size=3, stride=2, padding=1), nn.GELU()]
+                if cfg.film:
+                    film = nn.Linear(hd, 2 * c)
+                    nn.init.zeros_(film.weight)
+                    nn.init.zeros_(film.bias)
+                    self.film.append(film)  # starts as the identity: scale 1, shift 0
                 channels = c
                 h, w = _conv_out(h), _conv_out(w)
             if cfg.patch_grid is not None:
@@ -163,8 +171,9 @@ class VLABackbone(nn.Module):
             self.instruction_embedding = nn.Embedding(vocab_size, self.hidden_size, device=old.device, dtype=old.dtype)
             nn.init.normal_(self.instruction_embedding.weight, std=0.02)
 
-    def encode_images(self, image: Tensor) -> Tensor:
-        """uint8 [N, H, W, 3] or [N, K, H, W, 3] → patch tokens [N, K*h*w, hidden]."""
+    def encode_images(self, image: Tensor, condition: Tensor | None = None) -> Tensor:
+        """uint8 [N, H, W, 3] or [N, K, H, W, 3] → patch tokens [N, K*h*w (+K*keypoints), hidden].
+        ``condition`` [N, hidden] (the mean instruction embedding) drives FiLM when enabled."""
         if image.dim() == 4:
             image = image.unsqueeze(1)
         n, k = image.shape[:2]
@@ -176,7 +185,17 @@ class VLABackbone(nn.Module):
             xs = torch.linspace(-1.0, 1.0, x.shape[-1], device=x.device)
             grid = torch.stack(torch.meshgrid(ys, xs, indexing="ij"))  # [2, H, W]
             x = torch.cat([x, grid.expand(x.shape[0], -1, -1, -1)], dim=1)
-        features = self.vision(x)
+        if self.film is None:
+            features = self.vision(x)
+        else:
+            if condition is None:
+                raise ValueError("this backbone conditions its CNN on the instruction (film: true); pass condition")
+            cond = condition.repeat_interleave(k, dim=0)  # [N*K, hidden]
+            features = x
+            for i, film in enumerate(self.film):
+                features = self.vision[2 * i](features)
+                scale, shift = film(cond).chunk(2, dim=-1)
+                features = self.vision[2 * i + 1](features * (1 + scale[:, :, None, None]) + shift[:, :, None, None])
         keypoint_tokens = None
         if self.num_keypoints:
             attention = torch.softmax(self.keypoint_maps(features).flatten(2), dim=-1)  # [N*K, P, h*w]
@@ -199,7 +218,11 @@ class VLABackbone(nn.Module):
         if self.num_cameras:
             if image is None:
                 raise ValueError("this backbone was built for image observations; got none")
-            parts.append(self.encode_images(image))
+            condition = None
+            if self.film is not None:
+                weights = instruction_mask.to(device, torch.float32).unsqueeze(-1)
+                condition = (self.instruction_embedding(ids) * weights).sum(1) / weights.sum(1).clamp(min=1.0)
+            parts.append(self.encode_images(image, condition))
         if self.state_dim > 0:
             if state is None:
                 raise ValueError(f"this backbone was built for a state of {self.state_dim} dims; got none")

@@ -136,6 +136,24 @@ def test_keypoint_tokens_follow_a_bright_spot_across_the_image():
     assert spots[0][0] < -0.5 and spots[1][0] > 0.5 and abs(spots[0][1]) < 0.3
 
 
+@pytest.mark.parametrize("film", [False, True])
+def test_film_makes_the_image_tokens_depend_on_the_instruction(film):
+    backbone = make(film=film, keypoints=2)
+    image, state, _, _ = inputs(2)
+    image = image[:1].expand(2, -1, -1, -1)
+    ids, mask = tokenizer().encode([INSTRUCTIONS[0], INSTRUCTIONS[1]], 8)
+    if film:  # FiLM starts as the identity; give it weights as training would
+        with torch.no_grad():
+            for layer in backbone.film:
+                layer.weight.normal_(0, 0.5)
+    embeds, _ = backbone.prefix(image, state[:1].expand(2, -1), ids, mask)
+    patches = embeds[:, : backbone.num_patch_tokens]
+    assert (not torch.allclose(patches[0], patches[1], atol=1e-6)) == film
+    embeds.sum().backward()
+    if film:
+        assert all(layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0 for layer in backbone.film)
+
+
 def test_each_camera_and_the_state_change_the_features_and_padding_does_not():
     backbone = make({"image_shape": [2, 32, 32, 3], "state_dim": 4})
     image, state, ids, mask = inputs(cameras=2)
