@@ -6,10 +6,12 @@ flow VLA):
 
     prefix = [ patches(camera 1) … patches(camera K) | state | [BOS] w_1 … w_L ]
 
-- image: uint8 [N, (K,) H, W, 3] → float in [0, 1] (plus two coordinate planes with
-  ``coord_channels``) → a small CNN of stride-2 3×3 convs
-  (``vision_channels``) → a feature map whose cells are patch tokens (optionally average-pooled
-  to a ``patch_grid`` × ``patch_grid`` grid), each projected to ``hidden_size`` plus a learned
+- image: uint8 [N, (K,) H, W, 3] → float in [-2, 2] (plus two coordinate planes with
+  ``coord_channels``) → a small CNN of stride-2 3×3 convs (``vision_channels``), each followed
+  by GroupNorm (``vision_norm``), optionally FiLM-conditioned on the instruction (``film``),
+  and GELU → a feature map whose cells are patch tokens (optionally average-pooled to a
+  ``patch_grid`` × ``patch_grid`` grid), each layer-normed (``patch_norm``) and projected to
+  ``hidden_size`` plus a learned
   position embedding (per grid cell) and a learned camera embedding (per camera); with
   ``keypoints`` K > 0 also K keypoint tokens per camera, the softmax-expected (x, y) of K
   learned feature maps (spatial softmax), projected to ``hidden_size``;
@@ -19,6 +21,13 @@ flow VLA):
 This is the OpenVLA recipe in miniature (vision encoder → projector → language-model
 decoder; Kim et al. 2024, "OpenVLA: An Open-Source Vision-Language-Action Model"), with a CNN
 in place of the pretrained ViTs so that tiny models train from scratch on a CPU.
+
+The normalizations matter at this size: a tabletop image is mostly uniform background with
+a few small objects, and with raw [0, 1] inputs and no normalization the patch tokens of
+different images differed by ~1% of their norm — trained from demonstrations, the policy
+learned to ignore the image altogether (its loss did not change when the images of a batch
+were shuffled). Standardized inputs, GroupNorm and a LayerNorm per patch make the image's
+content a first-order part of every patch token.
 
 The decoder is a ``transformers`` decoder-only model built from its config with random
 weights (``arch`` picks the family); it is fed ``inputs_embeds`` and a padding mask, and
@@ -49,6 +58,8 @@ class VLABackboneConfig:
     num_heads: int = option(4, "attention heads (hidden_size / num_heads must be an even integer)", ge=1)
     intermediate_size: int = option(128, "width of the decoder's MLP", ge=1)
     vision_channels: list[int] = option(factory=lambda: [16, 32], doc="output channels of the image CNN's stride-2 3x3 convs (each halves H and W)")
+    vision_norm: str = option("group", "normalization after each conv: GroupNorm (features of small objects stand out against a uniform background) or none", choices=("group", "none"))
+    patch_norm: bool = option(True, "LayerNorm on every cell's CNN features before the projection to a patch token")
     coord_channels: bool = option(False, "append x/y coordinate planes in [-1, 1] to the image before the CNN (CoordConv, Liu et al. 2018): pooled patches can then tell where in their cell an object lies")
     film: bool = option(False, "condition every CNN layer on the instruction with FiLM (per-channel scale and shift from the mean word embedding; RT-1, Brohan et al. 2022), so the vision features can single out what the instruction names")
     keypoints: int = option(0, "also give K keypoint tokens per camera: the expected (x, y) of K learned feature maps under a spatial softmax (Levine et al. 2016), precise object positions that pooled patches blur; 0 = none", ge=0)
@@ -106,7 +117,8 @@ class VLABackbone(nn.Module):
             self.coord_channels = cfg.coord_channels
             self.film = nn.ModuleList() if cfg.film else None
             for c in cfg.vision_channels:
-                layers += [nn.Conv2d(channels, c, kernel_size=3, stride=2, padding=1), nn.GELU()]
+                norm = nn.GroupNorm(min(8, c), c) if cfg.vision_norm == "group" else nn.Identity()
+                layers.append(nn.ModuleDict({"conv": nn.Conv2d(channels, c, kernel_size=3, stride=2, padding=1), "norm": norm, "act": nn.GELU()}))
                 if cfg.film:
                     film = nn.Linear(hd, 2 * c)
                     nn.init.zeros_(film.weight)
@@ -117,7 +129,8 @@ class VLABackbone(nn.Module):
             if cfg.patch_grid is not None:
                 h, w = min(h, cfg.patch_grid), min(w, cfg.patch_grid)
             self.grid = (h, w)
-            self.vision = nn.Sequential(*layers)
+            self.vision = nn.ModuleList(layers)
+            self.patch_norm = nn.LayerNorm(channels) if cfg.patch_norm else nn.Identity()
             self.num_keypoints = cfg.keypoints
             if cfg.keypoints:
                 fh, fw = image_shape[-3], image_shape[-2]
@@ -179,30 +192,31 @@ class VLABackbone(nn.Module):
         n, k = image.shape[:2]
         if k != self.num_cameras or tuple(image.shape[2:]) != tuple(self.image_shape[-3:]):
             raise ValueError(f"expected images [N, {self.num_cameras}, {', '.join(map(str, self.image_shape[-3:]))}], got {list(image.shape)}")
-        x = image.to(self.patch_position.device).reshape(n * k, *image.shape[2:]).permute(0, 3, 1, 2).float() / 255.0
+        x = image.to(self.patch_position.device).reshape(n * k, *image.shape[2:]).permute(0, 3, 1, 2).float() * (4.0 / 255.0) - 2.0
         if self.coord_channels:
             ys = torch.linspace(-1.0, 1.0, x.shape[-2], device=x.device)
             xs = torch.linspace(-1.0, 1.0, x.shape[-1], device=x.device)
             grid = torch.stack(torch.meshgrid(ys, xs, indexing="ij"))  # [2, H, W]
             x = torch.cat([x, grid.expand(x.shape[0], -1, -1, -1)], dim=1)
-        if self.film is None:
-            features = self.vision(x)
-        else:
+        cond = None
+        if self.film is not None:
             if condition is None:
                 raise ValueError("this backbone conditions its CNN on the instruction (film: true); pass condition")
             cond = condition.repeat_interleave(k, dim=0)  # [N*K, hidden]
-            features = x
-            for i, film in enumerate(self.film):
-                features = self.vision[2 * i](features)
-                scale, shift = film(cond).chunk(2, dim=-1)
-                features = self.vision[2 * i + 1](features * (1 + scale[:, :, None, None]) + shift[:, :, None, None])
+        features = x
+        for i, block in enumerate(self.vision):
+            features = block["norm"](block["conv"](features))
+            if cond is not None:
+                scale, shift = self.film[i](cond).chunk(2, dim=-1)
+                features = features * (1 + scale[:, :, None, None]) + shift[:, :, None, None]
+            features = block["act"](features)
         keypoint_tokens = None
         if self.num_keypoints:
             attention = torch.softmax(self.keypoint_maps(features).flatten(2), dim=-1)  # [N*K, P, h*w]
             keypoint_tokens = self.keypoint_proj(attention @ self.keypoint_grid) + self.keypoint_embedding  # [N*K, P, hd]
         if tuple(features.shape[-2:]) != self.grid:
             features = nn.functional.adaptive_avg_pool2d(features, self.grid)
-        tokens = self.patch_proj(features.flatten(2).transpose(1, 2)) + self.patch_position  # [N*K, h*w, hd]
+        tokens = self.patch_proj(self.patch_norm(features.flatten(2).transpose(1, 2))) + self.patch_position  # [N*K, h*w, hd]
         if keypoint_tokens is not None:
             tokens = torch.cat([tokens, keypoint_tokens], dim=1)
         tokens = tokens.view(n, k, -1, self.hidden_size) + self.camera_embedding[:, None, :]

@@ -111,7 +111,7 @@ def test_coord_channels_let_patches_of_a_uniform_image_tell_where_they_are():
 
 
 def test_keypoint_tokens_follow_a_bright_spot_across_the_image():
-    backbone = make(keypoints=4, spec={"image_shape": [2, 32, 32, 3], "state_dim": 4})
+    backbone = make(keypoints=4, vision_norm="none", spec={"image_shape": [2, 32, 32, 3], "state_dim": 4})
     assert backbone.num_patch_tokens == 2 * (8 * 8 + 4)
     image, state, ids, mask = inputs(2, cameras=2)
     embeds, _ = backbone.prefix(image, state, ids, mask)
@@ -119,18 +119,18 @@ def test_keypoint_tokens_follow_a_bright_spot_across_the_image():
     with torch.no_grad():  # one keypoint map that fires on red: its token moves with a red spot
         backbone.keypoint_maps.weight.zero_()
         backbone.keypoint_maps.bias.zero_()
-        backbone.vision[0].weight.zero_()
-        backbone.vision[0].bias.zero_()
-        backbone.vision[0].weight[0, 0, 1, 1] = 1.0
-        backbone.vision[2].weight.zero_()
-        backbone.vision[2].bias.zero_()
-        backbone.vision[2].weight[0, 0, 1, 1] = 1.0
+        for block in backbone.vision:  # channel 0 passes the red channel's centre tap through
+            block["conv"].weight.zero_()
+            block["conv"].bias.zero_()
+            block["conv"].weight[0, 0, 1, 1] = 1.0
         backbone.keypoint_maps.weight[0, 0] = 50.0
     spots = []
     for x in (4, 24):  # pixels the two stride-2 centre taps see
         img = torch.zeros(1, 2, 32, 32, 3, dtype=torch.uint8)
         img[0, :, 16, x, 0] = 255
-        features = backbone.vision(img[:, 0].permute(0, 3, 1, 2).float() / 255.0)
+        features = img[:, 0].permute(0, 3, 1, 2).float() / 255.0
+        for block in backbone.vision:
+            features = block["act"](block["norm"](block["conv"](features)))
         attention = torch.softmax(backbone.keypoint_maps(features).flatten(2), dim=-1)
         spots.append((attention @ backbone.keypoint_grid)[0, 0])
     assert spots[0][0] < -0.5 and spots[1][0] > 0.5 and abs(spots[0][1]) < 0.3
