@@ -110,6 +110,9 @@ class OptimConfig:
     weight_decay: float = option(0.0, "AdamW weight decay", ge=0)
     adam_eps: float = option(1e-8, "Adam epsilon", gt=0)
     max_grad_norm: float | None = option(1.0, "clip the global gradient norm (null = no clipping)", gt=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = option("constant", "learning rate over the training steps after the warm-up: constant, or decaying linearly / by a half cosine to lr * final_lr_ratio at total_steps")
+    warmup_steps: int = option(0, "training steps of linear warm-up from lr / (warmup_steps + 1) to lr", ge=0)
+    final_lr_ratio: float = option(0.0, "linear/cosine: the learning rate at the last step as a fraction of lr", ge=0, le=1)
 
 
 @dataclass

@@ -53,6 +53,27 @@ class StopRequest:
     signum: int | None = None
 
 
+def lr_factor(step: int, total_steps: int, schedule: str = "constant", warmup_steps: int = 0, final_ratio: float = 0.0) -> float:
+    """Learning rate of training step ``step`` (0-based) as a fraction of ``optim.lr``.
+
+    Warm-up: ``(step + 1) / (warmup_steps + 1)`` for the first ``warmup_steps`` steps. Then,
+    with progress ``p = (step - warmup) / max(1, total - warmup - 1)`` in [0, 1]:
+    constant 1; linear ``1 - (1 - r) p``; cosine ``r + (1 - r) (1 + cos(pi p)) / 2``, where
+    ``r`` is ``final_ratio``. A pure function of the step, so ``--resume`` needs no scheduler
+    state and continues the schedule exactly.
+    """
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    if schedule == "constant":
+        return 1.0
+    p = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps - 1))
+    if schedule == "linear":
+        return 1.0 - (1.0 - final_ratio) * p
+    if schedule == "cosine":
+        return final_ratio + (1.0 - final_ratio) * 0.5 * (1.0 + math.cos(math.pi * p))
+    raise ValueError(f"unknown lr schedule {schedule!r}")
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, run_dir: str | os.PathLike | None = None, resume: bool = False):
         from accelerate import Accelerator
@@ -354,6 +375,9 @@ class Trainer:
         try:
             for step in range(self.start_step, cfg.total_steps):
                 t0 = time.time()
+                lr = cfg.optim.lr * lr_factor(step, cfg.total_steps, cfg.optim.lr_schedule, cfg.optim.warmup_steps, cfg.optim.final_lr_ratio)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
                 if self.demos is not None:
                     metrics = {**self.sft_step(step), "time/step_s": time.time() - t0}
                 else:
@@ -363,6 +387,7 @@ class Trainer:
                     rollout = rollout.with_(mask=self.train_mask(rollout, keep))
                     update_stats = self.update(rollout, adv, step) if rollout.mask.sum() > 0 else {}
                     metrics = self._metrics(rollout, adv, update_stats, t_sample, time.time() - t0)
+                metrics["optim/lr"] = lr
                 done = step + 1
                 if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.total_steps:
                     last_eval = self.evaluate(done)

@@ -140,3 +140,30 @@ def test_metrics_tensorboard_and_checkpoint_layout(tmp_path):
     ckpt = tmp_path / "run/checkpoints/step_00000002"
     assert {p.name for p in ckpt.iterdir()} >= {"model.safetensors", "optimizer.pt", "state.pt", "config.yaml"}
     assert json.loads(json.dumps(read_metrics(tmp_path / "run")))  # plain JSON
+
+
+def test_lr_schedules_warm_up_then_decay_to_the_final_ratio():
+    from mmrl.train.trainer import lr_factor
+
+    assert [lr_factor(s, 10, "constant", 2) for s in (0, 1, 2, 9)] == [1 / 3, 2 / 3, 1.0, 1.0]
+    linear = [lr_factor(s, 6, "linear", 1, 0.2) for s in range(6)]
+    assert linear[:2] == [0.5, 1.0] and linear[-1] == pytest.approx(0.2) and linear[3] == pytest.approx(0.6)
+    cosine = [lr_factor(s, 5, "cosine", 0, 0.0) for s in range(5)]
+    assert cosine == pytest.approx([1.0, (1 + math.cos(math.pi / 4)) / 2, 0.5, (1 + math.cos(3 * math.pi / 4)) / 2, 0.0])
+
+
+def test_a_scheduled_run_logs_its_lr_and_resumes_the_schedule_exactly(tmp_path):
+    import shutil
+
+    optim = {"lr": 0.01, "lr_schedule": "linear", "warmup_steps": 1, "final_lr_ratio": 0.1}
+    train(env_config(total_steps=6, optim=optim, checkpoint={"every": 3, "keep": 5}), tmp_path / "full")
+    lrs = {r["step"]: r["optim/lr"] for r in read_metrics(tmp_path / "full") if "optim/lr" in r}
+    assert [lrs[s] for s in range(1, 7)] == pytest.approx([0.005, 0.01, 0.00775, 0.0055, 0.00325, 0.001])
+    # a run stopped after step 3 (its checkpoint) and resumed continues the same schedule
+    shutil.copytree(tmp_path / "full", tmp_path / "part")
+    shutil.rmtree(tmp_path / "part/checkpoints/step_00000006")
+    (tmp_path / "part/checkpoints/latest").write_text("step_00000003")
+    Trainer(env_config(total_steps=6, optim=optim), tmp_path / "part", resume=True).train()
+    wa = load_file(str(tmp_path / "full/checkpoints/step_00000006/model.safetensors"))
+    wb = load_file(str(tmp_path / "part/checkpoints/step_00000006/model.safetensors"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
