@@ -85,3 +85,22 @@ def test_options_may_follow_the_overrides(tmp_path, write_config):
 
     resolved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert resolved["seed"] == 3 and resolved["algo"]["group_size"] == 2
+
+
+def test_eval_suite_from_a_yaml_writes_tables_and_videos(tmp_path, write_config):
+    pytest.importorskip("transformers")
+    pytest.importorskip("mujoco")
+    env = {"type": "gym", "id": "mmrl/Tabletop-v0", "num_envs": 2, "max_episode_steps": 4, "kwargs": {"image_size": 32}}
+    cfg = write_config({
+        "name": "tiny_vla", "env": env, "sampler": {"type": "env"}, "rewards": [{"type": "success"}],
+        "policy": {"type": "token_vla", "action_chunk": 2, "backbone": {"hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "vision_channels": [8, 8]}},
+        "log": {"progress": False, "tensorboard": False},
+    })
+    suite = write_config({"name": "two_tasks", "env": env, "tasks": ["object_red", "spatial_left"], "episodes_per_task": 2, "seeds": [0]}, "suite.yaml")
+    out = tmp_path / "eval"
+    proc = run_mmrl("eval", cfg, "--suite", suite, "--videos", "1", "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    assert "| object_red | 2 |" in proc.stdout and "**overall** | 4 |" in proc.stdout
+    assert (out / "results.csv").is_file() and len(list((out / "videos").glob("*.mp4"))) == 2
+    bad = run_mmrl("eval", cfg, "--suite", "no_such_suite")
+    assert bad.returncode == 2 and "suite" in bad.stderr and "Traceback" not in bad.stderr
