@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from mmrl.core.policy import PolicyModule, Sample
 from mmrl.errors import ConfigError
 from mmrl.policies.token_vla.config import TokenVLAConfig
-from mmrl.policies.vla.backbone import VLABackbone
+from mmrl.policies.vla.backbone import VLABackbone, encode_observations
 from mmrl.policies.vla.tokenizer import FILE_NAME as TOKENIZER_FILE
 from mmrl.policies.vla.tokenizer import InstructionTokenizer
 from mmrl.registry import POLICIES
@@ -98,25 +98,7 @@ class TokenVLAPolicy(PolicyModule):
     def encode_inputs(self, inputs) -> dict[str, Tensor]:
         """The policy's tensors for a batch of observations (what replay stores, without
         the decision dim): uint8 image, float state, instruction token ids and mask."""
-        device = self.action_center.device
-        if isinstance(inputs, Tensor):  # a flat-observation env: the observation is the state
-            inputs = {"state": inputs}
-        obs: dict[str, Tensor] = {}
-        n = None
-        if self.backbone.num_cameras:
-            obs["image"] = inputs["image"].to(device)
-            n = obs["image"].shape[0]
-        if self.backbone.state_dim > 0:
-            obs["state"] = inputs["state"].to(device, torch.float32)
-            n = obs["state"].shape[0]
-        texts = inputs.get("instruction")
-        if texts is None:
-            if n is None:
-                raise ValueError("the token VLA needs an image, a state or an instruction in its inputs")
-            texts = [""] * n
-        ids, mask = self.tokenizer.encode(list(texts), self.max_words)
-        obs["instruction_ids"], obs["instruction_mask"] = ids.to(device), mask.to(device)
-        return obs
+        return encode_observations(self.backbone, self.tokenizer, inputs, self.action_center.device, self.max_words)
 
     def _prefix(self, obs: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         return self.backbone.prefix(obs.get("image"), obs.get("state"), obs["instruction_ids"], obs["instruction_mask"])

@@ -264,3 +264,27 @@ class VLABackbone(nn.Module):
             use_cache=cache is not None,
         )
         return out.last_hidden_state
+
+
+def encode_observations(backbone: VLABackbone, tokenizer, inputs, device, max_words: int) -> dict[str, Tensor]:
+    """A VLA policy's tensors for a batch of observations (what replay stores, without the
+    decision dim): uint8 image, float state, instruction token ids and mask. ``inputs`` is
+    a dict with the keys the env has, or a state tensor for a flat-observation env."""
+    if isinstance(inputs, Tensor):  # a flat-observation env: the observation is the state
+        inputs = {"state": inputs}
+    obs: dict[str, Tensor] = {}
+    n = None
+    if backbone.num_cameras:
+        obs["image"] = inputs["image"].to(device)
+        n = obs["image"].shape[0]
+    if backbone.state_dim > 0:
+        obs["state"] = inputs["state"].to(device, torch.float32)
+        n = obs["state"].shape[0]
+    texts = inputs.get("instruction")
+    if texts is None:
+        if n is None:
+            raise ValueError("a VLA needs an image, a state or an instruction in its inputs")
+        texts = [""] * n
+    ids, mask = tokenizer.encode(list(texts), max_words)
+    obs["instruction_ids"], obs["instruction_mask"] = ids.to(device), mask.to(device)
+    return obs
