@@ -108,10 +108,13 @@ def resolve_weights_dir(directory):
     ``policy.pretrained: runs/my_sft_run`` starts RL from where that run ended)."""
     from pathlib import Path
 
+    from mmrl.train.checkpoint import Checkpointer  # imports this module
+
     d = Path(directory)
-    pointer = d / "checkpoints" / "latest"
-    if not (d / "model.safetensors").is_file() and pointer.is_file():
-        return d / "checkpoints" / pointer.read_text().strip()
+    if not (d / "model.safetensors").is_file():
+        latest = Checkpointer(d).latest()
+        if latest is not None:
+            return latest
     return d
 
 
