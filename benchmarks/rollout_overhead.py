@@ -38,6 +38,29 @@ def hand_loop(env, policy, seeds, low, high):
     return steps
 
 
+def interleaved_rates(sampler, policy, hand, groups: int, group_size: int, rounds: int) -> tuple[float, float]:
+    """Median env steps/s of ``sampler.collect`` and of ``hand(env, policy, seeds, low, high)``
+    (one wave of the same groups by hand) over interleaved rounds, after one warm-up each."""
+    low, high = sampler.action_low, sampler.action_high
+    seeds = [s for g in range(groups) for s in [1000 + g] * group_size]
+
+    def run_sampler(step):
+        before = sampler.env_steps
+        sampler.collect(policy, groups, group_size, step)
+        return sampler.env_steps - before
+
+    run_sampler(0), hand(sampler.env, policy, seeds, low, high)  # warm-up
+    rate_sampler, rate_hand = [], []
+    for r in range(rounds):  # interleaved: machine noise hits both alike
+        t0 = time.perf_counter()
+        n = run_sampler(r + 1)
+        rate_sampler.append(n / (time.perf_counter() - t0))
+        t0 = time.perf_counter()
+        n = hand(sampler.env, policy, [s + r for s in seeds], low, high)
+        rate_hand.append(n / (time.perf_counter() - t0))
+    return statistics.median(rate_sampler), statistics.median(rate_hand)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--env", default="gym:Reacher-v5", help="adapter:id, e.g. gym:Reacher-v5 or maniskill:PushCube-v1")
@@ -59,26 +82,8 @@ def main():
     )
     sampler = SAMPLERS.get("env")(cfg.sampler, cfg)
     policy = build_policy(cfg.policy, sampler.policy_spec())
-    groups = args.num_envs // args.group_size
-    low, high = sampler.action_low, sampler.action_high
-    seeds = [s for g in range(groups) for s in [1000 + g] * args.group_size]
-
-    def run_sampler(step):
-        before = sampler.env_steps
-        sampler.collect(policy, groups, args.group_size, step)
-        return sampler.env_steps - before
-
-    run_sampler(0), hand_loop(sampler.env, policy, seeds, low, high)  # warm-up
-    rate_sampler, rate_hand = [], []
-    for r in range(args.rounds):  # interleaved: machine noise hits both alike
-        t0 = time.perf_counter()
-        n = run_sampler(r + 1)
-        rate_sampler.append(n / (time.perf_counter() - t0))
-        t0 = time.perf_counter()
-        n = hand_loop(sampler.env, policy, [s + r for s in seeds], low, high)
-        rate_hand.append(n / (time.perf_counter() - t0))
+    s, h = interleaved_rates(sampler, policy, hand_loop, args.num_envs // args.group_size, args.group_size, args.rounds)
     sampler.close()
-    s, h = statistics.median(rate_sampler), statistics.median(rate_hand)
     print(f"{args.env} num_envs={args.num_envs}: EnvSampler {s:.0f} env steps/s, by hand {h:.0f} env steps/s")
     print(f"ratio EnvSampler/hand: {s / h:.3f}  (target >= 0.95)")
 

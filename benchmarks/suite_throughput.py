@@ -30,6 +30,7 @@ from mmrl.config import from_dict
 from mmrl.core.policy import Sample, build_policy
 from mmrl.registry import ENVS, SAMPLERS
 from mmrl.train.config import TrainConfig
+from rollout_overhead import interleaved_rates  # benchmarks/ is the script's directory
 
 TOKEN_VLA = {
     "type": "token_vla",
@@ -102,26 +103,9 @@ def sampler_vs_hand(args) -> tuple[float, float]:
     spec = sampler.policy_spec()
     torch.manual_seed(0)
     policy = build_policy(cfg.policy, spec) if args.policy == "token_vla" else UniformChunkPolicy(spec, TOKEN_VLA["action_chunk"])
-    groups = args.num_envs // args.group_size
-    low, high = sampler.action_low, sampler.action_high
-    seeds = [s for g in range(groups) for s in [1000 + g] * args.group_size]
-
-    def run_sampler(step):
-        before = sampler.env_steps
-        sampler.collect(policy, groups, args.group_size, step)
-        return sampler.env_steps - before
-
-    run_sampler(0), hand_loop(sampler.env, policy, seeds, low, high)  # warm-up (renderers, first resets)
-    rate_sampler, rate_hand = [], []
-    for r in range(args.rounds):
-        t0 = time.perf_counter()
-        n = run_sampler(r + 1)
-        rate_sampler.append(n / (time.perf_counter() - t0))
-        t0 = time.perf_counter()
-        n = hand_loop(sampler.env, policy, [s + r for s in seeds], low, high)
-        rate_hand.append(n / (time.perf_counter() - t0))
+    rates = interleaved_rates(sampler, policy, hand_loop, args.num_envs // args.group_size, args.group_size, args.rounds)
     sampler.close()
-    return statistics.median(rate_sampler), statistics.median(rate_hand)
+    return rates
 
 
 def sync_vs_async(args) -> tuple[float, float, float]:
