@@ -34,7 +34,7 @@ import gymnasium
 import numpy as np
 from gymnasium import spaces
 
-from mmrl.envs.tabletop.tasks import FAMILIES, TASKS, Scene, Task, resolve_tasks, sample_scene
+from mmrl.envs.tabletop.tasks import FAMILIES, LAYOUTS, TASKS, Scene, Task, resolve_tasks, sample_scene
 from mmrl.errors import ConfigError, MissingExtraError
 
 MAX_SPEED = 0.4  # m/s at |action| = 1
@@ -146,11 +146,15 @@ class TabletopEnv(gymnasium.Env):
         cameras: str | list[str] = "top",
         render_mode: str | None = None,
         render_size: int = 256,
+        layout: str = "random",
+        layout_noise: float = 0.03,
     ):
         """``task``: a task name, a family (spatial, object, goal), ``all``, or a list of
         these; ``image_size``: side of the observed images; ``cameras``: one camera name or a
         list (``top``, ``front``); ``render_size``: side of ``render()`` frames (all cameras
-        side by side)."""
+        side by side); ``layout``: the initial-state distribution, ``random`` (anywhere on the
+        table) or ``nominal`` (each coordinate within ``layout_noise`` metres of one fixed
+        arrangement per scene, LIBERO-style); see :mod:`mmrl.envs.tabletop.tasks`."""
         self.task_names = resolve_tasks(task, "env.kwargs.task")
         names = [cameras] if isinstance(cameras, str) else list(cameras)
         if not names or any(c not in CAMERAS for c in names):
@@ -158,6 +162,11 @@ class TabletopEnv(gymnasium.Env):
         for field, value in (("image_size", image_size), ("render_size", render_size)):
             if not isinstance(value, int) or isinstance(value, bool) or not 8 <= value <= 2048:
                 raise ConfigError(f"env.kwargs.{field}", value, "expected an integer in [8, 2048]")
+        if layout not in LAYOUTS:
+            raise ConfigError("env.kwargs.layout", layout, f"expected one of {', '.join(LAYOUTS)}")
+        if isinstance(layout_noise, bool) or not isinstance(layout_noise, (int, float)) or not 0.0 <= layout_noise <= 0.05:
+            raise ConfigError("env.kwargs.layout_noise", layout_noise, "expected a number of metres in [0, 0.05]")
+        self.layout, self.layout_noise = layout, float(layout_noise)
         if render_mode not in (None, "rgb_array"):
             raise ConfigError("render_mode", render_mode, "expected null or 'rgb_array'")
         _import_mujoco()  # fail at make, not at the first reset, when the extra is missing
@@ -192,7 +201,7 @@ class TabletopEnv(gymnasium.Env):
         else:
             name = self.task_names[0]
         self.task = TASKS[name]
-        scene = sample_scene(FAMILIES[self.task.family], self.task, self.np_random)
+        scene = sample_scene(FAMILIES[self.task.family], self.task, self.np_random, layout=self.layout, noise=self.layout_noise)
         if self.task.family not in self._scenes:
             self._scenes[self.task.family] = _Simulation(self.task.family)
         self._sim = self._scenes[self.task.family]

@@ -23,6 +23,12 @@ other block by less than 8.5 cm and starts where the pusher can reach. In the ``
 and ``object`` families the state must suit every task of the family, so the layout never
 hints at which block is meant; ``goal`` states suit the episode's task, so that each goal
 sees varied layouts. The scripted expert never has to clear a blocked path.
+
+Two initial-state distributions (the env's ``layout``): ``random`` places everything anywhere
+on the table; ``nominal`` keeps the objects near one fixed arrangement per scene, jittered by a
+few centimetres, like LIBERO's init states (objects sampled in small regions around where the
+task's scene file puts them). Under ``nominal`` a colour names a block that is always roughly
+in the same place, so the instruction alone says where to go, and the image says exactly where.
 """
 
 from __future__ import annotations
@@ -267,30 +273,76 @@ def push_is_clear(task: Task, blocks: np.ndarray, zone: np.ndarray | None) -> np
     )
 
 
-def sample_scene(family: Family, task: Task, rng: np.random.Generator, batch: int = 1024, max_batches: int = 1000) -> Scene:
+def _valid(family: Family, tasks: list[Task], blocks, zone, pusher) -> np.ndarray:
+    """Which candidate states ``blocks [b, n, 2]``, ``zone [b, 2]`` (or None), ``pusher [b, 2]``
+    are valid initial states for every task of ``tasks``."""
+    n = blocks.shape[1]
+    gaps = np.linalg.norm(blocks[:, :, None] - blocks[:, None], axis=-1) + np.eye(n)
+    valid = gaps.min(axis=(1, 2)) >= MIN_BLOCK_GAP
+    if family.spatial_gap:
+        for axis in (0, 1):
+            valid &= np.diff(np.sort(blocks[..., axis], axis=1), axis=1).min(axis=1) >= family.spatial_gap
+    valid &= np.linalg.norm(blocks - pusher[:, None], axis=-1).min(axis=1) >= 0.07
+    valid &= np.all(np.abs(pusher) <= PUSHER_LIMIT, axis=-1)
+    if zone is not None:
+        valid &= np.abs(blocks - zone[:, None]).max(axis=-1).min(axis=1) >= ZONE_HALF + BLOCK_HALF + 0.02
+    survivors = np.flatnonzero(valid)  # the push checks cost most: run them on survivors only
+    clear = np.ones(len(survivors), dtype=bool)
+    for t in tasks:
+        clear &= push_is_clear(t, blocks[survivors], None if zone is None else zone[survivors])
+    valid[survivors] = clear
+    return valid
+
+
+LAYOUTS = ("random", "nominal")
+NOMINAL_SEED = 20231  # seed of the draw that fixes each family's (or goal task's) nominal layout
+
+
+def nominal_scene(family: Family, task: Task) -> Scene:
+    """The nominal layout of ``family`` (of ``task`` in a family without a shared layout): one
+    fixed draw of the ``random`` distribution, valid for every task it serves."""
+    key = family.name if family.shared_layout else task.name
+    if key not in _NOMINAL:
+        _NOMINAL[key] = sample_scene(family, task, np.random.default_rng([NOMINAL_SEED, sum(map(ord, key))]))
+    return _NOMINAL[key]
+
+
+_NOMINAL: dict[str, Scene] = {}
+
+
+def sample_scene(
+    family: Family,
+    task: Task,
+    rng: np.random.Generator,
+    batch: int = 1024,
+    max_batches: int = 1000,
+    layout: str = "random",
+    noise: float = 0.03,
+) -> Scene:
     """Rejection-sample an initial state of ``family`` for ``task`` (and, with a shared
     layout, for every other task of the family): candidates are drawn ``batch`` at a time and
-    the first valid one is kept, so the state is a function of the generator's state."""
+    the first valid one is kept, so the state is a function of the generator's state.
+
+    ``layout="random"``: blocks, zone and pusher anywhere on the table (every arrangement).
+    ``layout="nominal"``: LIBERO-style, objects stay near one fixed arrangement
+    (:func:`nominal_scene`): each coordinate of the blocks, the zone and the pusher is the
+    nominal one plus uniform noise in ``[-noise, noise]``; block yaws stay uniform."""
     n = len(family.colours)
     tasks = [TASKS[name] for name in family_tasks(family.name)] if family.shared_layout else [task]
+    center = nominal_scene(family, task) if layout == "nominal" else None
     for _ in range(max_batches):
-        blocks = rng.uniform(-BLOCK_RANGE, BLOCK_RANGE, size=(batch, n, 2))
-        yaw = rng.uniform(0.0, np.pi / 2, size=(batch, n))
-        zone = rng.uniform(-ZONE_RANGE, ZONE_RANGE, size=(batch, 2)) if family.zone else None
-        pusher = rng.uniform(-PUSHER_RANGE, PUSHER_RANGE, size=(batch, 2))
-        gaps = np.linalg.norm(blocks[:, :, None] - blocks[:, None], axis=-1) + np.eye(n)
-        valid = gaps.min(axis=(1, 2)) >= MIN_BLOCK_GAP
-        if family.spatial_gap:
-            for axis in (0, 1):
-                valid &= np.diff(np.sort(blocks[..., axis], axis=1), axis=1).min(axis=1) >= family.spatial_gap
-        valid &= np.linalg.norm(blocks - pusher[:, None], axis=-1).min(axis=1) >= 0.07
-        if zone is not None:
-            valid &= np.abs(blocks - zone[:, None]).max(axis=-1).min(axis=1) >= ZONE_HALF + BLOCK_HALF + 0.02
-        survivors = np.flatnonzero(valid)  # the push checks cost most: run them on survivors only
-        clear = np.ones(len(survivors), dtype=bool)
-        for t in tasks:
-            clear &= push_is_clear(t, blocks[survivors], None if zone is None else zone[survivors])
-        if clear.any():
-            i = int(survivors[np.argmax(clear)])
+        if center is None:
+            blocks = rng.uniform(-BLOCK_RANGE, BLOCK_RANGE, size=(batch, n, 2))
+            yaw = rng.uniform(0.0, np.pi / 2, size=(batch, n))
+            zone = rng.uniform(-ZONE_RANGE, ZONE_RANGE, size=(batch, 2)) if family.zone else None
+            pusher = rng.uniform(-PUSHER_RANGE, PUSHER_RANGE, size=(batch, 2))
+        else:
+            blocks = center.blocks + rng.uniform(-noise, noise, size=(batch, n, 2))
+            yaw = rng.uniform(0.0, np.pi / 2, size=(batch, n))
+            zone = center.zone + rng.uniform(-noise, noise, size=(batch, 2)) if family.zone else None
+            pusher = center.pusher + rng.uniform(-noise, noise, size=(batch, 2))
+        valid = _valid(family, tasks, blocks, zone, pusher)
+        if valid.any():
+            i = int(np.argmax(valid))
             return Scene(blocks[i], yaw[i], None if zone is None else zone[i], pusher[i])
     raise RuntimeError(f"no valid initial state of the {family.name} family in {batch * max_batches} tries")

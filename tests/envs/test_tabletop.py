@@ -12,7 +12,7 @@ import pytest
 import mmrl.envs  # noqa: F401  (registers mmrl/Tabletop-v0)
 from mmrl.envs.gym import GymEnvConfig
 from mmrl.envs.tabletop.expert import expert_action
-from mmrl.envs.tabletop.tasks import FAMILIES, TASKS, family_tasks, resolve_tasks
+from mmrl.envs.tabletop.tasks import FAMILIES, TASKS, family_tasks, nominal_scene, resolve_tasks
 from mmrl.errors import ConfigError
 from mmrl.registry import ENVS
 
@@ -188,7 +188,13 @@ def test_render_returns_a_larger_frame_of_every_camera():
 
 @pytest.mark.parametrize(
     "kwargs, field",
-    [({"task": "stack_blocks"}, "env.kwargs.task"), ({"cameras": "side"}, "env.kwargs.cameras"), ({"image_size": 0}, "env.kwargs.image_size")],
+    [
+        ({"task": "stack_blocks"}, "env.kwargs.task"),
+        ({"cameras": "side"}, "env.kwargs.cameras"),
+        ({"image_size": 0}, "env.kwargs.image_size"),
+        ({"layout": "grid"}, "env.kwargs.layout"),
+        ({"layout": "nominal", "layout_noise": 0.2}, "env.kwargs.layout_noise"),
+    ],
 )
 def test_bad_kwargs_are_config_errors_naming_the_field(kwargs, field):
     with pytest.raises(ConfigError) as err:
@@ -222,6 +228,30 @@ def test_async_workers_send_every_instruction_not_only_the_first():
 
 
 # ------------------------------------------------------------------ experts
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_nominal_layout_jitters_one_arrangement_by_at_most_the_noise(family):
+    """LIBERO-style initial states: every object within ``layout_noise`` of the family's
+    nominal arrangement (per task in the goal family), the states still differ by seed and
+    the expert still solves them; the random layout spreads objects over the table."""
+    noise = 0.03
+    nominal = gymnasium.make(ID, task=family, layout="nominal", layout_noise=noise).unwrapped
+    spread = gymnasium.make(ID, task=family).unwrapped
+    offsets, random_blocks = [], []
+    for seed in range(12):
+        nominal.reset(seed=seed)
+        center = nominal_scene(FAMILIES[family], nominal.task)
+        offsets.append(nominal.block_positions() - center.blocks)
+        assert np.abs(nominal.pusher_position() - center.pusher).max() <= noise + 1e-6
+        spread.reset(seed=seed)
+        random_blocks.append(spread.block_positions())
+    offsets = np.stack(offsets)
+    assert np.abs(offsets).max() <= noise + 1e-6
+    assert np.ptp(offsets, axis=0).max() > noise  # the jitter is real
+    assert np.ptp(np.stack(random_blocks), axis=0).max() > 0.15
+    wins = [_run_expert(nominal, seed)[1]["success"] for seed in range(6)]
+    assert np.mean(wins) >= 0.95
 
 
 def _expert_success_rate(task: str, seeds) -> float:
