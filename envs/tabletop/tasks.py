@@ -299,28 +299,12 @@ NOMINAL_SEED = 20231  # seed of the draw that fixes each family's (or goal task'
 
 
 def nominal_scene(family: Family, task: Task) -> Scene:
-    """The nominal layout of ``family`` (of ``task`` in a family without a shared layout):
-    the most open of ``NOMINAL_CANDIDATES`` seeded draws of the ``random`` distribution, the
-    one whose closest pair of objects (blocks, zone, pusher) lies farthest apart, as a scene
-    designer spreads objects out; jittered states around it are then rarely rejected."""
+    """The nominal layout of ``family`` (of ``task`` in a family without a shared layout): one
+    fixed draw of the ``random`` distribution, valid for every task it serves."""
     key = family.name if family.shared_layout else task.name
     if key not in _NOMINAL:
-        rng = np.random.default_rng([NOMINAL_SEED, sum(map(ord, key))])
-        scenes = [sample_scene(family, task, rng, batch=256) for _ in range(NOMINAL_CANDIDATES)]
-        _NOMINAL[key] = max(scenes, key=_openness)
+        _NOMINAL[key] = sample_scene(family, task, np.random.default_rng([NOMINAL_SEED, sum(map(ord, key))]))
     return _NOMINAL[key]
-
-
-NOMINAL_CANDIDATES = 64
-
-
-def _openness(scene: Scene) -> float:
-    """Smallest distance between two objects of ``scene`` (block centres, the zone's centre,
-    the pusher)."""
-    points = [*scene.blocks, scene.pusher] + ([] if scene.zone is None else [scene.zone])
-    points = np.array(points)
-    gaps = np.linalg.norm(points[:, None] - points[None], axis=-1) + np.eye(len(points))
-    return float(gaps.min())
 
 
 _NOMINAL: dict[str, Scene] = {}
