@@ -313,3 +313,28 @@ def test_behaviour_cloning_reads_a_small_object_off_a_uniform_background():
     error = (action - target).abs().mean().item()
     blind = (target - target.mean(0)).abs().mean().item()  # the best image-blind guess
     assert error < 0.5 * blind, (error, blind)
+
+
+def test_grpo_from_scratch_raises_a_token_vlas_success_on_point_reach(tmp_path):
+    """The whole RL path of a token VLA (env sampler, summed token log-probs, group-relative
+    advantages, PPO clip) learns a state-conditioned skill from the binary success reward
+    alone: on mmrl/PointReach-v0 a fresh token VLA goes from chance to most goals in 30
+    updates."""
+    from mmrl.train.config import TrainConfig
+    from mmrl.train.trainer import Trainer
+    from tests.conftest import point_reach_config
+
+    cfg = point_reach_config(
+        name="token_rl", total_steps=30, run_dir=str(tmp_path / "run"),
+        env={"type": "gym", "id": "mmrl/PointReach-v0", "num_envs": 32},
+        rewards=[{"type": "success"}],
+        algo={"group_size": 8, "groups_per_step": 8, "ppo_epochs": 4, "num_minibatches": 4, "kl_coef": 0.0},
+        optim={"lr": 0.003}, eval={"every": 1000, "episodes": 64}, checkpoint={"every": 1000},
+    )
+    cfg["policy"] = {"type": "token_vla", "action_bins": 16, "action_chunk": 1,
+                     "backbone": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}}
+    trainer = Trainer(from_dict(TrainConfig, cfg))
+    before = trainer.evaluate(0)["success_rate"]
+    trainer.train()
+    after = trainer.evaluate(30)["success_rate"]
+    assert after >= 0.7 and after >= before + 0.4, (before, after)
