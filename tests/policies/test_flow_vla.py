@@ -265,21 +265,9 @@ def test_grpo_with_lr_warmup_raises_a_flow_vlas_success_on_point_reach(tmp_path)
     Adam update moves every parameter by about lr whatever its gradient; without the
     learning-rate warm-up that first update moves this policy by an approximate KL > 1 and
     learning stalls."""
-    from mmrl.train.config import TrainConfig
-    from mmrl.train.trainer import Trainer
-    from tests.conftest import point_reach_config
+    from tests.conftest import point_reach_success_before_after
 
-    cfg = point_reach_config(
-        name="flow_rl", total_steps=40, run_dir=str(tmp_path / "run"),
-        env={"type": "gym", "id": "mmrl/PointReach-v0", "num_envs": 32},
-        rewards=[{"type": "success"}],
-        algo={"group_size": 8, "groups_per_step": 8, "ppo_epochs": 4, "num_minibatches": 4, "kl_coef": 0.0},
-        optim={"lr": 0.001, "warmup_steps": 5}, eval={"every": 1000, "episodes": 64}, checkpoint={"every": 1000},
-    )
-    cfg["policy"] = {"type": "flow_vla", "action_chunk": 1, "noise_method": "flow_sde", "noise_level": 0.5,
-                     "backbone": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}}
-    trainer = Trainer(from_dict(TrainConfig, cfg))
-    before = trainer.evaluate(0)["success_rate"]
-    trainer.train()
-    after = trainer.evaluate(40)["success_rate"]
+    policy = {"type": "flow_vla", "action_chunk": 1, "noise_method": "flow_sde", "noise_level": 0.5,
+              "backbone": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}}
+    before, after = point_reach_success_before_after(tmp_path / "run", policy, 40, {"lr": 0.001, "warmup_steps": 5})
     assert after >= 0.5 and after >= before + 0.3, (before, after)

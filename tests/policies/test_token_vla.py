@@ -320,21 +320,9 @@ def test_grpo_from_scratch_raises_a_token_vlas_success_on_point_reach(tmp_path):
     advantages, PPO clip) learns a state-conditioned skill from the binary success reward
     alone: on mmrl/PointReach-v0 a fresh token VLA goes from chance to most goals in 30
     updates."""
-    from mmrl.train.config import TrainConfig
-    from mmrl.train.trainer import Trainer
-    from tests.conftest import point_reach_config
+    from tests.conftest import point_reach_success_before_after
 
-    cfg = point_reach_config(
-        name="token_rl", total_steps=30, run_dir=str(tmp_path / "run"),
-        env={"type": "gym", "id": "mmrl/PointReach-v0", "num_envs": 32},
-        rewards=[{"type": "success"}],
-        algo={"group_size": 8, "groups_per_step": 8, "ppo_epochs": 4, "num_minibatches": 4, "kl_coef": 0.0},
-        optim={"lr": 0.003}, eval={"every": 1000, "episodes": 64}, checkpoint={"every": 1000},
-    )
-    cfg["policy"] = {"type": "token_vla", "action_bins": 16, "action_chunk": 1,
-                     "backbone": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}}
-    trainer = Trainer(from_dict(TrainConfig, cfg))
-    before = trainer.evaluate(0)["success_rate"]
-    trainer.train()
-    after = trainer.evaluate(30)["success_rate"]
+    policy = {"type": "token_vla", "action_bins": 16, "action_chunk": 1,
+              "backbone": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}}
+    before, after = point_reach_success_before_after(tmp_path / "run", policy, 30, {"lr": 0.003})
     assert after >= 0.7 and after >= before + 0.4, (before, after)
