@@ -296,6 +296,7 @@ def _valid(family: Family, tasks: list[Task], blocks, zone, pusher) -> np.ndarra
 
 LAYOUTS = ("random", "nominal")
 NOMINAL_SEED = 20231  # seed of the draw that fixes each family's (or goal task's) nominal layout
+_NOMINAL: dict[str, "Scene"] = {}  # nominal layouts by family (or goal task) name, drawn once
 
 
 def nominal_scene(family: Family, task: Task) -> Scene:
@@ -305,9 +306,6 @@ def nominal_scene(family: Family, task: Task) -> Scene:
     if key not in _NOMINAL:
         _NOMINAL[key] = sample_scene(family, task, np.random.default_rng([NOMINAL_SEED, sum(map(ord, key))]))
     return _NOMINAL[key]
-
-
-_NOMINAL: dict[str, Scene] = {}
 
 
 def sample_scene(
