@@ -27,6 +27,7 @@ class FlowVLAConfig(PolicyConfig):
     sde_steps: Literal["all", "one"] = option("all", "stochastic steps of a chunk: all of them (joint log-prob), or one chosen at random per chunk (the others ODE; the choice is kept in the replay)")
     noise_std_range: list[float] = option(factory=lambda: [0.05, 0.3], doc="Flow-Noise: the learned std of every action number lies in [lo, hi] (log-uniform squashing)")
     time_sampling: Literal["beta", "uniform"] = option("beta", "flow-matching training times: sigma = 0.001 + 0.999 u with u ~ Beta(1.5, 1) (pi0, weighting noisy times) or u ~ U(0, 1)")
+    logp_granularity: Literal["chunk", "step"] = option("chunk", "what one RL decision is: the whole chunk (joint log-likelihood of its denoising chain, one ratio per chunk) or every denoising step (a ratio per step, clipped separately, as Flow-GRPO and DPPO)")
     logp_reduction: Literal["sum", "mean"] = option("sum", "per-step log-prob summed over the chunk's C x A numbers, or averaged (wants a much smaller clip range)")
 
     def validate(self, path: str) -> None:

@@ -219,7 +219,9 @@ class FlowVLAPolicy(PolicyModule):
     @torch.no_grad()
     def sample(self, inputs, generator: torch.Generator | None = None, deterministic: bool = False) -> Sample:
         """Actions [N, C, A] (env units); logp / entropy [N, 1]: the chunk's joint chain
-        log-likelihood and the summed entropy of its stochastic steps."""
+        log-likelihood and the summed entropy of its stochastic steps (with
+        ``logp_granularity: step``, [N, K] per denoising step and a mask of the stochastic
+        ones)."""
         obs = self.observation(inputs)
         memory = self.prefix_memory(obs)
         n, device = memory["attend"].shape[0], self.action_center.device
@@ -241,16 +243,23 @@ class FlowVLAPolicy(PolicyModule):
         replay = {key: value.unsqueeze(1) for key, value in obs.items()}
         replay["chain"] = chain.latents.unsqueeze(1)
         replay["stochastic"] = stochastic.unsqueeze(1)
+        logp, entropy, mask = chain.log_probs, chain.entropies, None
+        if self.config.logp_granularity == "chunk":
+            logp, entropy = logp.sum(1, keepdim=True), entropy.sum(1, keepdim=True)
+        else:
+            mask = stochastic.float()  # deterministic (ODE) steps are no decisions
         return Sample(
             output=self.action_center + self.action_half_range * chain.final.clamp(-1.0, 1.0),
-            logp=chain.log_probs.sum(1, keepdim=True),
+            logp=logp,
             replay=replay,
-            entropy=chain.entropies.sum(1, keepdim=True),
+            mask=mask,
+            entropy=entropy,
         )
 
     def log_prob(self, replay: dict) -> Tensor:
         """Joint chain log-likelihoods [B, T] of the replayed chunks under the current
-        parameters; each chunk's prefix is computed once for all its denoising steps."""
+        parameters ([B, T*K], step by step, with ``logp_granularity: step``); each chunk's
+        prefix is computed once for all its denoising steps."""
         chain = replay["chain"]
         b, t = chain.shape[:2]
         obs = {key: replay[key].flatten(0, 1) for key in _OBS_KEYS if key in replay}
@@ -262,6 +271,8 @@ class FlowVLAPolicy(PolicyModule):
             replay["stochastic"].flatten(0, 1),
             reduce=self.config.logp_reduction,
         )
+        if self.config.logp_granularity == "step":
+            return per_step.reshape(b, t * per_step.shape[1])
         return per_step.sum(1).view(b, t)
 
     def sft_loss(self, batch: dict) -> Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from mmrl.config import option
 from mmrl.errors import ConfigError
@@ -18,6 +19,7 @@ class TokenVLAConfig(PolicyConfig):
     backbone: VLABackboneConfig = option(factory=VLABackboneConfig, doc="image encoder, instruction embeddings and transformer decoder")
     action_bins: int = option(32, "uniform bins per action dimension over the normalized range [-1, 1] (the action-token vocabulary)", ge=2)
     action_chunk: int = option(1, "actions emitted per decision (an action chunk of action_chunk x action_dim tokens)", ge=1)
+    logp_granularity: Literal["chunk", "token"] = option("chunk", "what one RL decision is: the whole chunk (log-prob = sum over its C x A tokens, one ratio per chunk) or every action token (a ratio per token, clipped separately, as SimpleVLA-RL)")
     temperature: float = option(1.0, "sampling temperature of the action tokens (log-probs are those of the tempered distribution)", gt=0)
 
     def validate(self, path: str) -> None:

@@ -125,7 +125,8 @@ class TokenVLAPolicy(PolicyModule):
     def sample(self, inputs, generator: torch.Generator | None = None, deterministic: bool = False) -> Sample:
         """``inputs``: {"image": uint8 [N, (K,) H, W, 3], "state": [N, D], "instruction":
         N strings} (the keys the env has) or a state tensor [N, D]. Returns env actions
-        [N, C, A], logp [N, 1] (sum over the C*A tokens), entropy [N, 1], replay {image,
+        [N, C, A], logp / entropy [N, 1] (sums over the C*A tokens; [N, C*A], one per token,
+        with ``logp_granularity: token``), replay {image,
         state, instruction_ids, instruction_mask, action_tokens [N, 1, C*A]}.
         ``deterministic`` takes the most likely bin of every token (greedy decoding)."""
         obs = self.encode_inputs(inputs)
@@ -153,22 +154,24 @@ class TokenVLAPolicy(PolicyModule):
         tokens_t = torch.stack(tokens, dim=1)
         replay = {k: v.unsqueeze(1) for k, v in obs.items()}
         replay["action_tokens"] = tokens_t.unsqueeze(1)
-        return Sample(
-            output=self.tokens_to_actions(tokens_t),
-            logp=torch.stack(logps, 1).sum(1, keepdim=True),
-            replay=replay,
-            entropy=torch.stack(entropies, 1).sum(1, keepdim=True),
-        )
+        logp, entropy = torch.stack(logps, 1), torch.stack(entropies, 1)
+        if self.config.logp_granularity == "chunk":
+            logp, entropy = logp.sum(1, keepdim=True), entropy.sum(1, keepdim=True)
+        return Sample(output=self.tokens_to_actions(tokens_t), logp=logp, replay=replay, entropy=entropy)
 
     def log_prob(self, replay: dict) -> Tensor:
         """Log-probs [N, T] of the replayed chunks (replay tensors [N, T, ...]) under the
-        current parameters: one teacher-forced pass over the N*T decisions."""
+        current parameters ([N, T*C*A], token by token, with ``logp_granularity: token``):
+        one teacher-forced pass over the N*T chunks."""
         tokens = replay["action_tokens"]
         n, t = tokens.shape[:2]
         flat = {k: v.reshape(n * t, *v.shape[2:]) for k, v in replay.items()}
         tokens = flat.pop("action_tokens").to(self.action_center.device)
         log_probs = torch.log_softmax(self._logits(flat, tokens) / self.config.temperature, dim=-1)
-        return log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).sum(-1).view(n, t)
+        per_token = log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        if self.config.logp_granularity == "token":
+            return per_token.view(n, t * self.num_tokens)
+        return per_token.sum(-1).view(n, t)
 
     def sft_loss(self, batch: dict) -> Tensor:
         """Behaviour cloning: masked mean cross-entropy of the expert's binned action tokens

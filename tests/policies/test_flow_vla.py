@@ -91,6 +91,24 @@ def test_sample_shapes_and_log_prob_of_replay_equals_sampling_logp(variant):
     torch.testing.assert_close(logp, torch.cat([sample.logp, other.logp], 1), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("sde_steps", ["all", "one"])
+def test_step_granularity_makes_every_stochastic_denoising_step_a_decision(sde_steps):
+    chunk, step = make(sde_steps=sde_steps), make(sde_steps=sde_steps, logp_granularity="step")
+    obs = inputs(SPEC)
+    joint = chunk.sample(obs, torch.Generator().manual_seed(0))
+    per_step = step.sample(obs, torch.Generator().manual_seed(0))
+    assert torch.equal(joint.output, per_step.output)
+    assert per_step.logp.shape == per_step.entropy.shape == per_step.mask.shape == (6, 4)
+    assert torch.equal(per_step.mask.bool(), per_step.replay["stochastic"][:, 0])
+    assert (per_step.logp[per_step.mask == 0] == 0).all()  # ODE steps carry no likelihood
+    torch.testing.assert_close(per_step.logp.sum(1, keepdim=True), joint.logp, atol=1e-5, rtol=1e-5)
+    other = step.sample(inputs(SPEC, seed=2), torch.Generator().manual_seed(1))
+    replay = {key: torch.cat([per_step.replay[key], other.replay[key]], 1) for key in per_step.replay}
+    logp = step.log_prob(replay)
+    assert logp.shape == (6, 8) and logp.requires_grad
+    torch.testing.assert_close(logp, torch.cat([per_step.logp, other.logp], 1), atol=1e-5, rtol=1e-5)
+
+
 def test_one_stochastic_step_is_chosen_at_random_per_chunk():
     policy = make(sde_steps="one")
     chosen = policy.sample(inputs(SPEC, n=64), torch.Generator().manual_seed(0)).replay["stochastic"][:, 0].float().argmax(-1)
@@ -222,6 +240,7 @@ def test_save_and_load_pretrained_round_trip_with_the_tokenizer(tmp_path, noise_
         ({"noise_std_range": [0.3, 0.1]}, "policy.noise_std_range"),
         ({"noise_method": "flow_cps"}, "policy.noise_method"),
         ({"sde_steps": "some"}, "policy.sde_steps"),
+        ({"logp_granularity": "token"}, "policy.logp_granularity"),
         ({"noise_level": 0.0}, "policy.noise_level"),
         ({"num_denoising_steps": 0}, "policy.num_denoising_steps"),
         ({"backbone": {"hidden_size": 30, "num_heads": 4}}, "policy.backbone.num_heads"),
@@ -232,7 +251,8 @@ def test_bad_config_is_a_config_error_naming_the_field(fields, field):
         from_dict(FlowVLAConfig, {"type": "flow_vla", **fields}, "policy")
 
 
-def test_env_sampler_rollout_replays_exactly_and_a_train_step_runs(tmp_path):
+@pytest.mark.parametrize("granularity", ["chunk", "step"])
+def test_env_sampler_rollout_replays_exactly_and_a_train_step_runs(tmp_path, granularity):
     """A flat-state env through the env sampler (waves of different lengths right-padded)
     and two steps of the trainer."""
     from mmrl.samplers.env import EnvSampler
@@ -246,13 +266,18 @@ def test_env_sampler_rollout_replays_exactly_and_a_train_step_runs(tmp_path):
         env={"num_envs": 4, "kwargs": {"max_steps": 8, "min_steps": 3}},
         algo={"group_size": 2, "groups_per_step": 4, "ppo_epochs": 1},
     )
-    data["policy"] = {"type": "flow_vla", "backbone": BACKBONE, "action_chunk": 2, "num_denoising_steps": 3, "expert_layers": 1, "expert_heads": 2, "sde_steps": "one"}
+    data["policy"] = {"type": "flow_vla", "backbone": BACKBONE, "action_chunk": 2, "num_denoising_steps": 3, "expert_layers": 1, "expert_heads": 2, "sde_steps": "one",
+                      "logp_granularity": granularity}
     cfg = from_dict(TrainConfig, data)
     sampler = EnvSampler(cfg.sampler, cfg)
     policy = build_policy(cfg.policy, sampler.policy_spec())
     rollout = sampler.collect(policy, num_groups=4, group_size=2, step=0)
     logp = policy.log_prob(rollout.replay)
     torch.testing.assert_close(logp * rollout.mask, rollout.old_logp * rollout.mask, atol=1e-5, rtol=1e-5)
+    if granularity == "step":  # one stochastic step of 3 per chunk is a decision, the ODE ones are masked
+        assert rollout.old_logp.shape[1] % 3 == 0
+        per_chunk = rollout.mask.view(rollout.batch_size, -1, 3).sum(-1)
+        assert set(per_chunk.unique().tolist()) <= {0.0, 1.0} and per_chunk.sum() > 0
     sampler.close()
     train(cfg, tmp_path / "run")
     steps = [r for r in read_metrics(tmp_path / "run") if "loss/policy" in r]

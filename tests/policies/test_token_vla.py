@@ -120,6 +120,21 @@ def test_logp_and_entropy_are_sums_over_the_chunks_tokens():
     torch.testing.assert_close(sample.entropy[:, 0], dist.entropy().sum(-1), atol=1e-5, rtol=1e-6)
 
 
+def test_token_granularity_makes_every_action_token_a_decision_whose_sum_is_the_chunks_logp():
+    chunk, token = make(), make(logp_granularity="token")  # same seed: same weights
+    inputs = observations(chunk)
+    per_chunk = chunk.sample(inputs, torch.Generator().manual_seed(0))
+    per_token = token.sample(inputs, torch.Generator().manual_seed(0))
+    assert torch.equal(per_chunk.output, per_token.output)
+    assert per_token.logp.shape == per_token.entropy.shape == (6, 4)  # chunk 2 x action_dim 2
+    torch.testing.assert_close(per_token.logp.sum(1, keepdim=True), per_chunk.logp, atol=1e-5, rtol=1e-6)
+    other = token.sample(observations(token, seed=2), torch.Generator().manual_seed(1))
+    replay = {k: torch.cat([per_token.replay[k], other.replay[k]], 1) for k in per_token.replay}
+    logp = token.log_prob(replay)
+    assert logp.shape == (6, 8) and logp.requires_grad
+    torch.testing.assert_close(logp, torch.cat([per_token.logp, other.logp], 1), atol=1e-5, rtol=1e-6)
+
+
 def test_deterministic_sample_is_the_greedy_argmax_decode_and_ignores_the_generator():
     policy = make()
     inputs = observations(policy)
@@ -260,6 +275,7 @@ def test_sft_loss_ignores_padded_actions_past_the_episode_end():
         ({"action_bins": 1}, "policy.action_bins"),
         ({"temperature": 0.0}, "policy.temperature"),
         ({"action_chunk": 0}, "policy.action_chunk"),
+        ({"logp_granularity": "step"}, "policy.logp_granularity"),
         ({"backbone": {"hidden_size": 30, "num_heads": 4}}, "policy.backbone.num_heads"),
         ({"backbone": {"arch": "gpt-9"}}, "policy.backbone.arch"),
     ],
