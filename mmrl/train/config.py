@@ -113,6 +113,7 @@ class OptimConfig:
     lr_schedule: Literal["constant", "linear", "cosine"] = option("constant", "learning rate over the training steps after the warm-up: constant, or decaying linearly / by a half cosine to lr * final_lr_ratio at total_steps")
     warmup_steps: int = option(0, "training steps of linear warm-up from lr / (warmup_steps + 1) to lr", ge=0)
     final_lr_ratio: float = option(0.0, "linear/cosine: the learning rate at the last step as a fraction of lr", ge=0, le=1)
+    frozen: list[str] = option(factory=list, doc="parameter-name prefixes to keep fixed (e.g. [backbone.vision] freezes a VLA's image encoder); each must match a parameter")
 
 
 @dataclass

@@ -53,6 +53,18 @@ class StopRequest:
     signum: int | None = None
 
 
+def _freeze(policy: torch.nn.Module, prefixes: list[str]) -> None:
+    """Stop gradients to the parameters whose names start with one of ``prefixes``."""
+    names = [n for n, _ in policy.named_parameters()]
+    for i, prefix in enumerate(prefixes):
+        if not any(n == prefix or n.startswith(prefix + ".") for n in names):
+            modules = sorted({n.split(".")[0] for n in names})
+            raise ConfigError(f"optim.frozen[{i}]", prefix, f"matches no parameter of the policy (its top-level modules: {modules})")
+    for name, param in policy.named_parameters():
+        if any(name == prefix or name.startswith(prefix + ".") for prefix in prefixes):
+            param.requires_grad_(False)
+
+
 def lr_factor(step: int, total_steps: int, schedule: str = "constant", warmup_steps: int = 0, final_ratio: float = 0.0) -> float:
     """Learning rate of training step ``step`` (0-based) as a fraction of ``optim.lr``.
 
@@ -103,8 +115,9 @@ class Trainer:
         if algo.kl_coef > 0:
             self.reference = policy.reference() or copy.deepcopy(policy)
             self.reference.requires_grad_(False).eval()
+        _freeze(policy, cfg.optim.frozen)
         optimizer = torch.optim.AdamW(
-            policy.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.adam_eps, weight_decay=cfg.optim.weight_decay
+            [p for p in policy.parameters() if p.requires_grad], lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.adam_eps, weight_decay=cfg.optim.weight_decay
         )
         self.model, self.optimizer = self.accelerator.prepare(policy, optimizer)
         if self.reference is not None:

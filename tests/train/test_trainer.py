@@ -167,3 +167,21 @@ def test_a_scheduled_run_logs_its_lr_and_resumes_the_schedule_exactly(tmp_path):
     wa = load_file(str(tmp_path / "full/checkpoints/step_00000006/model.safetensors"))
     wb = load_file(str(tmp_path / "part/checkpoints/step_00000006/model.safetensors"))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_frozen_parameters_stay_fixed_while_the_others_train(tmp_path):
+    cfg = env_config(total_steps=2, optim={"lr": 0.01, "frozen": ["net.0", "log_std"]})
+    trainer = Trainer(cfg, tmp_path / "run")
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    after = dict(trainer.model.named_parameters())
+    for name, value in before.items():
+        frozen = name.startswith("net.0.") or name == "log_std"
+        assert torch.equal(value, after[name]) == frozen, name
+
+
+def test_a_frozen_prefix_matching_no_parameter_is_a_config_error(tmp_path):
+    from mmrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"optim\.frozen\[1\].*'?net\.9'?.*matches no parameter"):
+        Trainer(env_config(optim={"frozen": ["net.0", "net.9"]}), tmp_path / "run")
