@@ -479,6 +479,12 @@ class Trainer:
                     out[metric] = self.accelerator.gather(value).mean().item()
             out["adv/abs_mean"] = adv.abs().mean().item() if adv.numel() else 0.0
             out["decisions"] = float(self.accelerator.reduce(rollout.mask.sum().to(self.accelerator.device), "sum"))
+            if rollout.entropy is not None:
+                # the sampling policy's entropy per decision (sharpening or spreading under RL)
+                mask = rollout.mask.to(rollout.entropy.device)
+                pair = torch.stack([(rollout.entropy * mask).sum(), mask.sum()]).to(self.accelerator.device)
+                total, count = self.accelerator.reduce(pair, "sum").tolist()
+                out["entropy"] = total / max(count, 1.0)
         collected = rollout.info.get("_collected")
         if collected is not None and len(collected):
             out["filter/kept_fraction"] = rollout.batch_size / float(collected[0])

@@ -185,3 +185,11 @@ def test_a_frozen_prefix_matching_no_parameter_is_a_config_error(tmp_path):
 
     with pytest.raises(ConfigError, match=r"optim\.frozen\[1\].*'?net\.9'?.*matches no parameter"):
         Trainer(env_config(optim={"frozen": ["net.0", "net.9"]}), tmp_path / "run")
+
+
+def test_metrics_log_the_sampling_policys_entropy_per_decision(tmp_path):
+    train(toy_config("sequence", total_steps=2), tmp_path / "run")
+    rows = [r for r in read_metrics(tmp_path / "run") if "loss/policy" in r]
+    trainer = Trainer(toy_config("sequence"), tmp_path / "fresh")
+    vocab = trainer.model.config.vocab_size
+    assert len(rows) == 2 and all(0 < r["entropy"] <= math.log(vocab) + 1e-6 for r in rows)
