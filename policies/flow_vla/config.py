@@ -25,6 +25,7 @@ class FlowVLAConfig(PolicyConfig):
     noise_method: Literal["flow_sde", "flow_noise"] = option("flow_sde", "how stochastic steps get their noise: the flow's SDE with noise_level (Flow-SDE), or a learned noise head (Flow-Noise)")
     noise_level: float = option(0.5, "Flow-SDE noise level a: sigma_t = a * sqrt(sigma / (1 - sigma))", gt=0)
     sde_steps: Literal["all", "one"] = option("all", "stochastic steps of a chunk: all of them (joint log-prob), or one chosen at random per chunk (the others ODE; the choice is kept in the replay)")
+    sde_first_steps: int | None = option(None, "only the first N denoising steps (the high-noise ones) may be stochastic, the rest are ODE (a window as in MixGRPO / Flow-GRPO-Fast); null = any step", ge=1)
     noise_std_range: list[float] = option(factory=lambda: [0.05, 0.3], doc="Flow-Noise: the learned std of every action number lies in [lo, hi] (log-uniform squashing)")
     time_sampling: Literal["beta", "uniform"] = option("beta", "flow-matching training times: sigma = 0.001 + 0.999 u with u ~ Beta(1.5, 1) (pi0, weighting noisy times) or u ~ U(0, 1)")
     logp_granularity: Literal["chunk", "step"] = option("chunk", "what one RL decision is: the whole chunk (joint log-likelihood of its denoising chain, one ratio per chunk) or every denoising step (a ratio per step, clipped separately, as Flow-GRPO and DPPO)")
@@ -39,4 +40,6 @@ class FlowVLAConfig(PolicyConfig):
         lo_hi = self.noise_std_range
         if len(lo_hi) != 2 or not 0 < lo_hi[0] <= lo_hi[1]:
             raise ConfigError(p + "noise_std_range", lo_hi, "expected [lo, hi] with 0 < lo <= hi")
+        if self.sde_first_steps is not None and not 1 <= self.sde_first_steps <= self.num_denoising_steps:
+            raise ConfigError(p + "sde_first_steps", self.sde_first_steps, f"must be in [1, num_denoising_steps = {self.num_denoising_steps}] or null")
         self.backbone.validate(p + "backbone")

@@ -34,7 +34,8 @@ Action Models"): the chain is made stochastic so that the chunk has a likelihood
   (:func:`mmrl.denoising.flow_noise_step`).
 
 ``sde_steps: all`` makes every step stochastic; ``one`` makes one step per chunk stochastic,
-chosen uniformly at random (kept in the replay), the others ODE. One chunk is one decision
+chosen uniformly at random (kept in the replay), the others ODE; ``sde_first_steps: N``
+restricts either to the first N (high-noise) steps. One chunk is one decision
 (k = 1): its log-prob is the joint log-likelihood Σ_k log N(x_{k+1}; μ_k, σ_k²) of the
 stochastic steps (the initial noise's density does not depend on the parameters and is
 left out). The env action is the final latent clipped to [−1, 1], mapped to env units
@@ -234,10 +235,11 @@ class FlowVLAPolicy(PolicyModule):
         else:
             method = self._stochastic_method()
             x_init = torch.randn(shape, generator=generator).to(device)
+            window = self.config.sde_first_steps or steps
             if self.config.sde_steps == "all":
-                stochastic = torch.ones(n, steps, dtype=torch.bool, device=device)
+                stochastic = torch.arange(steps, device=device).expand(n, steps) < window
             else:
-                stochastic = random_step(n, steps, generator, device=device)
+                stochastic = random_step(n, steps, generator, high=window, device=device)
         denoiser = self._denoiser(memory, learned_std=method == "noise")
         chain = run_chain(denoiser, self._transition(method), x_init, stochastic, generator, reduce=self.config.logp_reduction)
         replay = {key: value.unsqueeze(1) for key, value in obs.items()}

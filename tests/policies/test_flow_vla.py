@@ -115,6 +115,19 @@ def test_one_stochastic_step_is_chosen_at_random_per_chunk():
     assert set(chosen.tolist()) == {0, 1, 2, 3}
 
 
+@pytest.mark.parametrize("sde_steps", ["all", "one"])
+def test_sde_first_steps_keeps_the_late_low_noise_steps_deterministic(sde_steps):
+    policy = make(sde_steps=sde_steps, sde_first_steps=2)
+    sample = policy.sample(inputs(SPEC, n=64), torch.Generator().manual_seed(0))
+    stochastic = sample.replay["stochastic"][:, 0]
+    assert not stochastic[:, 2:].any()
+    if sde_steps == "all":
+        assert stochastic[:, :2].all()
+    else:
+        assert (stochastic.sum(-1) == 1).all() and stochastic[:, 0].any() and stochastic[:, 1].any()
+    torch.testing.assert_close(policy.log_prob(sample.replay), sample.logp, atol=1e-5, rtol=1e-5)
+
+
 def test_flow_sde_log_prob_is_the_gaussian_of_the_chosen_step_by_hand():
     policy = make(sde_steps="one")
     sample = policy.sample(inputs(SPEC, n=4), torch.Generator().manual_seed(0))
@@ -241,6 +254,7 @@ def test_save_and_load_pretrained_round_trip_with_the_tokenizer(tmp_path, noise_
         ({"noise_method": "flow_cps"}, "policy.noise_method"),
         ({"sde_steps": "some"}, "policy.sde_steps"),
         ({"logp_granularity": "token"}, "policy.logp_granularity"),
+        ({"sde_first_steps": 9}, "policy.sde_first_steps"),
         ({"noise_level": 0.0}, "policy.noise_level"),
         ({"num_denoising_steps": 0}, "policy.num_denoising_steps"),
         ({"backbone": {"hidden_size": 30, "num_heads": 4}}, "policy.backbone.num_heads"),
