@@ -86,6 +86,7 @@ class AlgoConfig:
     gamma: float = option(1.0, "step level: discount of the returns-to-go", ge=0, le=1)
     ppo_epochs: int = option(1, "passes over each rollout", ge=1)
     num_minibatches: int = option(1, "minibatches per epoch (whole groups are never split across processes)", ge=1)
+    micro_batches: int = option(1, "gradient accumulation: each minibatch's forward/backward runs in this many pieces before its one optimizer step (same update, less memory)", ge=1)
 
     def validate(self, path: str) -> None:
         from mmrl import registry

@@ -284,36 +284,56 @@ class Trainer:
         return {k: v / max(count, 1) for k, v in totals.items()}
 
     def _minibatch_step(self, mb: Rollout, adv: torch.Tensor, step: int) -> dict[str, float]:
+        """One optimizer step on minibatch ``mb``; with ``algo.micro_batches`` > 1 its
+        forward/backward runs in pieces whose losses use the whole minibatch's normalizers,
+        so the accumulated gradient is the minibatch's."""
         cfg = self.cfg.algo
-        mask = mb.mask
         # global normalizers: each process divides by (global count / processes), so DDP's
         # gradient average equals the single-process loss on the whole batch
-        num_tokens = self.accelerator.reduce(mask.sum().detach(), "sum") / self.world
-        max_len = cfg.max_len or self._global_max(mask.shape[1])
-        logp = self.model(mb.replay)
-        extra = {"mask": mask, "prox_logp": mb.info.get("_prox_logp")}
-        per_decision, stats = self.objective_fn(logp, mb.old_logp, adv, **_kwargs_for(self.objective_fn, cfg, **extra))
+        num_tokens = self.accelerator.reduce(mb.mask.sum().detach(), "sum") / self.world
+        max_len = cfg.max_len or self._global_max(mb.mask.shape[1])
         agg = _kwargs_for(self.aggregate_fn, cfg, num_tokens=num_tokens, num_seqs=float(mb.batch_size), max_len=max_len)
-        loss = self.aggregate_fn(per_decision, mask, **agg)
-        out = {"loss/policy": loss.detach()}
-        if cfg.kl_coef > 0 and not cfg.kl_in_reward:
-            kl = self.aggregate_fn(self.kl_fn(logp, mb.ref_logp), mask, **agg)
-            loss = loss + cfg.kl_coef * kl
-            out["kl/ref"] = kl.detach()
-        if not torch.isfinite(loss):
-            raise NonFiniteError(f"step {step + 1}: loss ({cfg.objective}, {cfg.aggregation}) is {loss.item()}")
-        self.accelerator.backward(loss)
+        pieces = torch.arange(mb.batch_size).chunk(min(cfg.micro_batches, mb.batch_size))
+        sums: dict[str, torch.Tensor] = {}
+        for i, idx in enumerate(pieces):
+            piece = mb if len(pieces) == 1 else mb[idx]
+            piece_adv = adv if len(pieces) == 1 else adv[idx.to(adv.device)]
+            mask = piece.mask
+            logp = self.model(piece.replay)
+            extra = {"mask": mask, "prox_logp": piece.info.get("_prox_logp")}
+            per_decision, stats = self.objective_fn(logp, piece.old_logp, piece_adv, **_kwargs_for(self.objective_fn, cfg, **extra))
+            loss = self.aggregate_fn(per_decision, mask, **agg)
+            parts = {"loss/policy": loss.detach()}
+            if cfg.kl_coef > 0 and not cfg.kl_in_reward:
+                kl = self.aggregate_fn(self.kl_fn(logp, piece.ref_logp), mask, **agg)
+                loss = loss + cfg.kl_coef * kl
+                parts["kl/ref"] = kl.detach()
+            if not torch.isfinite(loss):
+                raise NonFiniteError(f"step {step + 1}: loss ({cfg.objective}, {cfg.aggregation}) is {loss.item()}")
+            if i + 1 < len(pieces):
+                with self.accelerator.no_sync(self.model):  # DDP: all-reduce once, after the last piece
+                    self.accelerator.backward(loss)
+            else:
+                self.accelerator.backward(loss)
+            with torch.no_grad():
+                log_ratio = (logp.detach() - piece.old_logp) * mask
+                parts["_approx_kl"] = ((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum()
+                parts["_count"] = mask.sum()
+                for k, v in stats.items():
+                    parts[f"_objective/{k}"] = (v * mask).sum()
+            for k, v in parts.items():
+                sums[k] = sums.get(k, 0.0) + v
+        out: dict[str, torch.Tensor] = {k: v for k, v in sums.items() if not k.startswith("_")}
         if self.cfg.optim.max_grad_norm is not None:
             grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.optim.max_grad_norm)
             out["grad_norm"] = torch.as_tensor(grad_norm).detach()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            n = mask.sum().clamp_min(1)
-            log_ratio = (logp.detach() - mb.old_logp) * mask
-            out["approx_kl"] = ((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum() / n
-            for k, v in stats.items():
-                out[f"objective/{k}"] = (v * mask).sum() / n
+        n = sums["_count"].clamp_min(1)
+        out["approx_kl"] = sums["_approx_kl"] / n
+        for k, v in sums.items():
+            if k.startswith("_objective/"):
+                out[k[1:]] = v / n
         return {k: float(v) for k, v in out.items()}
 
     def _global_max(self, value: int) -> int:

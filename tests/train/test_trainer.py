@@ -193,3 +193,26 @@ def test_metrics_log_the_sampling_policys_entropy_per_decision(tmp_path):
     trainer = Trainer(toy_config("sequence"), tmp_path / "fresh")
     vocab = trainer.model.config.vocab_size
     assert len(rows) == 2 and all(0 < r["entropy"] <= math.log(vocab) + 1e-6 for r in rows)
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+def test_micro_batches_accumulate_to_the_same_update(tmp_path, aggregation):
+    """Gradient accumulation changes memory, not the update: the weights after two steps and
+    the logged statistics match those of whole minibatches."""
+    results = {}
+    for k in (1, 3):
+        cfg = env_config(total_steps=2, algo={"group_size": 4, "groups_per_step": 4, "ppo_epochs": 2, "num_minibatches": 2, "micro_batches": k, "aggregation": aggregation})
+        trainer = Trainer(cfg, tmp_path / f"run{k}")
+        calls = []
+        forward = trainer.model.forward
+        trainer.model.forward = lambda *a, **kw: calls.append(1) or forward(*a, **kw)
+        trainer.train()
+        assert len(calls) == 2 * 2 * 2 * k  # steps x epochs x minibatches x pieces
+        results[k] = ({n: p.detach().clone() for n, p in trainer.model.named_parameters()}, [r for r in read_metrics(tmp_path / f"run{k}") if "loss/policy" in r])
+    (w1, m1), (w3, m3) = results[1], results[3]
+    for name in w1:
+        torch.testing.assert_close(w3[name], w1[name], atol=1e-5, rtol=1e-4)
+    assert not torch.equal(w1["net.0.weight"], Trainer(env_config(), tmp_path / "fresh").model.net[0].weight)  # training moved it
+    for a, b in zip(m1, m3):
+        for key in ("loss/policy", "approx_kl", "objective/clipped", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
