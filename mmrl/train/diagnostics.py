@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from mmrl.train.trainer import Trainer, _kwargs_for
+from mmrl.train.trainer import Trainer
 
 
 def _module_of(name: str) -> str:
@@ -29,22 +29,17 @@ def _module_of(name: str) -> str:
 def batch_gradient(trainer: Trainer, step: int) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """One training batch (groups seeded as training step ``step``) and its loss gradient at
     ratio 1, per parameter; plus the batch's success/reward statistics."""
-    cfg = trainer.cfg.algo
     rollout = trainer.collect(step)
     adv, keep = trainer.advantages(rollout)
-    mask = trainer.train_mask(rollout, keep)
     device = trainer.accelerator.device
-    rollout, mask = rollout.to(device), mask.to(device)
+    sampled = rollout.mask
+    rollout = rollout.with_(mask=trainer.train_mask(rollout, keep)).to(device)
     adv = adv.to(device)
     adv = adv[:, None] if adv.dim() == 1 else adv
     model = trainer.model
     model.zero_grad(set_to_none=True)
-    logp = model(rollout.replay)
-    num_tokens = mask.sum().clamp(min=1.0)
-    extra = {"mask": mask, "prox_logp": logp.detach()}
-    per_decision, _ = trainer.objective_fn(logp, logp.detach(), adv, **_kwargs_for(trainer.objective_fn, cfg, **extra))
-    agg = _kwargs_for(trainer.aggregate_fn, cfg, num_tokens=num_tokens, num_seqs=float(rollout.batch_size), max_len=mask.shape[1])
-    trainer.aggregate_fn(per_decision, mask, **agg).backward()
+    loss, _, _, _ = trainer.policy_loss(rollout, adv, trainer.normalizers(rollout), at_sampling_weights=True)
+    loss.backward()
     grads = {n: p.grad.detach().flatten().cpu().clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     reward = trainer._combined_reward(rollout)
@@ -55,7 +50,7 @@ def batch_gradient(trainer: Trainer, step: int) -> tuple[dict[str, torch.Tensor]
     if "success" in rollout.info:
         stats["success"] = torch.as_tensor(rollout.info["success"], dtype=torch.float32).mean().item()
     if rollout.entropy is not None:
-        valid = rollout.mask.to(rollout.entropy.device)
+        valid = sampled.to(rollout.entropy.device)
         stats["entropy"] = ((rollout.entropy * valid).sum() / valid.sum().clamp(min=1)).item()
     return grads, stats
 

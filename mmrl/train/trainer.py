@@ -283,31 +283,47 @@ class Trainer:
                 count += 1
         return {k: v / max(count, 1) for k, v in totals.items()}
 
+    def normalizers(self, mb: Rollout) -> dict[str, Any]:
+        """The aggregation's normalizers for minibatch ``mb`` (token count, sequence count,
+        max length). Global: each process divides by (global count / processes), so DDP's
+        gradient average equals the single-process loss on the whole batch."""
+        cfg = self.cfg.algo
+        num_tokens = self.accelerator.reduce(mb.mask.sum().detach(), "sum") / self.world
+        max_len = cfg.max_len or self._global_max(mb.mask.shape[1])
+        return _kwargs_for(self.aggregate_fn, cfg, num_tokens=num_tokens, num_seqs=float(mb.batch_size), max_len=max_len)
+
+    def policy_loss(self, batch: Rollout, adv: torch.Tensor, agg: dict[str, Any], at_sampling_weights: bool = False):
+        """The training loss of ``batch`` (objective, aggregation with normalizers ``agg``,
+        KL term): (loss, logp, objective stats, detached loss parts for the metrics).
+        ``at_sampling_weights`` takes the current log-probs as the old (and proximal) ones,
+        i.e. every ratio is 1 — the gradient of a first PPO step."""
+        cfg = self.cfg.algo
+        mask = batch.mask
+        logp = self.model(batch.replay)
+        old = logp.detach() if at_sampling_weights else batch.old_logp
+        prox = logp.detach() if at_sampling_weights else batch.info.get("_prox_logp")
+        per_decision, stats = self.objective_fn(logp, old, adv, **_kwargs_for(self.objective_fn, cfg, mask=mask, prox_logp=prox))
+        loss = self.aggregate_fn(per_decision, mask, **agg)
+        parts = {"loss/policy": loss.detach()}
+        if cfg.kl_coef > 0 and not cfg.kl_in_reward:
+            kl = self.aggregate_fn(self.kl_fn(logp, batch.ref_logp), mask, **agg)
+            loss = loss + cfg.kl_coef * kl
+            parts["kl/ref"] = kl.detach()
+        return loss, logp, stats, parts
+
     def _minibatch_step(self, mb: Rollout, adv: torch.Tensor, step: int) -> dict[str, float]:
         """One optimizer step on minibatch ``mb``; with ``algo.micro_batches`` > 1 its
         forward/backward runs in pieces whose losses use the whole minibatch's normalizers,
         so the accumulated gradient is the minibatch's."""
         cfg = self.cfg.algo
-        # global normalizers: each process divides by (global count / processes), so DDP's
-        # gradient average equals the single-process loss on the whole batch
-        num_tokens = self.accelerator.reduce(mb.mask.sum().detach(), "sum") / self.world
-        max_len = cfg.max_len or self._global_max(mb.mask.shape[1])
-        agg = _kwargs_for(self.aggregate_fn, cfg, num_tokens=num_tokens, num_seqs=float(mb.batch_size), max_len=max_len)
+        agg = self.normalizers(mb)
         pieces = torch.arange(mb.batch_size).chunk(min(cfg.micro_batches, mb.batch_size))
         sums: dict[str, torch.Tensor] = {}
         for i, idx in enumerate(pieces):
             piece = mb if len(pieces) == 1 else mb[idx]
             piece_adv = adv if len(pieces) == 1 else adv[idx.to(adv.device)]
             mask = piece.mask
-            logp = self.model(piece.replay)
-            extra = {"mask": mask, "prox_logp": piece.info.get("_prox_logp")}
-            per_decision, stats = self.objective_fn(logp, piece.old_logp, piece_adv, **_kwargs_for(self.objective_fn, cfg, **extra))
-            loss = self.aggregate_fn(per_decision, mask, **agg)
-            parts = {"loss/policy": loss.detach()}
-            if cfg.kl_coef > 0 and not cfg.kl_in_reward:
-                kl = self.aggregate_fn(self.kl_fn(logp, piece.ref_logp), mask, **agg)
-                loss = loss + cfg.kl_coef * kl
-                parts["kl/ref"] = kl.detach()
+            loss, logp, stats, parts = self.policy_loss(piece, piece_adv, agg)
             if not torch.isfinite(loss):
                 raise NonFiniteError(f"step {step + 1}: loss ({cfg.objective}, {cfg.aggregation}) is {loss.item()}")
             if i + 1 < len(pieces):
