@@ -36,8 +36,10 @@ from mmrl.errors import ConfigError, NonFiniteError
 from mmrl.train.checkpoint import Checkpointer
 from mmrl.train.config import TrainConfig
 from mmrl.train.metrics import MetricsWriter
+from mmrl.train.replay import SelfImitationMemory
 
 _UPDATE_STREAM = 1 << 40  # group index reserved for the minibatch-shuffle seed of a step
+_REPLAY_STREAM = 1 << 41  # ... and for the draws from the self-imitation memory
 
 
 def _kwargs_for(fn, source, **extra) -> dict[str, Any]:
@@ -132,6 +134,8 @@ class Trainer:
         self.filters = [(registry.FILTERS.get(name), name) for name in algo.filters]
 
         self.demos = self._load_demos() if algo.type == "sft" else None
+        self.memory = SelfImitationMemory(algo.replay_size) if algo.replay_size and algo.type == "rl" else None
+        self._replay_gen: torch.Generator | None = None
         self.start_step = 0
         self.stop = StopRequest()
         if self.rank == 0:
@@ -270,6 +274,7 @@ class Trainer:
                 rollout.info["_prox_logp"] = self.model(rollout.replay).detach()
         B = rollout.batch_size
         gen = torch.Generator().manual_seed(group_seed(self.cfg.seed, step, _UPDATE_STREAM + self.rank))
+        self._replay_gen = torch.Generator().manual_seed(group_seed(self.cfg.seed, step, _REPLAY_STREAM + self.rank))
         totals: dict[str, float] = {}
         count = 0
         for _ in range(cfg.ppo_epochs):
@@ -319,6 +324,8 @@ class Trainer:
         agg = self.normalizers(mb)
         pieces = torch.arange(mb.batch_size).chunk(min(cfg.micro_batches, mb.batch_size))
         sums: dict[str, torch.Tensor] = {}
+        if self.memory is not None and len(self.memory):
+            sums["loss/replay"] = self._replay_backward(step)
         for i, idx in enumerate(pieces):
             piece = mb if len(pieces) == 1 else mb[idx]
             piece_adv = adv if len(pieces) == 1 else adv[idx.to(adv.device)]
@@ -351,6 +358,27 @@ class Trainer:
             if k.startswith("_objective/"):
                 out[k[1:]] = v / n
         return {k: float(v) for k, v in out.items()}
+
+    def _replay_backward(self, step: int) -> torch.Tensor:
+        """Backward of the self-imitation term ``replay_coef * -sum(A+ m logpi) / sum(m)``
+        over ``replay_batch`` samples drawn from the memory (in ``micro_batches`` pieces);
+        gradients accumulate into the minibatch's and are synchronized with its last piece."""
+        cfg = self.cfg.algo
+        batch, adv = self.memory.sample(cfg.replay_batch, self._replay_gen)
+        device = self.accelerator.device
+        batch, adv = batch.to(device), adv.to(device)
+        count = batch.mask.sum().clamp_min(1)
+        total = torch.zeros((), device=device)
+        for idx in torch.arange(batch.batch_size).chunk(min(cfg.micro_batches, batch.batch_size)):
+            piece = batch[idx]
+            logp = self.model(piece.replay)
+            loss = -(adv[idx.to(device)] * piece.mask * logp).sum() / count
+            if not torch.isfinite(loss):
+                raise NonFiniteError(f"step {step + 1}: self-imitation loss is {loss.item()}")
+            with self.accelerator.no_sync(self.model):
+                self.accelerator.backward(cfg.replay_coef * loss)
+            total = total + loss.detach()
+        return total
 
     def _global_max(self, value: int) -> int:
         if self.world == 1:
@@ -435,6 +463,9 @@ class Trainer:
                     adv, keep = self.advantages(rollout) if rollout.batch_size else (torch.zeros(0), torch.zeros(0, dtype=torch.bool))
                     rollout = rollout.with_(mask=self.train_mask(rollout, keep))
                     update_stats = self.update(rollout, adv, step) if rollout.mask.sum() > 0 else {}
+                    if self.memory is not None and rollout.batch_size:
+                        update_stats["replay/added"] = float(self.memory.add(rollout, adv))
+                        update_stats["replay/size"] = float(len(self.memory))
                     metrics = self._metrics(rollout, adv, update_stats, t_sample, time.time() - t0)
                 metrics["optim/lr"] = lr
                 done = step + 1
@@ -478,6 +509,8 @@ class Trainer:
         self.accelerator.wait_for_everyone()
         if self.rank == 0:
             state = {"sampler": self.sampler.state_dict()}
+            if self.memory is not None:
+                state["replay_memory"] = self.memory.state_dict()
             self.checkpointer.save(step, self.policy, self.optimizer.optimizer if hasattr(self.optimizer, "optimizer") else self.optimizer, state, self.config_text)
         self.accelerator.wait_for_everyone()
 
@@ -487,6 +520,8 @@ class Trainer:
         inner = self.optimizer.optimizer if hasattr(self.optimizer, "optimizer") else self.optimizer
         state = Checkpointer.load(path, self.policy, inner)
         self.sampler.load_state_dict(state.get("sampler", {}))
+        if self.memory is not None:
+            self.memory.load_state_dict(state.get("replay_memory", {}))
         set_rng_state(state["rng"])
         self.start_step = int(state["step"])
 
