@@ -148,13 +148,18 @@ class TabletopEnv(gymnasium.Env):
         render_size: int = 256,
         layout: str = "random",
         layout_noise: float = 0.03,
+        image_every: int = 1,
     ):
         """``task``: a task name, a family (spatial, object, goal), ``all``, or a list of
         these; ``image_size``: side of the observed images; ``cameras``: one camera name or a
         list (``top``, ``front``); ``render_size``: side of ``render()`` frames (all cameras
         side by side); ``layout``: the initial-state distribution, ``random`` (anywhere on the
         table) or ``nominal`` (each coordinate within ``layout_noise`` metres of one fixed
-        arrangement per scene, LIBERO-style); see :mod:`mmrl.envs.tabletop.tasks`."""
+        arrangement per scene, LIBERO-style); see :mod:`mmrl.envs.tabletop.tasks`;
+        ``image_every``: render the observed images only on every N-th control step since
+        the reset (and at the reset), repeating the last frame in between — set it to the
+        policy's action chunk when the policy looks only at the observation that starts each
+        chunk, and the env skips (N-1)/N of its rendering (state and instruction stay fresh)."""
         self.task_names = resolve_tasks(task, "env.kwargs.task")
         names = [cameras] if isinstance(cameras, str) else list(cameras)
         if not names or any(c not in CAMERAS for c in names):
@@ -167,6 +172,11 @@ class TabletopEnv(gymnasium.Env):
         if isinstance(layout_noise, bool) or not isinstance(layout_noise, (int, float)) or not 0.0 <= layout_noise <= 0.05:
             raise ConfigError("env.kwargs.layout_noise", layout_noise, "expected a number of metres in [0, 0.05]")
         self.layout, self.layout_noise = layout, float(layout_noise)
+        if not isinstance(image_every, int) or isinstance(image_every, bool) or not 1 <= image_every <= 1000:
+            raise ConfigError("env.kwargs.image_every", image_every, "expected an integer in [1, 1000] (control steps between rendered images)")
+        self.image_every = image_every
+        self._elapsed = 0
+        self._images: np.ndarray | None = None
         if render_mode not in (None, "rgb_array"):
             raise ConfigError("render_mode", render_mode, "expected null or 'rgb_array'")
         _import_mujoco()  # fail at make, not at the first reset, when the extra is missing
@@ -208,6 +218,7 @@ class TabletopEnv(gymnasium.Env):
         self._sim.reset(scene)
         self.target = self.task.target_of(scene.blocks)
         self.zone = scene.zone
+        self._elapsed = 0
         return self._observation(), {"success": False, "task": name}
 
     def step(self, action):
@@ -215,6 +226,7 @@ class TabletopEnv(gymnasium.Env):
             raise RuntimeError("call reset() before step()")
         command = np.clip(np.asarray(action, dtype=np.float64).reshape(2), -1.0, 1.0)
         self._sim.step(command * MAX_SPEED)
+        self._elapsed += 1
         success = self.task.success(self._sim.blocks(), self.target, self.zone)
         return self._observation(), float(success), success, False, {"success": success, "task": self.task.name}
 
@@ -233,7 +245,10 @@ class TabletopEnv(gymnasium.Env):
     # ------------------------------------------------------------------ observations and privileged state
 
     def _observation(self) -> dict:
-        images = self._sim.render(self.cameras, self.image_size, self.image_size)
+        if self._images is None or self._elapsed % self.image_every == 0:
+            images = self._images = self._sim.render(self.cameras, self.image_size, self.image_size)
+        else:
+            images = self._images.copy()  # every observation is its own array (gymnasium's contract)
         return {
             "image": images[0] if len(self.cameras) == 1 else images,
             "state": np.concatenate([self.pusher_position(), self.pusher_velocity()]).astype(np.float32),

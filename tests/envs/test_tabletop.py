@@ -194,6 +194,7 @@ def test_render_returns_a_larger_frame_of_every_camera():
         ({"image_size": 0}, "env.kwargs.image_size"),
         ({"layout": "grid"}, "env.kwargs.layout"),
         ({"layout": "nominal", "layout_noise": 0.2}, "env.kwargs.layout_noise"),
+        ({"image_every": 0}, "env.kwargs.image_every"),
     ],
 )
 def test_bad_kwargs_are_config_errors_naming_the_field(kwargs, field):
@@ -319,3 +320,65 @@ def test_exit_without_close_is_quiet():
     code = "import gymnasium, mmrl.envs\nenv = gymnasium.make('mmrl/Tabletop-v0', render_mode='rgb_array')\nenv.reset(seed=0)\nenv.render()\n"
     proc = _subprocess(code, {"MUJOCO_GL": "egl"})
     assert proc.returncode == 0 and "Exception ignored" not in proc.stderr, proc.stderr
+
+
+def test_image_every_renders_on_chunk_starts_and_repeats_the_frame_in_between():
+    """``image_every: N`` renders at the reset and every N-th step; in between the last
+    frame repeats while the state stays fresh — the frames a chunked policy looks at are
+    those of an env rendering every step."""
+    every, sparse = gymnasium.make(ID, task="object_red", image_size=32), gymnasium.make(ID, task="object_red", image_size=32, image_every=3)
+    a, _ = every.reset(seed=5)
+    b, _ = sparse.reset(seed=5)
+    assert np.array_equal(a["image"], b["image"])
+    last = b["image"].copy()
+    rng = np.random.default_rng(0)
+    for t in range(1, 10):
+        action = rng.uniform(-1, 1, 2).astype(np.float32)
+        a, *_ = every.step(action)
+        b, *_ = sparse.step(action)
+        assert np.array_equal(a["state"], b["state"])
+        if t % 3 == 0:
+            assert np.array_equal(a["image"], b["image"]), t
+            last = b["image"].copy()
+        else:
+            assert np.array_equal(b["image"], last), t
+    every.close()
+    sparse.close()
+
+
+def test_a_chunked_policy_samples_the_same_rollout_with_image_every_set_to_its_chunk():
+    pytest.importorskip("transformers")
+    import torch
+
+    from mmrl.config import from_dict
+    from mmrl.core.policy import build_policy
+    from mmrl.samplers.env import EnvSampler
+    from mmrl.train.config import TrainConfig
+
+    rollouts = []
+    for every in (1, 3):
+        cfg = from_dict(TrainConfig, {
+            "name": "t", "env": {"type": "gym", "id": ID, "num_envs": 4, "max_episode_steps": 9, "kwargs": {"task": "object", "image_size": 24, "image_every": every}},
+            "sampler": {"type": "env"}, "rewards": [{"type": "success"}],
+            "policy": {"type": "token_vla", "action_chunk": 3, "backbone": {"hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "vision_channels": [8, 8]}},
+            "log": {"progress": False, "tensorboard": False},
+        })
+        sampler = EnvSampler(cfg.sampler, cfg)
+        torch.manual_seed(0)
+        policy = build_policy(cfg.policy, sampler.policy_spec())
+        rollouts.append(sampler.collect(policy, num_groups=2, group_size=2, step=0))
+        sampler.close()
+    dense, sparse = rollouts
+    torch.testing.assert_close(sparse.old_logp, dense.old_logp)
+
+    def leaves(tree, prefix=""):
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                yield from leaves(value, prefix + key + ".")
+            elif isinstance(value, torch.Tensor):
+                yield prefix + key, value
+
+    dense_leaves, sparse_leaves = dict(leaves(dense.replay)), dict(leaves(sparse.replay))
+    assert any(v.dtype == torch.uint8 for v in dense_leaves.values())  # the images are in the replay
+    for key, value in dense_leaves.items():
+        assert torch.equal(sparse_leaves[key], value), key
