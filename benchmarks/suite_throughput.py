@@ -10,6 +10,10 @@
     workers, observations through pipes since they hold a Text instruction), stepped with
     the same random actions: env steps/s of each and async/sync.
 
+(c) EnvSampler with the env's ``image_every`` set to the policy's action chunk (images
+    rendered only where a chunk starts, identical rollouts) vs rendering every step, the
+    same policy and seeds: env steps/s of each and the speed-up.
+
 Rounds of both variants alternate and the medians are reported (the machine is shared).
 
     .venv/bin/python benchmarks/suite_throughput.py                          # task family "object", 16 envs
@@ -82,8 +86,8 @@ def hand_loop(env, policy, seeds, low, high) -> int:
     return steps
 
 
-def train_config(args, num_envs: int, vectorization: str = "sync") -> TrainConfig:
-    kwargs = {"task": args.task, "image_size": args.image_size, "cameras": args.cameras if len(args.cameras) > 1 else args.cameras[0]}
+def train_config(args, num_envs: int, vectorization: str = "sync", image_every: int = 1) -> TrainConfig:
+    kwargs = {"task": args.task, "image_size": args.image_size, "cameras": args.cameras if len(args.cameras) > 1 else args.cameras[0], "image_every": image_every}
     return from_dict(
         TrainConfig,
         {
@@ -106,6 +110,34 @@ def sampler_vs_hand(args) -> tuple[float, float]:
     rates = interleaved_rates(sampler, policy, hand_loop, args.num_envs // args.group_size, args.group_size, args.rounds)
     sampler.close()
     return rates
+
+
+def image_every_vs_dense(args) -> tuple[float, float]:
+    """Median env steps/s of EnvSampler.collect with ``image_every`` = the chunk and = 1."""
+    chunk = TOKEN_VLA["action_chunk"]
+    samplers = {}
+    for every in (chunk, 1):
+        cfg = train_config(args, args.num_envs, image_every=every)
+        samplers[every] = SAMPLERS.get("env")(cfg.sampler, cfg)
+    spec = samplers[1].policy_spec()
+    torch.manual_seed(0)
+    policy = build_policy(train_config(args, args.num_envs).policy, spec) if args.policy == "token_vla" else UniformChunkPolicy(spec, chunk)
+    groups = args.num_envs // args.group_size
+
+    def rate(sampler, step):
+        before, t0 = sampler.env_steps, time.perf_counter()
+        with torch.no_grad():
+            sampler.collect(policy, groups, args.group_size, step)
+        return (sampler.env_steps - before) / (time.perf_counter() - t0)
+
+    rate(samplers[chunk], 0), rate(samplers[1], 0)  # warm-up
+    rates = {chunk: [], 1: []}
+    for r in range(args.rounds):
+        for every in (chunk, 1):
+            rates[every].append(rate(samplers[every], r + 1))
+    for sampler in samplers.values():
+        sampler.close()
+    return statistics.median(rates[chunk]), statistics.median(rates[1])
 
 
 def sync_vs_async(args) -> tuple[float, float, float]:
@@ -154,16 +186,20 @@ def main():
     print(setting)
     s, h = sampler_vs_hand(args)
     sync, asyn, startup = sync_vs_async(args)
+    sparse, dense = image_every_vs_dense(args)
     rows = [
         (f"(a) EnvSampler, {args.policy} policy", args.num_envs, "sync", s),
         (f"(a) by hand, {args.policy} policy", args.num_envs, "sync", h),
         ("(b) random actions", args.vec_envs, "sync", sync),
         ("(b) random actions", args.vec_envs, "async", asyn),
+        (f"(c) EnvSampler, image_every={TOKEN_VLA['action_chunk']}", args.num_envs, "sync", sparse),
+        ("(c) EnvSampler, image_every=1", args.num_envs, "sync", dense),
     ]
     print(f"{'variant':<38} {'envs':>5} {'vector':>7} {'env steps/s':>12}")
     for name, n, kind, rate in rows:
         print(f"{name:<38} {n:>5} {kind:>7} {rate:>12.0f}")
     print(f"ratio EnvSampler/hand: {s / h:.3f}  (target >= 0.9)")
+    print(f"ratio image_every=chunk / every step: {sparse / dense:.3f}")
     print(f"ratio async/sync: {asyn / sync:.3f}  (async start-up {startup:.1f} s; {args.vec_envs} spawn workers on {torch.multiprocessing.cpu_count()} CPUs)")
 
 
