@@ -87,10 +87,10 @@ class AlgoConfig:
     ppo_epochs: int = option(1, "passes over each rollout", ge=1)
     num_minibatches: int = option(1, "minibatches per epoch (whole groups are never split across processes)", ge=1)
     replay_size: int = option(
-        0, "self-imitation memory (SIL, Oh et al. 2018): keep up to this many positive-advantage samples of past steps and add replay_coef * (-A+ logpi) over replay_batch of them to every optimizer step (0 = off)", ge=0
+        0, "self-imitation (SIL, Oh et al. 2018): keep up to this many positive-advantage samples of past steps and, after each update, take replay_steps optimizer steps of -A+ logpi on replay_batch of them (0 = off)", ge=0
     )
-    replay_coef: float = option(1.0, "weight of the self-imitation term", ge=0)
-    replay_batch: int = option(64, "replayed samples per optimizer step", ge=1)
+    replay_steps: int = option(4, "self-imitation optimizer steps after each update", ge=1)
+    replay_batch: int = option(64, "samples drawn from the memory per self-imitation step", ge=1)
     micro_batches: int = option(1, "gradient accumulation: each minibatch's forward/backward runs in this many pieces before its one optimizer step (same update, less memory)", ge=1)
 
     def validate(self, path: str) -> None:

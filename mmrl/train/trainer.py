@@ -135,7 +135,6 @@ class Trainer:
 
         self.demos = self._load_demos() if algo.type == "sft" else None
         self.memory = SelfImitationMemory(algo.replay_size) if algo.replay_size and algo.type == "rl" else None
-        self._replay_gen: torch.Generator | None = None
         self.start_step = 0
         self.stop = StopRequest()
         if self.rank == 0:
@@ -274,7 +273,6 @@ class Trainer:
                 rollout.info["_prox_logp"] = self.model(rollout.replay).detach()
         B = rollout.batch_size
         gen = torch.Generator().manual_seed(group_seed(self.cfg.seed, step, _UPDATE_STREAM + self.rank))
-        self._replay_gen = torch.Generator().manual_seed(group_seed(self.cfg.seed, step, _REPLAY_STREAM + self.rank))
         totals: dict[str, float] = {}
         count = 0
         for _ in range(cfg.ppo_epochs):
@@ -324,8 +322,6 @@ class Trainer:
         agg = self.normalizers(mb)
         pieces = torch.arange(mb.batch_size).chunk(min(cfg.micro_batches, mb.batch_size))
         sums: dict[str, torch.Tensor] = {}
-        if self.memory is not None and len(self.memory):
-            sums["loss/replay"] = self._replay_backward(step)
         for i, idx in enumerate(pieces):
             piece = mb if len(pieces) == 1 else mb[idx]
             piece_adv = adv if len(pieces) == 1 else adv[idx.to(adv.device)]
@@ -359,26 +355,37 @@ class Trainer:
                 out[k[1:]] = v / n
         return {k: float(v) for k, v in out.items()}
 
-    def _replay_backward(self, step: int) -> torch.Tensor:
-        """Backward of the self-imitation term ``replay_coef * -sum(A+ m logpi) / sum(m)``
-        over ``replay_batch`` samples drawn from the memory (in ``micro_batches`` pieces);
-        gradients accumulate into the minibatch's and are synchronized with its last piece."""
+    def self_imitation(self, step: int) -> dict[str, float]:
+        """``algo.replay_steps`` optimizer steps of the self-imitation loss
+        ``-sum(A+ m logpi) / sum(m)`` over ``replay_batch`` samples drawn from the memory
+        each (forward/backward in ``micro_batches`` pieces); returns the mean loss."""
         cfg = self.cfg.algo
-        batch, adv = self.memory.sample(cfg.replay_batch, self._replay_gen)
         device = self.accelerator.device
-        batch, adv = batch.to(device), adv.to(device)
-        count = batch.mask.sum().clamp_min(1)
-        total = torch.zeros((), device=device)
-        for idx in torch.arange(batch.batch_size).chunk(min(cfg.micro_batches, batch.batch_size)):
-            piece = batch[idx]
-            logp = self.model(piece.replay)
-            loss = -(adv[idx.to(device)] * piece.mask * logp).sum() / count
-            if not torch.isfinite(loss):
-                raise NonFiniteError(f"step {step + 1}: self-imitation loss is {loss.item()}")
-            with self.accelerator.no_sync(self.model):
-                self.accelerator.backward(cfg.replay_coef * loss)
-            total = total + loss.detach()
-        return total
+        gen = torch.Generator().manual_seed(group_seed(self.cfg.seed, step, _REPLAY_STREAM + self.rank))
+        losses = []
+        for _ in range(cfg.replay_steps):
+            batch, adv = self.memory.sample(cfg.replay_batch, gen)
+            batch, adv = batch.to(device), adv.to(device)
+            count = self.accelerator.reduce(batch.mask.sum(), "sum").clamp_min(1) / self.world
+            pieces = torch.arange(batch.batch_size).chunk(min(cfg.micro_batches, batch.batch_size))
+            total = torch.zeros((), device=device)
+            for i, idx in enumerate(pieces):
+                piece = batch[idx]
+                loss = -(adv[idx.to(device)] * piece.mask * self.model(piece.replay)).sum() / count
+                if not torch.isfinite(loss):
+                    raise NonFiniteError(f"step {step + 1}: self-imitation loss is {loss.item()}")
+                if i + 1 < len(pieces):
+                    with self.accelerator.no_sync(self.model):
+                        self.accelerator.backward(loss)
+                else:
+                    self.accelerator.backward(loss)
+                total = total + loss.detach()
+            if self.cfg.optim.max_grad_norm is not None:
+                self.accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.optim.max_grad_norm)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            losses.append(float(total))
+        return {"loss/replay": sum(losses) / len(losses)}
 
     def _global_max(self, value: int) -> int:
         if self.world == 1:
@@ -466,6 +473,8 @@ class Trainer:
                     if self.memory is not None and rollout.batch_size:
                         update_stats["replay/added"] = float(self.memory.add(rollout, adv))
                         update_stats["replay/size"] = float(len(self.memory))
+                        if len(self.memory):
+                            update_stats.update(self.self_imitation(step))
                     metrics = self._metrics(rollout, adv, update_stats, t_sample, time.time() - t0)
                 metrics["optim/lr"] = lr
                 done = step + 1
