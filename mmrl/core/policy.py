@@ -46,6 +46,13 @@ class PolicyModule(nn.Module):
         units and "action_mask" [B, C]."""
         raise NotImplementedError(f"{type(self).__name__} has no sft_loss (behaviour cloning)")
 
+    def imitation_batch(self, replay: dict[str, Any]) -> dict[str, Any]:
+        """The decisions of a replay ([N, T, ...] tensors) as a ``sft_loss`` batch of N·T
+        samples: their observations and the action chunks that were executed (env units),
+        so that the policy's own behaviour can be imitated with its supervised loss
+        (``algo.replay_loss: sft``). Only reshapes and decodes: it touches no parameter."""
+        raise NotImplementedError(f"{type(self).__name__} cannot turn its replay into a sft_loss batch (algo.replay_loss: sft)")
+
     def forward(self, replay: dict[str, Any], mode: str = "log_prob") -> Tensor:
         # the distributed wrapper syncs gradients of what goes through forward: both the RL
         # pass (log_prob) and supervised fine-tuning (sft) do

@@ -91,6 +91,9 @@ class AlgoConfig:
     )
     replay_steps: int = option(4, "self-imitation optimizer steps after each update", ge=1)
     replay_batch: int = option(64, "samples drawn from the memory per self-imitation step", ge=1)
+    replay_loss: Literal["logp", "sft"] = option(
+        "logp", "self-imitation loss: -A+ logpi of the replayed decisions, or the policy's own supervised loss (flow matching, token cross-entropy) on the executed actions, weighted by A+"
+    )
     micro_batches: int = option(1, "gradient accumulation: each minibatch's forward/backward runs in this many pieces before its one optimizer step (same update, less memory)", ge=1)
 
     def validate(self, path: str) -> None:

@@ -29,7 +29,7 @@ from mmrl import registry
 from mmrl.algo import advantage as adv_mod
 from mmrl.algo.masks import top_entropy_mask, truncation_mask
 from mmrl.config import to_dict
-from mmrl.core.policy import build_policy
+from mmrl.core.policy import PolicyModule, build_policy
 from mmrl.core.rollout import Rollout
 from mmrl.core.sampler import group_seed
 from mmrl.errors import ConfigError, NonFiniteError
@@ -117,6 +117,8 @@ class Trainer:
         if algo.kl_coef > 0:
             self.reference = policy.reference() or copy.deepcopy(policy)
             self.reference.requires_grad_(False).eval()
+        if algo.replay_size and algo.replay_loss == "sft" and type(policy).imitation_batch is PolicyModule.imitation_batch:
+            raise ConfigError("algo.replay_loss", "sft", f"policy {cfg.policy.type!r} cannot turn its replay into a supervised batch; use replay_loss: logp")
         _freeze(policy, cfg.optim.frozen)
         optimizer = torch.optim.AdamW(
             [p for p in policy.parameters() if p.requires_grad], lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.adam_eps, weight_decay=cfg.optim.weight_decay
@@ -356,9 +358,12 @@ class Trainer:
         return {k: float(v) for k, v in out.items()}
 
     def self_imitation(self, step: int) -> dict[str, float]:
-        """``algo.replay_steps`` optimizer steps of the self-imitation loss
-        ``-sum(A+ m logpi) / sum(m)`` over ``replay_batch`` samples drawn from the memory
-        each (forward/backward in ``micro_batches`` pieces); returns the mean loss."""
+        """``algo.replay_steps`` optimizer steps of the self-imitation loss over
+        ``replay_batch`` samples drawn from the memory each (forward/backward in
+        ``micro_batches`` pieces); returns the mean loss. ``replay_loss: logp``:
+        ``-sum(A+ m logpi) / sum(m)``; ``sft``: the policy's supervised loss on the executed
+        action chunks of the decisions with A+ > 0, each weighted by its A+ (a weighted mean,
+        ``sum(A+ l) / sum(A+)``)."""
         cfg = self.cfg.algo
         device = self.accelerator.device
         gen = torch.Generator().manual_seed(group_seed(self.cfg.seed, step, _REPLAY_STREAM + self.rank))
@@ -366,12 +371,19 @@ class Trainer:
         for _ in range(cfg.replay_steps):
             batch, adv = self.memory.sample(cfg.replay_batch, gen)
             batch, adv = batch.to(device), adv.to(device)
-            count = self.accelerator.reduce(batch.mask.sum(), "sum").clamp_min(1) / self.world
+            if cfg.replay_loss == "sft":
+                weight = adv * batch.mask
+                count = self.accelerator.reduce(weight.sum(), "sum").clamp_min(1e-8) / self.world
+            else:
+                count = self.accelerator.reduce(batch.mask.sum(), "sum").clamp_min(1) / self.world
             pieces = torch.arange(batch.batch_size).chunk(min(cfg.micro_batches, batch.batch_size))
             total = torch.zeros((), device=device)
             for i, idx in enumerate(pieces):
                 piece = batch[idx]
-                loss = -(adv[idx.to(device)] * piece.mask * self.model(piece.replay)).sum() / count
+                if cfg.replay_loss == "sft":
+                    loss = self._imitation_loss(piece.replay, weight[idx.to(device)], count)
+                else:
+                    loss = -(adv[idx.to(device)] * piece.mask * self.model(piece.replay)).sum() / count
                 if not torch.isfinite(loss):
                     raise NonFiniteError(f"step {step + 1}: self-imitation loss is {loss.item()}")
                 if i + 1 < len(pieces):
@@ -386,6 +398,20 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             losses.append(float(total))
         return {"loss/replay": sum(losses) / len(losses)}
+
+    def _imitation_loss(self, replay: dict, weight: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        """``sum(w l) / count`` over the decisions with weight w > 0, l the policy's
+        supervised loss of one decision's executed chunk (``policy.imitation_batch``)."""
+        flat = self.policy.imitation_batch(replay)
+        w = weight.reshape(-1)
+        rows = (w > 0).nonzero().squeeze(1)
+        if rows.numel() == 0:  # keep every process's backward in step (DDP)
+            return 0.0 * sum(p.sum() for p in self.model.parameters() if p.requires_grad)
+        sub = {k: ([v[i] for i in rows.tolist()] if isinstance(v, list) else v[rows.to(v.device)]) for k, v in flat.items()}
+        chunk = sub["actions"].shape[1]
+        sub["action_mask"] = w[rows][:, None].expand(-1, chunk)
+        # sft_loss is the weighted mean sum(w l) / sum(w) over these rows; rescale to count
+        return self.model(sub, mode="sft") * (w[rows].sum() / count)
 
     def _global_max(self, value: int) -> int:
         if self.world == 1:

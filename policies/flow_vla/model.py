@@ -301,6 +301,15 @@ class FlowVLAPolicy(PolicyModule):
         error = (v - (eps - x0)).square().mean(-1)
         return (error * action_mask).sum() / action_mask.sum().clamp(min=1.0)
 
+    def imitation_batch(self, replay: dict) -> dict:
+        """The N·T replayed chunks as a ``sft_loss`` batch: observations and the executed
+        actions (the chain's final latent clipped to [−1, 1], in env units), so a chunk is
+        imitated with the flow-matching loss rather than through its chain's likelihood."""
+        flat = {key: replay[key].flatten(0, 1) for key in _OBS_KEYS if key in replay}
+        final = replay["chain"][:, :, -1].flatten(0, 1).to(self.action_center.device)
+        flat["actions"] = self.action_center + self.action_half_range * final.clamp(-1.0, 1.0)
+        return flat
+
     # ------------------------------------------------------------------ files
 
     def save_extra(self, directory) -> None:

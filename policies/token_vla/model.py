@@ -187,6 +187,15 @@ class TokenVLAPolicy(PolicyModule):
         weight = action_mask.to(ce.device, ce.dtype).repeat_interleave(self.action_dim, dim=1)
         return (ce * weight).sum() / weight.sum().clamp(min=1.0)
 
+    def imitation_batch(self, replay: dict) -> dict:
+        """The N·T replayed chunks as a ``sft_loss`` batch: observations and the actions the
+        sampled tokens decode to (bin centres, so ``sft_loss`` bins them back to the same
+        tokens)."""
+        tokens = replay["action_tokens"]
+        flat = {k: v.flatten(0, 1) for k, v in replay.items() if k != "action_tokens"}
+        flat["actions"] = self.tokens_to_actions(tokens.flatten(0, 1).to(self.action_center.device))
+        return flat
+
     def save_extra(self, directory) -> None:
         self.tokenizer.save(directory)
 

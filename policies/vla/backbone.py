@@ -269,7 +269,8 @@ class VLABackbone(nn.Module):
 def encode_observations(backbone: VLABackbone, tokenizer, inputs, device, max_words: int) -> dict[str, Tensor]:
     """A VLA policy's tensors for a batch of observations (what replay stores, without the
     decision dim): uint8 image, float state, instruction token ids and mask. ``inputs`` is
-    a dict with the keys the env has, or a state tensor for a flat-observation env."""
+    a dict with the keys the env has (instruction strings, or the "instruction_ids" and
+    "instruction_mask" of a replay), or a state tensor for a flat-observation env."""
     if isinstance(inputs, Tensor):  # a flat-observation env: the observation is the state
         inputs = {"state": inputs}
     obs: dict[str, Tensor] = {}
@@ -280,6 +281,10 @@ def encode_observations(backbone: VLABackbone, tokenizer, inputs, device, max_wo
     if backbone.state_dim > 0:
         obs["state"] = inputs["state"].to(device, torch.float32)
         n = obs["state"].shape[0]
+    if "instruction_ids" in inputs:  # already encoded (a replay's observations)
+        obs["instruction_ids"] = inputs["instruction_ids"].to(device)
+        obs["instruction_mask"] = inputs["instruction_mask"].to(device)
+        return obs
     texts = inputs.get("instruction")
     if texts is None:
         if n is None:

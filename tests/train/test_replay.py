@@ -1,4 +1,7 @@
 import io
+import math
+
+import pytest
 
 import torch
 from safetensors.torch import load_file
@@ -89,3 +92,87 @@ def test_a_run_with_self_imitation_logs_its_memory_and_resumes_exactly(tmp_path)
     wa = load_file(str(tmp_path / "full/checkpoints/step_00000006/model.safetensors"))
     wb = load_file(str(tmp_path / "part/checkpoints/step_00000006/model.safetensors"))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+TINY_VLA = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64, "vision_channels": [8, 8], "max_instruction_tokens": 6}
+VLA_POLICIES = {
+    "flow_vla": {"type": "flow_vla", "backbone": TINY_VLA, "action_chunk": 2, "num_denoising_steps": 3, "expert_layers": 1, "expert_heads": 2},
+    "token_vla": {"type": "token_vla", "backbone": TINY_VLA, "action_chunk": 2, "action_bins": 16},
+}
+
+
+def _vla_trainer(tmp_path, policy: str, **algo):
+    from mmrl.config import from_dict
+    from mmrl.train.config import TrainConfig
+    from tests.conftest import point_reach_config
+
+    data = point_reach_config(
+        env={"num_envs": 8, "kwargs": {"max_steps": 8, "min_steps": 3}},
+        algo={"group_size": 4, "groups_per_step": 2, "replay_size": 64, "replay_batch": 16, "replay_loss": "sft", **algo},
+        optim={"lr": 0.003},
+    )
+    data["policy"] = VLA_POLICIES[policy]
+    return Trainer(from_dict(TrainConfig, data), tmp_path / policy)
+
+
+@pytest.mark.parametrize("policy", sorted(VLA_POLICIES))
+def test_imitation_batch_holds_the_executed_actions_of_every_replayed_decision(tmp_path, policy):
+    trainer = _vla_trainer(tmp_path, policy)
+    model = trainer.policy
+    obs = trainer.sampler.observation(trainer.sampler.env.reset(seed=[0] * 8)[0], "cpu")
+    sample = model.sample(obs, torch.Generator().manual_seed(0))
+    flat = model.imitation_batch(sample.replay)
+    executed = sample.output  # what the env sampler clips to the bounds and steps
+    torch.testing.assert_close(flat["actions"], executed)
+    assert flat["actions"].shape[0] == flat["instruction_ids"].shape[0] == 8
+    assert torch.isfinite(model.sft_loss(flat))
+    trainer.sampler.close()
+
+
+@pytest.mark.parametrize("policy", sorted(VLA_POLICIES))
+def test_sft_self_imitation_fits_the_remembered_actions_and_ignores_zero_weights(tmp_path, policy):
+    """replay_loss: sft is the policy's supervised loss on the remembered decisions with
+    A+ > 0, A+-weighted; its steps lower that loss on the memory."""
+    trainer = _vla_trainer(tmp_path, policy, replay_steps=20)
+    rollout = trainer.collect(0)
+    adv, keep = trainer.advantages(rollout)
+    rollout = rollout.with_(mask=trainer.train_mask(rollout, keep))
+    assert trainer.memory.add(rollout, adv) > 0
+    mem = trainer.memory
+    weight = mem.adv * mem.data.mask
+
+    def memory_loss() -> float:
+        torch.manual_seed(123)  # the same flow-matching noise every time
+        with torch.no_grad():
+            return float(trainer._imitation_loss(mem.data.replay, weight, weight.sum()))
+
+    # a weighted mean: doubling every weight changes nothing; zero-weight decisions do not count
+    torch.manual_seed(123)
+    with torch.no_grad():
+        doubled = float(trainer._imitation_loss(mem.data.replay, 2 * weight, 2 * weight.sum()))
+    assert doubled == pytest.approx(memory_loss(), rel=1e-5)
+    # the actions of decisions without a positive advantage (padding, the failures' and
+    # zero-advantage decisions) do not count
+    replay = dict(mem.data.replay)
+    key = "action_tokens" if policy == "token_vla" else "chain"
+    zero = (weight == 0).reshape(*weight.shape, *[1] * (replay[key].dim() - 2))
+    scrambled = torch.randint_like(replay[key], 0, 16) if policy == "token_vla" else torch.randn_like(replay[key])
+    replay[key] = torch.where(zero, scrambled, replay[key])
+    torch.manual_seed(123)
+    with torch.no_grad():
+        assert float(trainer._imitation_loss(replay, weight, weight.sum())) == pytest.approx(memory_loss(), rel=1e-5)
+    assert (weight == 0).any() and (weight > 0).any()
+
+    before = memory_loss()
+    stats = trainer.self_imitation(step=0)
+    assert math.isfinite(stats["loss/replay"])
+    assert memory_loss() < 0.8 * before, (before, memory_loss())
+    trainer.sampler.close()
+
+
+def test_sft_replay_loss_needs_a_policy_with_an_imitation_batch(tmp_path):
+    from mmrl.errors import ConfigError
+
+    cfg = env_config(algo={"replay_size": 8, "replay_loss": "sft"})
+    with pytest.raises(ConfigError, match="algo.replay_loss"):
+        Trainer(cfg, tmp_path / "run")
