@@ -102,6 +102,10 @@ def test_builtin_suites_cover_the_families():
         assert suite.tasks == family_tasks(family) and suite.episodes_per_task >= 1 and suite.seeds
         assert suite.env_section()["kwargs"]["task"] == suite.tasks
     assert load_suite("tabletop_all").tasks == list(TASKS)
+    for family in ("spatial", "object"):  # LIBERO-style initial states around one arrangement
+        suite = load_suite(f"tabletop_{family}_nominal")
+        assert suite.tasks == family_tasks(family)
+        assert suite.env_section()["kwargs"]["layout"] == "nominal"
 
 
 def test_a_user_written_suite_yaml_works_without_code(tmp_path, capsys):
