@@ -1,0 +1,81 @@
+"""How fragile are a tabletop family's pushes? Open-loop replays of perturbed expert actions.
+
+For each task of a family, the scripted expert solves ``--episodes`` initial states; each
+solution's actions are then replayed open-loop from the same state (plus ``--extra`` steps
+repeating the last action), after a perturbation: binning to ``--bins`` bin centres (what a
+token VLA can emit) or Gaussian noise of each ``--noise`` std (in action units, 1 = 0.4 m/s).
+Success of the replays says how much precision a policy needs: a family whose replays
+survive small perturbations leaves room for an imitation policy's small errors, one whose
+replays fail needs closed-loop correction from the images (benchmarks/RESULTS.md).
+
+    .venv/bin/python benchmarks/tabletop_sensitivity.py --family object --layout nominal
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import gymnasium
+import numpy as np
+
+import mmrl.envs  # noqa: F401  (registers mmrl/Tabletop-v0)
+from mmrl.envs.tabletop.expert import expert_action
+from mmrl.envs.tabletop.tasks import family_tasks
+
+
+def expert_solutions(env, tasks: list[str], episodes: int, max_steps: int) -> list[tuple[str, int, np.ndarray]]:
+    out = []
+    for task in tasks:
+        for seed in range(episodes):
+            env.reset(seed=seed, options={"task": task})
+            actions = []
+            for _ in range(max_steps):
+                action = expert_action(env.unwrapped)
+                actions.append(action)
+                _, _, terminated, truncated, _ = env.step(action)
+                if terminated or truncated:
+                    break
+            if terminated:
+                out.append((task, seed, np.asarray(actions, dtype=np.float32)))
+    return out
+
+
+def replay_success(env, solutions, perturb, extra: int) -> float:
+    successes = 0
+    for task, seed, actions in solutions:
+        env.reset(seed=seed, options={"task": task})
+        for action in list(actions) + [actions[-1]] * extra:
+            _, _, terminated, truncated, _ = env.step(perturb(action))
+            if terminated or truncated:
+                break
+        successes += bool(terminated)
+    return successes / max(len(solutions), 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--family", default="object", choices=("spatial", "object", "goal"))
+    parser.add_argument("--layout", default="nominal", choices=("nominal", "random"))
+    parser.add_argument("--episodes", type=int, default=20, help="initial states per task")
+    parser.add_argument("--bins", type=int, default=32)
+    parser.add_argument("--noise", type=float, nargs="*", default=[0.05, 0.15])
+    parser.add_argument("--extra", type=int, default=10, help="steps of the last action after the solution's end")
+    args = parser.parse_args()
+
+    env = gymnasium.make("mmrl/Tabletop-v0", task=args.family, image_size=16, cameras="top", layout=args.layout)
+    solutions = expert_solutions(env, family_tasks(args.family), args.episodes, max_steps=60)
+    total = len(family_tasks(args.family)) * args.episodes
+    lengths = [len(a) for _, _, a in solutions]
+    print(f"{args.family} ({args.layout}): expert solved {len(solutions)}/{total}, mean length {np.mean(lengths):.1f} steps")
+    rng = np.random.default_rng(0)
+    bins = args.bins
+    perturbations = {f"{bins} bins": lambda a: -1 + (2 * np.clip(np.floor((a + 1) / 2 * bins), 0, bins - 1) + 1) / bins}
+    for std in args.noise:
+        perturbations[f"noise {std}"] = lambda a, std=std: np.clip(a + rng.normal(0.0, std, a.shape), -1.0, 1.0).astype(np.float32)
+    for name, perturb in perturbations.items():
+        print(f"  open-loop replay, {name:12s} success {replay_success(env, solutions, perturb, args.extra):.3f}")
+    env.close()
+
+
+if __name__ == "__main__":
+    main()
