@@ -117,7 +117,7 @@ class Trainer:
         if algo.kl_coef > 0:
             self.reference = policy.reference() or copy.deepcopy(policy)
             self.reference.requires_grad_(False).eval()
-        if algo.replay_size and algo.replay_loss == "sft" and type(policy).imitation_batch is PolicyModule.imitation_batch:
+        if algo.replay_size and algo.replay_loss == "sft" and getattr(type(policy), "imitation_batch", None) in (None, PolicyModule.imitation_batch):
             raise ConfigError("algo.replay_loss", "sft", f"policy {cfg.policy.type!r} cannot turn its replay into a supervised batch; use replay_loss: logp")
         _freeze(policy, cfg.optim.frozen)
         optimizer = torch.optim.AdamW(
@@ -408,10 +408,12 @@ class Trainer:
         if rows.numel() == 0:  # keep every process's backward in step (DDP)
             return 0.0 * sum(p.sum() for p in self.model.parameters() if p.requires_grad)
         sub = {k: ([v[i] for i in rows.tolist()] if isinstance(v, list) else v[rows.to(v.device)]) for k, v in flat.items()}
-        chunk = sub["actions"].shape[1]
-        sub["action_mask"] = w[rows][:, None].expand(-1, chunk)
-        # sft_loss is the weighted mean sum(w l) / sum(w) over these rows; rescale to count
-        return self.model(sub, mode="sft") * (w[rows].sum() / count)
+        kept = w[rows]
+        # sft_loss is the mean over its action_mask; weights scaled to a mean of 1 make it the
+        # weighted mean sum(w l) / sum(w) (a mask summing below 1 would be clamped), then
+        # rescale to ``count``
+        sub["action_mask"] = (kept / kept.mean())[:, None].expand(-1, sub["actions"].shape[1])
+        return self.model(sub, mode="sft") * (kept.sum() / count)
 
     def _global_max(self, value: int) -> int:
         if self.world == 1:
