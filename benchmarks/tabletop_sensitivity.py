@@ -19,25 +19,14 @@ import gymnasium
 import numpy as np
 
 import mmrl.envs  # noqa: F401  (registers mmrl/Tabletop-v0)
+from mmrl.collect import run_expert_episode
 from mmrl.envs.tabletop.expert import expert_action
 from mmrl.envs.tabletop.tasks import family_tasks
 
 
-def expert_solutions(env, tasks: list[str], episodes: int, max_steps: int) -> list[tuple[str, int, np.ndarray]]:
-    out = []
-    for task in tasks:
-        for seed in range(episodes):
-            env.reset(seed=seed, options={"task": task})
-            actions = []
-            for _ in range(max_steps):
-                action = expert_action(env.unwrapped)
-                actions.append(action)
-                _, _, terminated, truncated, _ = env.step(action)
-                if terminated or truncated:
-                    break
-            if terminated:
-                out.append((task, seed, np.asarray(actions, dtype=np.float32)))
-    return out
+def expert_solutions(env, tasks: list[str], episodes: int) -> list[tuple[str, int, np.ndarray]]:
+    solved = (run_expert_episode(env, expert_action, task, seed) for task in tasks for seed in range(episodes))
+    return [(ep.task, ep.seed, ep.action) for ep in solved if ep.success]
 
 
 def replay_success(env, solutions, perturb, extra: int) -> float:
@@ -63,7 +52,7 @@ def main() -> None:
     args = parser.parse_args()
 
     env = gymnasium.make("mmrl/Tabletop-v0", task=args.family, image_size=16, cameras="top", layout=args.layout)
-    solutions = expert_solutions(env, family_tasks(args.family), args.episodes, max_steps=60)
+    solutions = expert_solutions(env, family_tasks(args.family), args.episodes)
     total = len(family_tasks(args.family)) * args.episodes
     lengths = [len(a) for _, _, a in solutions]
     print(f"{args.family} ({args.layout}): expert solved {len(solutions)}/{total}, mean length {np.mean(lengths):.1f} steps")

@@ -77,7 +77,7 @@ def collect(
         for task_index, task in enumerate(tasks):
             episodes, failed = [], 0
             for j in range(episodes_per_task):
-                episode = _run_episode(env, expert_action, task, seed + j, noise, np.random.default_rng([seed + j, task_index]))
+                episode = run_expert_episode(env, expert_action, task, seed + j, noise, np.random.default_rng([seed + j, task_index]))
                 summary["steps"] += len(episode)
                 if episode.success or keep_failures:
                     episodes.append(episode)
@@ -100,7 +100,9 @@ def collect(
     return summary
 
 
-def _run_episode(env, expert_action, task: str, seed: int, noise: float, rng: np.random.Generator) -> Episode:
+def run_expert_episode(env, expert_action, task: str, seed: int, noise: float = 0.0, rng: np.random.Generator | None = None) -> Episode:
+    """One episode of ``expert_action`` on ``task`` from reset seed ``seed`` (observations,
+    actions, rewards and success as written by ``mmrl collect``)."""
     obs, _ = env.reset(seed=seed, options={"task": task})
     images, states, actions, rewards = [], [], [], []
     info: dict = {"success": False}
