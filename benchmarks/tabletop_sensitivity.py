@@ -7,8 +7,12 @@ token VLA can emit) or Gaussian noise of each ``--noise`` std (in action units, 
 Success of the replays says how much precision a policy needs: a family whose replays
 survive small perturbations leaves room for an imitation policy's small errors, one whose
 replays fail needs closed-loop correction from the images (benchmarks/RESULTS.md).
+With ``--policy RUN`` a trained policy is also rolled out, deterministically, from the same
+initial states (those of ``mmrl collect --seed 0``: its own training states when it was
+trained on the first ``--episodes`` demonstrations per task).
 
     .venv/bin/python benchmarks/tabletop_sensitivity.py --family object --layout nominal
+    .venv/bin/python benchmarks/tabletop_sensitivity.py --family object --episodes 5 --policy runs/tabletop_flow_vla_sft
 """
 
 from __future__ import annotations
@@ -41,6 +45,28 @@ def replay_success(env, solutions, perturb, extra: int) -> float:
     return successes / max(len(solutions), 1)
 
 
+def policy_success(env, policy, solutions) -> float:
+    """Closed-loop success of ``policy`` (deterministic actions, whole chunks) from the
+    initial states of ``solutions``: those of ``mmrl collect --seed 0``, i.e. the states a
+    policy trained on these demonstrations has seen."""
+    import torch
+
+    successes = 0
+    for task, seed, _ in solutions:
+        obs, _ = env.reset(seed=seed, options={"task": task})
+        terminated = truncated = False
+        while not (terminated or truncated):
+            inputs = {"image": torch.from_numpy(obs["image"][None].copy()), "state": torch.from_numpy(obs["state"][None]), "instruction": [obs["instruction"]]}
+            with torch.no_grad():
+                chunk = policy.sample(inputs, deterministic=True).output[0].numpy()
+            for action in chunk:
+                obs, _, terminated, truncated, _ = env.step(action)
+                if terminated or truncated:
+                    break
+        successes += bool(terminated)
+    return successes / max(len(solutions), 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--family", default="object", choices=("spatial", "object", "goal"))
@@ -49,9 +75,11 @@ def main() -> None:
     parser.add_argument("--bins", type=int, default=32)
     parser.add_argument("--noise", type=float, nargs="*", default=[0.05, 0.15])
     parser.add_argument("--extra", type=int, default=10, help="steps of the last action after the solution's end")
+    parser.add_argument("--policy", help="also roll out this policy (a run directory or saved weights, 64x64 top camera) from the same initial states")
     args = parser.parse_args()
 
-    env = gymnasium.make("mmrl/Tabletop-v0", task=args.family, image_size=16, cameras="top", layout=args.layout)
+    image_size = 64 if args.policy else 16
+    env = gymnasium.make("mmrl/Tabletop-v0", task=args.family, image_size=image_size, cameras="top", layout=args.layout)
     solutions = expert_solutions(env, family_tasks(args.family), args.episodes)
     total = len(family_tasks(args.family)) * args.episodes
     lengths = [len(a) for _, _, a in solutions]
@@ -63,6 +91,11 @@ def main() -> None:
         perturbations[f"noise {std}"] = lambda a, std=std: np.clip(a + rng.normal(0.0, std, a.shape), -1.0, 1.0).astype(np.float32)
     for name, perturb in perturbations.items():
         print(f"  open-loop replay, {name:12s} success {replay_success(env, solutions, perturb, args.extra):.3f}")
+    if args.policy:
+        from mmrl.core.policy import load_pretrained
+
+        policy = load_pretrained(args.policy).eval()
+        print(f"  policy {args.policy}, closed loop from the same states: success {policy_success(env, policy, solutions):.3f}")
     env.close()
 
 
