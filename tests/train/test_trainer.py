@@ -169,6 +169,22 @@ def test_a_scheduled_run_logs_its_lr_and_resumes_the_schedule_exactly(tmp_path):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_a_resumed_run_takes_a_new_learning_rate_and_records_it(tmp_path):
+    # `mmrl train RUN --resume optim.lr=X`: the optimizer state carries on, the new lr applies
+    # from the next update on, metrics.jsonl logs it and the run's config.yaml says it
+    import yaml
+
+    run = tmp_path / "run"
+    train(env_config(total_steps=3, optim={"lr": 0.01}, checkpoint={"every": 3, "keep": 2}), run)
+    resumed = Trainer(env_config(total_steps=5, optim={"lr": 0.003}), run, resume=True)
+    resumed.train()
+    assert all(g["lr"] == pytest.approx(0.003) for g in resumed.optimizer.param_groups)
+    lrs = {r["step"]: r["optim/lr"] for r in read_metrics(run) if "optim/lr" in r}
+    assert [lrs[s] for s in range(1, 6)] == pytest.approx([0.01, 0.01, 0.01, 0.003, 0.003])
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["optim"]["lr"] == pytest.approx(0.003) and saved["total_steps"] == 5
+
+
 def test_frozen_parameters_stay_fixed_while_the_others_train(tmp_path):
     cfg = env_config(total_steps=2, optim={"lr": 0.01, "frozen": ["net.0", "log_std"]})
     trainer = Trainer(cfg, tmp_path / "run")
