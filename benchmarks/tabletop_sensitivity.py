@@ -21,11 +21,13 @@ import argparse
 
 import gymnasium
 import numpy as np
+import torch
 
 import mmrl.envs  # noqa: F401  (registers mmrl/Tabletop-v0)
 from mmrl.collect import run_expert_episode
 from mmrl.envs.tabletop.expert import expert_action
 from mmrl.envs.tabletop.tasks import family_tasks
+from mmrl.policies.token_vla.model import action_bins, bin_centers
 
 
 def expert_solutions(env, tasks: list[str], episodes: int) -> list[tuple[str, int, np.ndarray]]:
@@ -49,8 +51,6 @@ def policy_success(env, policy, solutions) -> float:
     """Closed-loop success of ``policy`` (deterministic actions, whole chunks) from the
     initial states of ``solutions``: those of ``mmrl collect --seed 0``, i.e. the states a
     policy trained on these demonstrations has seen."""
-    import torch
-
     successes = 0
     for task, seed, _ in solutions:
         obs, _ = env.reset(seed=seed, options={"task": task})
@@ -85,8 +85,8 @@ def main() -> None:
     lengths = [len(a) for _, _, a in solutions]
     print(f"{args.family} ({args.layout}): expert solved {len(solutions)}/{total}, mean length {np.mean(lengths):.1f} steps")
     rng = np.random.default_rng(0)
-    bins = args.bins
-    perturbations = {f"{bins} bins": lambda a: -1 + (2 * np.clip(np.floor((a + 1) / 2 * bins), 0, bins - 1) + 1) / bins}
+    centers = bin_centers(args.bins)  # the tabletop's actions are already in [-1, 1]
+    perturbations = {f"{args.bins} bins": lambda a: centers[action_bins(torch.from_numpy(a), args.bins)].numpy()}
     for std in args.noise:
         perturbations[f"noise {std}"] = lambda a, std=std: np.clip(a + rng.normal(0.0, std, a.shape), -1.0, 1.0).astype(np.float32)
     for name, perturb in perturbations.items():

@@ -47,6 +47,16 @@ from mmrl.policies.vla.tokenizer import InstructionTokenizer
 from mmrl.registry import POLICIES
 
 
+def action_bins(a_n: Tensor, bins: int) -> Tensor:
+    """Bin ids of normalized actions: clip(floor((a_n + 1) / 2 * B), 0, B - 1)."""
+    return torch.floor((a_n.clamp(-1.0, 1.0) + 1.0) / 2.0 * bins).long().clamp(0, bins - 1)
+
+
+def bin_centers(bins: int) -> Tensor:
+    """The normalized action each of the B bins decodes to: -1 + (2k + 1) / B."""
+    return -1.0 + (2 * torch.arange(bins, dtype=torch.float32) + 1) / bins
+
+
 @POLICIES.register("token_vla", config=TokenVLAConfig)
 class TokenVLAPolicy(PolicyModule):
     """Vision-language-action transformer emitting action chunks as binned tokens."""
@@ -78,7 +88,7 @@ class TokenVLAPolicy(PolicyModule):
         # Derived from the spec and config, not learned: kept out of the saved weights.
         self.register_buffer("action_center", torch.where(finite, (low + high) / 2, 0.0), persistent=False)
         self.register_buffer("action_half_range", torch.where(finite, (high - low) / 2, 1.0), persistent=False)
-        self.register_buffer("bin_centers", -1.0 + (2 * torch.arange(self.bins, dtype=torch.float32) + 1) / self.bins, persistent=False)
+        self.register_buffer("bin_centers", bin_centers(self.bins), persistent=False)
 
     # ------------------------------------------------------------------ actions <-> tokens
 
@@ -90,8 +100,7 @@ class TokenVLAPolicy(PolicyModule):
     def actions_to_tokens(self, actions: Tensor) -> Tensor:
         """Env-unit actions [..., C, A] → token ids [..., C*A] (clipped to the range)."""
         a_n = (actions.to(self.action_center.device, torch.float32) - self.action_center) / self.action_half_range
-        tokens = torch.floor((a_n.clamp(-1.0, 1.0) + 1.0) / 2.0 * self.bins).long().clamp(0, self.bins - 1)
-        return tokens.flatten(-2)
+        return action_bins(a_n, self.bins).flatten(-2)
 
     # ------------------------------------------------------------------ forward pieces
 
