@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from mmrl.config import from_dict
-from mmrl.core.policy import build_policy
+from mmrl.core.weights import build_policy
 from mmrl.registry import SAMPLERS
 from mmrl.train.config import TrainConfig
 

@@ -92,7 +92,7 @@ def main() -> None:
     for name, perturb in perturbations.items():
         print(f"  open-loop replay, {name:12s} success {replay_success(env, solutions, perturb, args.extra):.3f}")
     if args.policy:
-        from mmrl.core.policy import load_pretrained
+        from mmrl.core.weights import load_pretrained
 
         policy = load_pretrained(args.policy).eval()
         print(f"  policy {args.policy}, closed loop from the same states: success {policy_success(env, policy, solutions):.3f}")

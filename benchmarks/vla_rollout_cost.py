@@ -28,7 +28,7 @@ import gymnasium
 import numpy as np
 import torch
 
-from mmrl.core.policy import build_policy
+from mmrl.core.weights import build_policy
 from mmrl.policies.diffusion_policy import DiffusionPolicyConfig
 from mmrl.policies.flow_vla import FlowVLAConfig
 from mmrl.policies.token_vla import TokenVLAConfig

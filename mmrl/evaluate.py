@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from mmrl import registry
-from mmrl.core.policy import build_policy, load_state
+from mmrl.core.weights import build_policy, load_state
 from mmrl.errors import ConfigError
 from mmrl.train.checkpoint import Checkpointer
 

@@ -2,25 +2,49 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
 
 from mmrl.core.policy import Policy
 from mmrl.core.rollout import Rollout
+
+if TYPE_CHECKING:
+    from mmrl.core.reward import RewardSet
 
 
 class Sampler:
     """Collects groups of G samples that share a prompt / initial state.
 
-    ``group_offset`` is the global index of this process's first group, so that every
-    process samples different groups and a group's randomness depends only on
-    (seed, step, group index) — the same in one process or many.
+    These are all the methods the trainer calls. ``group_offset`` is the global index of
+    this process's first group, so that every process samples different groups and a group's
+    randomness depends only on (seed, step, group index) — the same in one process or many.
+    A sampler is built as ``cls(sampler_cfg, train_cfg)``.
     """
+
+    def policy_spec(self) -> dict[str, Any]:
+        """What the policy must know about inputs and outputs (observation and action sizes,
+        number of prompts …); stored with the policy's weights."""
+        return {}
 
     def collect(self, policy: Policy, num_groups: int, group_size: int, step: int, group_offset: int = 0) -> Rollout:
         raise NotImplementedError
 
-    def evaluate(self, policy: Policy, episodes: int, seed: int) -> dict[str, Any]:
-        """Deterministic evaluation; returns metrics (``success_rate`` when defined)."""
+    def metrics(self, rollout: Rollout) -> dict[str, Tensor]:
+        """Per-sample values of this sampler's training metrics for a collected rollout (e.g.
+        episode success, return and length; accuracy). Each is a 1-D tensor over the rollout's
+        samples; the trainer logs the mean over the samples of all processes."""
+        return {}
+
+    def counters(self) -> dict[str, float]:
+        """Running totals of this process (e.g. env steps); the trainer logs their sum over
+        processes."""
+        return {}
+
+    def evaluate(self, policy: Policy, episodes: int, seed: int, rewards: RewardSet | None = None) -> dict[str, Any]:
+        """Deterministic evaluation of ``episodes`` samples / episodes; returns metrics
+        (``success_rate`` or ``accuracy`` where defined). ``rewards`` scores samples whose
+        success is a reward (prompt samplers); env samplers read success from the env."""
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:

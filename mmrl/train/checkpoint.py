@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmrl.core.policy import save_pretrained
+from mmrl.core.weights import CHECKPOINT_STATE, CHECKPOINTS, LATEST, latest_checkpoint, save_pretrained
 
 
 def rng_state() -> dict[str, Any]:
@@ -44,15 +44,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 class Checkpointer:
     def __init__(self, run_dir: str | os.PathLike, keep: int = 2):
-        self.dir = Path(run_dir) / "checkpoints"
+        self.run_dir = Path(run_dir)
+        self.dir = self.run_dir / CHECKPOINTS
         self.keep = keep
 
     def latest(self) -> Path | None:
-        pointer = self.dir / "latest"
-        if not pointer.is_file():
-            return None
-        path = self.dir / pointer.read_text().strip()
-        return path if (path / "state.pt").is_file() else None
+        return latest_checkpoint(self.run_dir)
 
     def save(self, step: int, policy, optimizer, state: dict[str, Any], config_text: str) -> Path:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -63,7 +60,7 @@ class Checkpointer:
         tmp.mkdir()
         save_pretrained(policy, tmp)
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save({"step": step, "rng": rng_state(), **state}, tmp / "state.pt")
+        torch.save({"step": step, "rng": rng_state(), **state}, tmp / CHECKPOINT_STATE)
         (tmp / "train_config.yaml").write_text(config_text)
         final = self.dir / name
         if final.exists():
@@ -71,7 +68,7 @@ class Checkpointer:
         os.replace(tmp, final)
         pointer_tmp = self.dir / ".latest.tmp"
         pointer_tmp.write_text(name)
-        os.replace(pointer_tmp, self.dir / "latest")
+        os.replace(pointer_tmp, self.dir / LATEST)
         self._prune(keep_name=name)
         return final
 
@@ -85,11 +82,11 @@ class Checkpointer:
     def load(path: Path, policy, optimizer) -> dict[str, Any]:
         """Restore weights and optimizer into the given objects; returns the state dict
         (step, rng, sampler ...). Everything is read with safe loaders."""
-        from mmrl.core.policy import load_state
+        from mmrl.core.weights import load_state
 
         load_state(policy, path, "--resume")
         optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
-        return torch.load(path / "state.pt", weights_only=True)
+        return torch.load(path / CHECKPOINT_STATE, weights_only=True)
 
 
 def write_json_atomic(path: Path, data: Any) -> None:

@@ -29,7 +29,8 @@ from mmrl import registry
 from mmrl.algo import advantage as adv_mod
 from mmrl.algo.masks import top_entropy_mask, truncation_mask
 from mmrl.config import to_dict
-from mmrl.core.policy import PolicyModule, build_policy
+from mmrl.core.policy import PolicyModule
+from mmrl.core.weights import build_policy
 from mmrl.core.rollout import Rollout
 from mmrl.core.sampler import group_seed
 from mmrl.errors import ConfigError, NonFiniteError

@@ -56,7 +56,7 @@ def test_bad_maniskill_observation_settings_are_config_errors(mani_skill, sectio
 
 
 def test_maniskill_pushcube_state_collects_a_small_rollout(mani_skill):
-    from mmrl.core.policy import build_policy
+    from mmrl.core.weights import build_policy
     from mmrl.policies.gaussian_mlp import GaussianMLPConfig
     from mmrl.samplers.env import EnvSampler, EnvSamplerConfig
     from mmrl.train.config import AlgoConfig, TrainConfig

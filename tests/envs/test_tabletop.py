@@ -351,7 +351,7 @@ def test_a_chunked_policy_samples_the_same_rollout_with_image_every_set_to_its_c
     import torch
 
     from mmrl.config import from_dict
-    from mmrl.core.policy import build_policy
+    from mmrl.core.weights import build_policy
     from mmrl.samplers.env import EnvSampler
     from mmrl.train.config import TrainConfig
 

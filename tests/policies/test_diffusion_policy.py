@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mmrl.config import from_dict
-from mmrl.core.policy import build_policy, load_pretrained, save_pretrained
+from mmrl.core.weights import build_policy, load_pretrained, save_pretrained
 from mmrl.errors import ConfigError
 from mmrl.policies.diffusion_policy import DiffusionPolicy, DiffusionPolicyConfig
 from mmrl.registry import POLICIES

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mmrl.config import from_dict
-from mmrl.core.policy import build_policy, load_pretrained, save_pretrained
+from mmrl.core.weights import build_policy, load_pretrained, save_pretrained
 from mmrl.denoising import flow_sde_step, gaussian_log_prob
 from mmrl.errors import ConfigError
 from mmrl.policies.flow_vla import FlowVLAConfig, FlowVLAPolicy

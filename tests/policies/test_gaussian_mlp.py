@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from mmrl.core.policy import build_policy, load_pretrained, save_pretrained
+from mmrl.core.weights import build_policy, load_pretrained, save_pretrained
 from mmrl.policies.gaussian_mlp import GaussianMLPConfig, GaussianMLPPolicy
 from mmrl.registry import POLICIES
 

@@ -7,7 +7,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 from mmrl.config import from_dict  # noqa: E402
-from mmrl.core.policy import build_policy, load_pretrained, save_pretrained  # noqa: E402
+from mmrl.core.weights import build_policy, load_pretrained, save_pretrained  # noqa: E402
 from mmrl.errors import ConfigError  # noqa: E402
 from mmrl.policies.token_vla import TokenVLAConfig, TokenVLAPolicy  # noqa: E402
 from mmrl.policies.vla import InstructionTokenizer, VLABackboneConfig  # noqa: E402

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mmrl.config import from_dict
-from mmrl.core.policy import build_policy, load_pretrained, save_pretrained
+from mmrl.core.weights import build_policy, load_pretrained, save_pretrained
 from mmrl.core.rollout import Rollout
 from mmrl.errors import ConfigError
 from mmrl.policies.toy import CategoricalSequenceConfig, CategoricalSequencePolicy, GaussianChainConfig, GaussianChainPolicy

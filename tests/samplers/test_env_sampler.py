@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from mmrl.core.policy import Sample, build_policy
+from mmrl.core.policy import Sample
+from mmrl.core.weights import build_policy
 from mmrl.core.sampler import group_seed
 from mmrl.envs.gym import GymEnvConfig
 from mmrl.errors import ConfigError
@@ -257,7 +258,7 @@ def test_success_and_return_rewards_read_the_episode_stats():
 
 def test_stochastic_evaluation_is_seeded_and_differs_from_the_mean_action():
     from mmrl.config import from_dict
-    from mmrl.core.policy import build_policy
+    from mmrl.core.weights import build_policy
     from mmrl.registry import SAMPLERS
     from mmrl.train.config import TrainConfig
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from mmrl.config import from_dict
-from mmrl.core.policy import Sample, build_policy
+from mmrl.core.policy import Sample
+from mmrl.core.weights import build_policy
 from mmrl.core.rollout import Rollout
 from mmrl.core.sampler import group_seed
 from mmrl.errors import ConfigError

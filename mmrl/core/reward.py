@@ -1,0 +1,153 @@
+"""Reward components: built once per run, called on a whole rollout batch.
+
+A reward is registered in :data:`mmrl.registry.REWARDS` with a typed config (a subclass of
+:class:`~mmrl.core.config.RewardConfig`). It is either
+
+- a :class:`Reward` subclass: constructed once per run with its config and a
+  :class:`RewardContext` (device, run directory, seed), so it can load a model from a local
+  path or a run directory, keep it on a device, batch its work and keep state across steps;
+  it may declare that it needs the policy or the reference model (consistency rewards do);
+- or a plain function ``(rollout, cfg) -> Tensor[B]``, wrapped by :class:`FunctionReward`.
+
+Either way the call is ``reward(rollout, policy=..., reference=...) -> Tensor[B]`` for the
+B samples of a rollout. A rollout from the prompt sampler carries each sample's prompt
+record in ``rollout.info`` (``prompt``, ``answer``, ``metadata``); an env rollout carries the
+episode stats (``success``, ``return``, ``length``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+import torch
+from torch import Tensor
+
+from mmrl.core.config import RewardConfig
+from mmrl.core.rollout import Rollout
+
+
+@dataclass
+class RewardContext:
+    """What a reward may use when it is built: where to put a model and where the run lives."""
+
+    device: torch.device = torch.device("cpu")
+    run_dir: Path | None = None
+    seed: int = 0
+
+    def device_for(self, cfg: RewardConfig) -> torch.device:
+        """The reward's own ``device`` if its config sets one, else the training device."""
+        return torch.device(cfg.device) if cfg.device else self.device
+
+
+class Reward:
+    """Base of reward components with state (a model, a running statistic).
+
+    Subclasses set ``needs_policy`` / ``needs_reference`` when their score depends on the
+    policy being trained or on its reference model; the trainer then passes them (unwrapped,
+    in eval mode, under ``torch.no_grad``). ``state_dict`` / ``load_state_dict`` go into
+    checkpoints, so a stateful reward resumes exactly.
+    """
+
+    needs_policy: ClassVar[bool] = False
+    needs_reference: ClassVar[bool] = False
+
+    def __init__(self, cfg: RewardConfig, context: RewardContext):
+        self.config = cfg
+        self.context = context
+
+    def __call__(self, rollout: Rollout, *, policy: Any = None, reference: Any = None) -> Tensor:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class FunctionReward(Reward):
+    """A plain function ``fn(rollout, cfg) -> Tensor[B]`` as a reward component. A function
+    that also takes ``policy`` or ``reference`` keyword arguments gets them."""
+
+    def __init__(self, fn: Callable[..., Tensor], cfg: RewardConfig, context: RewardContext):
+        super().__init__(cfg, context)
+        self.fn = fn
+        params = inspect.signature(fn).parameters
+        self.wants = {name for name in ("policy", "reference") if name in params}
+
+    @property
+    def needs_policy(self) -> bool:  # type: ignore[override]
+        return "policy" in self.wants
+
+    @property
+    def needs_reference(self) -> bool:  # type: ignore[override]
+        return "reference" in self.wants
+
+    def __call__(self, rollout: Rollout, *, policy: Any = None, reference: Any = None) -> Tensor:
+        extra = {"policy": policy, "reference": reference}
+        return self.fn(rollout, self.config, **{k: extra[k] for k in self.wants})
+
+
+def build_reward(cfg: RewardConfig, context: RewardContext, field: str = "rewards") -> Reward:
+    """The registered component named by ``cfg.type``, built once with ``context``."""
+    from mmrl.registry import REWARDS
+
+    obj = REWARDS.get(cfg.type, f"{field}.type")
+    if isinstance(obj, type) and issubclass(obj, Reward):
+        return obj(cfg, context)
+    return FunctionReward(obj, cfg, context)
+
+
+
+class RewardSet:
+    """The run's reward components, built once: ``score`` gives the [B, K] columns of a
+    rollout, ``combine`` the one reward per sample that advantages and filters see
+    (:func:`mmrl.algo.reward_aggregation.aggregate_rewards`)."""
+
+    def __init__(self, cfgs: list[RewardConfig], aggregation: str, context: RewardContext, log_tamed_threshold: str = "mean"):
+        self.configs = list(cfgs)
+        self.components = [build_reward(cfg, context, f"rewards[{i}]") for i, cfg in enumerate(self.configs)]
+        self.names = [cfg.type for cfg in self.configs]
+        self.weights = [cfg.weight for cfg in self.configs]
+        self.aggregation = aggregation
+        self.log_tamed_threshold = log_tamed_threshold
+        self.needs_policy = any(c.needs_policy for c in self.components)
+        self.needs_reference = any(c.needs_reference for c in self.components)
+
+    def score(self, rollout: Rollout, *, policy: Any = None, reference: Any = None, step: int | None = None) -> Tensor:
+        """[B, K] float32 on the CPU, one column per component; a non-finite value is an error
+        naming the component."""
+        from mmrl.errors import NonFiniteError
+
+        columns = []
+        for name, component in zip(self.names, self.components):
+            kwargs = {}
+            if component.needs_policy:
+                kwargs["policy"] = policy
+            if component.needs_reference:
+                kwargs["reference"] = reference
+            r = torch.as_tensor(component(rollout, **kwargs), dtype=torch.float32).reshape(-1).cpu()
+            if r.numel() != rollout.batch_size:
+                raise ValueError(f"reward {name!r} returned {r.numel()} values for {rollout.batch_size} samples")
+            bad = ~torch.isfinite(r)
+            if bad.any():
+                where = f"step {step + 1}: " if step is not None else ""
+                raise NonFiniteError(f"{where}reward '{name}' is {r[bad][0].item()} for {int(bad.sum())} of {r.numel()} samples")
+            columns.append(r)
+        return torch.stack(columns, dim=1)
+
+    def combine(self, rewards: Tensor, group_id: Tensor) -> Tensor:
+        """One reward per sample from the [B, K] columns, by the configured aggregation."""
+        from mmrl.algo.reward_aggregation import aggregate_rewards
+
+        return aggregate_rewards(rewards, group_id, self.weights, self.aggregation, threshold=self.log_tamed_threshold)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {f"{i}:{name}": c.state_dict() for i, (name, c) in enumerate(zip(self.names, self.components))}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for i, (name, c) in enumerate(zip(self.names, self.components)):
+            c.load_state_dict(state.get(f"{i}:{name}", {}))
