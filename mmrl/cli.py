@@ -183,7 +183,12 @@ def _train_help() -> str:
     lines = ["fields (set in the YAML or as dotted overrides, e.g. algo.eps_high=0.28):", ""]
     for name, tp, default, doc in describe(TrainConfig):
         lines.append(f"  {name:28s} {doc}" + (f"  [{tp}; default {default}]" if tp != "section" else ""))
-    for section, reg in (("env", registry.ENVS), ("policy", registry.POLICIES), ("sampler", registry.SAMPLERS), ("rewards[i]", registry.REWARDS)):
+    sections = (
+        ("env", registry.ENVS), ("policy", registry.POLICIES), ("sampler", registry.SAMPLERS), ("rewards[i]", registry.REWARDS),
+        ("algo.advantage", registry.ADVANTAGES), ("algo.objective", registry.OBJECTIVES), ("algo.aggregation", registry.AGGREGATIONS),
+        ("algo.filters[i]", registry.FILTERS),
+    )
+    for section, reg in sections:
         for entry in reg.entries():
             if entry.config is None:
                 continue

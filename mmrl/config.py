@@ -39,6 +39,14 @@ class Component:
     type: str = option("", "registered name of this component (see `mmrl list`)")
 
 
+def own_options(cfg, base: type) -> dict[str, Any]:
+    """The fields of ``cfg`` that its class adds to ``base``: the options a registered
+    function of one algorithm axis takes as keyword arguments. Only the method's own config
+    reaches it, so one method's default can never replace another's."""
+    inherited = {f.name for f in fields(base)}
+    return {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in inherited}
+
+
 # ---------------------------------------------------------------- parsing and checking
 
 
@@ -97,6 +105,8 @@ def _coerce(value, tp, path: str, resolve_component):
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
+        if isinstance(value, str) and issubclass(tp, Component):  # `objective: cispo` names the type alone
+            value = {"type": value}
         if not isinstance(value, dict):
             raise ConfigError(path, value, "expected a mapping")
         if issubclass(tp, Component):
@@ -155,7 +165,13 @@ def from_dict(cls, data: dict, path: str = "", resolve_component=None):
     kwargs = {}
     for name, f in known.items():
         if name in data:
-            value = _coerce(data[name], hints[name], prefix + name, resolve_component)
+            value = data[name]
+            if isinstance(value, dict) and "type" not in value and f.default_factory is not MISSING:
+                # a component section without a type keeps the type of the field's default
+                default_type = getattr(f.default_factory(), "type", None)
+                if isinstance(default_type, str) and default_type:
+                    value = {"type": default_type, **value}
+            value = _coerce(value, hints[name], prefix + name, resolve_component)
             _check_constraints(f, value, prefix + name)
             kwargs[name] = value
         elif f.default is MISSING and f.default_factory is MISSING:
@@ -172,7 +188,16 @@ def _resolve_component(path: str, value: dict) -> type:
     from mmrl import registry
 
     section = path.split(".")[-1].split("[")[0]
-    reg = {"env": registry.ENVS, "policy": registry.POLICIES, "sampler": registry.SAMPLERS, "rewards": registry.REWARDS}.get(section)
+    reg = {
+        "env": registry.ENVS,
+        "policy": registry.POLICIES,
+        "sampler": registry.SAMPLERS,
+        "rewards": registry.REWARDS,
+        "advantage": registry.ADVANTAGES,
+        "objective": registry.OBJECTIVES,
+        "aggregation": registry.AGGREGATIONS,
+        "filters": registry.FILTERS,
+    }.get(section)
     if reg is None:
         raise TypeError(f"no registry for component section {path!r}")
     name = value.get("type")
@@ -290,29 +315,52 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Dotted ``key=value`` overrides merged over ``data`` as :func:`deep_merge` merges a file
+    over its presets: an override that changes a section's ``type`` replaces the section, so
+    the options of the previous type (e.g. PPO's clip range) never leak into the new one."""
     data = dict(data)
     for text in overrides:
         keys, value = parse_override(text)
         node = data
-        for i, k in enumerate(keys[:-1]):
-            child = node.get(k)
-            if child is None:
-                child = {}
-            elif not isinstance(child, dict):
+        for i, k in enumerate(keys[:-1]):  # check the path before merging
+            child = node.get(k) if isinstance(node, dict) else None
+            if isinstance(child, str) and i == len(keys) - 2:
+                child = {"type": child}  # `objective: cispo` is the section {type: cispo}
+            if child is not None and not isinstance(child, dict):
                 raise ConfigError(".".join(keys[: i + 1]), child, "is not a section; cannot set a key inside it")
-            node[k] = dict(child)
-            node = node[k]
-        node[keys[-1]] = value
+            node = child or {}
+        nested: Any = value
+        for k in reversed(keys):
+            nested = {k: nested}
+        data = _merge_override(data, nested)
     return data
+
+
+def _merge_override(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        current = out.get(k)
+        if isinstance(current, str) and isinstance(v, dict) and "type" not in v:
+            current = {"type": current}
+        if isinstance(v, dict) and isinstance(current, dict):
+            if "type" in v and v["type"] != current.get("type"):
+                out[k] = dict(v)  # a new type: the section starts from that type's defaults
+            else:
+                out[k] = _merge_override(current, v)
+        else:
+            out[k] = v
+    return out
 
 
 def load_config(cls, path: str | os.PathLike | None, overrides: list[str] = ()):
     """YAML file (+ presets) + dotted overrides → validated ``cls`` instance."""
     data = load_yaml(path) if path is not None else {}
+    # `defaults=...` on the command line replaces the file's presets (before they are merged);
+    # every other override wins over the merged result
+    preset = [o for o in overrides if o.split("=", 1)[0] == "defaults"]
+    data = apply_overrides(data, preset)
     data = resolve_defaults(data, Path(path).parent if path is not None else None)
-    data = apply_overrides(data, list(overrides))
-    data = resolve_defaults(data, Path(path).parent if path is not None else None)  # an override may set defaults
-    return from_dict(cls, data)
+    return from_dict(cls, apply_overrides(data, [o for o in overrides if o not in preset]))
 
 
 def describe(cls, prefix: str = "", seen=None) -> list[tuple[str, str, str, str]]:

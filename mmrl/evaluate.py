@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from mmrl import registry
+from mmrl.core.reward import RewardContext, RewardSet
 from mmrl.core.weights import build_policy, load_state
 from mmrl.errors import ConfigError
 from mmrl.train.checkpoint import Checkpointer
@@ -43,8 +44,9 @@ def evaluate_run(cfg, run_dir: Path | None, episodes: int | None = None, checkpo
             source = str(ckpt)
         policy.eval()
         n = episodes or cfg.eval.episodes
+        rewards = RewardSet(cfg.rewards, cfg.algo.reward_aggregation, RewardContext(run_dir=run_dir, seed=cfg.seed), cfg.algo.log_tamed_threshold)
         with torch.no_grad():
-            result = sampler.evaluate(policy, n, seed=cfg.seed + 1_000_003)
+            result = sampler.evaluate(policy, n, seed=cfg.seed + 1_000_003, rewards=rewards)
     finally:
         sampler.close()
     result = {"weights": source, **result}

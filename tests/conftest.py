@@ -49,7 +49,7 @@ def point_reach_success_before_after(run_dir, policy: dict, total_steps: int, op
         name="rl_check", total_steps=total_steps, run_dir=str(run_dir),
         env={"type": "gym", "id": "mmrl/PointReach-v0", "num_envs": 32},
         rewards=[{"type": "success"}],
-        algo={"group_size": 8, "groups_per_step": 8, "ppo_epochs": 4, "num_minibatches": 4, "kl_coef": 0.0},
+        algo={"group_size": 8, "groups_per_step": 8, "ppo_epochs": 4, "num_minibatches": 4, "kl": {"coef": 0.0}},
         optim=optim, eval={"every": 1000, "episodes": 64}, checkpoint={"every": 1000},
     )
     cfg["policy"] = policy

@@ -16,12 +16,12 @@ def _error_line(capsys):
 @pytest.mark.parametrize(
     "changes, overrides, expected",
     [
-        ({}, ["algo.epz=1"], ["algo.epz", "unknown key", "eps_high"]),
+        ({}, ["algo.epz=1"], ["algo.epz", "unknown key", "objective"]),
         ({}, ["algo.group_size=abc"], ["algo.group_size", "'abc'", "expected an integer"]),
-        ({}, ["algo.eps_high=-0.5"], ["algo.eps_high", "-0.5", ">= 0"]),
+        ({}, ["algo.objective.eps_high=-0.5"], ["algo.objective.eps_high", "-0.5", ">= 0"]),
         ({}, ["policy.type=transformer9"], ["policy.type", "transformer9", "gaussian_mlp"]),
         ({"env": {"type": "gym", "id": "NoSuchEnv-v9", "num_envs": 2}}, [], ["env.id", "NoSuchEnv-v9"]),
-        ({}, ["algo.std=sideways"], ["algo.std", "sideways", "group"]),
+        ({}, ["algo.advantage.std=sideways"], ["algo.advantage.std", "sideways", "group"]),
     ],
 )
 def test_bad_config_exits_2_with_one_line(tmp_path, write_config, capsys, changes, overrides, expected):
@@ -66,7 +66,7 @@ def test_train_help_documents_every_field(capsys):
         main(["train", "--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    for field in ("algo.eps_high", "algo.advantage", "optim.lr", "checkpoint.every", "policy.hidden_sizes", "env.num_envs"):
+    for field in ("algo.objective.eps_high", "algo.advantage.std", "optim.lr", "checkpoint.every", "policy.hidden_sizes", "env.num_envs"):
         assert field in out
 
 

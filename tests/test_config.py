@@ -48,16 +48,43 @@ def test_bad_values_name_field_value_and_allowed(data, field, allowed):
 
 
 def test_dotted_overrides_win_and_parse_types():
-    data = apply_overrides({"algo": {"eps_high": 0.2}}, ["algo.eps_high=0.28", "algo.filters=[zero_variance]", "seed=3"])
-    assert data == {"algo": {"eps_high": 0.28, "filters": ["zero_variance"]}, "seed": 3}
+    data = apply_overrides({"algo": {"objective": {"eps_high": 0.2}}}, ["algo.objective.eps_high=0.28", "algo.filters=[zero_variance]", "seed=3"])
+    assert data == {"algo": {"objective": {"eps_high": 0.28}, "filters": ["zero_variance"]}, "seed": 3}
 
 
 def test_preset_defaults_are_merged_under_the_file(write_config):
-    path = write_config({"defaults": "presets/dapo", **point_reach_config(algo={"eps_high": 0.3, "group_size": 4})})
-    cfg = load_config(TrainConfig, path, ["algo.eps_low=0.1"])
-    assert cfg.algo.filters == ["zero_variance"]  # from the preset
-    assert cfg.algo.eps_high == 0.3  # the file wins over the preset
-    assert cfg.algo.eps_low == 0.1  # the command line wins over both
+    path = write_config({"defaults": "presets/dapo", **point_reach_config(algo={"objective": {"eps_high": 0.3}, "group_size": 4})})
+    cfg = load_config(TrainConfig, path, ["algo.objective.eps_low=0.1"])
+    assert [f.type for f in cfg.algo.filters] == ["zero_variance"]  # from the preset
+    assert cfg.algo.objective.type == "ppo_clip"  # the file's section without a type keeps the preset's
+    assert cfg.algo.objective.eps_high == 0.3  # the file wins over the preset
+    assert cfg.algo.objective.eps_low == 0.1  # the command line wins over both
+
+
+def test_a_section_of_another_type_takes_that_methods_own_defaults(write_config):
+    """`objective: cispo` on top of a ppo_clip preset must not inherit PPO's 0.2 clip: CISPO's
+    cap is 5.0 and one-sided (the bug of a flat algo config)."""
+    cfg = load_config(TrainConfig, write_config({"defaults": "presets/dapo", **point_reach_config()}), ["algo.objective=cispo"])
+    assert type(cfg.algo.objective).__name__ == "CISPOConfig"
+    assert cfg.algo.objective.eps_high == 5.0 and cfg.algo.objective.eps_low is None
+    cfg = load_config(TrainConfig, write_config({"defaults": "presets/grpo", **point_reach_config()}), ["algo.objective.type=gspo"])
+    assert (cfg.algo.objective.eps_low, cfg.algo.objective.eps_high) == (3e-4, 4e-4)
+
+
+def test_every_registered_axis_config_has_its_functions_defaults():
+    """Each method's config dataclass gives the same defaults as its function's signature,
+    so a config never silently changes a method."""
+    import inspect
+    from dataclasses import fields
+
+    from mmrl import registry
+
+    for reg in (registry.ADVANTAGES, registry.OBJECTIVES, registry.AGGREGATIONS, registry.FILTERS):
+        for entry in reg.entries():
+            params = inspect.signature(entry.obj).parameters
+            for f in fields(entry.config):
+                if f.name in params:
+                    assert params[f.name].default == getattr(entry.config(), f.name), (reg.kind, entry.name, f.name)
 
 
 def test_type_selects_the_registered_component_config(write_config):
@@ -76,7 +103,7 @@ def test_unknown_type_lists_known_names(write_config):
 def test_unknown_registry_option_in_algo_lists_known_names(write_config):
     with pytest.raises(ConfigError) as e:
         load_config(TrainConfig, write_config(point_reach_config()), ["algo.objective=ppo2"])
-    assert e.value.field == "algo.objective" and "ppo_clip" in str(e.value)
+    assert e.value.field == "algo.objective.type" and "ppo_clip" in str(e.value)
 
 
 def test_every_field_has_a_doc():

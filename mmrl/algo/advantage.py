@@ -14,15 +14,56 @@ statistics are vectorised (``torch.unique`` + ``index_add``), never a loop over 
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
 
+from mmrl.config import Component, option
 from mmrl.registry import ADVANTAGES
 
 STD_MODES = ("group", "batch", "none")
-COMBINE_MODES = ("sum_then_normalize", "normalize_then_sum")
+
+
+@dataclass
+class AdvantageConfig(Component):
+    """``algo.advantage``: the estimator (``type``) and how the loop applies it. The fields
+    below are the loop's; each estimator's own options come from its subclass."""
+
+    type: str = option("grpo", "advantage estimator (mmrl list advantages)")
+    clip: float | None = option(None, "clip advantages to [-clip, clip] (null = no clip)", gt=0)
+    level: Literal["sequence", "step"] = option(
+        "sequence", "sequence: one advantage per sample; step: per decision, from group-relative returns-to-go (env samplers)"
+    )
+    gamma: float = option(1.0, "step level: discount of the returns-to-go (and of the env sampler's chunk rewards)", ge=0, le=1)
+    step_reward_weight: float = option(0.0, "step level: weight of the env's per-step rewards added to the returns-to-go", ge=0)
+
+
+@dataclass
+class GroupNormConfig(AdvantageConfig):
+    """Group-centred advantages scaled by a std (grpo, median)."""
+
+    std: Literal["group", "batch", "none"] = option("group", "scale: group std (GRPO), batch std (Lite PPO) or none (Dr. GRPO)")
+    ddof: int = option(0, "delta degrees of freedom of the std (0 population as Flow-GRPO, 1 Bessel as TRL/verl)", ge=0, le=1)
+    eps: float = option(1e-6, "added to the std (TRL 1e-4, verl 1e-6)", gt=0)
+
+
+@dataclass
+class RlooConfig(AdvantageConfig):
+    type: str = option("rloo", "advantage estimator (mmrl list advantages)")
+
+
+@dataclass
+class PsrNsrConfig(AdvantageConfig):
+    type: str = option("psr_nsr", "advantage estimator (mmrl list advantages)")
+    psr_weight: float = option(0.1, "advantage of positive samples (W-REINFORCE lambda)", ge=0)
+    nsr_weight: float = option(1.0, "magnitude of the negative samples' advantage", ge=0)
+
+
+@dataclass
+class PasskConfig(AdvantageConfig):
+    type: str = option("passk", "advantage estimator (mmrl list advantages)")
 
 
 def _groups(group_id: Tensor) -> tuple[Tensor, Tensor]:
@@ -63,7 +104,7 @@ def _keep_all(rewards: Tensor) -> Tensor:
     return torch.ones_like(rewards, dtype=torch.bool)
 
 
-@ADVANTAGES.register("grpo")
+@ADVANTAGES.register("grpo", config=GroupNormConfig)
 def grpo(rewards: Tensor, group_id: Tensor, *, eps: float = 1e-6, std: str = "group", ddof: int = 0):
     """GRPO: A_i = (r_i − mean_g r) / (std r + ε)  (Shao et al. 2024, DeepSeekMath).
 
@@ -84,7 +125,7 @@ def grpo(rewards: Tensor, group_id: Tensor, *, eps: float = 1e-6, std: str = "gr
     return _normalize(centered, rewards, index, counts, std, ddof, eps), _keep_all(rewards)
 
 
-@ADVANTAGES.register("rloo")
+@ADVANTAGES.register("rloo", config=RlooConfig)
 def rloo(rewards: Tensor, group_id: Tensor, *, eps: float = 1e-6):
     """RLOO: A_i = G/(G−1)·(r_i − mean_g r) = r_i − mean of the other G−1 rewards
     (Kool et al. 2019 "Buy 4 REINFORCE Samples"; Ahmadian et al. 2024 "Back to Basics").
@@ -96,7 +137,7 @@ def rloo(rewards: Tensor, group_id: Tensor, *, eps: float = 1e-6):
     return scale[index] * (rewards - _group_mean(rewards, index, counts)), _keep_all(rewards)
 
 
-@ADVANTAGES.register("median")
+@ADVANTAGES.register("median", config=GroupNormConfig)
 def median(rewards: Tensor, group_id: Tensor, *, eps: float = 1e-6, std: str = "group", ddof: int = 0):
     """MC-GRPO (Kim 2026, arXiv:2601.22582): A_i = (r_i − median_g r) / (std r + ε); the
     median sample gets no gradient.
@@ -120,7 +161,7 @@ def median(rewards: Tensor, group_id: Tensor, *, eps: float = 1e-6, std: str = "
     return adv.masked_fill(~keep, 0.0), keep
 
 
-@ADVANTAGES.register("psr_nsr")
+@ADVANTAGES.register("psr_nsr", config=PsrNsrConfig)
 def psr_nsr(rewards: Tensor, group_id: Tensor, *, eps: float = 1e-6, psr_weight: float = 0.1, nsr_weight: float = 1.0):
     """W-REINFORCE: A = psr_weight if r > 0.5 else −nsr_weight (Zhu et al. 2025, "The
     Surprising Effectiveness of Negative Reinforcement in LLM Reasoning").
@@ -133,7 +174,7 @@ def psr_nsr(rewards: Tensor, group_id: Tensor, *, eps: float = 1e-6, psr_weight:
     return adv, _keep_all(rewards)
 
 
-@ADVANTAGES.register("passk")
+@ADVANTAGES.register("passk", config=PasskConfig)
 def passk(rewards: Tensor, group_id: Tensor, *, eps: float = 1e-6):
     """pass@k: the best sample of a group gets A = r_max − r_second; all others get 0.
 
@@ -150,40 +191,6 @@ def passk(rewards: Tensor, group_id: Tensor, *, eps: float = 1e-6):
     adv = torch.zeros_like(rewards)
     adv[best] = gap.to(rewards.dtype)
     return adv, _keep_all(rewards)
-
-
-def combine_rewards(
-    rewards: Tensor,
-    group_id: Tensor,
-    weights: Sequence[float],
-    mode: str,
-    advantage_fn: Callable[..., tuple[Tensor, Tensor]],
-    *,
-    eps: float = 1e-6,
-    **adv_kwargs,
-) -> tuple[Tensor, Tensor]:
-    """Advantages from K reward components ``rewards: Tensor[B, K]``.
-
-    - ``"sum_then_normalize"``: r = Σ_k w_k·r_k, then ``advantage_fn(r)``.
-    - ``"normalize_then_sum"``: a_k = ``advantage_fn(r_k)`` per component, a = Σ_k w_k·a_k,
-      then a batch z-score (a − mean a) / (std a + ε) with the population std (TRL's GDPO
-      option). The z-score's statistics use kept samples only.
-
-    ``eps`` and ``adv_kwargs`` go to ``advantage_fn``. In ``normalize_then_sum`` a sample is
-    kept only if every component keeps it, and samples not kept get A = 0.
-    """
-    if rewards.ndim != 2 or rewards.shape[1] != len(weights):
-        raise ValueError(f"rewards has shape {tuple(rewards.shape)}; expected [B, {len(weights)}], one column per weight")
-    if mode == "sum_then_normalize":
-        return advantage_fn(rewards @ rewards.new_tensor(weights), group_id, eps=eps, **adv_kwargs)
-    if mode != "normalize_then_sum":
-        raise ValueError(f"mode must be one of {COMBINE_MODES}, got {mode!r}")
-    per_component = [advantage_fn(column, group_id, eps=eps, **adv_kwargs) for column in rewards.unbind(1)]
-    summed = sum(weight * adv for weight, (adv, _) in zip(weights, per_component))
-    keep = torch.stack([keep for _, keep in per_component]).all(0)
-    kept = summed[keep]
-    adv = (summed - kept.mean()) / (kept.std(correction=0) + eps)
-    return adv.masked_fill(~keep, 0.0), keep
 
 
 def clip_advantages(adv: Tensor, clip: float | None) -> Tensor:

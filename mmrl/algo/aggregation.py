@@ -14,12 +14,28 @@ masked entries of ``loss`` must be finite (they are multiplied by 0).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import Tensor
 
+from mmrl.config import Component, option
 from mmrl.registry import AGGREGATIONS
 
 
-@AGGREGATIONS.register("token_mean")
+@dataclass
+class AggregationConfig(Component):
+    """``algo.aggregation``: how per-decision losses become one number (``type``)."""
+
+    type: str = option("token_mean", "aggregation (mmrl list aggregations)")
+
+
+@dataclass
+class ConstNormConfig(AggregationConfig):
+    type: str = option("const_norm", "aggregation (mmrl list aggregations)")
+    max_len: int | None = option(None, "the fixed length L divided by, e.g. the generation budget (null = longest in the batch)", ge=1)
+
+
+@AGGREGATIONS.register("token_mean", config=AggregationConfig)
 def token_mean(
     loss: Tensor, mask: Tensor, *, num_tokens: float | None = None, num_seqs: float | None = None, max_len: int | None = None
 ) -> Tensor:
@@ -31,7 +47,7 @@ def token_mean(
     return (loss * mask).sum() / num_tokens
 
 
-@AGGREGATIONS.register("seq_mean_token_mean")
+@AGGREGATIONS.register("seq_mean_token_mean", config=AggregationConfig)
 def seq_mean_token_mean(
     loss: Tensor, mask: Tensor, *, num_tokens: float | None = None, num_seqs: float | None = None, max_len: int | None = None
 ) -> Tensor:
@@ -42,7 +58,7 @@ def seq_mean_token_mean(
     return per_seq.sum() / (loss.shape[0] if num_seqs is None else num_seqs)
 
 
-@AGGREGATIONS.register("seq_mean_token_sum")
+@AGGREGATIONS.register("seq_mean_token_sum", config=AggregationConfig)
 def seq_mean_token_sum(
     loss: Tensor, mask: Tensor, *, num_tokens: float | None = None, num_seqs: float | None = None, max_len: int | None = None
 ) -> Tensor:
@@ -50,7 +66,7 @@ def seq_mean_token_sum(
     return (loss * mask).sum() / (loss.shape[0] if num_seqs is None else num_seqs)
 
 
-@AGGREGATIONS.register("const_norm")
+@AGGREGATIONS.register("const_norm", config=ConstNormConfig)
 def const_norm(
     loss: Tensor, mask: Tensor, *, num_tokens: float | None = None, num_seqs: float | None = None, max_len: int | None = None
 ) -> Tensor:

@@ -9,12 +9,37 @@ and keeps or drops whole groups. ``group_id`` may hold any integers, in any orde
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
+from mmrl.config import Component, option
+from mmrl.errors import ConfigError
 from mmrl.registry import FILTERS
+
+
+@dataclass
+class FilterConfig(Component):
+    """An entry of ``algo.filters``: a group filter (``type``) and its own options."""
+
+
+@dataclass
+class ZeroVarianceConfig(FilterConfig):
+    type: str = option("zero_variance", "group filter (mmrl list filters)")
+    tol: float = option(1e-8, "groups whose reward spread (max - min) is at most this are dropped", ge=0)
+
+
+@dataclass
+class AccuracyBandConfig(FilterConfig):
+    type: str = option("accuracy_band", "group filter (mmrl list filters)")
+    lo: float = option(0.1, "lowest group mean reward kept", ge=0)
+    hi: float = option(0.9, "highest group mean reward kept", ge=0)
+
+    def validate(self, path: str) -> None:
+        if self.lo > self.hi:
+            raise ConfigError(f"{path}.lo", self.lo, f"must be <= hi ({self.hi})")
 
 
 def _per_group(rewards: Tensor, group_id: Tensor, reduce: str) -> Tensor:
@@ -24,7 +49,7 @@ def _per_group(rewards: Tensor, group_id: Tensor, reduce: str) -> Tensor:
     return per_group[index]
 
 
-@FILTERS.register("zero_variance")
+@FILTERS.register("zero_variance", config=ZeroVarianceConfig)
 def zero_variance(rewards: Tensor, group_id: Tensor, *, tol: float = 1e-8) -> Tensor:
     """Drop groups whose rewards are all equal (max − min ≤ tol): their group-relative
     advantages are zero (DAPO dynamic sampling, Yu et al. 2025). Groups of one are dropped."""
@@ -32,7 +57,7 @@ def zero_variance(rewards: Tensor, group_id: Tensor, *, tol: float = 1e-8) -> Te
     return spread > tol
 
 
-@FILTERS.register("accuracy_band")
+@FILTERS.register("accuracy_band", config=AccuracyBandConfig)
 def accuracy_band(rewards: Tensor, group_id: Tensor, *, lo: float = 0.1, hi: float = 0.9) -> Tensor:
     """Keep groups whose mean reward (success rate) lies in [lo, hi], bounds included
     (SimpleVLA-RL, Li et al. 2025): too easy and too hard tasks give little signal."""

@@ -8,10 +8,30 @@ reward with :func:`kl_in_reward` (PPO-RLHF).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
+from mmrl.config import option
+from mmrl.errors import ConfigError
 from mmrl.registry import KL_ESTIMATORS
+
+
+@dataclass
+class KLConfig:
+    """``algo.kl``: the divergence to the reference policy. ``coef`` 0 keeps no reference."""
+
+    type: str = option("k3", "estimator from sampled log-probs (k1, k2, k3), or exact: the policy's closed-form per-decision KL (Gaussian denoising steps)")
+    coef: float = option(0.0, "weight of the KL (0 = off, no reference model is kept)", ge=0)
+    in_reward: bool = option(False, "subtract coef * sum_t KL from the reward (PPO-RLHF) instead of adding a loss term")
+
+    def validate(self, path: str) -> None:
+        known = [*KL_ESTIMATORS.names(), "exact"]
+        if self.type not in known:
+            raise ConfigError(f"{path}.type", self.type, f"known kl types: {', '.join(known)}")
+        if self.type == "exact" and self.in_reward:
+            raise ConfigError(f"{path}.in_reward", True, "kl type exact is a loss term (it needs the policy's gradient); use k1/k2/k3 in the reward")
 
 REDUCTIONS = ("mean", "sum")
 

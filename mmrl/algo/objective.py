@@ -17,10 +17,55 @@ has ``fn.needs_proximal = True`` and takes ``prox_logp``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
+from mmrl.config import Component, option
 from mmrl.registry import OBJECTIVES
+
+
+@dataclass
+class ObjectiveConfig(Component):
+    """``algo.objective``: the per-decision surrogate (``type``) and its own options."""
+
+    type: str = option("ppo_clip", "per-decision surrogate (mmrl list objectives)")
+    log_ratio_clamp: float = option(20.0, "log-ratios are clamped to +-this before exp", gt=0)
+
+
+@dataclass
+class PPOClipConfig(ObjectiveConfig):
+    eps_low: float = option(0.2, "lower clip range of the importance ratio: 1 - eps_low", ge=0)
+    eps_high: float = option(0.2, "upper clip range: 1 + eps_high (DAPO clip-higher 0.28)", ge=0)
+    dual_clip: float | None = option(None, "dual-clip constant c > 1 bounding the loss of negative advantages (null = off)", gt=1)
+
+
+@dataclass
+class CISPOConfig(ObjectiveConfig):
+    type: str = option("cispo", "per-decision surrogate (mmrl list objectives)")
+    eps_high: float = option(5.0, "absolute cap on the importance weight: w <= eps_high (MiniMax-M1, TRL)", gt=0)
+    eps_low: float | None = option(None, "if set, also clamp the weight below at 1 - eps_low (verl's two-sided form); null = one-sided", ge=0)
+
+
+@dataclass
+class GSPOConfig(ObjectiveConfig):
+    type: str = option("gspo", "per-decision surrogate (mmrl list objectives)")
+    eps_low: float = option(3e-4, "lower clip range of the sequence ratio", ge=0)
+    eps_high: float = option(4e-4, "upper clip range of the sequence ratio", ge=0)
+
+
+@dataclass
+class ReinforceConfig(ObjectiveConfig):
+    type: str = option("reinforce", "per-decision surrogate (mmrl list objectives)")
+
+
+@dataclass
+class DecoupledPPOConfig(ObjectiveConfig):
+    type: str = option("decoupled_ppo", "per-decision surrogate (mmrl list objectives)")
+    eps_low: float = option(0.2, "lower clip range of the ratio to the proximal policy", ge=0)
+    eps_high: float = option(0.2, "upper clip range of the ratio to the proximal policy", ge=0)
+    behav_weight_cap: float = option(5.0, "behaviour weights above this are zeroed", gt=0)
 
 
 def _ratio(logp: Tensor, base_logp: Tensor, log_ratio_clamp: float) -> Tensor:
@@ -36,7 +81,7 @@ def _clipped_surrogate(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: flo
     return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
-@OBJECTIVES.register("ppo_clip")
+@OBJECTIVES.register("ppo_clip", config=PPOClipConfig)
 def ppo_clip(
     logp: Tensor,
     old_logp: Tensor,
@@ -68,7 +113,7 @@ def ppo_clip(
     return loss, stats
 
 
-@OBJECTIVES.register("cispo")
+@OBJECTIVES.register("cispo", config=CISPOConfig)
 def cispo(
     logp: Tensor,
     old_logp: Tensor,
@@ -91,7 +136,7 @@ def cispo(
     return -weight * adv * logp, {"ratio": ratio, "clipped": (weight != ratio).float()}
 
 
-@OBJECTIVES.register("gspo")
+@OBJECTIVES.register("gspo", config=GSPOConfig)
 def gspo(
     logp: Tensor,
     old_logp: Tensor,
@@ -118,7 +163,7 @@ def gspo(
     return loss, {"ratio": ratio.detach(), "clipped": clipped.float()}
 
 
-@OBJECTIVES.register("reinforce")
+@OBJECTIVES.register("reinforce", config=ReinforceConfig)
 def reinforce(
     logp: Tensor, old_logp: Tensor, adv: Tensor, *, mask: Tensor | None = None, log_ratio_clamp: float = 20.0
 ):
@@ -128,7 +173,7 @@ def reinforce(
     return -adv * logp, {"ratio": ratio, "clipped": torch.zeros_like(ratio)}
 
 
-@OBJECTIVES.register("decoupled_ppo")
+@OBJECTIVES.register("decoupled_ppo", config=DecoupledPPOConfig)
 def decoupled_ppo(
     logp: Tensor,
     old_logp: Tensor,

@@ -53,10 +53,20 @@ class PolicyModule(nn.Module):
         (``algo.replay_loss: sft``). Only reshapes and decodes: it touches no parameter."""
         raise NotImplementedError(f"{type(self).__name__} cannot turn its replay into a sft_loss batch (algo.replay_loss: sft)")
 
-    def forward(self, replay: dict[str, Any], mode: str = "log_prob") -> Tensor:
-        # the distributed wrapper syncs gradients of what goes through forward: both the RL
-        # pass (log_prob) and supervised fine-tuning (sft) do
-        return self.sft_loss(replay) if mode == "sft" else self.log_prob(replay)
+    def exact_kl(self, replay: dict[str, Any], reference: nn.Module) -> Tensor:
+        """Optional: the exact KL(πθ ‖ πref) of each replayed decision [N, T], with gradient
+        w.r.t. this policy (``algo.kl.type: exact``), e.g. the closed-form Gaussian KL of a
+        denoising step."""
+        raise NotImplementedError(f"{type(self).__name__} has no closed-form per-decision KL (algo.kl.type: exact)")
+
+    def forward(self, replay: dict[str, Any], mode: str = "log_prob", reference: nn.Module | None = None):
+        # the distributed wrapper syncs gradients of what goes through forward: the RL pass
+        # (log_prob, with the exact KL when asked) and supervised fine-tuning (sft) all do
+        if mode == "sft":
+            return self.sft_loss(replay)
+        if mode == "log_prob_and_kl":
+            return self.log_prob(replay), self.exact_kl(replay, reference)
+        return self.log_prob(replay)
 
     def save_extra(self, directory) -> None:
         """Write files the weights do not hold (e.g. a tokenizer) next to them; called by

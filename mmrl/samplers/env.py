@@ -41,7 +41,7 @@ from mmrl.core.rollout import Rollout
 from mmrl.core.sampler import Sampler, group_seed
 from mmrl.errors import ConfigError
 from mmrl.registry import ENVS, SAMPLERS
-from mmrl.train.config import SamplerConfig
+from mmrl.core.config import SamplerConfig
 
 # Training resets use seeds below 2**31; evaluation uses seeds in [2**31, 2**32) so that
 # evaluation episodes never repeat training episodes (2**32 is the largest seed numpy's
@@ -68,7 +68,7 @@ class EnvSampler(Sampler):
             raise ConfigError("env", None, "the env sampler needs an env section, e.g. env: {type: gym, id: mmrl/PointReach-v0}")
         self.config = sampler_cfg
         self.seed = train_cfg.seed
-        self.gamma = train_cfg.algo.gamma
+        self.gamma = train_cfg.algo.advantage.gamma
         self.env = ENVS.get(train_cfg.env.type, "env.type")(train_cfg.env, train_cfg.seed)
         self.num_envs = self.env.num_envs
         space = self.env.single_action_space
@@ -132,10 +132,19 @@ class EnvSampler(Sampler):
             parts.append(part)
         return Rollout.cat(parts)
 
+    def metrics(self, rollout: Rollout) -> dict[str, Tensor]:
+        """Per episode: success (``success_rate``), undiscounted return and length."""
+        info = rollout.info
+        return {"success_rate": info["success"], "episode_return": info["return"], "episode_length": info["length"]}
+
+    def counters(self) -> dict[str, float]:
+        return {"env_steps": float(self.env_steps)}
+
     @torch.no_grad()
-    def evaluate(self, policy, episodes: int, seed: int, videos: int = 0) -> dict[str, Any]:
+    def evaluate(self, policy, episodes: int, seed: int, rewards=None, videos: int = 0) -> dict[str, Any]:
         """``episodes`` episodes seeded from ``seed`` (disjoint from every training episode's
         seed), with the mean action or, if ``eval_deterministic`` is false, seeded samples.
+        Success comes from the env; ``rewards`` is not needed.
 
         Returns the success rate, mean return and length, the per-episode ``successes``, and,
         if ``videos`` > 0, ``frames``: the camera images [T, H, W, 3] of the first ``videos``

@@ -19,8 +19,8 @@ from mmrl.config import option
 from mmrl.core.policy import Policy, Sample
 from mmrl.core.rollout import Rollout
 from mmrl.core.sampler import Sampler, group_seed
-from mmrl.registry import REWARDS, SAMPLERS
-from mmrl.train.config import SamplerConfig
+from mmrl.registry import SAMPLERS
+from mmrl.core.config import SamplerConfig
 
 
 @dataclass
@@ -71,7 +71,7 @@ class PromptSampler(Sampler):
         return Rollout.cat(rollouts)
 
     @torch.no_grad()
-    def evaluate(self, policy: Policy, episodes: int, seed: int) -> dict[str, Any]:
+    def evaluate(self, policy: Policy, episodes: int, seed: int, rewards=None) -> dict[str, Any]:
         """``episodes`` deterministic samples (greedy / mean), prompts taken round-robin.
 
         ``reward_mean`` is the mean over samples of Σ_k weight_k · reward_k with the run's
@@ -80,9 +80,7 @@ class PromptSampler(Sampler):
         prompt = torch.arange(episodes, device=_device(policy)) % self.config.num_prompts
         sample = policy.sample(prompt, torch.Generator().manual_seed(seed), deterministic=True)
         rollout = _rollout(sample, prompt, torch.arange(episodes))
-        reward = torch.zeros(episodes, device=sample.logp.device)
-        for i, cfg in enumerate(self.train_cfg.rewards):
-            reward = reward + cfg.weight * REWARDS.get(cfg.type, f"rewards[{i}].type")(rollout, cfg).float()
+        reward = rewards.combine(rewards.score(rollout, policy=policy), rollout.group_id)
         metrics = {"reward_mean": reward.mean().item(), "episodes": episodes}
         if "success" in sample.info:
             metrics["success_rate"] = torch.as_tensor(sample.info["success"]).float().mean().item()

@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from mmrl.algo.advantage import AdvantageConfig, GroupNormConfig
+from mmrl.algo.aggregation import AggregationConfig
+from mmrl.algo.filters import FilterConfig
+from mmrl.algo.kl import KLConfig
+from mmrl.algo.objective import ObjectiveConfig, PPOClipConfig
 from mmrl.config import option
 from mmrl.core.config import EnvConfig, PolicyConfig, RewardConfig, SamplerConfig
 from mmrl.errors import ConfigError
@@ -18,70 +23,51 @@ class DataConfig:
 
 
 @dataclass
+class SelfImitationConfig:
+    """Self-imitation (SIL, Oh et al. 2018): a memory of past positive-advantage samples and,
+    after each update, supervised steps on them (``mmrl/train/self_imitation.py``)."""
+
+    size: int = option(0, "samples kept in the memory (first in, first out); 0 = off", ge=0)
+    steps: int = option(4, "optimizer steps on the memory after each update", ge=1)
+    batch: int = option(64, "samples drawn from the memory per step (over all processes)", ge=1)
+    loss: Literal["logp", "sft"] = option(
+        "logp", "-A+ logpi of the replayed decisions, or the policy's own supervised loss (flow matching, token cross-entropy) on the executed actions, weighted by A+"
+    )
+    in_checkpoint: bool = option(True, "save the memory in checkpoints (false: smaller checkpoints; a resumed run refills the memory, so resume is not bit-exact)")
+
+
+@dataclass
 class AlgoConfig:
+    """The group-relative core: one section per axis, each with a ``type`` and that method's
+    own options (``mmrl list advantages|objectives|aggregations|filters|kl``); presets in
+    ``configs/presets/`` pick one per axis."""
+
     type: Literal["rl", "sft"] = option(
-        "rl", "rl: the group-relative policy-gradient loop; sft: behaviour cloning / supervised fine-tuning on data.path"
+        "rl", "rl: the group-relative policy-gradient loop; sft: supervised fine-tuning on data.path (no rollouts)"
     )
     group_size: int = option(8, "G: samples per prompt / initial state (MC-GRPO: G+1)", ge=1)
     groups_per_step: int = option(8, "groups collected per training step (over all processes)", ge=1)
-    advantage: str = option("grpo", "advantage estimator (mmrl list advantages)")
-    std: Literal["group", "batch", "none"] = option("group", "advantage scale: group std (GRPO), batch std (Lite PPO) or none (Dr. GRPO)")
-    ddof: int = option(0, "delta degrees of freedom of the std (0 population as Flow-GRPO, 1 Bessel as TRL/verl)", ge=0, le=1)
-    adv_eps: float = option(1e-6, "epsilon added to the std (TRL 1e-4, verl 1e-6)", gt=0)
-    psr_weight: float = option(0.1, "psr_nsr: advantage of positive samples (W-REINFORCE lambda)", ge=0)
-    nsr_weight: float = option(1.0, "psr_nsr: magnitude of the negative samples' advantage", ge=0)
-    adv_clip: float | None = option(None, "clip advantages to [-adv_clip, adv_clip] (null = no clip)", gt=0)
-    multi_reward: Literal["sum_then_normalize", "normalize_then_sum"] = option(
-        "sum_then_normalize", "several reward components: weighted sum then advantage, or per-component advantages then sum"
+    reward_aggregation: Literal["weighted_sum", "normalize_then_sum", "log_tamed"] = option(
+        "weighted_sum", "several reward components: weighted sum, per-group normalized then summed, or log(1+r) on high-variance components then summed"
     )
-    filters: list[str] = option(factory=list, doc="group filters applied before the update (zero_variance, accuracy_band)")
-    accuracy_lo: float = option(0.1, "accuracy_band: lowest group mean reward kept", ge=0)
-    accuracy_hi: float = option(0.9, "accuracy_band: highest group mean reward kept", ge=0)
+    log_tamed_threshold: Literal["mean", "median"] = option("mean", "log_tamed: tame components whose coefficient of variation exceeds the mean or the median of all components'")
+    advantage: AdvantageConfig = option(factory=GroupNormConfig, doc="advantage estimator and its options")
+    filters: list[FilterConfig] = option(factory=list, doc="group filters applied before the update, e.g. [{type: zero_variance}]")
     resample_rounds: int = option(0, "extra collection rounds to refill the batch after filtering (DAPO dynamic sampling)", ge=0)
-    objective: str = option("ppo_clip", "per-decision surrogate (mmrl list objectives)")
-    eps_low: float = option(0.2, "lower clip range of the importance ratio", ge=0)
-    eps_high: float = option(0.2, "upper clip range (DAPO clip-higher 0.28; CISPO absolute cap)", ge=0)
-    dual_clip: float | None = option(None, "dual-clip constant c for negative advantages (null = off)", gt=1)
-    behav_weight_cap: float = option(5.0, "decoupled_ppo: behaviour weights above this are zeroed", gt=0)
-    log_ratio_clamp: float = option(20.0, "log-ratios are clamped to +-this before exp", gt=0)
-    aggregation: str = option("token_mean", "how per-decision losses become one number (mmrl list aggregations)")
-    max_len: int | None = option(None, "const_norm: the fixed length L divided by (null = longest in batch)", ge=1)
-    kl_coef: float = option(0.0, "weight of the KL to the reference policy (0 = no reference kept)", ge=0)
-    kl_estimator: str = option("k3", "KL estimator: k1, k2 or k3")
-    kl_in_reward: bool = option(False, "subtract coef * sum_t KL from the reward instead of adding a loss term")
+    objective: ObjectiveConfig = option(factory=PPOClipConfig, doc="per-decision surrogate and its options")
+    aggregation: AggregationConfig = option(factory=AggregationConfig, doc="how per-decision losses become one number")
+    kl: KLConfig = option(factory=KLConfig, doc="KL to the reference policy")
     top_entropy_rho: float | None = option(None, "train only the top-rho fraction of decisions by entropy (80/20 rule)", gt=0, le=1)
     mask_truncated: bool = option(False, "drop samples that were truncated (no EOS / time limit) from the loss")
-    advantage_level: Literal["sequence", "step"] = option(
-        "sequence", "sequence: one advantage per sample; step: per decision, from group-relative returns-to-go (env samplers)"
-    )
-    step_reward_weight: float = option(0.0, "step level: weight of the env's per-step rewards added to the returns-to-go", ge=0)
-    gamma: float = option(1.0, "step level: discount of the returns-to-go", ge=0, le=1)
     ppo_epochs: int = option(1, "passes over each rollout", ge=1)
-    num_minibatches: int = option(1, "minibatches per epoch (whole groups are never split across processes)", ge=1)
-    replay_size: int = option(
-        0, "self-imitation (SIL, Oh et al. 2018): keep up to this many positive-advantage samples of past steps and, after each update, take replay_steps optimizer steps of -A+ logpi on replay_batch of them (0 = off)", ge=0
-    )
-    replay_steps: int = option(4, "self-imitation optimizer steps after each update", ge=1)
-    replay_batch: int = option(64, "samples drawn from the memory per self-imitation step", ge=1)
-    replay_loss: Literal["logp", "sft"] = option(
-        "logp", "self-imitation loss: -A+ logpi of the replayed decisions, or the policy's own supervised loss (flow matching, token cross-entropy) on the executed actions, weighted by A+"
-    )
+    num_minibatches: int = option(1, "optimizer steps per epoch, each on one slice of a global permutation of the batch", ge=1)
     micro_batches: int = option(1, "gradient accumulation: each minibatch's forward/backward runs in this many pieces before its one optimizer step (same update, less memory)", ge=1)
+    self_imitation: SelfImitationConfig = option(factory=SelfImitationConfig, doc="self-imitation of past positive-advantage samples")
 
     def validate(self, path: str) -> None:
-        from mmrl import registry
-
         p = f"{path}." if path else ""
-        registry.ADVANTAGES.entry(self.advantage, p + "advantage")
-        registry.OBJECTIVES.entry(self.objective, p + "objective")
-        registry.AGGREGATIONS.entry(self.aggregation, p + "aggregation")
-        registry.KL_ESTIMATORS.entry(self.kl_estimator, p + "kl_estimator")
-        for i, name in enumerate(self.filters):
-            registry.FILTERS.entry(name, f"{p}filters[{i}]")
-        if self.accuracy_lo > self.accuracy_hi:
-            raise ConfigError(p + "accuracy_lo", self.accuracy_lo, f"must be <= accuracy_hi ({self.accuracy_hi})")
-        if self.advantage in ("grpo", "rloo", "median") and self.group_size < 2:
-            raise ConfigError(p + "group_size", self.group_size, f"must be >= 2 for the group-relative advantage {self.advantage!r}")
+        if self.advantage.type in ("grpo", "rloo", "median") and self.group_size < 2:
+            raise ConfigError(p + "group_size", self.group_size, f"must be >= 2 for the group-relative advantage {self.advantage.type!r}")
 
 
 @dataclass

@@ -29,7 +29,7 @@ def _module_of(name: str) -> str:
 def batch_gradient(trainer: Trainer, step: int) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """One training batch (groups seeded as training step ``step``) and its loss gradient at
     ratio 1, per parameter; plus the batch's success/reward statistics."""
-    rollout = trainer.collect(step)
+    rollout = trainer.collect(step).rollout
     adv, keep = trainer.advantages(rollout)
     device = trainer.accelerator.device
     sampled = rollout.mask
@@ -42,7 +42,7 @@ def batch_gradient(trainer: Trainer, step: int) -> tuple[dict[str, torch.Tensor]
     loss.backward()
     grads = {n: p.grad.detach().flatten().cpu().clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    reward = trainer._combined_reward(rollout)
+    reward = trainer.rewards.combine(rollout.rewards.cpu(), rollout.group_id.cpu())
     stats = {
         "reward": reward.mean().item(),
         "informative": (adv.abs().amax(1) > 0).float().mean().item(),  # samples with a non-zero advantage

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from mmrl.algo.advantage import clip_advantages, combine_rewards, discounted_returns, grpo, median, passk, psr_nsr, rloo
+from mmrl.algo.advantage import clip_advantages, discounted_returns, grpo, median, passk, psr_nsr, rloo
 from mmrl.registry import ADVANTAGES
 
 # Two groups with non-contiguous, negative and interleaved ids:
@@ -117,39 +117,6 @@ def test_advantages_handle_a_large_batch_of_many_groups():
     adv, _ = grpo(rewards, groups)
     group_sums = torch.zeros(4096 * 1000).index_add_(0, groups, adv)
     assert group_sums.abs().max() < 1e-4  # advantages sum to zero within each group
-
-
-def test_combine_sum_then_normalize_sums_first():
-    rewards = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0]])
-    adv, keep = combine_rewards(rewards, torch.zeros(4, dtype=torch.long), [1.0, 2.0], "sum_then_normalize", grpo, std="none")
-    # weighted sums 1, 2, 3, 0; mean 1.5
-    torch.testing.assert_close(adv, torch.tensor([-0.5, 0.5, 1.5, -1.5]))
-    assert keep.all()
-
-
-def test_combine_normalize_then_sum_z_scores_the_weighted_sum():
-    rewards = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0]])
-    adv, _ = combine_rewards(rewards, torch.zeros(4, dtype=torch.long), [1.0, 2.0], "normalize_then_sum", grpo, eps=0.0)
-    # per component: [1, −1, 1, −1] and [−1, 1, 1, −1]; weighted sum [−1, 1, 3, −3];
-    # batch mean 0, population std sqrt(20/4) = 2.236068
-    torch.testing.assert_close(adv, torch.tensor([-0.447214, 0.447214, 1.341641, -1.341641]))
-
-
-def test_combine_normalize_then_sum_drops_any_components_pivot():
-    rewards = torch.tensor([[0.0, 3.0], [1.0, 2.0], [2.0, 1.0], [3.0, 0.0]])
-    adv, keep = combine_rewards(rewards, torch.zeros(4, dtype=torch.long), [1.0, 2.0], "normalize_then_sum", median, eps=0.0, std="none")
-    # component 0: median 1 (pivot sample 1), adv [−1, 0, 1, 2]; component 1: median 1 (pivot sample 2), adv [2, 1, 0, −1]
-    # weighted sum [3, 2, 1, 0]; kept samples 0 and 3: mean 1.5, std 1.5 → [1, ·, ·, −1]
-    assert keep.tolist() == [True, False, False, True]
-    torch.testing.assert_close(adv, torch.tensor([1.0, 0.0, 0.0, -1.0]))
-
-
-def test_combine_rejects_mismatched_weights_and_unknown_mode():
-    rewards = torch.zeros(4, 2)
-    with pytest.raises(ValueError, match="one column per weight"):
-        combine_rewards(rewards, torch.zeros(4, dtype=torch.long), [1.0], "sum_then_normalize", grpo)
-    with pytest.raises(ValueError, match="'average'"):
-        combine_rewards(rewards, torch.zeros(4, dtype=torch.long), [1.0, 1.0], "average", grpo)
 
 
 def test_clip_advantages():

@@ -12,6 +12,7 @@ from mmrl.policies.gaussian_mlp import GaussianMLPConfig
 from mmrl.registry import REWARDS, SAMPLERS
 from mmrl.rewards.env import ReturnRewardConfig, SuccessRewardConfig
 from mmrl.samplers.env import EnvSampler, EnvSamplerConfig
+from mmrl.algo.advantage import GroupNormConfig
 from mmrl.train.config import AlgoConfig, TrainConfig
 
 # Episodes end after 3..10 steps (or on success), so waves hold episodes of different
@@ -25,7 +26,7 @@ def make_sampler(num_envs=4, group_size=2, seed=0, gamma=1.0, env_kwargs=ENV_KWA
         env=GymEnvConfig(id="mmrl/PointReach-v0", num_envs=num_envs, kwargs=dict(env_kwargs)),
         policy=GaussianMLPConfig(hidden_sizes=[16]),
         sampler=EnvSamplerConfig(**sampler_fields),
-        algo=AlgoConfig(group_size=group_size, gamma=gamma),
+        algo=AlgoConfig(group_size=group_size, advantage=GroupNormConfig(gamma=gamma)),
     )
     return EnvSampler(cfg.sampler, cfg)
 

@@ -7,6 +7,7 @@ import torch
 
 from mmrl.config import from_dict
 from mmrl.core.policy import Sample
+from mmrl.core.reward import RewardContext, RewardSet
 from mmrl.core.weights import build_policy
 from mmrl.core.rollout import Rollout
 from mmrl.core.sampler import group_seed
@@ -18,9 +19,14 @@ from mmrl.samplers.prompt import PromptSampler, PromptSamplerConfig
 from mmrl.train.config import TrainConfig
 
 
+def reward_set(train_cfg):
+    return RewardSet(train_cfg.rewards, "weighted_sum", RewardContext())
+
+
 def setup(policy_cfg, rewards, seed: int = 0, num_prompts: int = 4):
     train_cfg = TrainConfig(seed=seed, policy=policy_cfg, sampler=PromptSamplerConfig(type="prompt", num_prompts=num_prompts), rewards=rewards)
     sampler = PromptSampler(train_cfg.sampler, train_cfg)
+    sampler.rewards = reward_set(train_cfg)
     torch.manual_seed(0)
     return sampler, build_policy(policy_cfg, sampler.policy_spec())
 
@@ -97,16 +103,16 @@ def test_rollout_logp_is_what_the_policy_recomputes_from_replay():
 def test_evaluate_is_greedy_and_weights_the_reward_components():
     rewards = [TokenFractionConfig(type="token_fraction", token=3, weight=2.0), TokenFractionConfig(type="token_fraction", token=5, weight=-0.5)]
     sampler, policy = setup(CategoricalSequenceConfig(type="categorical_sequence"), rewards)
-    metrics = sampler.evaluate(policy, episodes=10, seed=0)
+    metrics = sampler.evaluate(policy, episodes=10, seed=0, rewards=sampler.rewards)
     tokens = policy.sample(torch.arange(10) % 4, None, deterministic=True).output
     expected = (2.0 * (tokens == 3).float().mean(1) - 0.5 * (tokens == 5).float().mean(1)).mean().item()
     assert metrics == pytest.approx({"reward_mean": expected, "episodes": 10})
-    assert sampler.evaluate(policy, episodes=10, seed=1) == metrics  # greedy: the seed cannot matter
+    assert sampler.evaluate(policy, episodes=10, seed=1, rewards=sampler.rewards) == metrics  # greedy: the seed cannot matter
 
 
 def test_evaluate_of_the_chain_starts_from_seeded_noise():
     sampler, policy = setup(GaussianChainConfig(type="gaussian_chain"), [TargetDistanceConfig(type="target_distance")])
-    a, b, c = (sampler.evaluate(policy, episodes=16, seed=s) for s in (0, 0, 1))
+    a, b, c = (sampler.evaluate(policy, episodes=16, seed=s, rewards=sampler.rewards) for s in (0, 0, 1))
     assert a == b and a["reward_mean"] != c["reward_mean"]
     assert a["episodes"] == 16 and a["reward_mean"] < 0
 
@@ -124,6 +130,6 @@ class ConstantPolicy:
 
 def test_evaluate_reports_success_rate_when_the_policy_reports_success():
     train_cfg = TrainConfig(sampler=PromptSamplerConfig(type="prompt"), rewards=[TargetDistanceConfig(type="target_distance", target=2.0)])
-    metrics = PromptSampler(train_cfg.sampler, train_cfg).evaluate(ConstantPolicy(), episodes=8, seed=0)
+    metrics = PromptSampler(train_cfg.sampler, train_cfg).evaluate(ConstantPolicy(), episodes=8, seed=0, rewards=reward_set(train_cfg))
     # prompts 0 1 2 3 0 1 2 3: rewards -2 -1 0 -1 ..., success on the two 2s
     assert metrics == {"reward_mean": -1.0, "episodes": 8, "success_rate": 0.25}

@@ -1,5 +1,6 @@
 """Runs through the real command line: two processes vs one, SIGTERM + resume, train → eval → plot."""
 
+import math
 import os
 import signal
 import subprocess
@@ -45,6 +46,43 @@ def test_two_processes_match_one_process(tmp_path):
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
     ra, rb = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     assert [r["reward/total"] for r in ra] == [r["reward/total"] for r in rb]
+
+
+def _one_and_two_processes(tmp_path, cfg, port):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run([sys.executable, "-m", "mmrl", "train", cfg, "--run-dir", tmp_path / "one"], capture_output=True, text=True, env=env, timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port), "-m", "mmrl", "train", cfg, "--run-dir", tmp_path / "two"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert two.returncode == 0, two.stderr[-3000:]
+    return read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+
+
+def test_dynamic_sampling_with_two_processes_matches_one_process(tmp_path):
+    """DAPO: the zero-variance filter keeps different numbers of samples on each process and
+    refill rounds top the batch up; with global refill decisions, global minibatches and
+    global normalizers, two processes end with one process's parameters and metrics."""
+    data = yaml.safe_load((ROOT / "configs" / "toy_sequence_grpo.yaml").read_text())
+    data["defaults"] = str(ROOT / "configs" / "presets" / "dapo.yaml")
+    data.update(total_steps=4, log={"progress": False, "tensorboard": False}, eval={"at_end": False})
+    data["policy"].update(seq_len=1, vocab_size=4)  # reward 0/1: many groups have zero variance
+    data["rewards"] = [{"type": "token_fraction", "token": 3}]
+    data["algo"].update(groups_per_step=4, group_size=4, ppo_epochs=2, num_minibatches=2, micro_batches=2, resample_rounds=2)
+    path = tmp_path / "dapo.yaml"
+    path.write_text(yaml.safe_dump(data))
+    ra, rb = _one_and_two_processes(tmp_path, path, 29533)
+    a = load_file(str(tmp_path / "one/checkpoints/step_00000004/model.safetensors"))
+    b = load_file(str(tmp_path / "two/checkpoints/step_00000004/model.safetensors"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+    kept = [r["filter/kept_fraction"] for r in ra]
+    assert any(k < 1.0 for k in kept), kept  # the filter did drop groups
+    assert kept == [r["filter/kept_fraction"] for r in rb]
+    for key in ("reward/total", "loss/policy", "approx_kl", "objective/clipped", "grad_norm"):
+        for x, y in zip(ra, rb):
+            assert math.isclose(x[key], y[key], rel_tol=1e-5, abs_tol=1e-7), (key, x[key], y[key])
 
 
 def test_sigterm_writes_a_final_checkpoint_and_resume_finishes(tmp_path, write_config):

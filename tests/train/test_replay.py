@@ -8,7 +8,8 @@ from safetensors.torch import load_file
 
 from mmrl.core.rollout import Rollout
 from mmrl.train.metrics import read_metrics
-from mmrl.train.replay import SelfImitationMemory
+from mmrl.train.self_imitation import SelfImitationMemory
+from mmrl.train.self_imitation import sft_loss as sil_sft_loss
 from mmrl.train.trainer import Trainer, train
 from tests.train.test_trainer import env_config, toy_config
 
@@ -62,9 +63,9 @@ def test_self_imitation_steps_raise_the_log_prob_of_remembered_good_samples(tmp_
     positive-advantage samples become more likely, the more so the more steps."""
     gains = {}
     for steps in (1, 4):
-        cfg = toy_config("sequence", algo={"group_size": 8, "groups_per_step": 4, "replay_size": 64, "replay_steps": steps, "replay_batch": 16}, optim={"lr": 0.01})
+        cfg = toy_config("sequence", algo={"group_size": 8, "groups_per_step": 4, "self_imitation": {"size": 64, "steps": steps, "batch": 16}}, optim={"lr": 0.01})
         trainer = Trainer(cfg, tmp_path / f"steps{steps}")
-        rollout = trainer.collect(0)
+        rollout = trainer.collect(0).rollout
         adv, keep = trainer.advantages(rollout)
         assert trainer.memory.add(rollout, adv) == int((adv > 0).sum()) > 0
         before = _remembered_logp(trainer)
@@ -75,7 +76,7 @@ def test_self_imitation_steps_raise_the_log_prob_of_remembered_good_samples(tmp_
 
 
 def test_a_run_with_self_imitation_logs_its_memory_and_resumes_exactly(tmp_path):
-    algo = {"group_size": 4, "groups_per_step": 2, "ppo_epochs": 2, "replay_size": 6, "replay_batch": 4}
+    algo = {"group_size": 4, "groups_per_step": 2, "ppo_epochs": 2, "self_imitation": {"size": 6, "batch": 4}}
     train(env_config(total_steps=6, checkpoint={"every": 3}, algo=algo), tmp_path / "full")
     train(env_config(total_steps=3, algo=algo), tmp_path / "part")
     Trainer(env_config(total_steps=6, algo=algo), tmp_path / "part", resume=True).train()
@@ -94,6 +95,19 @@ def test_a_run_with_self_imitation_logs_its_memory_and_resumes_exactly(tmp_path)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_a_memory_left_out_of_checkpoints_is_refilled_on_resume(tmp_path):
+    algo = {"group_size": 4, "groups_per_step": 2, "self_imitation": {"size": 6, "batch": 4, "in_checkpoint": False}}
+    train(env_config(total_steps=3, algo=algo), tmp_path / "run")
+    state = torch.load(tmp_path / "run/checkpoints/step_00000003/state.pt", weights_only=True)
+    assert "replay_memory" not in state
+    kept = torch.load(tmp_path / "run/checkpoints/step_00000003/state.pt", weights_only=True)
+    trainer = Trainer(env_config(total_steps=5, algo=algo), tmp_path / "run", resume=True)
+    assert len(trainer.memory) == 0 and kept["step"] == 3
+    trainer.train()
+    sizes = [r["replay/size"] for r in read_metrics(tmp_path / "run") if r["step"] > 3 and "replay/size" in r]
+    assert sizes and sizes[-1] > 0
+
+
 TINY_VLA = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64, "vision_channels": [8, 8], "max_instruction_tokens": 6}
 VLA_POLICIES = {
     "flow_vla": {"type": "flow_vla", "backbone": TINY_VLA, "action_chunk": 2, "num_denoising_steps": 3, "expert_layers": 1, "expert_heads": 2},
@@ -108,7 +122,7 @@ def _vla_trainer(tmp_path, policy: str, **algo):
 
     data = point_reach_config(
         env={"num_envs": 8, "kwargs": {"max_steps": 8, "min_steps": 3}},
-        algo={"group_size": 4, "groups_per_step": 2, "replay_size": 64, "replay_batch": 16, "replay_loss": "sft", **algo},
+        algo={"group_size": 4, "groups_per_step": 2, "self_imitation": {"size": 64, "batch": 16, "loss": "sft", **algo}},
         optim={"lr": 0.003},
     )
     data["policy"] = VLA_POLICIES[policy]
@@ -133,8 +147,8 @@ def test_imitation_batch_holds_the_executed_actions_of_every_replayed_decision(t
 def test_sft_self_imitation_fits_the_remembered_actions_and_ignores_zero_weights(tmp_path, policy):
     """replay_loss: sft is the policy's supervised loss on the remembered decisions with
     A+ > 0, A+-weighted; its steps lower that loss on the memory."""
-    trainer = _vla_trainer(tmp_path, policy, replay_steps=20)
-    rollout = trainer.collect(0)
+    trainer = _vla_trainer(tmp_path, policy, steps=20)
+    rollout = trainer.collect(0).rollout
     adv, keep = trainer.advantages(rollout)
     rollout = rollout.with_(mask=trainer.train_mask(rollout, keep))
     assert trainer.memory.add(rollout, adv) > 0
@@ -144,13 +158,13 @@ def test_sft_self_imitation_fits_the_remembered_actions_and_ignores_zero_weights
     def memory_loss() -> float:
         torch.manual_seed(123)  # the same flow-matching noise every time
         with torch.no_grad():
-            return float(trainer._imitation_loss(mem.data.replay, weight, weight.sum()))
+            return float(sil_sft_loss(trainer.model, trainer.policy, mem.data.replay, weight, weight.sum()))
 
     # a weighted mean: scaling every weight (up, or down to sums far below 1) changes nothing
     for scale in (2.0, 1e-3):
         torch.manual_seed(123)
         with torch.no_grad():
-            scaled = float(trainer._imitation_loss(mem.data.replay, scale * weight, scale * weight.sum()))
+            scaled = float(sil_sft_loss(trainer.model, trainer.policy, mem.data.replay, scale * weight, scale * weight.sum()))
         assert scaled == pytest.approx(memory_loss(), rel=1e-5), scale
     # the actions of decisions without a positive advantage (padding, the failures' and
     # zero-advantage decisions) do not count
@@ -161,7 +175,7 @@ def test_sft_self_imitation_fits_the_remembered_actions_and_ignores_zero_weights
     replay[key] = torch.where(zero, scrambled, replay[key])
     torch.manual_seed(123)
     with torch.no_grad():
-        assert float(trainer._imitation_loss(replay, weight, weight.sum())) == pytest.approx(memory_loss(), rel=1e-5)
+        assert float(sil_sft_loss(trainer.model, trainer.policy, replay, weight, weight.sum())) == pytest.approx(memory_loss(), rel=1e-5)
     assert (weight == 0).any() and (weight > 0).any()
 
     before = memory_loss()
@@ -174,6 +188,6 @@ def test_sft_self_imitation_fits_the_remembered_actions_and_ignores_zero_weights
 def test_sft_replay_loss_needs_a_policy_with_an_imitation_batch(tmp_path):
     from mmrl.errors import ConfigError
 
-    cfg = env_config(algo={"replay_size": 8, "replay_loss": "sft"})
-    with pytest.raises(ConfigError, match="algo.replay_loss"):
+    cfg = env_config(algo={"self_imitation": {"size": 8, "loss": "sft"}})
+    with pytest.raises(ConfigError, match="algo.self_imitation.loss"):
         Trainer(cfg, tmp_path / "run")

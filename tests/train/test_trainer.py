@@ -57,7 +57,7 @@ def test_one_loop_one_preset_trains_tokens_denoising_steps_and_actions(tmp_path)
         "env": env_config(total_steps=25, algo={"group_size": 8, "groups_per_step": 4, "ppo_epochs": 4}, optim={"lr": 0.003}),
     }
     for kind, cfg in runs.items():
-        cfg.algo.kl_coef = 0.01  # the GRPO preset's KL term, kept small for a short run
+        cfg.algo.kl.coef = 0.01  # the GRPO preset's KL term, kept small for a short run
         train(cfg, tmp_path / kind)
         first, last = _first_last(read_metrics(tmp_path / kind), "reward/total")
         assert last > first + 0.1 * abs(first) + 0.05, (kind, first, last)
@@ -118,16 +118,60 @@ def test_nan_reward_stops_naming_step_and_component_and_keeps_last_checkpoint(tm
     load_file(str(tmp_path / "run/checkpoints" / latest / "model.safetensors"))  # intact
 
 
-@pytest.mark.parametrize("preset", sorted(p.stem for p in (ROOT / "configs" / "presets").glob("*.yaml")))
-def test_every_preset_runs_the_loop(tmp_path, preset):
+# What each preset must apply: (advantage type, its options), (objective type, options),
+# aggregation, filters, KL coefficient. Checked against the calls the trainer makes.
+PRESETS = {
+    "grpo": (("grpo", {"std": "group", "ddof": 0, "eps": 1e-6}), ("ppo_clip", {"eps_low": 0.2, "eps_high": 0.2, "dual_clip": None}), "seq_mean_token_mean", [], 0.04),
+    "dapo": (("grpo", {"std": "group", "ddof": 0, "eps": 1e-6}), ("ppo_clip", {"eps_low": 0.2, "eps_high": 0.28, "dual_clip": None}), "token_mean", ["zero_variance"], 0.0),
+    "dr_grpo": (("grpo", {"std": "none", "ddof": 0, "eps": 1e-6}), ("ppo_clip", {"eps_low": 0.2, "eps_high": 0.2, "dual_clip": None}), "const_norm", [], 0.0),
+    "lite_ppo": (("grpo", {"std": "batch", "ddof": 0, "eps": 1e-6}), ("ppo_clip", {"eps_low": 0.2, "eps_high": 0.2, "dual_clip": None}), "token_mean", [], 0.0),
+    "gspo": (("grpo", {"std": "group", "ddof": 0, "eps": 1e-6}), ("gspo", {"eps_low": 3e-4, "eps_high": 4e-4}), "seq_mean_token_mean", [], 0.0),
+    "cispo": (("grpo", {"std": "group", "ddof": 0, "eps": 1e-6}), ("cispo", {"eps_high": 5.0, "eps_low": None}), "token_mean", [], 0.0),
+    "mc_grpo": (("median", {"std": "group", "ddof": 0, "eps": 1e-6}), ("ppo_clip", {"eps_low": 0.2, "eps_high": 0.2, "dual_clip": None}), "token_mean", [], 0.0),
+    "w_reinforce": (("psr_nsr", {"psr_weight": 0.1, "nsr_weight": 1.0}), ("reinforce", {}), "token_mean", [], 0.0),
+}
+
+
+def test_every_shipped_preset_is_in_the_table():
+    assert sorted(PRESETS) == sorted(p.stem for p in (ROOT / "configs" / "presets").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_preset_applies_its_options_in_the_loop(tmp_path, preset):
+    """The trainer calls each axis's function with exactly the preset's options (spied
+    calls, not the config object), and the run's metrics are finite."""
     from mmrl.config import load_config
 
-    cfg = load_config(TrainConfig, ROOT / "configs" / "toy_sequence_grpo.yaml", [f"defaults=presets/{preset}", "total_steps=2", "algo.group_size=5", "log.progress=false", "log.tensorboard=false", "eval.episodes=4"])
-    summary = train(cfg, tmp_path / preset)
-    records = read_metrics(tmp_path / preset)
+    (adv_type, adv_options), (objective_type, objective_options), aggregation, filters, kl_coef = PRESETS[preset]
+    cfg = load_config(TrainConfig, ROOT / "configs" / "toy_sequence_grpo.yaml", [f"defaults=presets/{preset}", "total_steps=2", "algo.group_size=5", "log.progress=false", "log.tensorboard=false", "eval.episodes=4", "policy.seq_len=1", "policy.vocab_size=4"])
+    cfg.algo.kl.coef = kl_coef  # the toy config sets its own; the preset's value is checked below
+    trainer = Trainer(cfg, tmp_path / preset)
+    calls = {}
+
+    def spy(name, fn):
+        def wrapped(*args, **kwargs):
+            calls.setdefault(name, kwargs)
+            return fn(*args, **kwargs)
+        wrapped.needs_proximal = getattr(fn, "needs_proximal", False)
+        return wrapped
+
+    trainer.advantage_fn = spy(adv_type, trainer.advantage_fn)
+    trainer.objective_fn = spy(objective_type, trainer.objective_fn)
+    trainer.aggregate_fn = spy(aggregation, trainer.aggregate_fn)
+    trainer.filters = [(spy(name, fn), options) for (fn, options), name in zip(trainer.filters, filters)]
+    summary = trainer.train()
     assert summary["step"] == 2
-    assert any("loss/policy" in r for r in records) or preset == "dapo"
+    assert calls[adv_type] == adv_options
+    assert {k: v for k, v in calls[objective_type].items() if k not in ("mask", "log_ratio_clamp")} == objective_options
+    assert aggregation in calls
+    assert set(calls) >= set(filters)
+    records = read_metrics(tmp_path / preset)
+    assert any("loss/policy" in r for r in records)
     assert all(math.isfinite(v) for r in records for v in r.values() if isinstance(v, float))
+    from mmrl.config import load_yaml
+
+    preset_kl = load_yaml(ROOT / "configs" / "presets" / f"{preset}.yaml")["algo"]["kl"]["coef"]
+    assert preset_kl == kl_coef
 
 
 def test_metrics_tensorboard_and_checkpoint_layout(tmp_path):

@@ -1,0 +1,67 @@
+"""The few collectives the loop needs, for processes that may hold different numbers of rows.
+
+After group filters each process can keep a different number of samples, so every gather
+here is variable-length (sizes first, then padded rows). With one process every function is
+the identity, with no communication.
+
+The global order of rows is rank-major: process 0's rows, then process 1's, and so on.
+:func:`local_rows` turns a set of global row indices (a slice of a global permutation) into
+the local indices of this process's rows, which is how N processes take exactly the
+minibatches one process would.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class Collectives:
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
+        self.world = accelerator.num_processes
+        self.rank = accelerator.process_index
+        self.device = accelerator.device
+
+    def sizes(self, n: int) -> list[int]:
+        """Every process's ``n``, in rank order."""
+        if self.world == 1:
+            return [n]
+        t = torch.tensor([n], device=self.device)
+        return [int(v) for v in self.accelerator.gather(t).cpu()]
+
+    def gather_rows(self, t: Tensor, sizes: list[int] | None = None) -> Tensor:
+        """Concatenate every process's ``t`` along dim 0 (rank-major), whatever their lengths."""
+        if self.world == 1:
+            return t
+        sizes = sizes if sizes is not None else self.sizes(t.shape[0])
+        longest = max(sizes)
+        padded = torch.zeros((longest, *t.shape[1:]), dtype=t.dtype, device=self.device)
+        padded[: t.shape[0]] = t.to(self.device)
+        gathered = self.accelerator.gather(padded).cpu().view(self.world, longest, *t.shape[1:])
+        return torch.cat([gathered[r, : sizes[r]] for r in range(self.world)])
+
+    def sum(self, t: Tensor | float) -> Tensor:
+        """Sum over processes (a float64 tensor on the CPU)."""
+        t = torch.as_tensor(t, dtype=torch.float64)
+        if self.world == 1:
+            return t
+        return self.accelerator.reduce(t.to(self.device), "sum").cpu()
+
+    def max(self, value: int) -> int:
+        if self.world == 1:
+            return value
+        t = torch.tensor(value, device=self.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return int(t)
+
+    def offset(self, sizes: list[int]) -> int:
+        """Global index of this process's first row."""
+        return sum(sizes[: self.rank])
+
+
+def local_rows(global_rows: Tensor, start: int, count: int) -> Tensor:
+    """The local indices of the rows among ``global_rows`` that live on the process holding
+    global rows [start, start + count), in the order they appear in ``global_rows``."""
+    mine = (global_rows >= start) & (global_rows < start + count)
+    return global_rows[mine] - start
