@@ -17,6 +17,9 @@ import torch
 from mmrl.algo import aggregation, kl, objective
 from tests.parity.conftest import TOLERANCE, Batch, assert_same_value_and_grad, random_batch
 
+# GRPOConfig's defaults still set a TrainingArguments field transformers 5 deprecates
+pytestmark = pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")
+
 
 class OneProcess:
     """The part of an accelerate.Accelerator the loss reads, for a single process."""
@@ -87,7 +90,8 @@ def mmrl_loss(b: Batch, objective_fn, aggregate, objective_options=None, aggrega
     return loss
 
 
-# loss_type (+ TRL config) ↔ mmrl objective × aggregation; dr_grpo's budget is longer than the batch.
+# loss_type (+ TRL config) ↔ mmrl objective × aggregation (+ options). dr_grpo's budget is
+# longer than the batch; TRL's delta (two-sided clipping of negative advantages) is dual clip.
 LOSS_TYPES = {
     "grpo": ({}, objective.ppo_clip, {}, aggregation.seq_mean_token_mean, {}),
     "bnpo": ({}, objective.ppo_clip, {}, aggregation.token_mean, {}),
@@ -107,6 +111,15 @@ def test_loss_type_equals_mmrl_objective_and_aggregation(grpo_trainer_module, na
     _, stats = objective_fn(b.logp, b.old_logp, b.adv[:, None], mask=b.mask, **objective_options)
     clipped = stats["clipped"][b.mask.bool()]
     assert clipped.any() and not clipped.all() and (grad != 0).any()
+
+
+def test_grpo_counts_empty_completions_in_the_sequence_mean_as_mmrl(grpo_trainer_module):
+    # TRL's grpo averages over all B completions, also those with no valid token (verl
+    # divides by the non-empty ones only: tests/parity/test_verl.py)
+    b = random_batch(seed=16)
+    b.mask[[2, 5]] = 0
+    theirs = trl_loss(grpo_trainer_module, b, "grpo")
+    assert_same_value_and_grad(mmrl_loss(b, objective.ppo_clip, aggregation.seq_mean_token_mean), theirs, b.logp)
 
 
 @pytest.mark.parametrize(

@@ -130,22 +130,24 @@ def test_kl_estimators_equal_verl_kl_penalty(core_algos, verl_name, ours):
 
 # --- policy losses and aggregation -------------------------------------------------------
 
+# verl loss_agg_mode ↔ mmrl aggregation, with local normalisers (no global batch info);
+# verl's "token-sum" has no mmrl counterpart.
 AGG_MODES = [
-    ("token-mean", aggregation.token_mean, {}),
-    ("seq-mean-token-mean", aggregation.seq_mean_token_mean, {}),
-    ("seq-mean-token-sum", aggregation.seq_mean_token_sum, {}),
-    ("seq-mean-token-sum-norm", aggregation.const_norm, {}),
+    ("token-mean", aggregation.token_mean),
+    ("seq-mean-token-mean", aggregation.seq_mean_token_mean),
+    ("seq-mean-token-sum", aggregation.seq_mean_token_sum),
+    ("seq-mean-token-sum-norm", aggregation.const_norm),
 ]
 
 
-@pytest.mark.parametrize("mode, aggregate, agg_options", AGG_MODES)
-def test_vanilla_ppo_equals_ppo_clip_with_dual_clip_three(core_algos, mode, aggregate, agg_options):
+@pytest.mark.parametrize("mode, aggregate", AGG_MODES)
+def test_vanilla_ppo_equals_ppo_clip_with_dual_clip_three(core_algos, mode, aggregate):
     b = random_batch(seed=2, far_off=1.5)
     config = actor_config(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, loss_agg_mode=mode)
 
     def ours(logp):
         loss, _ = objective.ppo_clip(logp, b.old_logp, b.token_adv, mask=b.mask, eps_low=0.2, eps_high=0.28, dual_clip=3.0)
-        return aggregate(loss, b.mask, **agg_options)
+        return aggregate(loss, b.mask)
 
     def theirs(logp):
         return core_algos.compute_policy_loss_vanilla(b.old_logp, logp, b.token_adv, b.mask, mode, config)[0]
@@ -189,14 +191,14 @@ def test_vanilla_ppo_always_dual_clips_and_mmrl_only_when_asked(core_algos):
     assert bounded.any() and torch.equal(excess != 0, bounded) and (excess[bounded] > 0).all()
 
 
-@pytest.mark.parametrize("mode, aggregate, agg_options", AGG_MODES[:2])
-def test_gspo_equals_verl(core_algos, mode, aggregate, agg_options):
+@pytest.mark.parametrize("mode, aggregate", AGG_MODES[:2])
+def test_gspo_equals_verl(core_algos, mode, aggregate):
     b = random_batch(seed=4, log_ratio_scale=6e-4)
     config = actor_config(clip_ratio_low=3e-4, clip_ratio_high=4e-4, loss_agg_mode=mode)
 
     def ours(logp):
         loss, _ = objective.gspo(logp, b.old_logp, b.token_adv, mask=b.mask, eps_low=3e-4, eps_high=4e-4)
-        return aggregate(loss, b.mask, **agg_options)
+        return aggregate(loss, b.mask)
 
     def theirs(logp):
         return core_algos.compute_policy_loss_gspo(b.old_logp, logp, b.token_adv, b.mask, mode, config)[0]
@@ -239,14 +241,14 @@ def test_cispo_with_eps_low_and_one_plus_clip_high_equals_verl(core_algos):
     assert (ratio > 5).any() and (ratio < 0.8).any()
 
 
-@pytest.mark.parametrize("mode, aggregate, agg_options", AGG_MODES)
-def test_gpg_equals_reinforce(core_algos, mode, aggregate, agg_options):
+@pytest.mark.parametrize("mode, aggregate", AGG_MODES)
+def test_gpg_equals_reinforce(core_algos, mode, aggregate):
     b = random_batch(seed=6)
     config = actor_config(loss_agg_mode=mode)
 
     def ours(logp):
         loss, _ = objective.reinforce(logp, b.old_logp, b.token_adv, mask=b.mask)
-        return aggregate(loss, b.mask, **agg_options)
+        return aggregate(loss, b.mask)
 
     def theirs(logp):
         return core_algos.compute_policy_loss_gpg(b.old_logp, logp, b.token_adv, b.mask, mode, config)[0]
