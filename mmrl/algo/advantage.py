@@ -166,8 +166,9 @@ def combine_rewards(
 
     - ``"sum_then_normalize"``: r = Σ_k w_k·r_k, then ``advantage_fn(r)``.
     - ``"normalize_then_sum"``: a_k = ``advantage_fn(r_k)`` per component, a = Σ_k w_k·a_k,
-      then a batch z-score (a − mean a) / (std a + ε) with the population std (TRL's GDPO
-      option). The z-score's statistics use kept samples only.
+      then a batch z-score (a − mean a) / (std a + ε) with the population std (the scheme of
+      TRL's GDPO option, whose z-score takes Bessel's std and ε = 1e-4). The z-score's
+      statistics use kept samples only.
 
     ``eps`` and ``adv_kwargs`` go to ``advantage_fn``. In ``normalize_then_sum`` a sample is
     kept only if every component keeps it, and samples not kept get A = 0.
