@@ -32,14 +32,13 @@ def k2(logp: Tensor, ref_logp: Tensor) -> Tensor:
 
 @KL_ESTIMATORS.register("k3")
 def k3(logp: Tensor, ref_logp: Tensor, *, log_ratio_clamp: float = 20.0, cap: float | None = 10.0) -> Tensor:
-    """k3 = min(exp(δ) − δ − 1, cap) with δ = clamp(logπref − logπθ, −c, c), c = ``log_ratio_clamp``:
-    non-negative, and unbiased where neither clamp acts (GRPO's KL).
+    """k3 = min(exp(δ) − δ − 1, cap), δ = clamp(logπref − logπθ, ±log_ratio_clamp) (GRPO's KL).
 
-    Library semantics, as verl's ``low_var_kl``: δ is clamped to ±20 so ``exp`` cannot
-    overflow, then the estimate is capped at 10 so one far-off-reference decision cannot
-    dominate the loss (δ = 5 gives 10, not e⁵ − 6 = 142.4). Where either clamp acts the
-    gradient is zero. TRL clamps nothing: ``cap=None`` and ``log_ratio_clamp=math.inf``
-    give its form.
+    Non-negative, and unbiased where neither clamp acts. Library semantics, as verl's
+    ``low_var_kl``: δ is clamped to ±20 so ``exp`` cannot overflow, then the estimate is
+    capped at 10 so one far-off-reference decision cannot dominate the loss (δ = 5 gives
+    10, not e⁵ − 6 = 142.4). Where either clamp acts the gradient is zero. TRL clamps
+    nothing: ``cap=None`` and ``log_ratio_clamp=math.inf`` give its form.
     """
     delta = (ref_logp - logp).clamp(-log_ratio_clamp, log_ratio_clamp)
     kl = torch.exp(delta) - delta - 1
