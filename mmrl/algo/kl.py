@@ -2,8 +2,9 @@
 
 Every registered estimator maps ``logp, ref_logp: Tensor[B, T]`` to a per-decision
 estimate ``Tensor[B, T]`` of KL(πθ ‖ πref) on samples from πθ (Schulman 2020,
-"Approximating KL Divergence"). Use one as a loss term (GRPO) or subtract it from the
-reward with :func:`kl_in_reward` (PPO-RLHF).
+"Approximating KL Divergence"); any further parameter is a keyword option with a default,
+so ``fn(logp, ref_logp)`` always works. Use one as a loss term (GRPO) or subtract it from
+the reward with :func:`kl_in_reward` (PPO-RLHF).
 """
 
 from __future__ import annotations
@@ -50,14 +51,18 @@ def k2(logp: Tensor, ref_logp: Tensor) -> Tensor:
 
 
 @KL_ESTIMATORS.register("k3")
-def k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
-    """k3 = exp(δ) − δ − 1 with δ = logπref − logπθ: unbiased and non-negative (GRPO's KL).
+def k3(logp: Tensor, ref_logp: Tensor, *, log_ratio_clamp: float = 20.0, cap: float | None = 10.0) -> Tensor:
+    """k3 = min(exp(δ) − δ − 1, cap), δ = clamp(logπref − logπθ, ±log_ratio_clamp) (GRPO's KL).
 
-    Library semantics: δ is clamped to ±10 first (as verl), so one far-off-reference
-    decision cannot dominate the loss; beyond the clamp the gradient is zero.
+    Non-negative, and unbiased where neither clamp acts. Library semantics, as verl's
+    ``low_var_kl``: δ is clamped to ±20 so ``exp`` cannot overflow, then the estimate is
+    capped at 10 so one far-off-reference decision cannot dominate the loss (δ = 5 gives
+    10, not e⁵ − 6 = 142.4). Where either clamp acts the gradient is zero. TRL clamps
+    nothing: ``cap=None`` and ``log_ratio_clamp=math.inf`` give its form.
     """
-    delta = (ref_logp - logp).clamp(-10.0, 10.0)
-    return torch.exp(delta) - delta - 1
+    delta = (ref_logp - logp).clamp(-log_ratio_clamp, log_ratio_clamp)
+    kl = torch.exp(delta) - delta - 1
+    return kl if cap is None else kl.clamp(max=cap)
 
 
 def gaussian_kl(

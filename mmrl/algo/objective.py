@@ -124,12 +124,17 @@ def cispo(
     eps_low: float | None = None,
     log_ratio_clamp: float = 20.0,
 ):
-    """CISPO: L = −sg(clip(w))·A·logπθ (MiniMax 2025, "MiniMax-M1").
+    """CISPO: L = −sg(min(w, eps_high))·A·logπθ, one-sided (MiniMax 2025, "MiniMax-M1").
 
-    The clipped importance weight is a constant coefficient, so every decision keeps a
-    gradient. Library semantics: ``eps_high`` is an absolute cap on w (w ≤ eps_high, as
-    TRL), not 1 + eps_high; with ``eps_low`` set, w is also clamped below at 1 − eps_low
-    (as verl). The loss value depends on logπθ itself; only its gradient is meaningful.
+    With ``eps_low`` set, L = −sg(clamp(w, 1 − eps_low, eps_high))·A·logπθ. The clipped
+    importance weight is a constant coefficient, so every decision keeps a gradient.
+
+    Library semantics: ``eps_high`` is an absolute cap on w, not 1 + eps_high. The default
+    (``eps_low=None``) is one-sided, as the paper and TRL's ``cispo``: a ratio far below 1
+    keeps its small weight. Setting ``eps_low`` also raises weights below 1 − eps_low, as
+    verl's ``cispo`` does (verl's upper bound is 1 + clip_ratio_high, i.e.
+    ``eps_high = 1 + clip_ratio_high`` here). The loss value depends on logπθ itself; only
+    its gradient is meaningful.
     """
     ratio = _ratio(logp.detach(), old_logp, log_ratio_clamp)
     weight = ratio.clamp(min=None if eps_low is None else 1 - eps_low, max=eps_high)

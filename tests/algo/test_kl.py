@@ -30,10 +30,32 @@ def test_k3_values_and_gradient():
     torch.testing.assert_close(logp.grad, torch.tensor([[1 - math.exp(-0.5), 1 - math.e, 0.0]]))
 
 
-def test_k3_clamps_log_ratio_to_ten():
-    kl = k3(torch.tensor([0.0, -50.0]), torch.tensor([-50.0, 0.0]))
-    # δ = −50 → −10: e^−10 + 10 − 1 = 9.0000454;  δ = 50 → 10: e^10 − 11 = 22015.465795
-    torch.testing.assert_close(kl, torch.tensor([9.0000454, 22015.465795]))
+def test_k3_caps_the_estimate_at_ten_as_verl():
+    logp = torch.tensor([0.0, 0.0, 0.0, -50.0], requires_grad=True)
+    ref = torch.tensor([5.0, 2.0, -5.0, 0.0])
+    kl = k3(logp, ref)
+    # δ = 5: e^5 − 6 = 142.413 → 10;  δ = 2: e^2 − 3 = 4.389056 (under the cap);
+    # δ = −5: e^−5 + 4 = 4.006738 (grows only linearly for δ < 0);  δ = 50 → 20: e^20 − 21 → 10
+    torch.testing.assert_close(kl, torch.tensor([10.0, 4.389056, 4.006738, 10.0]))
+    kl.sum().backward()
+    # d/dlogp = 1 − e^δ under the cap, 0 where the cap acts
+    torch.testing.assert_close(logp.grad, torch.tensor([0.0, 1 - math.exp(2.0), 1 - math.exp(-5.0), 0.0]))
+
+
+def test_k3_clamps_the_log_ratio_before_exp():
+    # δ = −50 → −20: e^−20 + 19 = 19.000000002, then the cap: 10
+    torch.testing.assert_close(k3(torch.tensor([50.0]), torch.tensor([0.0])), torch.tensor([10.0]))
+    # uncapped: the clamp alone bounds it
+    torch.testing.assert_close(k3(torch.tensor([50.0]), torch.tensor([0.0]), cap=None), torch.tensor([19.0]))
+    # δ = 50 → 10 with log_ratio_clamp=10: e^10 − 11 = 22015.465795
+    kl = k3(torch.tensor([0.0]), torch.tensor([50.0]), log_ratio_clamp=10.0, cap=None)
+    torch.testing.assert_close(kl, torch.tensor([22015.465795]))
+
+
+def test_k3_without_clamps_is_trls_form():
+    # δ = 5: e^5 − 6 = 142.413159, neither clamped nor capped
+    kl = k3(torch.tensor([0.0]), torch.tensor([5.0]), log_ratio_clamp=math.inf, cap=None)
+    torch.testing.assert_close(kl, torch.tensor([142.413159]))
 
 
 def test_gaussian_kl_mean_and_sum_over_latent_dims():

@@ -74,12 +74,22 @@ def test_cispo_gradient_is_clipped_weight_times_advantage():
     torch.testing.assert_close(logp.grad, torch.tensor([[-0.5 / 3, 2.0 / 3, -10.0 / 3]]))
 
 
-def test_cispo_eps_low_clamps_below_as_verl():
+def test_cispo_is_one_sided_unless_eps_low_is_set():
     logp, old = _logp([0.5, 8.0], old=0.0)
-    loss, stats = cispo(logp, old, torch.tensor([[1.0, 1.0]]), eps_low=0.2, eps_high=5.0)
-    # w: 0.5 → 0.8:  −0.8·ln 0.5 = 0.554518;  8 → 5: −5·ln 8 = −10.397208
-    torch.testing.assert_close(loss, torch.tensor([[0.554518, -10.397208]]))
+    adv = torch.tensor([[1.0, 1.0]])
+    one_sided, stats = cispo(logp, old, adv, eps_high=5.0)
+    # w: 0.5 kept, 8 → 5:  −0.5·ln 0.5 = 0.346574;  −5·ln 8 = −10.397208
+    torch.testing.assert_close(one_sided, torch.tensor([[0.346574, -10.397208]]))
+    torch.testing.assert_close(stats["clipped"], torch.tensor([[0.0, 1.0]]))
+    (grad,) = torch.autograd.grad(one_sided.sum(), logp)
+    torch.testing.assert_close(grad, torch.tensor([[-0.5, -5.0]]))
+
+    two_sided, stats = cispo(logp, old, adv, eps_low=0.2, eps_high=5.0)
+    # w: 0.5 → 0.8 (verl's lower clamp):  −0.8·ln 0.5 = 0.554518
+    torch.testing.assert_close(two_sided, torch.tensor([[0.554518, -10.397208]]))
     torch.testing.assert_close(stats["clipped"], torch.tensor([[1.0, 1.0]]))
+    (grad,) = torch.autograd.grad(two_sided.sum(), logp)
+    torch.testing.assert_close(grad, torch.tensor([[-0.8, -5.0]]))
 
 
 def test_gspo_uses_masked_sequence_ratio():
