@@ -7,8 +7,9 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from mmrl.config import from_dict
+from mmrl.config import from_dict, load_config
 from mmrl.core.policy import Sample
 from mmrl.core.reward import RewardContext, RewardSet
 from mmrl.core.rollout import Rollout
@@ -21,6 +22,9 @@ from mmrl.registry import SAMPLERS
 from mmrl.rewards.toy import AnswerTargetConfig, AnswerTokenConfig, TargetDistanceConfig, TokenFractionConfig
 from mmrl.samplers.prompt import PromptSampler, PromptSamplerConfig
 from mmrl.train.config import AlgoConfig, TrainConfig
+from mmrl.train.metrics import read_metrics
+from mmrl.train.trainer import Trainer, train
+from tests.conftest import ROOT
 
 
 def train_config(policy_cfg=None, rewards=(), seed: int = 0, groups_per_step: int = 8, **sampler) -> TrainConfig:
@@ -339,3 +343,38 @@ def test_evaluate_reports_success_rate_when_the_policy_reports_success():
     metrics = PromptSampler(cfg.sampler, cfg).evaluate(RecordingPolicy(), episodes=8, seed=0)
     # conditions 0 1 2 3 0 1 2 3: rewards -2 -1 0 -1 ..., correct and successful on the two 2s
     assert metrics == pytest.approx({"episodes": 8, "reward_mean": -1.0, "accuracy": 0.25, "accuracy_ci_low": 0.07148, "accuracy_ci_high": 0.59073, "success_rate": 0.25}, abs=1e-5)
+
+
+# ------------------------------------------------------------------ through the trainer
+
+
+def example_config(tmp_path, **changes) -> TrainConfig:
+    """examples/prompts/toy_answers_grpo.yaml, its prompt file found from anywhere."""
+    overrides = [f"sampler.data.train={ROOT / 'examples/prompts/toy_answers.jsonl'}", "log.progress=false", "log.tensorboard=false"]
+    return load_config(TrainConfig, ROOT / "examples/prompts/toy_answers_grpo.yaml", overrides + [f"{k}={v}" for k, v in changes.items()])
+
+
+def test_the_answers_example_learns_every_records_answer(tmp_path):
+    cfg = example_config(tmp_path, total_steps=30)
+    sampler = PromptSampler(cfg.sampler, cfg)
+    torch.manual_seed(cfg.seed)
+    before = sampler.evaluate(build_policy(cfg.policy, sampler.policy_spec()), cfg.eval.episodes, seed=1)
+    after = train(cfg, tmp_path / "run")["eval"]
+    assert before["accuracy"] == 0.0 and before["reward_mean"] < 0.4
+    assert after["accuracy"] == 1.0 and after["accuracy/low"] == after["accuracy/high"] == 1.0
+
+
+def test_a_resumed_prompt_run_matches_an_uninterrupted_one(tmp_path):
+    changes = {"algo.groups_per_step": 3, "algo.group_size": 4, "eval.every": 0, "eval.at_end": "false"}
+    train(example_config(tmp_path, total_steps=6, **{"checkpoint.every": 3}, **changes), tmp_path / "full")
+    train(example_config(tmp_path, total_steps=3, **changes), tmp_path / "part")
+    Trainer(example_config(tmp_path, total_steps=6, **changes), tmp_path / "part", resume=True).train()
+
+    def records(run):
+        return {r["step"]: {k: v for k, v in r.items() if not k.startswith("time/")} for r in read_metrics(tmp_path / run)}
+
+    full, resumed = records("full"), records("part")
+    assert all(full[step] == resumed[step] for step in (4, 5, 6))
+    wa = load_file(str(tmp_path / "full/checkpoints/step_00000006/model.safetensors"))
+    wb = load_file(str(tmp_path / "part/checkpoints/step_00000006/model.safetensors"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
