@@ -348,14 +348,14 @@ def test_evaluate_reports_success_rate_when_the_policy_reports_success():
 # ------------------------------------------------------------------ through the trainer
 
 
-def example_config(tmp_path, **changes) -> TrainConfig:
+def example_config(**changes) -> TrainConfig:
     """examples/prompts/toy_answers_grpo.yaml, its prompt file found from anywhere."""
     overrides = [f"sampler.data.train={ROOT / 'examples/prompts/toy_answers.jsonl'}", "log.progress=false", "log.tensorboard=false"]
     return load_config(TrainConfig, ROOT / "examples/prompts/toy_answers_grpo.yaml", overrides + [f"{k}={v}" for k, v in changes.items()])
 
 
 def test_the_answers_example_learns_every_records_answer(tmp_path):
-    cfg = example_config(tmp_path, total_steps=30)
+    cfg = example_config(total_steps=30)
     sampler = PromptSampler(cfg.sampler, cfg)
     torch.manual_seed(cfg.seed)
     before = sampler.evaluate(build_policy(cfg.policy, sampler.policy_spec()), cfg.eval.episodes, seed=1)
@@ -366,9 +366,9 @@ def test_the_answers_example_learns_every_records_answer(tmp_path):
 
 def test_a_resumed_prompt_run_matches_an_uninterrupted_one(tmp_path):
     changes = {"algo.groups_per_step": 3, "algo.group_size": 4, "eval.every": 0, "eval.at_end": "false"}
-    train(example_config(tmp_path, total_steps=6, **{"checkpoint.every": 3}, **changes), tmp_path / "full")
-    train(example_config(tmp_path, total_steps=3, **changes), tmp_path / "part")
-    Trainer(example_config(tmp_path, total_steps=6, **changes), tmp_path / "part", resume=True).train()
+    train(example_config(total_steps=6, **{"checkpoint.every": 3}, **changes), tmp_path / "full")
+    train(example_config(total_steps=3, **changes), tmp_path / "part")
+    Trainer(example_config(total_steps=6, **changes), tmp_path / "part", resume=True).train()
 
     def records(run):
         return {r["step"]: {k: v for k, v in r.items() if not k.startswith("time/")} for r in read_metrics(tmp_path / run)}
