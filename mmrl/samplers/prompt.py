@@ -1,10 +1,34 @@
-"""``prompt`` sampler: groups of G samples that share a condition (a prompt id).
+"""``prompt`` sampler: G samples per prompt record, many groups per batched ``policy.sample``.
 
-The conditions are integers in [0, num_prompts); the policy maps them to whatever it
-conditions on. Group g of step s gets prompt ``group_seed(seed, s, g) % num_prompts`` and a
-generator seeded with ``group_seed(seed, s, g)``, so a rollout depends only on
-(run seed, step, global group indices): one process collecting groups 0…7 gives exactly
-what two processes collecting 0…3 and 4…7 give together.
+Records come from a prompt dataset (:mod:`mmrl.data.prompts`): JSONL, CSV, a saved
+``datasets`` dataset, or the integer conditions 0 … n−1 of the toy configs.
+
+What the policy receives: one input per sample, the G samples of a group next to each other
+— a LongTensor [N] of condition ids on the policy's device when the prompts are conditions
+(the toy policies take these), else a list of N prompt strings.
+
+Which record a group gets: the train records form a stream of epochs (each a permutation
+drawn from (run seed, epoch), :class:`~mmrl.data.prompts.EpochOrder`). Step s starts at
+stream position P_s, and global group g of step s gets the record at position P_s + g.
+Steps advance by ``algo.groups_per_step``: P_{s+1} = P_s + groups_per_step. The trainer's
+refill rounds (DAPO dynamic sampling) ask for groups g ≥ groups_per_step; they read further
+along the stream without consuming it (the next step still starts at P_{s+1}), because how
+many refills a process needs differs between processes and they cannot agree on it without
+communicating. ``state_dict`` holds the next step and its P, so ``--resume`` continues the
+stream exactly, even with a different ``groups_per_step``.
+
+Randomness: one ``policy.sample`` call per run of at most ``batch_groups`` groups; calls
+start at global group indices divisible by ``batch_groups`` (and at the first of a
+process's groups), and a call's generator is seeded with ``group_seed(seed, step, first
+global group of the call)``. A group's record depends only on (seed, stream position,
+group index), so one process and N processes give identical samples whenever their calls
+hold the same groups: when every process's first group and group count are multiples of
+``batch_groups`` (e.g. ``groups_per_step / processes`` is), and always with batch_groups 1.
+
+Per sample, ``rollout.info`` holds the policy's own info plus the record: ``prompt`` (what
+the policy received), ``answer`` (list, None where the record has none), ``metadata``
+(list of dicts, shared by a group's samples: read them, do not change them) and
+``record_id`` (LongTensor, the record's row in its source).
 """
 
 from __future__ import annotations
@@ -16,18 +40,26 @@ import torch
 from torch import Tensor, nn
 
 from mmrl.config import option
+from mmrl.core.config import SamplerConfig
 from mmrl.core.policy import Policy, Sample
+from mmrl.core.reward import RewardSet
 from mmrl.core.rollout import Rollout
 from mmrl.core.sampler import Sampler, group_seed
+from mmrl.data.prompts import EpochOrder, PromptData, PromptDataConfig, PromptRecord
 from mmrl.registry import SAMPLERS
-from mmrl.core.config import SamplerConfig
 
 
 @dataclass
 class PromptSamplerConfig(SamplerConfig):
-    """Prompt-conditioned generation: every group shares one prompt id."""
+    """Prompt-conditioned generation: G samples per prompt record."""
 
-    num_prompts: int = option(4, "number of distinct prompt ids (conditions), drawn from [0, num_prompts)", ge=1)
+    type: str = option("prompt", "registered name of this component (see `mmrl list`)")
+    data: PromptDataConfig = option(factory=PromptDataConfig, doc="prompt records: sources, fields and the held-out split")
+    batch_groups: int = option(8, "groups per batched policy.sample call (calls start at global group indices divisible by it)", ge=1)
+    eval_batch_size: int = option(64, "evaluation samples per policy.sample call", ge=1)
+    eval_all: bool = option(False, "evaluate every held-out record once, whatever eval.episodes says")
+    accuracy_threshold: float = option(1.0, "evaluation: a sample is correct when its combined reward is >= this")
+    category_key: str | None = option("category", "metadata key whose values get their own evaluation accuracy/<value> (null = none)")
 
 
 def _device(policy: Policy) -> torch.device:
@@ -35,53 +67,133 @@ def _device(policy: Policy) -> torch.device:
     return param.device if param is not None else torch.device("cpu")
 
 
-def _rollout(sample: Sample, prompt: Tensor, group_id: Tensor) -> Rollout:
-    logp = sample.logp
-    mask = sample.mask.float() if sample.mask is not None else torch.ones_like(logp)
-    return Rollout(
-        group_id=group_id.to(logp.device),
-        old_logp=logp,
-        mask=mask,
-        replay=sample.replay,
-        entropy=sample.entropy,
-        info={**sample.info, "prompt": prompt},
-    )
+def _call_ranges(first: int, end: int, batch_groups: int) -> list[tuple[int, int]]:
+    """[first, end) cut at the multiples of ``batch_groups``."""
+    ranges = []
+    while first < end:
+        stop = min(end, (first // batch_groups + 1) * batch_groups)
+        ranges.append((first, stop))
+        first = stop
+    return ranges
 
 
 @SAMPLERS.register("prompt", config=PromptSamplerConfig)
 class PromptSampler(Sampler):
-    """Groups of G samples per prompt id (conditions for text, denoising or toy policies)."""
+    """Groups of G samples per prompt record (texts or conditions), batched across groups."""
 
     def __init__(self, sampler_cfg: PromptSamplerConfig, train_cfg):
         self.config = sampler_cfg
-        self.train_cfg = train_cfg
+        self.seed = train_cfg.seed
+        self.groups_per_step = train_cfg.algo.groups_per_step
+        self.data = PromptData.load(sampler_cfg.data, "sampler.data")
+        self.order = EpochOrder(len(self.data.train), self.seed)
+        # the step that the stream position `next_position` starts (see the module docstring)
+        self.next_step, self.next_position = 0, 0
 
     def policy_spec(self) -> dict:
-        return {"num_prompts": self.config.num_prompts}
+        n = self.data.num_conditions
+        return {"num_prompts": n} if n is not None else {}
+
+    def _inputs(self, records: list[PromptRecord], copies: int, device: torch.device) -> Tensor | list[str]:
+        if self.data.kind == "condition":
+            return torch.tensor([r.prompt for r in records], dtype=torch.long, device=device).repeat_interleave(copies)
+        return [r.prompt for r in records for _ in range(copies)]
+
+    def _rollout(self, sample: Sample, inputs, records: list[PromptRecord], copies: int, group_id: Tensor) -> Rollout:
+        logp = sample.logp
+        mask = sample.mask.float() if sample.mask is not None else torch.ones_like(logp)
+        per_sample = [r for r in records for _ in range(copies)]
+        return Rollout(
+            group_id=group_id.to(logp.device),
+            old_logp=logp,
+            mask=mask,
+            replay=sample.replay,
+            entropy=sample.entropy,
+            info={
+                **sample.info,
+                "prompt": inputs,
+                "answer": [r.answer for r in per_sample],
+                "metadata": [r.metadata for r in per_sample],
+                "record_id": torch.tensor([r.record_id for r in per_sample], dtype=torch.long, device=logp.device),
+            },
+        )
+
+    def _step_start(self, step: int) -> int:
+        """Stream position of global group 0 of ``step``; moves the anchor to ``step + 1``."""
+        start = self.next_position + (step - self.next_step) * self.groups_per_step
+        self.next_step, self.next_position = step + 1, start + self.groups_per_step
+        return start
 
     @torch.no_grad()
     def collect(self, policy: Policy, num_groups: int, group_size: int, step: int, group_offset: int = 0) -> Rollout:
+        start = self._step_start(step)
         device = _device(policy)
-        rollouts = []
-        for group in range(group_offset, group_offset + num_groups):
-            seed = group_seed(self.train_cfg.seed, step, group)
-            prompt = torch.full((group_size,), seed % self.config.num_prompts, dtype=torch.long, device=device)
-            sample = policy.sample(prompt, torch.Generator().manual_seed(seed))
-            rollouts.append(_rollout(sample, prompt, torch.full((group_size,), group, dtype=torch.long)))
-        return Rollout.cat(rollouts)
+        parts = []
+        for first, end in _call_ranges(group_offset, group_offset + num_groups, self.config.batch_groups):
+            records = [self.data.train[i] for i in self.order.indices(start + first, end - first)]
+            inputs = self._inputs(records, group_size, device)
+            sample = policy.sample(inputs, torch.Generator().manual_seed(group_seed(self.seed, step, first)))
+            group_id = torch.arange(first, end).repeat_interleave(group_size)
+            parts.append(self._rollout(sample, inputs, records, group_size, group_id))
+        return Rollout.cat(parts)
+
+    def metrics(self, rollout: Rollout) -> dict[str, Tensor]:
+        if "success" in rollout.info:
+            return {"success_rate": torch.as_tensor(rollout.info["success"]).float().reshape(-1)}
+        return {}
 
     @torch.no_grad()
-    def evaluate(self, policy: Policy, episodes: int, seed: int, rewards=None) -> dict[str, Any]:
-        """``episodes`` deterministic samples (greedy / mean), prompts taken round-robin.
+    def evaluate(self, policy: Policy, episodes: int, seed: int, rewards: RewardSet | None = None) -> dict[str, Any]:
+        """Deterministic samples (greedy tokens / mean transitions) on the held-out records —
+        the train records when there is no held-out split — in source order: the first
+        ``episodes``, cycling when there are fewer records, or every record once with
+        ``eval_all``. Call k's generator (a chain's starting noise) is seeded with
+        ``group_seed(seed, 0, first sample of the call)``.
 
-        ``reward_mean`` is the mean over samples of Σ_k weight_k · reward_k with the run's
-        reward components; ``success_rate`` is reported when the policy's info has ``success``.
+        ``rewards`` (the run's :class:`RewardSet`) scores the samples; ``combine`` sees the samples of one record
+        as one group. Returns ``reward_mean``; ``accuracy``, the fraction of samples whose
+        combined reward is ≥ ``accuracy_threshold``, with its 95% Wilson interval
+        (``accuracy_ci_low``, ``accuracy_ci_high``, samples taken as independent);
+        ``accuracy/<value>`` per value of the metadata key ``category_key`` where records
+        have it; ``success_rate`` when the policy reports ``success``; and ``episodes``.
         """
-        prompt = torch.arange(episodes, device=_device(policy)) % self.config.num_prompts
-        sample = policy.sample(prompt, torch.Generator().manual_seed(seed), deterministic=True)
-        rollout = _rollout(sample, prompt, torch.arange(episodes))
-        reward = rewards.combine(rewards.score(rollout, policy=policy), rollout.group_id)
-        metrics = {"reward_mean": reward.mean().item(), "episodes": episodes}
-        if "success" in sample.info:
-            metrics["success_rate"] = torch.as_tensor(sample.info["success"]).float().mean().item()
+        from mmrl.evaluate import wilson_interval  # the eval command's module loads checkpoint code: import on use
+
+        pool = self.data.held_out or self.data.train
+        n = len(pool) if self.config.eval_all else episodes
+        device = _device(policy)
+        parts = []
+        for first in range(0, n, self.config.eval_batch_size):
+            positions = range(first, min(n, first + self.config.eval_batch_size))
+            records = [pool[i % len(pool)] for i in positions]
+            inputs = self._inputs(records, 1, device)
+            sample = policy.sample(inputs, torch.Generator().manual_seed(group_seed(seed, 0, first)), deterministic=True)
+            parts.append(self._rollout(sample, inputs, records, 1, torch.tensor([i % len(pool) for i in positions])))
+        rollout = Rollout.cat(parts)
+
+        metrics: dict[str, Any] = {"episodes": n}
+        if rewards is None:
+            raise ValueError("the prompt sampler's evaluation scores its samples with the run's rewards: pass rewards= (a RewardSet)")
+        if rewards.components:
+            combined = rewards.combine(rewards.score(rollout, policy=policy), rollout.group_id.cpu())
+            correct = (combined >= self.config.accuracy_threshold).float()
+            low, high = wilson_interval(correct.sum().item(), n)
+            metrics.update(reward_mean=combined.mean().item(), accuracy=correct.mean().item(), accuracy_ci_low=low, accuracy_ci_high=high)
+            key = self.config.category_key
+            if key is not None:
+                categories: dict[str, list[int]] = {}
+                for i, metadata in enumerate(rollout.info["metadata"]):
+                    if key in metadata:
+                        categories.setdefault(str(metadata[key]), []).append(i)
+                for category, rows in sorted(categories.items()):
+                    metrics[f"accuracy/{category}"] = correct[rows].mean().item()
+        if "success" in rollout.info:
+            metrics["success_rate"] = torch.as_tensor(rollout.info["success"]).float().mean().item()
         return metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"next_step": self.next_step, "next_position": self.next_position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.next_step = int(state.get("next_step", 0))
+        self.next_position = int(state.get("next_position", 0))

@@ -20,6 +20,9 @@ def _sequence_config(tmp_path, **algo):
     data["defaults"] = str(ROOT / "configs" / "presets" / "lite_ppo.yaml")  # batch std: a global statistic
     data.update(total_steps=3, log={"progress": False, "tensorboard": False}, eval={"at_end": False})
     data["algo"].update(groups_per_step=4, group_size=4, ppo_epochs=2, **algo)
+    # one batched policy.sample call per 2 groups: each of two processes' calls then hold the
+    # same groups as one process's, the condition for identical samples
+    data["sampler"]["batch_groups"] = 2
     path = tmp_path / "seq.yaml"
     path.write_text(yaml.safe_dump(data))
     return path

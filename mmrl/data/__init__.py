@@ -1,0 +1,1 @@
+"""Data that samplers draw from: prompt datasets (:mod:`mmrl.data.prompts`)."""
