@@ -44,6 +44,7 @@ from mmrl.config import own_options, to_dict
 from mmrl.core.reward import RewardContext, RewardSet
 from mmrl.core.rollout import Rollout
 from mmrl.core.sampler import group_seed
+from mmrl.core.statistics import commit_statistics
 from mmrl.core.weights import build_policy
 from mmrl.errors import ConfigError, NonFiniteError
 from mmrl.train import self_imitation as sil
@@ -233,6 +234,7 @@ class Trainer:
     def rl_step(self, step: int) -> dict[str, Any]:
         t0 = time.time()
         collected = self.collect(step)
+        commit_statistics(self.policy, self.dist.sum)  # what the step's samples taught running statistics
         t_sample = time.time() - t0
         rollout = collected.rollout
         adv, keep = self.advantages(rollout)
@@ -533,6 +535,7 @@ class Trainer:
             return loss
 
         grad_norm = self.optimizer_step([batch], loss_of, "sft loss", step)
+        commit_statistics(self.policy, self.dist.sum)
         out = {"loss/sft": float(self.dist.sum(losses[0]) / self.world)}
         if grad_norm is not None:
             out["grad_norm"] = float(grad_norm)

@@ -15,8 +15,10 @@ what it executes, and the log-prob is that of the unclipped sample.
 Exploration noise can be annealed (``final_log_std``): the log std in use is
 min(learned log std, cap), the cap going linearly from ``init_log_std`` to ``final_log_std``
 over the first ``log_std_anneal_decisions`` decisions this policy samples stochastically in
-training mode (a counter saved with the weights, so a resumed run continues the schedule;
-evaluation, in eval mode, does not move it). The learned
+training mode, over all processes (a counter saved with the weights, so a resumed run
+continues the schedule; evaluation, in eval mode, does not move it). Like the observation
+statistics it moves once per training step, when the trainer commits the step's samples
+(``mmrl/core/statistics.py``), so one and N processes follow the same schedule. The learned
 log std below the cap keeps its gradient. Why: a Gaussian policy trained with a fixed or
 slowly-learned std optimizes the return *of the noisy policy*, and its mean can come to rely
 on the noise (on ManiSkill PushCube the mean learned to press the gripper down and push
@@ -24,7 +26,7 @@ timidly, leaving the noise to break contact and friction: 0.53 success with the 
 against 0.79 sampled). Shrinking the noise during training makes the mean carry the task,
 so that deterministic evaluation matches what training optimized. Each decision's cap is
 kept in its replay, so ``log_prob`` recomputes the sampling log-prob exactly even though the
-cap moves within a rollout.
+cap moves between rollouts.
 
 Replay holds the network's inputs (normalized observations) and the normalized actions,
 so ``log_prob(replay)`` recomputes exactly what ``sample`` computed, whatever the running
@@ -39,6 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from mmrl.core.policy import PolicyModule, Sample
+from mmrl.core.statistics import RunningCount, RunningMoments
 from mmrl.policies.gaussian_mlp.config import GaussianMLPConfig
 from mmrl.registry import POLICIES
 
@@ -88,41 +91,28 @@ class GaussianMLPPolicy(PolicyModule):
         self.register_buffer("action_half_range", torch.where(finite, (high - low) / 2, 1.0), persistent=False)
 
         if config.final_log_std is not None:
-            # Stochastically sampled decisions so far: the clock of the log std cap.
-            self.register_buffer("sampled_decisions", torch.tensor(0.0, dtype=torch.float64))
-
+            # Stochastically sampled training decisions so far (over all processes): the
+            # clock of the log std cap.
+            self.sampled_decisions = RunningCount()
         if config.obs_norm:
-            # Running statistics (parallel Welford). A tiny prior count with unit variance
-            # keeps the first normalizations finite.
-            self.register_buffer("obs_mean", torch.zeros(self.obs_dim))
-            self.register_buffer("obs_var", torch.ones(self.obs_dim))
-            self.register_buffer("obs_count", torch.tensor(1e-4, dtype=torch.float64))
+            # Running observation statistics, committed once per training step over all
+            # processes (mmrl/core/statistics.py).
+            self.obs_stats = RunningMoments(self.obs_dim)
+        self._register_load_state_dict_pre_hook(_rename_legacy_statistics)
 
     # ------------------------------------------------------------------ helpers
-
-    @torch.no_grad()
-    def _update_obs_stats(self, obs: Tensor) -> None:
-        n = obs.shape[0]
-        batch_mean = obs.mean(0)
-        batch_var = obs.var(0, unbiased=False)
-        count = self.obs_count.item()
-        total = count + n
-        delta = batch_mean - self.obs_mean
-        self.obs_mean += delta * (n / total)
-        self.obs_var.copy_((self.obs_var * count + batch_var * n + delta.square() * (count * n / total)) / total)
-        self.obs_count.fill_(total)
 
     def _normalize(self, obs: Tensor) -> Tensor:
         if not self.config.obs_norm:
             return obs
-        return ((obs - self.obs_mean) / torch.sqrt(self.obs_var + 1e-8)).clamp(-_OBS_CLIP, _OBS_CLIP)
+        return self.obs_stats.normalize(obs, _OBS_CLIP)
 
     def log_std_cap(self) -> float | None:
         """The current cap of the log std (None without ``final_log_std``)."""
         cfg = self.config
         if cfg.final_log_std is None:
             return None
-        progress = min(1.0, self.sampled_decisions.item() / cfg.log_std_anneal_decisions)
+        progress = min(1.0, self.sampled_decisions.value.item() / cfg.log_std_anneal_decisions)
         return cfg.init_log_std + (cfg.final_log_std - cfg.init_log_std) * progress
 
     def _mean_log_std(self, obs_n: Tensor, cap: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -149,18 +139,20 @@ class GaussianMLPPolicy(PolicyModule):
     def sample(self, inputs: Tensor, generator: torch.Generator | None = None, deterministic: bool = False) -> Sample:
         """``inputs``: observations [N, obs_dim]. Returns env actions [N, C, A], logp [N, 1],
         replay {"obs": [N, 1, obs_dim] normalized, "action": [N, 1, C, A] normalized, and
-        with ``final_log_std`` "log_std_cap": [N, 1]}. ``deterministic`` returns the mean
-        and leaves the observation statistics and the annealing clock alone."""
+        with ``final_log_std`` "log_std_cap": [N, 1]}. Stochastic sampling in training mode
+        adds the observations to the statistics and the decisions to the annealing clock,
+        both used from the next commit on; ``deterministic`` returns the mean."""
         obs = inputs.to(self.action_center.device, torch.float32)
-        if self.config.obs_norm and not deterministic:
-            self._update_obs_stats(obs)
+        learning = self.training and not deterministic
+        if self.config.obs_norm and learning:
+            self.obs_stats.observe(obs)
         obs_n = self._normalize(obs)
         n = obs.shape[0]
         cap_value = self.log_std_cap()
         cap = None if cap_value is None else torch.full((n, 1), cap_value, device=obs.device)
         mean, log_std = self._mean_log_std(obs_n, cap)
-        if cap is not None and not deterministic and self.training:  # not in (sampled) evaluation
-            self.sampled_decisions += n
+        if cap is not None and learning:  # not in (sampled) evaluation
+            self.sampled_decisions.add(n)
         if deterministic:
             action_n = mean
         else:
@@ -192,11 +184,11 @@ class GaussianMLPPolicy(PolicyModule):
         """Behaviour cloning: the masked mean negative log-likelihood of the demonstrated
         chunks, -log N(a_n; mu(o), sigma^2) per action, with a_n the demo actions in the
         normalized space (clipped to the env bounds first). Observations come as "obs" (flat)
-        or "state"; with ``obs_norm`` the running statistics are updated from the batch."""
+        or "state"; with ``obs_norm`` the batch is added to the running statistics."""
         obs = batch["obs"] if "obs" in batch else batch["state"]
         obs = obs.to(self.action_center.device, torch.float32).reshape(obs.shape[0], -1)
         if self.config.obs_norm:
-            self._update_obs_stats(obs)
+            self.obs_stats.observe(obs)
         actions = batch["actions"].to(obs.device, torch.float32)  # [B, C, A] env units
         b = actions.shape[0]
         action_n = ((actions - self.action_center) / self.action_half_range).clamp(-1, 1)
@@ -207,3 +199,14 @@ class GaussianMLPPolicy(PolicyModule):
         mask = batch.get("action_mask")
         mask = torch.ones_like(nll) if mask is None else mask.to(nll)
         return (nll * mask).sum() / mask.sum().clamp_min(1)
+
+
+def _rename_legacy_statistics(state_dict, prefix, *args) -> None:
+    """Weights saved before the statistics became modules: obs_mean/obs_var/obs_count and the
+    sampled_decisions buffer move to obs_stats.* and sampled_decisions.value."""
+    for old, new in (("obs_mean", "obs_stats.mean"), ("obs_var", "obs_stats.var"), ("obs_count", "obs_stats.count")):
+        if prefix + old in state_dict:
+            state_dict[prefix + new] = state_dict.pop(prefix + old)
+    legacy = state_dict.get(prefix + "sampled_decisions")
+    if legacy is not None:
+        state_dict[prefix + "sampled_decisions.value"] = state_dict.pop(prefix + "sampled_decisions")

@@ -3,6 +3,8 @@ import math
 import pytest
 import torch
 
+from mmrl.core.statistics import commit_statistics
+
 from mmrl.core.weights import build_policy, load_pretrained, save_pretrained
 from mmrl.policies.gaussian_mlp import GaussianMLPConfig, GaussianMLPPolicy
 from mmrl.registry import POLICIES
@@ -102,26 +104,49 @@ def test_positive_advantage_raises_that_actions_log_prob_after_one_adam_step(var
     assert after[2, 0] > sample.logp[2, 0] + 1e-3
 
 
-def test_obs_norm_statistics_update_only_when_sampling_stochastically():
+def _commit(policy):
+    commit_statistics(policy, lambda t: t)  # one process: the pending sums as they are
+
+
+def test_obs_norm_statistics_move_only_on_commit_and_only_from_training_samples():
     policy = make(obs_norm=True)
     policy.sample(obs_batch(), deterministic=True)
-    assert torch.equal(policy.obs_mean, torch.zeros(5))
+    policy.eval()
+    policy.sample(obs_batch(), torch.Generator().manual_seed(0))  # sampled evaluation
+    policy.train()
+    _commit(policy)
+    assert torch.equal(policy.obs_stats.mean, torch.zeros(5))
     obs = obs_batch(n=64)
     policy.sample(obs, torch.Generator().manual_seed(0))
-    torch.testing.assert_close(policy.obs_mean, obs.mean(0), atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(policy.obs_var, obs.var(0, unbiased=False), atol=1e-3, rtol=1e-3)
-    # a second batch merges into the running statistics (parallel Welford)
+    assert torch.equal(policy.obs_stats.mean, torch.zeros(5))  # fixed within a step
+    _commit(policy)
+    torch.testing.assert_close(policy.obs_stats.mean, obs.mean(0), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(policy.obs_stats.var, obs.var(0, unbiased=False), atol=1e-3, rtol=1e-3)
+    # the next step's rows merge into the running statistics (parallel Welford)
     more = obs_batch(n=32, seed=5) * 2
-    policy.sample(more, torch.Generator().manual_seed(0))
+    policy.sample(more[:20], torch.Generator().manual_seed(0))
+    policy.sample(more[20:], torch.Generator().manual_seed(0))
+    _commit(policy)
     both = torch.cat([obs, more])
-    torch.testing.assert_close(policy.obs_mean, both.mean(0), atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(policy.obs_var, both.var(0, unbiased=False), atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(policy.obs_stats.mean, both.mean(0), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(policy.obs_stats.var, both.var(0, unbiased=False), atol=1e-3, rtol=1e-3)
+
+
+def test_weights_saved_before_the_statistics_modules_still_load():
+    policy = make(obs_norm=True, final_log_std=-2.0, log_std_anneal_decisions=12)
+    state = policy.state_dict()
+    legacy = {k.replace("obs_stats.", "obs_").replace("sampled_decisions.value", "sampled_decisions"): v for k, v in state.items()}
+    legacy["obs_mean"] = torch.full((5,), 3.0)
+    fresh = make(obs_norm=True, final_log_std=-2.0, log_std_anneal_decisions=12)
+    fresh.load_state_dict(legacy)
+    assert torch.equal(fresh.obs_stats.mean, torch.full((5,), 3.0))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_save_and_load_pretrained_round_trip_gives_exactly_equal_outputs(tmp_path, variant):
     policy = make(**VARIANTS[variant])
-    policy.sample(obs_batch(n=32), torch.Generator().manual_seed(0))  # moves obs_norm statistics
+    policy.sample(obs_batch(n=32), torch.Generator().manual_seed(0))
+    _commit(policy)  # moves obs_norm statistics and the annealing clock
     save_pretrained(policy, tmp_path / "policy")
     loaded = load_pretrained(tmp_path / "policy")
     assert isinstance(loaded, GaussianMLPPolicy) and loaded.config == policy.config
@@ -141,7 +166,8 @@ def test_config_rejects_min_log_std_above_max():
 
 def test_learned_log_std_below_the_cap_keeps_its_gradient_and_above_it_gets_none():
     policy = make(init_log_std=-0.5, final_log_std=-1.0, log_std_anneal_decisions=1)
-    policy.sample(obs_batch(), torch.Generator().manual_seed(0))  # the cap is now -1.0
+    policy.sample(obs_batch(), torch.Generator().manual_seed(0))
+    _commit(policy)  # the cap is now -1.0
     with torch.no_grad():
         policy.log_std.copy_(torch.tensor([-0.2, -1.5]))  # above the cap, below it
     sample = policy.sample(obs_batch(), torch.Generator().manual_seed(1))
@@ -163,12 +189,15 @@ def test_annealed_log_std_cap_moves_linearly_with_training_samples_only():
     assert policy.log_std_cap() == -0.5
     first = policy.sample(obs_batch(), torch.Generator().manual_seed(0))  # 6 decisions at cap -0.5
     torch.testing.assert_close(first.replay["log_std_cap"], torch.full((6, 1), -0.5))
+    assert policy.log_std_cap() == -0.5  # the clock moves when the step's samples are committed
+    _commit(policy)
     assert policy.log_std_cap() == pytest.approx(-1.25)
     # neither the mean action nor sampling in eval mode (sampled evaluation) moves the clock
     policy.sample(obs_batch(), deterministic=True)
     policy.eval()
     policy.sample(obs_batch(), torch.Generator().manual_seed(0))
     policy.train()
+    _commit(policy)
     assert policy.log_std_cap() == pytest.approx(-1.25)
     second = policy.sample(obs_batch(), torch.Generator().manual_seed(0))
     # the learned log std (-0.5) is above the cap: the noise has the cap's std
@@ -178,6 +207,7 @@ def test_annealed_log_std_cap_moves_linearly_with_training_samples_only():
     torch.testing.assert_close(second.entropy[:, 0], torch.full((6,), 2 * (-1.25 + 0.5 * math.log(2 * math.pi) + 0.5)))
     for _ in range(3):
         policy.sample(obs_batch(), torch.Generator().manual_seed(0))
+    _commit(policy)
     assert policy.log_std_cap() == pytest.approx(-2.0)  # stays at final_log_std
     # an early decision's log-prob is still that of its own (higher) cap
     torch.testing.assert_close(policy.log_prob(first.replay), first.logp, atol=1e-5, rtol=1e-6)
@@ -187,6 +217,7 @@ def test_annealed_noise_shrinks_the_spread_of_sampled_actions_around_the_same_me
     policy = make(init_log_std=0.0, final_log_std=-3.0, log_std_anneal_decisions=1000)
     obs = obs_batch(n=1000)
     early = policy.sample(obs, torch.Generator().manual_seed(0)).replay["action"][:, 0, 0]
+    _commit(policy)
     late = policy.sample(obs, torch.Generator().manual_seed(0)).replay["action"][:, 0, 0]
     mean = policy.sample(obs, deterministic=True).replay["action"][:, 0, 0]
     assert (early - mean).std().item() == pytest.approx(1.0, rel=0.1)

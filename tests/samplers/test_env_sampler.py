@@ -212,12 +212,12 @@ def test_step_rewards_are_discounted_within_a_chunk():
 def test_evaluate_is_deterministic_and_depends_on_its_seed():
     sampler = make_sampler(num_envs=4)
     policy = make_policy(sampler, obs_norm=True)
-    mean_before = policy.obs_mean.clone()
+    mean_before = policy.obs_stats.mean.clone()
     first = sampler.evaluate(policy, episodes=6, seed=1)
     assert first == sampler.evaluate(policy, episodes=6, seed=1)
     assert set(first) == {"success_rate", "return_mean", "length_mean", "episodes", "successes"} and first["episodes"] == 6
     assert len(first["successes"]) == 6 and sum(first["successes"]) / 6 == pytest.approx(first["success_rate"])
-    assert torch.equal(policy.obs_mean, mean_before)  # deterministic sampling leaves the statistics
+    assert torch.equal(policy.obs_stats.mean, mean_before)  # deterministic sampling leaves the statistics
     assert first != sampler.evaluate(policy, episodes=6, seed=2)
     long_episodes = make_sampler(num_envs=4, env_kwargs={"max_steps": 30})
     assert long_episodes.evaluate(GoalSeeker(), episodes=5, seed=0)["success_rate"] == 1.0
