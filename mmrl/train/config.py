@@ -17,6 +17,7 @@ class EnvConfig(Component):
     num_envs: int = option(8, "parallel environments in the vector env", ge=1)
     vectorization: Literal["sync", "async"] = option("sync", "gymnasium vector env kind (async = one process per env)")
     max_episode_steps: int | None = option(None, "override of the env's time limit (null keeps the env's own)", ge=1)
+    success_key: str | None = option(None, "info key of the env's per-step success flag (null = the first the env reports of: success, is_success, succeed)")
 
 
 @dataclass
