@@ -3,6 +3,9 @@
 An external simulator plugs in by its gymnasium id. An id of the form ``"package:Env-v0"``
 imports ``package`` first (gymnasium's own convention), so a third-party task needs no
 change to mmrl, only to be registered with gymnasium when its package is imported.
+
+``env.wrappers`` wrap each env after ``gymnasium.make`` (so outside its time limit and
+gymnasium's checkers), before vectorization.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 import gymnasium
 
 from mmrl.config import option
+from mmrl.env_wrappers import WrapperConfig, apply_wrappers
 from mmrl.errors import ConfigError
 from mmrl.registry import ENVS
 from mmrl.train.config import EnvConfig
@@ -52,10 +56,10 @@ def check_gym_id(env_id: str, field: str) -> None:
     raise ConfigError(field, env_id, f"not a registered gymnasium id; {hint}")
 
 
-def _make_env(env_id: str, max_episode_steps: int | None, kwargs: dict) -> gymnasium.Env:
+def _make_env(env_id: str, max_episode_steps: int | None, kwargs: dict, wrappers: list[WrapperConfig]) -> gymnasium.Env:
     # A module-level function pickles by reference: an async worker started with spawn
     # imports mmrl.envs to unpickle it, which registers mmrl's own ids there too.
-    return gymnasium.make(env_id, max_episode_steps=max_episode_steps, **kwargs)
+    return apply_wrappers(gymnasium.make(env_id, max_episode_steps=max_episode_steps, **kwargs), wrappers)
 
 
 def _has_text(make_one) -> bool:
@@ -88,8 +92,10 @@ def make_vector_env(cfg: GymEnvConfig, seed: int) -> gymnasium.vector.VectorEnv:
     ``seed`` seeds the action space's sampler; episodes are seeded by the sampler at every
     reset. Auto-reset is gymnasium's default (next step).
     """
-    cfg.validate("env")
-    make_one = partial(_make_env, cfg.id, cfg.max_episode_steps, dict(cfg.kwargs))
+    check_gym_id(cfg.id, "env.id")
+    for i, wrapper in enumerate(cfg.wrappers):
+        wrapper.validate(f"env.wrappers[{i}]")
+    make_one = partial(_make_env, cfg.id, cfg.max_episode_steps, dict(cfg.kwargs), list(cfg.wrappers))
     if cfg.vectorization == "async":
         env = gymnasium.vector.AsyncVectorEnv(
             [make_one] * cfg.num_envs, context=cfg.context, shared_memory=not _has_text(make_one)

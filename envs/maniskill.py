@@ -24,6 +24,9 @@ Two backends:
 Either way, envs reset with equal seeds start from equal states, which is what lets the
 G copies of a group share their initial state.
 
+``env.wrappers`` wrap each CPU env (after ``CPUGymWrapper``: numpy, unbatched). The GPU
+backend has no single envs to wrap, so wrappers are a config error there.
+
 Some tasks ask on stdin to download assets on first use; PushCube, PickCube, StackCube
 and most cube/peg tasks need none.
 """
@@ -39,6 +42,7 @@ from typing import Any, Literal
 import gymnasium
 
 from mmrl.config import option
+from mmrl.env_wrappers import WrapperConfig, apply_wrappers
 from mmrl.errors import ConfigError, MissingExtraError
 from mmrl.registry import ENVS
 from mmrl.train.config import EnvConfig
@@ -92,6 +96,8 @@ class ManiSkillEnvConfig(EnvConfig):
             raise ConfigError(p + "cameras", self.cameras, "name at least one sensor camera, or null for all")
         if self.instruction is not None and not self.instruction.strip():
             raise ConfigError(p + "instruction", self.instruction, "a sentence, or null for the task's built-in one")
+        if self.wrappers and self.sim_backend in _GPU_BACKENDS:
+            raise ConfigError(p + "wrappers", [w.type for w in self.wrappers], f"wrappers wrap single envs; sim_backend {self.sim_backend!r} is ManiSkill's batched env (use physx_cpu)")
 
 
 def task_instruction(env_id: str) -> str:
@@ -179,7 +185,9 @@ def check_maniskill_id(env_id: str, field: str) -> None:
     raise ConfigError(field, env_id, f"not a ManiSkill task; {hint}")
 
 
-def _make_cpu_env(env_id: str, max_episode_steps: int | None, ignore_terminations: bool, kwargs: dict, structured: dict | None = None) -> gymnasium.Env:
+def _make_cpu_env(
+    env_id: str, max_episode_steps: int | None, ignore_terminations: bool, kwargs: dict, structured: dict | None = None, wrappers: list[WrapperConfig] = ()
+) -> gymnasium.Env:
     """One CPU env; ``structured`` = {"cameras", "instruction"} for rgb observations."""
     # Runs in spawned workers too: import mani_skill there to register its tasks.
     _import_maniskill()
@@ -191,7 +199,7 @@ def _make_cpu_env(env_id: str, max_episode_steps: int | None, ignore_termination
     env = CPUGymWrapper(env, ignore_terminations=ignore_terminations)
     if structured is not None:
         env = WithInstruction(env, structured["instruction"])
-    return env
+    return apply_wrappers(env, wrappers)
 
 
 def _make_gpu_env(cfg: ManiSkillEnvConfig, kwargs: dict, structured: dict | None) -> gymnasium.vector.VectorEnv:
@@ -266,7 +274,7 @@ def make_vector_env(cfg: ManiSkillEnvConfig, seed: int) -> gymnasium.vector.Vect
     if cfg.sim_backend in _GPU_BACKENDS:
         env = _make_gpu_env(cfg, kwargs, structured)
     else:
-        make_one = partial(_make_cpu_env, cfg.id, cfg.max_episode_steps, cfg.ignore_terminations, kwargs, structured)
+        make_one = partial(_make_cpu_env, cfg.id, cfg.max_episode_steps, cfg.ignore_terminations, kwargs, structured, list(cfg.wrappers))
         if cfg.vectorization == "async":
             # gymnasium reads Text observations out of shared memory only once, at start-up
             # (the instruction would stay blank): structured observations go through pipes.

@@ -99,6 +99,23 @@ def test_pick_and_stack_cube_state_envs_reset_by_seed_and_step(mani_skill, env_i
         env.close()
 
 
+@pytest.mark.filterwarnings("ignore:.*precision lowered by casting:UserWarning")  # inside RescaleAction
+def test_wrappers_wrap_each_cpu_env_and_are_refused_on_the_gpu_backend(mani_skill):
+    with pytest.raises(ConfigError) as err:
+        from_dict(ManiSkillEnvConfig, {"type": "maniskill", "id": "PushCube-v1", "sim_backend": "gpu", "wrappers": [{"type": "ClipAction"}]}, "env")
+    assert err.value.field == "env.wrappers"
+    wrappers = [{"type": "RescaleAction", "kwargs": {"min_action": -0.5, "max_action": 0.5}}]
+    cfg = from_dict(ManiSkillEnvConfig, {"type": "maniskill", "id": "PushCube-v1", "num_envs": 1, "wrappers": wrappers}, "env")
+    env = ENVS.get("maniskill")(cfg, seed=0)
+    try:
+        assert env.single_action_space.low.tolist() == [-0.5] * 4 and env.single_action_space.high.tolist() == [0.5] * 4
+        env.reset(seed=0)
+        obs, *_ = env.step(np.full((1, 4), 0.5, np.float32))
+        assert obs.shape == (1, 35)
+    finally:
+        env.close()
+
+
 class ImageRecorder:
     """Lifts the gripper and records the inputs it was given."""
 
