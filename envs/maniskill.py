@@ -27,6 +27,10 @@ G copies of a group share their initial state.
 ``env.wrappers`` wrap each CPU env (after ``CPUGymWrapper``: numpy, unbatched). The GPU
 backend has no single envs to wrap, so wrappers are a config error there.
 
+Rendering: SAPIEN renders on CUDA by default and, on a machine without CUDA, warns once per
+env that it falls back to the CPU (64 lines for 64 envs). ``render_backend: null`` asks for
+the CPU renderer directly when torch sees no CUDA device.
+
 Some tasks ask on stdin to download assets on first use; PushCube, PickCube, StackCube
 and most cube/peg tasks need none.
 """
@@ -86,6 +90,10 @@ class ManiSkillEnvConfig(EnvConfig):
     control_mode: str = option("pd_ee_delta_pos", "robot controller (pd_ee_delta_pos, pd_ee_delta_pose, pd_joint_delta_pos ...)")
     reward_mode: str = option("normalized_dense", "reward of each step", choices=("normalized_dense", "dense", "sparse", "none"))
     sim_backend: str = option("physx_cpu", "physx_cpu / cpu (gymnasium-vectorized) or gpu / physx_cuda (batched)", choices=("physx_cpu", "cpu", "gpu", "physx_cuda"))
+    render_backend: str | None = option(
+        None, "SAPIEN renderer: cpu / sapien_cpu, gpu / sapien_cuda, or none (no rendering; rgb needs one); null = gpu if torch sees CUDA, else cpu",
+        choices=("cpu", "sapien_cpu", "gpu", "sapien_cuda", "none"),
+    )
     ignore_terminations: bool = option(False, "run every episode to its time limit instead of ending it on success (success is then 'success once')")
     kwargs: dict[str, Any] = option(factory=dict, doc="extra keyword arguments of gymnasium.make (e.g. robot_uids)")
 
@@ -98,6 +106,9 @@ class ManiSkillEnvConfig(EnvConfig):
             raise ConfigError(p + "instruction", self.instruction, "a sentence, or null for the task's built-in one")
         if self.wrappers and self.sim_backend in _GPU_BACKENDS:
             raise ConfigError(p + "wrappers", [w.type for w in self.wrappers], f"wrappers wrap single envs; sim_backend {self.sim_backend!r} is ManiSkill's batched env (use physx_cpu)")
+        for key in ("render_backend", "sim_backend"):
+            if key in self.kwargs:
+                raise ConfigError(f"{p}kwargs.{key}", self.kwargs[key], f"set env.{key} instead")
 
 
 def task_instruction(env_id: str) -> str:
@@ -185,6 +196,17 @@ def check_maniskill_id(env_id: str, field: str) -> None:
     raise ConfigError(field, env_id, f"not a ManiSkill task; {hint}")
 
 
+def render_backend(requested: str | None) -> str:
+    """The SAPIEN render backend to ask for: ``requested``, or for null the CUDA renderer
+    where torch sees a CUDA device and the CPU renderer elsewhere (ManiSkill's own default
+    asks for CUDA and warns, for every env, when it has to fall back)."""
+    if requested is not None:
+        return requested
+    import torch
+
+    return "gpu" if torch.cuda.is_available() else "cpu"
+
+
 def _make_cpu_env(
     env_id: str, max_episode_steps: int | None, ignore_terminations: bool, kwargs: dict, structured: dict | None = None, wrappers: list[WrapperConfig] = ()
 ) -> gymnasium.Env:
@@ -265,7 +287,10 @@ def make_vector_env(cfg: ManiSkillEnvConfig, seed: int) -> gymnasium.vector.Vect
     reset.
     """
     cfg.validate("env")
-    kwargs = dict(obs_mode=cfg.obs_mode, control_mode=cfg.control_mode, reward_mode=cfg.reward_mode, sim_backend=cfg.sim_backend, **cfg.kwargs)
+    kwargs = dict(
+        obs_mode=cfg.obs_mode, control_mode=cfg.control_mode, reward_mode=cfg.reward_mode, sim_backend=cfg.sim_backend,
+        render_backend=render_backend(cfg.render_backend), **cfg.kwargs,
+    )
     structured = None
     if cfg.obs_mode == "rgb":
         structured = {"cameras": cfg.cameras, "instruction": cfg.instruction if cfg.instruction is not None else task_instruction(cfg.id)}

@@ -116,6 +116,34 @@ def test_wrappers_wrap_each_cpu_env_and_are_refused_on_the_gpu_backend(mani_skil
         env.close()
 
 
+def test_making_an_env_asks_for_the_cpu_renderer_without_cuda_and_logs_no_fallback(mani_skill, monkeypatch):
+    import logging
+
+    from mmrl.envs.maniskill import render_backend
+
+    assert render_backend("none") == "none"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert render_backend(None) == "gpu"
+    monkeypatch.undo()
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    maniskill_logger = logging.getLogger("mani_skill ")  # ManiSkill's logger, which does not propagate
+    maniskill_logger.addHandler(handler)
+    try:
+        env = ENVS.get("maniskill")(ManiSkillEnvConfig(id="PushCube-v1", num_envs=2), seed=0)
+        env.close()
+    finally:
+        maniskill_logger.removeHandler(handler)
+    fallbacks = [r.getMessage() for r in records if "Falling back" in r.getMessage()]
+    assert fallbacks == []
+    if not torch.cuda.is_available():
+        assert render_backend(None) == "cpu"
+    with pytest.raises(ConfigError) as err:
+        from_dict(ManiSkillEnvConfig, {"type": "maniskill", "id": "PushCube-v1", "kwargs": {"render_backend": "cpu"}}, "env")
+    assert err.value.field == "env.kwargs.render_backend" and "env.render_backend" in str(err.value)
+
+
 class ImageRecorder:
     """Lifts the gripper and records the inputs it was given."""
 
