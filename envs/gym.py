@@ -69,7 +69,9 @@ def resolve_gym_id(env_id: str, field: str) -> str:
             if name in gymnasium.registry:
                 return f"{namespace}:{name}"
             tried = f"; importing the module {namespace!r} did not register it"
-    close = difflib.get_close_matches(name, list(gymnasium.registry), n=5, cutoff=0.6)
+    # the same env name in another namespace (or none) is the likeliest meaning
+    same_name = [i for i in gymnasium.registry if i.rpartition("/")[2] == name.rpartition("/")[2]]
+    close = list(dict.fromkeys(same_name + difflib.get_close_matches(name, list(gymnasium.registry), n=5, cutoff=0.6)))[:5]
     hint = f"close matches: {', '.join(close)}" if close else "e.g. mmrl/PointReach-v0, Reacher-v5, CartPole-v1"
     if namespace and ":" not in env_id:
         hint += f"; if a package registers it when imported, name the package first: 'package:{name}'"

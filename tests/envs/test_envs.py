@@ -146,3 +146,9 @@ def test_a_namespaced_id_still_unknown_suggests_the_module_colon_id_form(tmp_pat
         from_dict(GymEnvConfig, {"type": "gym", "id": "mmrl_no_ns/Reach-v0"}, "env")
     assert err.value.field == "env.id" and says in str(err.value)
     assert "name the package first: 'package:mmrl_no_ns/Reach-v0'" in str(err.value)
+
+
+def test_an_unknown_namespaced_id_names_the_same_env_registered_without_its_namespace(tmp_path, monkeypatch, fresh_modules):
+    _registering_module(tmp_path, monkeypatch, "mmrl_plain_ids", "PlainReach-v0")
+    with pytest.raises(ConfigError, match="close matches: PlainReach-v0"):
+        from_dict(GymEnvConfig, {"type": "gym", "id": "mmrl_plain_ids/PlainReach-v0"}, "env")
