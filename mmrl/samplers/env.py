@@ -241,7 +241,7 @@ class EnvSampler(Sampler):
         looked_for = repr(self.success_key) if self.success_key else " / ".join(SUCCESS_KEYS)
         logger.warning(
             f"mmrl: warning: env {self.env_name!r} reported no success in its info during {collection} (looked for {looked_for}), "
-            f"so {consequence}; set env.success_key to the info key it uses"
+            f"so {consequence}; if it reports success under another info key, name that key in env.success_key"
         )
 
     def _wave_rollout(self, samples: list, n: int, rewards: list, terminated: list, truncated: list, success: list, chunk_index: list) -> Rollout:
