@@ -106,6 +106,8 @@ class ManiSkillEnvConfig(EnvConfig):
             raise ConfigError(p + "instruction", self.instruction, "a sentence, or null for the task's built-in one")
         if self.wrappers and self.sim_backend in _GPU_BACKENDS:
             raise ConfigError(p + "wrappers", [w.type for w in self.wrappers], f"wrappers wrap single envs; sim_backend {self.sim_backend!r} is ManiSkill's batched env (use physx_cpu)")
+        if self.obs_mode == "rgb" and self.render_backend == "none":
+            raise ConfigError(p + "render_backend", self.render_backend, "rgb observations need a renderer: cpu, gpu or null")
         for key in ("render_backend", "sim_backend"):
             if key in self.kwargs:
                 raise ConfigError(f"{p}kwargs.{key}", self.kwargs[key], f"set env.{key} instead")

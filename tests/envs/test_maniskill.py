@@ -47,7 +47,10 @@ def test_unknown_maniskill_id_is_a_config_error_with_close_matches(mani_skill):
 
 @pytest.mark.parametrize(
     ("section", "field"),
-    [({"obs_mode": "pointcloud"}, "env.obs_mode"), ({"image_size": 4}, "env.image_size"), ({"cameras": []}, "env.cameras"), ({"instruction": " "}, "env.instruction")],
+    [
+        ({"obs_mode": "pointcloud"}, "env.obs_mode"), ({"image_size": 4}, "env.image_size"), ({"cameras": []}, "env.cameras"), ({"instruction": " "}, "env.instruction"),
+        ({"obs_mode": "rgb", "render_backend": "none"}, "env.render_backend"), ({"render_backend": "vulkan"}, "env.render_backend"),
+    ],
 )
 def test_bad_maniskill_observation_settings_are_config_errors(mani_skill, section, field):
     with pytest.raises(ConfigError) as err:
