@@ -1,8 +1,16 @@
 """Adapter for any gymnasium id: ``env: {type: gym, id: Reacher-v5, num_envs: 8}``.
 
-An external simulator plugs in by its gymnasium id. An id of the form ``"package:Env-v0"``
-imports ``package`` first (gymnasium's own convention), so a third-party task needs no
-change to mmrl, only to be registered with gymnasium when its package is imported.
+An external simulator plugs in by its gymnasium id, with no change to mmrl, as long as its
+package registers the id with gymnasium when it is imported:
+
+- ``"package:Env-v0"`` imports ``package`` first (gymnasium's own convention);
+- a namespaced id ``"package/Env-v0"`` that is not registered yet imports the module named
+  by its namespace, ``package``, and is then made as ``"package:package/Env-v0"`` (so that
+  async workers import it too). A package whose namespace is not its module name (ALE's
+  ``ALE/Pong-v5`` comes from ``ale_py``) is named explicitly: ``"ale_py:ALE/Pong-v5"``.
+
+``env.wrappers`` wrap each env after ``gymnasium.make`` (so outside its time limit and
+gymnasium's checkers), before vectorization.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from typing import Any
 import gymnasium
 
 from mmrl.config import option
+from mmrl.env_wrappers import WrapperConfig, apply_wrappers
 from mmrl.errors import ConfigError
 from mmrl.registry import ENVS
 from mmrl.train.config import EnvConfig
@@ -33,11 +42,13 @@ class GymEnvConfig(EnvConfig):
     )
 
     def validate(self, path: str) -> None:
-        check_gym_id(self.id, f"{path}.id" if path else "id")
+        resolve_gym_id(self.id, f"{path}.id" if path else "id")
 
 
-def check_gym_id(env_id: str, field: str) -> None:
-    """Raise a ConfigError naming ``field`` unless ``env_id`` is a registered gymnasium id."""
+def resolve_gym_id(env_id: str, field: str) -> str:
+    """The id to make ``env_id`` with: ``env_id`` itself, or ``"namespace:namespace/Env-v0"``
+    when importing the namespace's module registered it. A ConfigError naming ``field``
+    unless it is (or becomes) a registered gymnasium id."""
     name = env_id
     if ":" in env_id:
         module, name = env_id.split(":", 1)
@@ -46,16 +57,31 @@ def check_gym_id(env_id: str, field: str) -> None:
         except ImportError as e:
             raise ConfigError(field, env_id, f"could not import the module {module!r} before the id: {e}") from None
     if name in gymnasium.registry:
-        return
-    close = difflib.get_close_matches(name, list(gymnasium.registry), n=5, cutoff=0.6)
+        return env_id
+    namespace, _, _ = name.rpartition("/")
+    tried = ""
+    if ":" not in env_id and namespace:
+        try:
+            importlib.import_module(namespace)
+        except ImportError as e:
+            tried = f"; importing its namespace {namespace!r} as a module failed ({e})"
+        else:
+            if name in gymnasium.registry:
+                return f"{namespace}:{name}"
+            tried = f"; importing the module {namespace!r} did not register it"
+    # the same env name in another namespace (or none) is the likeliest meaning
+    same_name = [i for i in gymnasium.registry if i.rpartition("/")[2] == name.rpartition("/")[2]]
+    close = list(dict.fromkeys(same_name + difflib.get_close_matches(name, list(gymnasium.registry), n=5, cutoff=0.6)))[:5]
     hint = f"close matches: {', '.join(close)}" if close else "e.g. mmrl/PointReach-v0, Reacher-v5, CartPole-v1"
-    raise ConfigError(field, env_id, f"not a registered gymnasium id; {hint}")
+    if namespace and ":" not in env_id:
+        hint += f"; if a package registers it when imported, name the package first: 'package:{name}'"
+    raise ConfigError(field, env_id, f"not a registered gymnasium id{tried}; {hint}")
 
 
-def _make_env(env_id: str, max_episode_steps: int | None, kwargs: dict) -> gymnasium.Env:
+def _make_env(env_id: str, max_episode_steps: int | None, kwargs: dict, wrappers: list[WrapperConfig]) -> gymnasium.Env:
     # A module-level function pickles by reference: an async worker started with spawn
     # imports mmrl.envs to unpickle it, which registers mmrl's own ids there too.
-    return gymnasium.make(env_id, max_episode_steps=max_episode_steps, **kwargs)
+    return apply_wrappers(gymnasium.make(env_id, max_episode_steps=max_episode_steps, **kwargs), wrappers)
 
 
 def _has_text(make_one) -> bool:
@@ -88,8 +114,10 @@ def make_vector_env(cfg: GymEnvConfig, seed: int) -> gymnasium.vector.VectorEnv:
     ``seed`` seeds the action space's sampler; episodes are seeded by the sampler at every
     reset. Auto-reset is gymnasium's default (next step).
     """
-    cfg.validate("env")
-    make_one = partial(_make_env, cfg.id, cfg.max_episode_steps, dict(cfg.kwargs))
+    env_id = resolve_gym_id(cfg.id, "env.id")
+    for i, wrapper in enumerate(cfg.wrappers):
+        wrapper.validate(f"env.wrappers[{i}]")
+    make_one = partial(_make_env, env_id, cfg.max_episode_steps, dict(cfg.kwargs), list(cfg.wrappers))
     if cfg.vectorization == "async":
         env = gymnasium.vector.AsyncVectorEnv(
             [make_one] * cfg.num_envs, context=cfg.context, shared_memory=not _has_text(make_one)

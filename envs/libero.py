@@ -30,6 +30,8 @@ One env is one task:
   anew at each reset are placed from the state's index, so one index is one scene. Then ``settle_steps`` no-op steps let objects come to rest, as LIBERO
   evaluations do (rendered once, at the end).
 
+``env.wrappers`` wrap each ``LiberoEnv`` before vectorization.
+
 Rendering is software OpenGL on a CPU machine; ``fast_render`` turns off shadows and
 multisampling (measured ~2.5x faster renders at 128x128).
 """
@@ -49,6 +51,7 @@ import numpy as np
 from gymnasium import spaces
 
 from mmrl.config import option
+from mmrl.env_wrappers import WrapperConfig, apply_wrappers
 from mmrl.errors import ConfigError, MissingExtraError
 from mmrl.registry import ENVS
 from mmrl.train.config import EnvConfig
@@ -279,12 +282,12 @@ def _rebuild_render_context(sim) -> None:
     context._set_mujoco_context_and_buffers()
 
 
-def _make_env(cfg: dict) -> LiberoEnv:
+def _make_env(cfg: dict, wrappers: list[WrapperConfig]) -> gymnasium.Env:
     # Module-level (pickled by reference) so that spawned async workers can build it.
     from mmrl.envs.render import select_gl_backend
 
     select_gl_backend()
-    return LiberoEnv(**cfg)
+    return apply_wrappers(LiberoEnv(**cfg), wrappers)
 
 
 @ENVS.register("libero", config=LiberoEnvConfig)
@@ -299,7 +302,7 @@ def make_vector_env(cfg: LiberoEnvConfig, seed: int) -> gymnasium.vector.VectorE
         suite=cfg.suite, task=cfg.task, image_size=cfg.image_size, cameras=list(cfg.cameras), state=cfg.state,
         settle_steps=cfg.settle_steps, max_episode_steps=cfg.max_episode_steps, fast_render=cfg.fast_render,
     )
-    make_one = partial(_make_env, kwargs)
+    make_one = partial(_make_env, kwargs, list(cfg.wrappers))
     if cfg.vectorization == "async":
         # Spawn: an OpenGL context does not survive fork. No shared memory: gymnasium reads
         # Text observations out of it only once, at start-up (the instruction would stay blank).

@@ -24,6 +24,13 @@ Two backends:
 Either way, envs reset with equal seeds start from equal states, which is what lets the
 G copies of a group share their initial state.
 
+``env.wrappers`` wrap each CPU env (after ``CPUGymWrapper``: numpy, unbatched). The GPU
+backend has no single envs to wrap, so wrappers are a config error there.
+
+Rendering: SAPIEN renders on CUDA by default and, on a machine without CUDA, warns once per
+env that it falls back to the CPU (64 lines for 64 envs). ``render_backend: null`` asks for
+the CPU renderer directly when torch sees no CUDA device.
+
 Some tasks ask on stdin to download assets on first use; PushCube, PickCube, StackCube
 and most cube/peg tasks need none.
 """
@@ -39,6 +46,7 @@ from typing import Any, Literal
 import gymnasium
 
 from mmrl.config import option
+from mmrl.env_wrappers import WrapperConfig, apply_wrappers
 from mmrl.errors import ConfigError, MissingExtraError
 from mmrl.registry import ENVS
 from mmrl.train.config import EnvConfig
@@ -82,6 +90,10 @@ class ManiSkillEnvConfig(EnvConfig):
     control_mode: str = option("pd_ee_delta_pos", "robot controller (pd_ee_delta_pos, pd_ee_delta_pose, pd_joint_delta_pos ...)")
     reward_mode: str = option("normalized_dense", "reward of each step", choices=("normalized_dense", "dense", "sparse", "none"))
     sim_backend: str = option("physx_cpu", "physx_cpu / cpu (gymnasium-vectorized) or gpu / physx_cuda (batched)", choices=("physx_cpu", "cpu", "gpu", "physx_cuda"))
+    render_backend: str | None = option(
+        None, "SAPIEN renderer: cpu / sapien_cpu, gpu / sapien_cuda, or none (no rendering; rgb needs one); null = gpu if torch sees CUDA, else cpu",
+        choices=("cpu", "sapien_cpu", "gpu", "sapien_cuda", "none"),
+    )
     ignore_terminations: bool = option(False, "run every episode to its time limit instead of ending it on success (success is then 'success once')")
     kwargs: dict[str, Any] = option(factory=dict, doc="extra keyword arguments of gymnasium.make (e.g. robot_uids)")
 
@@ -92,6 +104,13 @@ class ManiSkillEnvConfig(EnvConfig):
             raise ConfigError(p + "cameras", self.cameras, "name at least one sensor camera, or null for all")
         if self.instruction is not None and not self.instruction.strip():
             raise ConfigError(p + "instruction", self.instruction, "a sentence, or null for the task's built-in one")
+        if self.wrappers and self.sim_backend in _GPU_BACKENDS:
+            raise ConfigError(p + "wrappers", [w.type for w in self.wrappers], f"wrappers wrap single envs; sim_backend {self.sim_backend!r} is ManiSkill's batched env (use physx_cpu)")
+        if self.obs_mode == "rgb" and self.render_backend == "none":
+            raise ConfigError(p + "render_backend", self.render_backend, "rgb observations need a renderer: cpu, gpu or null")
+        for key in ("render_backend", "sim_backend"):
+            if key in self.kwargs:
+                raise ConfigError(f"{p}kwargs.{key}", self.kwargs[key], f"set env.{key} instead")
 
 
 def task_instruction(env_id: str) -> str:
@@ -179,7 +198,20 @@ def check_maniskill_id(env_id: str, field: str) -> None:
     raise ConfigError(field, env_id, f"not a ManiSkill task; {hint}")
 
 
-def _make_cpu_env(env_id: str, max_episode_steps: int | None, ignore_terminations: bool, kwargs: dict, structured: dict | None = None) -> gymnasium.Env:
+def render_backend(requested: str | None) -> str:
+    """The SAPIEN render backend to ask for: ``requested``, or for null the CUDA renderer
+    where torch sees a CUDA device and the CPU renderer elsewhere (ManiSkill's own default
+    asks for CUDA and warns, for every env, when it has to fall back)."""
+    if requested is not None:
+        return requested
+    import torch
+
+    return "gpu" if torch.cuda.is_available() else "cpu"
+
+
+def _make_cpu_env(
+    env_id: str, max_episode_steps: int | None, ignore_terminations: bool, kwargs: dict, structured: dict | None = None, wrappers: list[WrapperConfig] = ()
+) -> gymnasium.Env:
     """One CPU env; ``structured`` = {"cameras", "instruction"} for rgb observations."""
     # Runs in spawned workers too: import mani_skill there to register its tasks.
     _import_maniskill()
@@ -191,7 +223,7 @@ def _make_cpu_env(env_id: str, max_episode_steps: int | None, ignore_termination
     env = CPUGymWrapper(env, ignore_terminations=ignore_terminations)
     if structured is not None:
         env = WithInstruction(env, structured["instruction"])
-    return env
+    return apply_wrappers(env, wrappers)
 
 
 def _make_gpu_env(cfg: ManiSkillEnvConfig, kwargs: dict, structured: dict | None) -> gymnasium.vector.VectorEnv:
@@ -257,7 +289,10 @@ def make_vector_env(cfg: ManiSkillEnvConfig, seed: int) -> gymnasium.vector.Vect
     reset.
     """
     cfg.validate("env")
-    kwargs = dict(obs_mode=cfg.obs_mode, control_mode=cfg.control_mode, reward_mode=cfg.reward_mode, sim_backend=cfg.sim_backend, **cfg.kwargs)
+    kwargs = dict(
+        obs_mode=cfg.obs_mode, control_mode=cfg.control_mode, reward_mode=cfg.reward_mode, sim_backend=cfg.sim_backend,
+        render_backend=render_backend(cfg.render_backend), **cfg.kwargs,
+    )
     structured = None
     if cfg.obs_mode == "rgb":
         structured = {"cameras": cfg.cameras, "instruction": cfg.instruction if cfg.instruction is not None else task_instruction(cfg.id)}
@@ -266,7 +301,7 @@ def make_vector_env(cfg: ManiSkillEnvConfig, seed: int) -> gymnasium.vector.Vect
     if cfg.sim_backend in _GPU_BACKENDS:
         env = _make_gpu_env(cfg, kwargs, structured)
     else:
-        make_one = partial(_make_cpu_env, cfg.id, cfg.max_episode_steps, cfg.ignore_terminations, kwargs, structured)
+        make_one = partial(_make_cpu_env, cfg.id, cfg.max_episode_steps, cfg.ignore_terminations, kwargs, structured, list(cfg.wrappers))
         if cfg.vectorization == "async":
             # gymnasium reads Text observations out of shared memory only once, at start-up
             # (the instruction would stay blank): structured observations go through pipes.

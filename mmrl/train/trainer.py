@@ -167,7 +167,7 @@ class Trainer:
             self.data = DemonstrationSource(cfg.data, self.policy, cfg.seed, self.world, self.rank)
         else:
             self.data = None
-        self.memory = sil.SelfImitationMemory(si.size) if si.size and algo.type == "rl" else None
+        self.memory = sil.SelfImitationMemory(si.size, self.dist) if si.size and algo.type == "rl" else None
         self.start_step = 0
         self.stop = StopRequest()
         if self.rank == 0:
@@ -241,9 +241,9 @@ class Trainer:
         rollout = rollout.with_(mask=self.train_mask(rollout, keep))
         stats = self.update(rollout, adv, collected.spare, step) if self.dist.sum(rollout.mask.sum()) > 0 else {}
         if self.memory is not None:
-            stats["replay/added"] = float(self.dist.sum(self.memory.add(rollout, adv)))
-            stats["replay/size"] = float(self.dist.sum(len(self.memory)))
-            if self.dist.sum(len(self.memory)) > 0:
+            stats["replay/added"] = float(self.memory.add(rollout, adv, step))
+            stats["replay/size"] = float(len(self.memory))
+            if len(self.memory):
                 stats.update(self.self_imitation(step, collected.spare))
         return self._rl_metrics(collected, rollout, adv, stats, t_sample, time.time() - t0)
 
@@ -489,34 +489,35 @@ class Trainer:
 
     def self_imitation(self, step: int, spare: Rollout | None = None) -> dict[str, float]:
         """``self_imitation.steps`` optimizer steps of the self-imitation loss on
-        ``self_imitation.batch`` samples drawn from the memory each (forward/backward in
-        ``micro_batches`` pieces); returns the mean loss (``mmrl/train/self_imitation.py``)."""
+        ``self_imitation.batch`` samples drawn from the memory of all processes each
+        (forward/backward in ``micro_batches`` pieces); returns the mean loss
+        (``mmrl/train/self_imitation.py``)."""
         cfg = self.cfg.algo
         si = cfg.self_imitation
         device = self.accelerator.device
-        gen = torch.Generator().manual_seed(group_seed(self.cfg.seed, step, _REPLAY_STREAM + self.rank))
+        gen = torch.Generator().manual_seed(group_seed(self.cfg.seed, step, _REPLAY_STREAM))  # the same draws in every process
         losses = []
         for _ in range(si.steps):
-            if len(self.memory):
-                batch, adv = self.memory.sample(si.batch // self.world, gen)
-                batch, adv = batch.to(device), adv.to(device)
-            else:  # this process remembers nothing yet: a no-op piece keeps the all-reduce in step
-                batch, adv = spare.to(device), torch.zeros_like(spare.mask, device=device)
+            batch, adv = self.memory.sample(si.batch, gen)
+            if batch is None or batch.batch_size == 0:  # none of the draws lives here
+                batch, adv = spare, torch.zeros_like(spare.mask)
+            batch, adv = batch.to(device), adv.to(device)
+            noop = (spare.to(device), torch.zeros_like(spare.mask, device=device))  # keeps the all-reduce in step
+            pieces = [(batch[i], adv[i.to(device)]) if i.numel() else noop for i in _pieces(batch.batch_size, cfg.micro_batches)]
             if si.loss == "sft":
-                weight = adv * batch.mask
-                count = self.dist.sum(weight.sum()).clamp_min(1e-8).to(device) / self.world
-                loss_fn = lambda idx: sil.sft_loss(self.model, self.policy, batch[idx].replay, weight[idx.to(device)], count)  # noqa: E731
+                count = self.dist.sum((adv * batch.mask).sum()).clamp_min(1e-8).to(device) / self.world
+                loss_fn = lambda p: sil.sft_loss(self.model, self.policy, p[0].replay, p[1] * p[0].mask, count)  # noqa: E731
             else:
                 count = self.dist.sum(batch.mask.sum()).clamp_min(1).to(device) / self.world
-                loss_fn = lambda idx: sil.logp_loss(self.model, batch[idx].replay, batch[idx].mask, adv[idx.to(device)], count)  # noqa: E731
+                loss_fn = lambda p: sil.logp_loss(self.model, p[0].replay, p[0].mask, p[1], count)  # noqa: E731
             total = []
 
-            def loss_of(idx):
-                loss = loss_fn(idx)
+            def loss_of(piece):
+                loss = loss_fn(piece)
                 total.append(loss.detach().cpu())
                 return loss
 
-            self.optimizer_step(_pieces(batch.batch_size, cfg.micro_batches), loss_of, "self-imitation loss", step)
+            self.optimizer_step(pieces, loss_of, "self-imitation loss", step)
             losses.append(float(self.dist.sum(sum(total)) / self.world))
         return {"loss/replay": sum(losses) / len(losses)}
 
@@ -557,10 +558,12 @@ class Trainer:
 
     def save(self, step: int) -> None:
         self.accelerator.wait_for_everyone()
+        keep_memory = self.memory is not None and self.cfg.algo.self_imitation.in_checkpoint
+        memory = self.memory.state_dict() if keep_memory else None  # gathers from every process
         if self.rank == 0:
             state = {"sampler": self.sampler.state_dict(), "rewards": self.rewards.state_dict()}
-            if self.memory is not None and self.cfg.algo.self_imitation.in_checkpoint:
-                state["replay_memory"] = self.memory.state_dict()
+            if keep_memory:
+                state["replay_memory"] = memory
             self.checkpointer.save(step, self.policy, _inner(self.optimizer), state, self.config_text)
         self.accelerator.wait_for_everyone()
 

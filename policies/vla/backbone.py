@@ -38,6 +38,7 @@ policy come from mmrl's ``save_pretrained``/``load_pretrained`` directories.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -166,6 +167,9 @@ class VLABackbone(nn.Module):
         )
         self.decoder = tf.AutoModel.from_config(decoder_config, attn_implementation=cfg.attn_implementation)
         self.decoder.set_input_embeddings(None)  # fed inputs_embeds only; an unused table would stall DDP
+        # transformers 5.24 renamed the decoders' `past_key_values` argument to `cache` (the old
+        # name warns, and goes in 5.40); earlier versions know only `past_key_values`.
+        self._cache_argument = "cache" if "cache" in inspect.signature(self.decoder.forward).parameters else "past_key_values"
 
     @property
     def num_patch_tokens(self) -> int:
@@ -260,8 +264,8 @@ class VLABackbone(nn.Module):
         out = self.decoder(
             inputs_embeds=embeds,
             attention_mask=mask.to(embeds.device, torch.long),
-            past_key_values=cache,
             use_cache=cache is not None,
+            **{self._cache_argument: cache},
         )
         return out.last_hidden_state
 

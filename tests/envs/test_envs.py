@@ -1,3 +1,5 @@
+import sys
+
 import gymnasium
 import numpy as np
 import pytest
@@ -81,3 +83,72 @@ def test_gym_id_with_an_unimportable_module_prefix_is_a_config_error():
     with pytest.raises(ConfigError, match="no_such_package") as err:
         from_dict(GymEnvConfig, {"type": "gym", "id": "no_such_package:Thing-v0"}, "env")
     assert err.value.field == "env.id"
+
+
+@pytest.fixture
+def fresh_modules():
+    """Forgets the modules a test imported, so that another test imports them anew."""
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:
+        del sys.modules[name]
+
+
+def _registering_module(tmp_path, monkeypatch, module: str, env_id: str) -> None:
+    """A module ``module`` on sys.path that registers ``env_id`` (PointReach) when imported."""
+    (tmp_path / f"{module}.py").write_text(
+        "import gymnasium\n"
+        f"gymnasium.register(id={env_id!r}, entry_point='mmrl.envs.point_reach:PointReachEnv', max_episode_steps=5)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(gymnasium.registry, env_id, raising=False)
+
+
+def test_a_namespaced_id_imports_its_namespace_module_to_register_it(tmp_path, monkeypatch, fresh_modules):
+    _registering_module(tmp_path, monkeypatch, "mmrl_ns_plugin", "mmrl_ns_plugin/Reach-v0")
+    cfg = from_dict(GymEnvConfig, {"type": "gym", "id": "mmrl_ns_plugin/Reach-v0", "num_envs": 2}, "env")
+    env = ENVS.get("gym")(cfg, seed=0)
+    try:
+        obs, _ = env.reset(seed=[1, 1])
+        assert obs.shape == (2, 4) and np.array_equal(obs[0], obs[1])
+        assert env.envs[0].spec.id == "mmrl_ns_plugin/Reach-v0" and env.envs[0].spec.max_episode_steps == 5
+    finally:
+        env.close()
+    monkeypatch.delitem(gymnasium.registry, "mmrl_ns_plugin/Reach-v0")
+    # gymnasium's own module:id form keeps working
+    _registering_module(tmp_path, monkeypatch, "mmrl_other_module", "OtherNamespace/Reach-v0")
+    from_dict(GymEnvConfig, {"type": "gym", "id": "mmrl_other_module:OtherNamespace/Reach-v0"}, "env")
+
+
+def test_namespaced_id_async_workers_import_the_namespace_module(tmp_path, monkeypatch, fresh_modules):
+    # spawned workers start with mmrl's ids only: they must be told to import the module
+    _registering_module(tmp_path, monkeypatch, "mmrl_ns_async", "mmrl_ns_async/Reach-v0")
+    cfg = GymEnvConfig(id="mmrl_ns_async/Reach-v0", num_envs=2, vectorization="async")
+    env = ENVS.get("gym")(cfg, seed=0)
+    try:
+        obs, _ = env.reset(seed=[3, 3])
+        assert obs.shape == (2, 4) and np.array_equal(obs[0], obs[1])
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize(
+    ("module", "registers", "says"),
+    [
+        (None, None, "importing its namespace 'mmrl_no_ns' as a module failed"),
+        ("mmrl_no_ns", "mmrl_no_ns/Other-v0", "importing the module 'mmrl_no_ns' did not register it"),
+    ],
+)
+def test_a_namespaced_id_still_unknown_suggests_the_module_colon_id_form(tmp_path, monkeypatch, fresh_modules, module, registers, says):
+    if module is not None:
+        _registering_module(tmp_path, monkeypatch, module, registers)
+    with pytest.raises(ConfigError) as err:
+        from_dict(GymEnvConfig, {"type": "gym", "id": "mmrl_no_ns/Reach-v0"}, "env")
+    assert err.value.field == "env.id" and says in str(err.value)
+    assert "name the package first: 'package:mmrl_no_ns/Reach-v0'" in str(err.value)
+
+
+def test_an_unknown_namespaced_id_names_the_same_env_registered_without_its_namespace(tmp_path, monkeypatch, fresh_modules):
+    _registering_module(tmp_path, monkeypatch, "mmrl_plain_ids", "PlainReach-v0")
+    with pytest.raises(ConfigError, match="close matches: PlainReach-v0"):
+        from_dict(GymEnvConfig, {"type": "gym", "id": "mmrl_plain_ids/PlainReach-v0"}, "env")

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from mmrl.config import from_dict
+from mmrl.env_wrappers import WrapperConfig
 from mmrl.envs.libero import LiberoEnvConfig, quat_to_axis_angle
 from mmrl.errors import ConfigError, MissingExtraError
 from mmrl.registry import ENVS
@@ -120,6 +121,17 @@ def two_envs(libero):
     env = ENVS.get("libero")(cfg, seed=0)
     yield env
     env.close()
+
+
+@pytest.mark.filterwarnings("ignore:.*precision lowered by casting:UserWarning")  # inside RescaleAction
+def test_wrappers_wrap_each_libero_env(libero):
+    cfg = LiberoEnvConfig(suite="libero_goal", task=3, num_envs=1, image_size=16, settle_steps=0, wrappers=[WrapperConfig("RescaleAction", {"min_action": -0.5, "max_action": 0.5})])
+    env = ENVS.get("libero")(cfg, seed=0)
+    try:
+        assert env.single_action_space.low.tolist() == [-0.5] * 7 and env.single_action_space.high.tolist() == [0.5] * 7
+        assert env.get_attr("instructions")[0]  # attributes of the wrapped env stay reachable
+    finally:
+        env.close()
 
 
 def test_libero_observations_are_images_state_and_the_task_instruction(two_envs):

@@ -47,7 +47,10 @@ def test_unknown_maniskill_id_is_a_config_error_with_close_matches(mani_skill):
 
 @pytest.mark.parametrize(
     ("section", "field"),
-    [({"obs_mode": "pointcloud"}, "env.obs_mode"), ({"image_size": 4}, "env.image_size"), ({"cameras": []}, "env.cameras"), ({"instruction": " "}, "env.instruction")],
+    [
+        ({"obs_mode": "pointcloud"}, "env.obs_mode"), ({"image_size": 4}, "env.image_size"), ({"cameras": []}, "env.cameras"), ({"instruction": " "}, "env.instruction"),
+        ({"obs_mode": "rgb", "render_backend": "none"}, "env.render_backend"), ({"render_backend": "vulkan"}, "env.render_backend"),
+    ],
 )
 def test_bad_maniskill_observation_settings_are_config_errors(mani_skill, section, field):
     with pytest.raises(ConfigError) as err:
@@ -97,6 +100,51 @@ def test_pick_and_stack_cube_state_envs_reset_by_seed_and_step(mani_skill, env_i
         assert info["success"].dtype == bool and not info["success"].any()  # random actions do not stack cubes in 3 steps
     finally:
         env.close()
+
+
+@pytest.mark.filterwarnings("ignore:.*precision lowered by casting:UserWarning")  # inside RescaleAction
+def test_wrappers_wrap_each_cpu_env_and_are_refused_on_the_gpu_backend(mani_skill):
+    with pytest.raises(ConfigError) as err:
+        from_dict(ManiSkillEnvConfig, {"type": "maniskill", "id": "PushCube-v1", "sim_backend": "gpu", "wrappers": [{"type": "ClipAction"}]}, "env")
+    assert err.value.field == "env.wrappers"
+    wrappers = [{"type": "RescaleAction", "kwargs": {"min_action": -0.5, "max_action": 0.5}}]
+    cfg = from_dict(ManiSkillEnvConfig, {"type": "maniskill", "id": "PushCube-v1", "num_envs": 1, "wrappers": wrappers}, "env")
+    env = ENVS.get("maniskill")(cfg, seed=0)
+    try:
+        assert env.single_action_space.low.tolist() == [-0.5] * 4 and env.single_action_space.high.tolist() == [0.5] * 4
+        env.reset(seed=0)
+        obs, *_ = env.step(np.full((1, 4), 0.5, np.float32))
+        assert obs.shape == (1, 35)
+    finally:
+        env.close()
+
+
+def test_making_an_env_asks_for_the_cpu_renderer_without_cuda_and_logs_no_fallback(mani_skill, monkeypatch):
+    import logging
+
+    from mmrl.envs.maniskill import render_backend
+
+    assert render_backend("none") == "none"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert render_backend(None) == "gpu"
+    monkeypatch.undo()
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    maniskill_logger = logging.getLogger("mani_skill ")  # ManiSkill's logger, which does not propagate
+    maniskill_logger.addHandler(handler)
+    try:
+        env = ENVS.get("maniskill")(ManiSkillEnvConfig(id="PushCube-v1", num_envs=2), seed=0)
+        env.close()
+    finally:
+        maniskill_logger.removeHandler(handler)
+    fallbacks = [r.getMessage() for r in records if "Falling back" in r.getMessage()]
+    assert fallbacks == []
+    if not torch.cuda.is_available():
+        assert render_backend(None) == "cpu"
+    with pytest.raises(ConfigError) as err:
+        from_dict(ManiSkillEnvConfig, {"type": "maniskill", "id": "PushCube-v1", "kwargs": {"render_backend": "cpu"}}, "env")
+    assert err.value.field == "env.kwargs.render_backend" and "env.render_backend" in str(err.value)
 
 
 class ImageRecorder:

@@ -241,3 +241,32 @@ def test_bad_backbone_config_names_the_field():
         from_dict(VLABackboneConfig, {"vision_channels": []}, "policy.backbone")
     with pytest.raises(ConfigError, match=r"image_shape|\[H, W, 3\]"):
         make({"image_shape": [32, 32]})
+
+
+# transformers warns of a deprecated argument from a decorator, attributed to the decorated
+# forward's caller: torch's Module.__call__, or transformers' own wrappers of inner layers.
+# Warnings attributed to mmrl, transformers or torch during mmrl's calls are escalated.
+_OUR_CALLS = r"(mmrl|transformers|torch)(\.|$)"
+
+
+@pytest.mark.parametrize(
+    ("policy_type", "arch"), [("token_vla", arch) for arch in ("llama", "qwen2", "qwen3", "mistral", "gemma")] + [("flow_vla", "llama")]
+)
+def test_vla_sample_and_log_prob_call_transformers_without_deprecated_arguments(policy_type, arch):
+    import warnings
+
+    from mmrl.core.weights import build_policy
+    from mmrl.registry import POLICIES
+
+    spec = {"action_dim": 2, "action_low": [-1.0, -1.0], "action_high": [1.0, 1.0], "state_dim": 4, "obs_dim": 4, "image_shape": [16, 16, 3], "instructions": INSTRUCTIONS}
+    backbone = {"hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "vision_channels": [8], "max_instruction_tokens": 8, "arch": arch}
+    cfg = from_dict(POLICIES.entry(policy_type).config, {"type": policy_type, "action_chunk": 2, "backbone": backbone}, "policy")
+    torch.manual_seed(0)
+    image, state, _, _ = inputs(n=2)
+    obs = {"image": image[:, :16, :16], "state": state, "instruction": INSTRUCTIONS[:2]}
+    with warnings.catch_warnings():
+        for category in (DeprecationWarning, FutureWarning):
+            warnings.filterwarnings("error", category=category, module=_OUR_CALLS)
+        policy = build_policy(cfg, spec)
+        sample = policy.sample(obs, torch.Generator().manual_seed(0))  # the token VLA decodes with a key/value cache
+        policy.log_prob(sample.replay).sum().backward()

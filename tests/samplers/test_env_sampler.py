@@ -284,3 +284,88 @@ def test_stochastic_evaluation_is_seeded_and_differs_from_the_mean_action():
 
     assert evaluate(False) == evaluate(False)
     assert evaluate(False) != evaluate(True)
+
+
+class NamedSuccess(gymnasium.Env):
+    """Reports its success at step 2 under ``info[key]`` (and ``info[also] = False`` at every
+    step, if given); ends at step 3."""
+
+    observation_space = gymnasium.spaces.Box(-1.0, 1.0, shape=(3,))
+    action_space = gymnasium.spaces.Box(-1.0, 1.0, shape=(2,))
+
+    def __init__(self, key: str, also: str | None = None):
+        self.key, self.also = key, also
+
+    def _info(self, success: bool) -> dict:
+        info = {self.key: success}
+        if self.also is not None:
+            info[self.also] = False
+        return info
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(3, np.float32), self._info(False)
+
+    def step(self, action):
+        self.t += 1
+        return np.zeros(3, np.float32), 0.0, False, self.t == 3, self._info(self.t == 2)
+
+
+gymnasium.register("test/NamedSuccess-v0", entry_point=NamedSuccess)
+
+
+def named_success_sampler(key, success_key=None, also=None, rewards=()):
+    cfg = TrainConfig(
+        env=GymEnvConfig(id="test/NamedSuccess-v0", num_envs=2, kwargs={"key": key, "also": also}, success_key=success_key),
+        sampler=EnvSamplerConfig(),
+        algo=AlgoConfig(group_size=2),
+        rewards=list(rewards),
+    )
+    return EnvSampler(cfg.sampler, cfg)
+
+
+@pytest.mark.parametrize("key", ["is_success", "succeed"])
+def test_success_under_another_common_name_is_found_without_configuration(key, caplog):
+    sampler = named_success_sampler(key, rewards=[SuccessRewardConfig()])
+    rollout = sampler.collect(make_policy(sampler), num_groups=1, group_size=2, step=0)
+    assert rollout.info["success"].tolist() == [1.0, 1.0]
+    assert sampler.evaluate(make_policy(sampler), episodes=2, seed=0)["success_rate"] == 1.0
+    assert not caplog.records
+
+
+def test_success_keys_are_looked_up_in_their_documented_order_and_success_key_overrides_it():
+    # both present: "success" (always False here) is read before "is_success"
+    auto = named_success_sampler("is_success", also="success")
+    assert auto.collect(make_policy(auto), num_groups=1, group_size=2, step=0).info["success"].tolist() == [0.0, 0.0]
+    named = named_success_sampler("is_success", also="success", success_key="is_success")
+    assert named.collect(make_policy(named), num_groups=1, group_size=2, step=0).info["success"].tolist() == [1.0, 1.0]
+    custom = named_success_sampler("goal_reached", success_key="goal_reached")
+    assert custom.collect(make_policy(custom), num_groups=1, group_size=2, step=0).info["success"].tolist() == [1.0, 1.0]
+    from mmrl.samplers.env import SUCCESS_KEYS
+    from mmrl.train.config import EnvConfig
+
+    doc = EnvConfig.__dataclass_fields__["success_key"].metadata["doc"]
+    assert doc.index(SUCCESS_KEYS[0]) < doc.index(SUCCESS_KEYS[1]) < doc.index(SUCCESS_KEYS[2])  # `mmrl train --help` tells the order
+
+
+def test_an_env_that_never_reports_success_warns_once_when_success_is_rewarded(caplog):
+    sampler = named_success_sampler("goal_reached", rewards=[SuccessRewardConfig()])
+    policy = make_policy(sampler)
+    for step in range(3):
+        assert sampler.collect(policy, num_groups=1, group_size=2, step=step).info["success"].tolist() == [0.0, 0.0]
+    sampler.evaluate(policy, episodes=2, seed=0)
+    (record,) = caplog.records
+    assert record.levelname == "WARNING" and "\n" not in record.getMessage()
+    assert "'test/NamedSuccess-v0' reported no success" in record.getMessage() and "env.success_key" in record.getMessage()
+    assert "success / is_success / succeed" in record.getMessage() and "success reward is 0" in record.getMessage()
+
+
+def test_without_a_success_reward_only_evaluation_warns_and_a_named_key_is_named(caplog):
+    sampler = named_success_sampler("goal_reached", success_key="goal")
+    policy = make_policy(sampler)
+    sampler.collect(policy, num_groups=1, group_size=2, step=0)
+    assert not caplog.records  # trained on other rewards: success is not in use
+    sampler.evaluate(policy, episodes=2, seed=0)
+    (record,) = caplog.records
+    assert "during evaluation (looked for 'goal')" in record.getMessage() and "success_rate reads 0" in record.getMessage()

@@ -88,6 +88,38 @@ def test_dynamic_sampling_with_two_processes_matches_one_process(tmp_path):
             assert math.isclose(x[key], y[key], rel_tol=1e-5, abs_tol=1e-7), (key, x[key], y[key])
 
 
+def test_the_robot_configuration_shape_with_two_processes_matches_one_process(tmp_path, write_config):
+    """Env sampler, observation normalization and an annealed noise clock (running statistics),
+    two minibatches of two micro-batches, the zero-variance filter without refill and
+    self-imitation: two processes end with one process's parameters, statistics and
+    metrics, and checkpoint a memory that one process resumes from."""
+    data = point_reach_config(
+        total_steps=4, checkpoint={"every": 2},
+        policy={"type": "gaussian_mlp", "hidden_sizes": [16, 16], "obs_norm": True, "final_log_std": -1.5, "log_std_anneal_decisions": 200},
+        rewards=[{"type": "success"}],
+        algo={"group_size": 4, "groups_per_step": 4, "ppo_epochs": 2, "num_minibatches": 2, "micro_batches": 2,
+              "filters": [{"type": "zero_variance"}], "self_imitation": {"size": 16, "steps": 2, "batch": 8}},
+        optim={"lr": 0.01},
+    )
+    ra, rb = _one_and_two_processes(tmp_path, write_config(data), 29535)
+    a = load_file(str(tmp_path / "one/checkpoints/step_00000004/model.safetensors"))
+    b = load_file(str(tmp_path / "two/checkpoints/step_00000004/model.safetensors"))
+    assert "obs_stats.mean" in a and "sampled_decisions.value" in a
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+    assert any(r.get("filter/kept_fraction", 1) < 1 for r in ra) and any("loss/replay" in r for r in ra)
+    for x, y in zip(ra, rb):
+        assert set(x) == set(y)
+        for key in x:
+            if not key.startswith("time/"):
+                assert math.isclose(x[key], y[key], rel_tol=1e-5, abs_tol=1e-6), (x["step"], key, x[key], y[key])
+    # the two-process checkpoint holds the memory of both processes: one process resumes it
+    two = torch.load(tmp_path / "two/checkpoints/step_00000004/state.pt", weights_only=True)["replay_memory"]
+    one = torch.load(tmp_path / "one/checkpoints/step_00000004/state.pt", weights_only=True)["replay_memory"]
+    assert torch.equal(two["keys"], one["keys"]) and torch.equal(two["all_keys"], one["all_keys"])
+    torch.testing.assert_close(two["adv"], one["adv"])
+
+
 def test_sigterm_writes_a_final_checkpoint_and_resume_finishes(tmp_path, write_config):
     path = write_config(point_reach_config(total_steps=500))
     run = tmp_path / "run"

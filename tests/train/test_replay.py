@@ -8,6 +8,7 @@ from safetensors.torch import load_file
 
 from mmrl.core.rollout import Rollout
 from mmrl.train.metrics import read_metrics
+from mmrl.train.distributed import Collectives
 from mmrl.train.self_imitation import SelfImitationMemory
 from mmrl.train.self_imitation import sft_loss as sil_sft_loss
 from mmrl.train.trainer import Trainer, train
@@ -26,24 +27,24 @@ def _rollout(values: list[float], width: int) -> Rollout:
 
 
 def test_memory_keeps_positive_samples_first_in_first_out_across_lengths():
-    memory = SelfImitationMemory(size=3)
-    assert memory.add(_rollout([1, 2, 3], width=2), torch.tensor([0.5, -1.0, 0.0])) == 1  # only the positive one
-    assert memory.add(_rollout([4, 5], width=4), torch.tensor([1.0, 2.0])) == 2
+    memory = SelfImitationMemory(size=3, collectives=Collectives())
+    assert memory.add(_rollout([1, 2, 3], width=2), torch.tensor([0.5, -1.0, 0.0]), step=0) == 1  # only the positive one
+    assert memory.add(_rollout([4, 5], width=4), torch.tensor([1.0, 2.0]), step=1) == 2
     assert len(memory) == 3 and memory.data.mask.shape == (3, 4)
     assert memory.data.mask[0].tolist() == [1, 1, 0, 0]  # the shorter sample is padded and masked
     assert memory.adv[0].tolist() == [0.5, 0.5, 0, 0]  # sequence advantages broadcast over the decisions
-    memory.add(_rollout([6], width=2), torch.tensor([3.0]))
+    memory.add(_rollout([6], width=2), torch.tensor([3.0]), step=2)
     assert memory.data.replay["text"] == ["s4", "s5", "s6"]  # the oldest went first
     assert memory.data.info == {}  # only what log_prob needs is kept
     step_adv = torch.tensor([[1.0, -2.0], [-1.0, -1.0]])  # per-decision advantages: the negative ones become 0
-    fresh = SelfImitationMemory(size=8)
-    assert fresh.add(_rollout([7, 8], width=2), step_adv) == 1
+    fresh = SelfImitationMemory(size=8, collectives=Collectives())
+    assert fresh.add(_rollout([7, 8], width=2), step_adv, step=0) == 1
     assert fresh.adv.tolist() == [[1.0, 0.0]]
 
     buf = io.BytesIO()
     torch.save(memory.state_dict(), buf)
     buf.seek(0)
-    restored = SelfImitationMemory(size=3)
+    restored = SelfImitationMemory(size=3, collectives=Collectives())
     restored.load_state_dict(torch.load(buf, weights_only=True))  # the checkpoint's safe loader
     assert restored.data.replay["text"] == memory.data.replay["text"] and torch.equal(restored.adv, memory.adv)
     assert restored.added == memory.added == 4
@@ -67,7 +68,7 @@ def test_self_imitation_steps_raise_the_log_prob_of_remembered_good_samples(tmp_
         trainer = Trainer(cfg, tmp_path / f"steps{steps}")
         rollout = trainer.collect(0).rollout
         adv, keep = trainer.advantages(rollout)
-        assert trainer.memory.add(rollout, adv) == int((adv > 0).sum()) > 0
+        assert trainer.memory.add(rollout, adv, step=0) == int((adv > 0).sum()) > 0
         before = _remembered_logp(trainer)
         stats = trainer.self_imitation(step=0)
         assert stats["loss/replay"] > 0
@@ -151,7 +152,7 @@ def test_sft_self_imitation_fits_the_remembered_actions_and_ignores_zero_weights
     rollout = trainer.collect(0).rollout
     adv, keep = trainer.advantages(rollout)
     rollout = rollout.with_(mask=trainer.train_mask(rollout, keep))
-    assert trainer.memory.add(rollout, adv) > 0
+    assert trainer.memory.add(rollout, adv, step=0) > 0
     mem = trainer.memory
     weight = mem.adv * mem.data.mask
 

@@ -2,7 +2,9 @@
 
 An adapter is a function ``(config, seed) -> gymnasium.vector.VectorEnv`` registered under a
 ``type`` name with its config dataclass (a subclass of mmrl's ``EnvConfig``, whose fields
-``num_envs``, ``vectorization`` and ``max_episode_steps`` every env section has). mmrl finds
+``num_envs``, ``vectorization``, ``max_episode_steps``, ``success_key`` and ``wrappers`` every
+env section has; an adapter applies ``wrappers`` to each single env with
+``mmrl.env_wrappers.apply_wrappers``, the sampler reads ``success_key`` itself). mmrl finds
 this module through the ``mmrl.envs`` entry point in pyproject.toml, so the type resolves
 in any run once the package is installed, with no import in the user's config or code.
 """
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 import gymnasium
 
 from mmrl.config import option
+from mmrl.env_wrappers import apply_wrappers
 from mmrl.errors import ConfigError
 from mmrl.registry import ENVS
 from mmrl.train.config import EnvConfig
@@ -38,7 +41,8 @@ def make_vector_env(cfg: PluginReachConfig, seed: int) -> gymnasium.vector.Vecto
     """PluginReach copies in a gymnasium vector env."""
 
     def make_one() -> gymnasium.Env:
-        return PluginReachEnv(step_size=cfg.step_size, tolerance=cfg.tolerance, max_steps=cfg.max_episode_steps or 10)
+        env = PluginReachEnv(step_size=cfg.step_size, tolerance=cfg.tolerance, max_steps=cfg.max_episode_steps or 10)
+        return apply_wrappers(env, cfg.wrappers)
 
     vector = gymnasium.vector.AsyncVectorEnv if cfg.vectorization == "async" else gymnasium.vector.SyncVectorEnv
     env = vector([make_one] * cfg.num_envs)
