@@ -72,6 +72,7 @@ def test_dynamic_sampling_with_two_processes_matches_one_process(tmp_path):
     data.update(total_steps=4, log={"progress": False, "tensorboard": False}, eval={"at_end": False})
     data["policy"].update(seq_len=1, vocab_size=4)  # reward 0/1: many groups have zero variance
     data["rewards"] = [{"type": "token_fraction", "token": 3}]
+    data["sampler"]["batch_groups"] = 2  # calls within each process's 2 groups (see mmrl/samplers/prompt.py)
     data["algo"].update(groups_per_step=4, group_size=4, ppo_epochs=2, num_minibatches=2, micro_batches=2, resample_rounds=2)
     path = tmp_path / "dapo.yaml"
     path.write_text(yaml.safe_dump(data))
