@@ -53,6 +53,15 @@ class PolicyModule(nn.Module):
         (``algo.replay_loss: sft``). Only reshapes and decodes: it touches no parameter."""
         raise NotImplementedError(f"{type(self).__name__} cannot turn its replay into a sft_loss batch (algo.replay_loss: sft)")
 
+    def exact_kl(self, replay: dict[str, Any], reference: "PolicyModule") -> Tensor:
+        """KL(πθ ‖ πref) [B, T] of each replayed decision in closed form (``kl.type: exact``),
+        where the policy can compute it (the Gaussian steps of a denoising chain), with
+        gradient w.r.t. this policy's parameters only; ``reference`` is the frozen
+        reference policy."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has no closed-form KL to its reference (kl.type: exact); use a sampled estimator (k1, k2, k3) instead"
+        )
+
     def forward(self, replay: dict[str, Any], mode: str = "log_prob") -> Tensor:
         # the distributed wrapper syncs gradients of what goes through forward: both the RL
         # pass (log_prob) and supervised fine-tuning (sft) do
