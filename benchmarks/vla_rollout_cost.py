@@ -1,8 +1,8 @@
 """Rollout and training cost of mmrl's VLA policy families at the tabletop demo size.
 
 ``token_vla`` (binned action tokens, decoded one by one), ``flow_vla`` (flow-matching action
-expert, ``num_denoising_steps`` Euler steps) and ``diffusion_policy`` (DDIM chain, the last
-``ft_denoising_steps`` trained; no language input) are built from their config classes with
+expert, ``denoising.num_inference_steps`` Euler steps) and ``diffusion_policy`` (DDIM chain,
+the last ``denoising.window_size`` steps trained; no language input) are built from their config classes with
 the backbone of configs/tabletop_token_vla_sft.yaml (hidden 64, 2 layers, 4 heads, CNN
 [16, 32], 8x8 patch grid), action chunks of 4 and the spec the env sampler gives for
 ``mmrl/Tabletop-v0`` (64x64 top camera, state dim 4, action dim 2, the suite's instructions).
@@ -80,10 +80,14 @@ def time_sampling(policy, inputs, calls: int) -> float:
 
 
 def make_replay(policy, inputs, decisions: int) -> dict:
-    """The replay of ``decisions`` sample calls per input, concatenated along dim 1."""
+    """The replay of ``decisions`` sample calls per input, concatenated along dim 1 (nested
+    sections such as a denoising chain's too), as the env sampler does."""
     generator = torch.Generator().manual_seed(1)
-    replays = [policy.sample(inputs, generator).replay for _ in range(decisions)]
-    return {key: torch.cat([r[key] for r in replays], 1) for key in replays[0]}
+    return concat_calls([policy.sample(inputs, generator).replay for _ in range(decisions)])
+
+
+def concat_calls(replays: list[dict]) -> dict:
+    return {key: concat_calls([r[key] for r in replays]) if isinstance(value, dict) else torch.cat([r[key] for r in replays], 1) for key, value in replays[0].items()}
 
 
 def time_training(policy, replay, decisions: int) -> float:
@@ -154,7 +158,8 @@ def main():
         print(f"{name:<18}{params / 1e3:>8.0f}k{cells}{ms:>14.3f}{1000 / ms:>13.0f}{env_rate / CHUNK / rates[0]:>13.2f}")
     print("sample columns: decisions/s of policy.sample (no grad); train: log_prob(replay) + backward on")
     print(f"{args.train_batch} samples x {args.replay_decisions} decisions; pol/env: policy time per decision / one env's time for its steps")
-    print(f"(diffusion_policy trains {configs()['diffusion_policy'].ft_denoising_steps} denoising steps per decision; flow_vla integrates {configs()['flow_vla'].num_denoising_steps})")
+    diffusion, flow = configs()["diffusion_policy"].denoising, configs()["flow_vla"].denoising
+    print(f"(diffusion_policy trains {diffusion.window_size} of its {diffusion.num_inference_steps} denoising steps per decision; flow_vla integrates {flow.num_inference_steps})")
 
 
 if __name__ == "__main__":

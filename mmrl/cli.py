@@ -242,7 +242,7 @@ def _train_help() -> str:
             lines += ["", f"{section} with type: {entry.name} — {entry.doc}"]
             for name, tp, default, doc in describe(entry.config):
                 if name != "type":
-                    lines.append(f"  {section}.{name:22s} {doc}  [{tp}; default {default}]")
+                    lines.append(f"  {section}.{name:22s} {doc}" + (f"  [{tp}; default {default}]" if tp != "section" else ""))
     return "\n".join(lines)
 
 

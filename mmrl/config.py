@@ -165,13 +165,18 @@ def from_dict(cls, data: dict, path: str = "", resolve_component=None):
     kwargs = {}
     for name, f in known.items():
         if name in data:
-            value = data[name]
-            if isinstance(value, dict) and "type" not in value and f.default_factory is not MISSING:
+            raw = data[name]
+            if isinstance(raw, dict) and "type" not in raw and f.default_factory is not MISSING:
                 # a component section without a type keeps the type of the field's default
                 default_type = getattr(f.default_factory(), "type", None)
                 if isinstance(default_type, str) and default_type:
-                    value = {"type": default_type, **value}
-            value = _coerce(value, hints[name], prefix + name, resolve_component)
+                    raw = {"type": default_type, **raw}
+            section_default = _section_default(f, hints[name])
+            if section_default is not None and isinstance(raw, dict):
+                # keys the file leaves out keep this field's own default (a policy's
+                # defaults for its ``denoising`` section), not the section class's
+                raw = deep_merge(to_dict(section_default), raw)
+            value = _coerce(raw, hints[name], prefix + name, resolve_component)
             _check_constraints(f, value, prefix + name)
             kwargs[name] = value
         elif f.default is MISSING and f.default_factory is MISSING:
@@ -181,6 +186,15 @@ def from_dict(cls, data: dict, path: str = "", resolve_component=None):
     if check is not None:
         check(path)
     return obj
+
+
+def _section_default(f: dataclasses.Field, tp):
+    """The default instance of a nested (non-component) section field, or None."""
+    if not (isinstance(tp, type) and dataclasses.is_dataclass(tp)) or issubclass(tp, Component):
+        return None
+    if f.default_factory is not MISSING:
+        return f.default_factory()
+    return None if f.default is MISSING else f.default
 
 
 def _resolve_component(path: str, value: dict) -> type:
@@ -363,17 +377,21 @@ def load_config(cls, path: str | os.PathLike | None, overrides: list[str] = ()):
     return from_dict(cls, apply_overrides(data, [o for o in overrides if o not in preset]))
 
 
-def describe(cls, prefix: str = "", seen=None) -> list[tuple[str, str, str, str]]:
-    """(dotted name, type, default, doc) for every field, recursing into sections."""
+def describe(cls, prefix: str = "", defaults=None) -> list[tuple[str, str, str, str]]:
+    """(dotted name, type, default, doc) for every field, recursing into sections; a
+    section's defaults are those of the field's default instance (``defaults``)."""
     rows = []
     hints = typing.get_type_hints(cls)
     for f in fields(cls):
         tp = hints[f.name]
         name = prefix + f.name
-        default = f.default if f.default is not MISSING else (f.default_factory() if f.default_factory is not MISSING else "required")
+        if defaults is not None:
+            default = getattr(defaults, f.name)
+        else:
+            default = f.default if f.default is not MISSING else (f.default_factory() if f.default_factory is not MISSING else "required")
         if isinstance(tp, type) and dataclasses.is_dataclass(tp) and not issubclass(tp, Component):
             rows.append((name, "section", "", f.metadata.get("doc", "")))
-            rows += describe(tp, name + ".")
+            rows += describe(tp, name + ".", default if dataclasses.is_dataclass(default) else None)
             continue
         if dataclasses.is_dataclass(default):
             default = to_dict(default)

@@ -68,8 +68,11 @@ def test_train_help_documents_every_field(capsys):
         main(["train", "--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    for field in ("algo.objective.eps_high", "algo.advantage.std", "optim.lr", "checkpoint.every", "policy.hidden_sizes", "env.num_envs"):
+    for field in ("algo.objective.eps_high", "algo.advantage.std", "optim.lr", "checkpoint.every", "policy.hidden_sizes", "env.num_envs", "policy.denoising.transition", "policy.denoising.chunk_steps"):
         assert field in out
+    # a nested section shows its policy's own defaults: diffusion_policy's chain is DDIM, the flow VLA's Flow-SDE
+    diffusion = out[out.index("policy with type: diffusion_policy") :]
+    assert "default 'ddim'" in diffusion[diffusion.index("policy.denoising.transition") :].splitlines()[0]
 
 
 def test_list_shows_registered_components(capsys):

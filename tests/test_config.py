@@ -26,6 +26,18 @@ def test_nested_dataclass_from_yaml_values():
     assert cfg.steps == 3 and cfg.inner.lr == 1e-3 and cfg.inner.mode == "b" and cfg.tags == ["x"]
 
 
+@dataclass
+class _OwnDefaults:
+    inner: _Inner = option(factory=lambda: _Inner(lr=0.5, mode="b"), doc="inner section with this parent's defaults")
+
+
+def test_a_nested_section_keeps_its_fields_own_defaults_for_the_keys_a_file_leaves_out():
+    assert from_dict(_OwnDefaults, {"inner": {"lr": 0.2}}).inner == _Inner(lr=0.2, mode="b")
+    assert from_dict(_OwnDefaults, {}).inner == _Inner(lr=0.5, mode="b")
+    rows = {name: default for name, _, default, _ in describe(_OwnDefaults)}
+    assert rows["inner.lr"] == "0.5" and rows["inner.mode"] == "'b'"
+
+
 @pytest.mark.parametrize(
     "data, field, allowed",
     [

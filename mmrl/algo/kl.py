@@ -66,7 +66,7 @@ def k3(logp: Tensor, ref_logp: Tensor, *, log_ratio_clamp: float = 20.0, cap: fl
 
 
 def gaussian_kl(
-    mean: Tensor, ref_mean: Tensor, std: Tensor | float, reduce: str = "mean", batch_dims: int = 1
+    mean: Tensor, ref_mean: Tensor, std: Tensor | float, reduce: str = "mean", batch_dims: int = 1, ref_std: Tensor | float | None = None
 ) -> Tensor:
     """KL between two Gaussian denoising steps with a shared std: ‖μθ − μref‖² / (2σ²)
     (Flow-GRPO, Liu et al. 2025).
@@ -75,10 +75,18 @@ def gaussian_kl(
     matching its per-element-averaged log-probs) or summed (``"sum"``, the exact KL of the
     two diagonal Gaussians) over all dims after the first ``batch_dims``. ``std``
     broadcasts against ``mean`` (a float, or e.g. ``Tensor[B, 1, 1, 1]``).
+
+    With ``ref_std`` (steps whose std differs, e.g. a learned noise head) each element is
+    the general KL(N(μθ, σ²) ‖ N(μref, σref²)) = log(σref/σ) + (σ² + (μθ − μref)²)/(2σref²) − ½.
     """
     if reduce not in REDUCTIONS:
         raise ValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
-    per_element = (mean - ref_mean) ** 2 / (2 * std**2)
+    if ref_std is None:
+        per_element = (mean - ref_mean) ** 2 / (2 * std**2)
+    else:
+        std_t = std if isinstance(std, Tensor) else mean.new_tensor(float(std))
+        ref_t = ref_std if isinstance(ref_std, Tensor) else mean.new_tensor(float(ref_std))
+        per_element = torch.log(ref_t / std_t) + (std_t**2 + (mean - ref_mean) ** 2) / (2 * ref_t**2) - 0.5
     latent_dims = tuple(range(batch_dims, per_element.ndim))
     return per_element.mean(latent_dims) if reduce == "mean" else per_element.sum(latent_dims)
 

@@ -53,11 +53,14 @@ class PolicyModule(nn.Module):
         (``algo.replay_loss: sft``). Only reshapes and decodes: it touches no parameter."""
         raise NotImplementedError(f"{type(self).__name__} cannot turn its replay into a sft_loss batch (algo.replay_loss: sft)")
 
-    def exact_kl(self, replay: dict[str, Any], reference: nn.Module) -> Tensor:
-        """Optional: the exact KL(πθ ‖ πref) of each replayed decision [N, T], with gradient
-        w.r.t. this policy (``algo.kl.type: exact``), e.g. the closed-form Gaussian KL of a
-        denoising step."""
-        raise NotImplementedError(f"{type(self).__name__} has no closed-form per-decision KL (algo.kl.type: exact)")
+    def exact_kl(self, replay: dict[str, Any], reference: "PolicyModule") -> Tensor:
+        """KL(πθ ‖ πref) [B, T] of each replayed decision in closed form (``kl.type: exact``),
+        where the policy can compute it (the Gaussian steps of a denoising chain), with
+        gradient w.r.t. this policy's parameters only; ``reference`` is the frozen
+        reference policy."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has no closed-form KL to its reference (kl.type: exact); use a sampled estimator (k1, k2, k3) instead"
+        )
 
     def forward(self, replay: dict[str, Any], mode: str = "log_prob", reference: nn.Module | None = None):
         # the distributed wrapper syncs gradients of what goes through forward: the RL pass

@@ -1,4 +1,4 @@
-"""Running a denoising chain as an MDP, and recomputing its log-probs for training.
+"""Running a denoising chain as an MDP, storing it for replay, recomputing its log-probs.
 
 A chain of K steps turns x_init (pure noise) into a sample: latents[:, 0] = x_init and
 step k draws latents[:, k + 1] ~ N(mean_k, std_k²) from the transition's Gaussian
@@ -13,13 +13,32 @@ carry no log-prob. Which steps are stochastic is a boolean mask [N, K]:
   :func:`sde_window`;
 - one random step per sample (πRL's Flow-SDE, Chen et al. 2025): :func:`random_step`.
 
+**The replay layout.** Every denoising policy stores its chains for recomputation in one
+structure, ``replay["chain"]`` (:meth:`ChainSample.replay`), from the first step that may
+be stochastic (step s) to the end of the chain, W = K − s steps:
+
+- ``"latents"`` [*, W + 1, …]: x_s, then the latent after each of the W steps (the last
+  one is the chain's final sample);
+- ``"step_index"`` [*, W] long: the chain step k of each stored transition (s … K − 1);
+- ``"stochastic"`` [*, W] bool: which of them were stochastic (the decisions).
+
+``*`` is [N] for one chain per sample (an image, a toy vector), or [N, calls] for a
+policy that denoises one chain per env decision (an action chunk; the env sampler
+concatenates its calls along dim 1). Latents may be any shape: image latents
+[C, H, W], action chunks [C, A]. The sample's conditioning (prompt ids, text embeddings,
+observations) sits beside ``"chain"`` in the replay under the policy's own keys. Steps
+before s are deterministic and are not stored: a DPPO chain that trains its last 5 of 10
+steps keeps 6 latents. A right-padded replay (zeros) has no stochastic step and
+recomputes to 0.
+
 The denoiser is any callable ``denoiser(x, t, rows)``: ``x`` [B, …] latents, ``t`` [B] the
 transition's model time of each row (a training timestep or a flow σ), ``rows`` [B] long
-— which of the chain's N samples each row belongs to, so the callable can pick that
-sample's conditioning (``cond[rows]``). It returns the model output the transition
-expects (ε, v, or ``(v, std)`` for Flow-Noise). During sampling ``rows = arange(N)``;
-:func:`chain_log_probs` instead evaluates every stochastic (sample, step) pair of a
-stored chain in one batched call.
+— which of the chains each row belongs to (the index into the flattened ``*`` dims), so
+the callable can pick that chain's conditioning (``cond[rows]``). It returns the model
+output the transition expects (ε, v, or ``(v, std)`` for Flow-Noise). During sampling
+``rows = arange(N)``; :func:`chain_log_probs` instead evaluates every stochastic (chain,
+step) pair of a stored chain in one batched call, or in calls of at most ``chunk_steps``
+steps of every chain.
 
 ``min_std`` floors the std of stochastic steps, when sampling and when recomputing, so
 the log-prob stays the exact density of the drawn transition (DPPO's minimum denoising
@@ -33,7 +52,9 @@ from typing import Callable
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
+from mmrl.algo.kl import gaussian_kl
 from mmrl.denoising.gaussian import gaussian_entropy, gaussian_log_prob
 from mmrl.denoising.transitions import Transition
 
@@ -52,6 +73,16 @@ class ChainSample:
     @property
     def final(self) -> Tensor:
         return self.latents[:, -1]
+
+    def replay(self, first_step: int = 0) -> dict[str, Tensor]:
+        """The replay layout (module docstring) of steps ``first_step`` … K − 1."""
+        n, k_steps = self.stochastic.shape
+        steps = torch.arange(first_step, k_steps, device=self.latents.device)
+        return {
+            "latents": self.latents[:, first_step:],
+            "step_index": steps.expand(n, k_steps - first_step).clone(),
+            "stochastic": self.stochastic[:, first_step:],
+        }
 
 
 def _floor(std: Tensor, min_std: float) -> Tensor:
@@ -110,47 +141,100 @@ def run_chain(
     return ChainSample(torch.stack(latents, 1), log_probs, stochastic, entropies)
 
 
-def transition_log_probs(
-    denoiser: Denoiser,
-    transition: Transition,
-    x: Tensor,
-    x_next: Tensor,
-    step: Tensor,
-    rows: Tensor,
-    *,
-    min_std: float = 0.0,
-    reduce: str = "sum",
-    clamp: tuple[float, float] | None = None,
-) -> Tensor:
-    """log N(x_next; mean, std²) [B] of B stored stochastic transitions (x [B, …] at step
-    ``step`` [B] of sample ``rows`` [B]) under the denoiser's current parameters, with grad."""
+def _gaussian(denoiser: Denoiser, transition: Transition, x: Tensor, step: Tensor, rows: Tensor, min_std: float) -> tuple[Tensor, Tensor]:
+    """(mean, floored std) of stochastic steps ``step`` [B] from latents ``x`` [B, …]."""
     out = denoiser(x, transition.model_time(step), rows)
     mean, std = transition.mean_std(step, x, out, torch.ones_like(step, dtype=torch.bool))
-    return gaussian_log_prob(x_next, mean, _floor(std, min_std), reduce, clamp=clamp)
+    return mean, _floor(std, min_std)
+
+
+def _per_stochastic_step(chain: dict[str, Tensor], chunk_steps: int | None, evaluate: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+    """``evaluate(x, x_next, step, rows) -> [B]`` on the stochastic transitions of a stored
+    chain (the replay layout), at most ``chunk_steps`` steps of every chain per call (None:
+    one call); [*, W], 0 on deterministic steps. With grad, chunks are checkpointed: backward
+    recomputes each chunk's activations instead of keeping them all."""
+    stochastic = chain["stochastic"].to(torch.bool)
+    lead, width = stochastic.shape[:-1], stochastic.shape[-1]
+    latents, step_index = chain["latents"], chain["step_index"]
+    if tuple(latents.shape[: len(lead) + 1]) != (*lead, width + 1) or step_index.shape != stochastic.shape:
+        raise ValueError(
+            f"a stored chain needs latents [*, W + 1, ...] and step_index [*, W] for stochastic [*, W] = {list(stochastic.shape)}; "
+            f"got latents {list(latents.shape)} and step_index {list(step_index.shape)}"
+        )
+    stochastic = stochastic.reshape(-1, width)
+    latents = latents.reshape(stochastic.shape[0], width + 1, *latents.shape[len(lead) + 1 :])
+    step_index = step_index.reshape(-1, width)
+    out = latents.new_zeros(stochastic.shape)
+    chunk = chunk_steps or max(width, 1)
+    for first in range(0, width, chunk):
+        rows, cols = stochastic[:, first : first + chunk].nonzero(as_tuple=True)
+        if rows.numel() == 0:
+            continue
+        cols = cols + first
+        inputs = (latents[rows, cols], latents[rows, cols + 1], step_index[rows, cols], rows)
+        if chunk_steps is not None and torch.is_grad_enabled():
+            values = checkpoint(evaluate, *inputs, use_reentrant=False)
+        else:
+            values = evaluate(*inputs)
+        out = out.index_put((rows, cols), values)
+    return out.view(*lead, width)
 
 
 def chain_log_probs(
     denoiser: Denoiser,
     transition: Transition,
-    latents: Tensor,
-    stochastic: Tensor,
+    chain: dict[str, Tensor],
     *,
     min_std: float = 0.0,
     reduce: str = "sum",
     clamp: tuple[float, float] | None = None,
+    chunk_steps: int | None = None,
 ) -> Tensor:
-    """Recompute [N, K] per-step log-probs of a stored chain (``latents`` [N, K + 1, …],
-    ``stochastic`` [N, K]) under current parameters, with grad; 0 on deterministic steps.
-    Under unchanged parameters this equals :func:`run_chain`'s ``log_probs``. All
-    stochastic steps are evaluated in one denoiser call (none if no step is stochastic)."""
-    n, k_steps = stochastic.shape
-    rows, steps = stochastic.to(torch.bool).nonzero(as_tuple=True)
-    if rows.numel() == 0:
-        return latents.new_zeros(n, k_steps)
-    lp = transition_log_probs(
-        denoiser, transition, latents[rows, steps], latents[rows, steps + 1], steps, rows, min_std=min_std, reduce=reduce, clamp=clamp
-    )
-    return latents.new_zeros(n, k_steps).index_put((rows, steps), lp)
+    """Recompute the per-step log-probs [*, W] of a stored chain (the replay layout)
+    under current parameters, with grad; 0 on deterministic steps. Under unchanged
+    parameters this equals :func:`run_chain`'s ``log_probs`` of the stored steps.
+
+    The stochastic steps are evaluated in one denoiser call (none if no step is
+    stochastic), or with ``chunk_steps`` in calls over at most that many steps of every
+    chain: the same values with memory bounded by one chunk — without grad each chunk's
+    activations are freed, with grad they are recomputed in backward (gradient
+    checkpointing: one more forward per chunk)."""
+
+    def log_prob(x: Tensor, x_next: Tensor, step: Tensor, rows: Tensor) -> Tensor:
+        mean, std = _gaussian(denoiser, transition, x, step, rows, min_std)
+        return gaussian_log_prob(x_next, mean, std, reduce, clamp=clamp)
+
+    return _per_stochastic_step(chain, chunk_steps, log_prob)
+
+
+def chain_kl(
+    denoiser: Denoiser,
+    reference: Denoiser,
+    transition: Transition,
+    chain: dict[str, Tensor],
+    *,
+    min_std: float = 0.0,
+    reduce: str = "sum",
+    chunk_steps: int | None = None,
+) -> Tensor:
+    """Exact KL(πθ(· | x_k) ‖ πref(· | x_k)) [*, W] of every stochastic step of a stored
+    chain, at its stored latent x_k; 0 on deterministic steps.
+
+    Both steps are Gaussians with the schedule's std σ_k (floored by ``min_std``), so the
+    KL is ‖μθ − μref‖² / (2σ²) (Flow-GRPO, Liu et al. 2025), summed or averaged over the
+    latent's elements like the log-probs (``reduce``; :func:`mmrl.algo.kl.gaussian_kl`).
+    Flow-Noise learns its std, so there the KL of two diagonal Gaussians with different
+    stds is used. The gradient flows into ``denoiser`` only: the reference is evaluated
+    without grad. A DPPO ``clamp`` of the log-densities is not part of the KL."""
+    learned_std = transition.name == "flow_noise"
+
+    def kl(x: Tensor, x_next: Tensor, step: Tensor, rows: Tensor) -> Tensor:
+        with torch.no_grad():
+            ref_mean, ref_std = _gaussian(reference, transition, x, step, rows, min_std)
+        mean, std = _gaussian(denoiser, transition, x, step, rows, min_std)
+        return gaussian_kl(mean, ref_mean, std, reduce, ref_std=ref_std if learned_std else None)
+
+    return _per_stochastic_step(chain, chunk_steps, kl)
 
 
 # ------------------------------------------------------------------ which steps are stochastic

@@ -124,12 +124,21 @@ def flow_noise_step(x: Tensor, v: Tensor, sigma, sigma_next, std: Tensor) -> tup
     return mean, std.expand_as(x)
 
 
+def learned_noise_std(raw: Tensor, std_range: tuple[float, float] | list[float]) -> Tensor:
+    """Flow-Noise's std from a noise head's raw output, squashed log-uniformly into
+    [lo, hi]: std = exp(log lo + (log hi − log lo)·sigmoid(raw)), so it stays positive and
+    bounded whatever the head outputs."""
+    log_lo, log_hi = math.log(std_range[0]), math.log(std_range[1])
+    return torch.exp(log_lo + (log_hi - log_lo) * torch.sigmoid(raw))
+
+
 # ------------------------------------------------------------------ schedules bound to K steps
 
 
 class Transition(Protocol):
     """A K-step schedule: what the denoiser is told the time is, and each step's Gaussian."""
 
+    name: str  # one of TRANSITIONS
     num_steps: int
 
     def model_time(self, step: Tensor) -> Tensor:
@@ -142,13 +151,16 @@ class Transition(Protocol):
         ...
 
 
-DIFFUSION_KINDS = ("ddim", "ddpm")
-FLOW_METHODS = ("sde", "cps", "noise", "ode")
+# The names of the transitions, shared by these classes and the ``transition`` option of
+# :class:`mmrl.denoising.options.DenoisingOptions`.
+DIFFUSION_TRANSITIONS = ("ddim", "ddpm")
+FLOW_TRANSITIONS = ("flow_sde", "flow_cps", "flow_noise", "flow_ode")
+TRANSITIONS = DIFFUSION_TRANSITIONS + FLOW_TRANSITIONS
 
 
 class DiffusionTransition:
     """K steps of an ε-prediction diffusion model over training timesteps ``timesteps``
-    (noisiest first). ``kind="ddim"``: :func:`ddim_step` with ``eta``; ``"ddpm"``:
+    (noisiest first). ``name="ddim"``: :func:`ddim_step` with ``eta``; ``"ddpm"``:
     :func:`ddpm_step`. Deterministic steps use DDIM with η = 0. The step after the last
     timestep goes to ᾱ = ``final_alpha_cumprod`` (1.0: the clean sample).
 
@@ -159,14 +171,14 @@ class DiffusionTransition:
         self,
         alphas_cumprod: Tensor,
         timesteps: Tensor,
-        kind: str = "ddim",
+        name: str = "ddim",
         eta: float = 1.0,
         clip_denoised: float | None = None,
         final_alpha_cumprod: float = 1.0,
     ):
-        if kind not in DIFFUSION_KINDS:
-            raise ValueError(f"kind must be one of {DIFFUSION_KINDS}, got {kind!r}")
-        self.kind, self.eta, self.clip_denoised = kind, float(eta), clip_denoised
+        if name not in DIFFUSION_TRANSITIONS:
+            raise ValueError(f"name must be one of {DIFFUSION_TRANSITIONS}, got {name!r}")
+        self.name, self.eta, self.clip_denoised = name, float(eta), clip_denoised
         self.timesteps = timesteps.long()
         self.num_steps = int(timesteps.shape[0])
         ab = alphas_cumprod.to(torch.float64)[self.timesteps.to(alphas_cumprod.device)]
@@ -180,14 +192,14 @@ class DiffusionTransition:
         num_train_timesteps: int,
         num_steps: int,
         beta_schedule: str = "cosine",
-        kind: str = "ddim",
+        name: str = "ddim",
         eta: float = 1.0,
         clip_denoised: float | None = None,
         spacing: str = "trailing",
         device=None,
     ) -> "DiffusionTransition":
         ab = alphas_cumprod(ddpm_betas(num_train_timesteps, beta_schedule)).to(device)
-        return cls(ab, ddim_timesteps(num_train_timesteps, num_steps, spacing).to(device), kind, eta, clip_denoised)
+        return cls(ab, ddim_timesteps(num_train_timesteps, num_steps, spacing).to(device), name, eta, clip_denoised)
 
     def model_time(self, step: Tensor) -> Tensor:
         return self.timesteps.to(step.device)[step].float()
@@ -196,7 +208,7 @@ class DiffusionTransition:
         ab = _per_sample(self.alpha_bar.to(x.device)[step], x)
         ab_prev = _per_sample(self.alpha_bar_prev.to(x.device)[step], x)
         det_mean, _ = ddim_step(x, model_output, ab, ab_prev, 0.0, self.clip_denoised)
-        if self.kind == "ddim":
+        if self.name == "ddim":
             mean, std = ddim_step(x, model_output, ab, ab_prev, self.eta, self.clip_denoised)
         else:
             mean, std = ddpm_step(x, model_output, ab, ab_prev, self.clip_denoised)
@@ -207,16 +219,17 @@ class DiffusionTransition:
 class FlowTransition:
     """K Euler steps of a rectified flow over ``sigmas`` (σ_0 = 1 … σ_K = 0, [K + 1]).
 
-    ``method``: ``"sde"`` (:func:`flow_sde_step`, noise level a), ``"cps"``
-    (:func:`flow_cps_step`), ``"noise"`` (:func:`flow_noise_step`; the denoiser returns
-    ``(v, std)``), ``"ode"`` (every step deterministic). Deterministic steps take the ODE
-    step. The denoiser is given σ_k as its time.
+    ``name``: ``"flow_sde"`` (:func:`flow_sde_step`, noise level a), ``"flow_cps"``
+    (:func:`flow_cps_step`), ``"flow_noise"`` (:func:`flow_noise_step`), ``"flow_ode"``
+    (every step deterministic). Deterministic steps take the ODE step. The denoiser is
+    given σ_k as its time and returns v, or ``(v, std)`` from a learned noise head:
+    ``flow_noise`` needs the std, the others ignore it.
     """
 
-    def __init__(self, sigmas: Tensor, method: str = "sde", noise_level: float = 0.7):
-        if method not in FLOW_METHODS:
-            raise ValueError(f"method must be one of {FLOW_METHODS}, got {method!r}")
-        self.method, self.noise_level = method, float(noise_level)
+    def __init__(self, sigmas: Tensor, name: str = "flow_sde", noise_level: float = 0.7):
+        if name not in FLOW_TRANSITIONS:
+            raise ValueError(f"name must be one of {FLOW_TRANSITIONS}, got {name!r}")
+        self.name, self.noise_level = name, float(noise_level)
         self.sigmas = sigmas.float()
         self.num_steps = int(sigmas.shape[0]) - 1
         # Flow-GRPO's stand-in for σ = 1 in σ/(1 − σ): the largest σ below 1.
@@ -224,27 +237,26 @@ class FlowTransition:
         self.sigma_max = float(below_one.max()) if below_one.numel() else 0.0
 
     @classmethod
-    def from_config(cls, num_steps: int, method: str = "sde", noise_level: float = 0.7, shift: float = 1.0, device=None) -> "FlowTransition":
-        return cls(flow_sigmas(num_steps, shift).to(device), method, noise_level)
+    def from_config(cls, num_steps: int, name: str = "flow_sde", noise_level: float = 0.7, shift: float = 1.0, device=None) -> "FlowTransition":
+        return cls(flow_sigmas(num_steps, shift).to(device), name, noise_level)
 
     def model_time(self, step: Tensor) -> Tensor:
         return self.sigmas.to(step.device)[step]
 
     def mean_std(self, step: Tensor, x: Tensor, model_output, stochastic: Tensor) -> tuple[Tensor, Tensor]:
-        learned_std = None
-        if self.method == "noise":
-            model_output, learned_std = model_output
-        v = model_output
+        v, learned_std = model_output if isinstance(model_output, tuple) else (model_output, None)
         sigmas = self.sigmas.to(x.device)
         sigma, sigma_next = _per_sample(sigmas[step], x), _per_sample(sigmas[step + 1], x)
         det_mean, zero = flow_ode_step(x, v, sigma, sigma_next)
-        if self.method == "ode":
+        if self.name == "flow_ode":
             return det_mean, zero
-        if self.method == "sde":
+        if self.name == "flow_sde":
             mean, std = flow_sde_step(x, v, sigma, sigma_next, self.noise_level, self.sigma_max)
-        elif self.method == "cps":
+        elif self.name == "flow_cps":
             mean, std = flow_cps_step(x, v, sigma, sigma_next, self.noise_level)
         else:
+            if learned_std is None:
+                raise ValueError("flow_noise needs a denoiser that returns (v, std) from a learned noise head")
             mean, std = flow_noise_step(x, v, sigma, sigma_next, learned_std)
         keep = _per_sample(stochastic, x)
         return torch.where(keep, mean, det_mean), torch.where(keep, std, zero)

@@ -502,8 +502,8 @@ class Trainer:
             if batch is None or batch.batch_size == 0:  # none of the draws lives here
                 batch, adv = spare, torch.zeros_like(spare.mask)
             batch, adv = batch.to(device), adv.to(device)
-            noop = (spare.to(device), torch.zeros_like(spare.mask, device=device))  # keeps the all-reduce in step
-            pieces = [(batch[i], adv[i.to(device)]) if i.numel() else noop for i in _pieces(batch.batch_size, cfg.micro_batches)]
+            # an empty piece runs a masked spare sample: it keeps the all-reduce in step
+            pieces = [(batch[i], adv[i.to(device)]) if i.numel() else (spare.to(device), torch.zeros_like(spare.mask, device=device)) for i in _pieces(batch.batch_size, cfg.micro_batches)]
             if si.loss == "sft":
                 count = self.dist.sum((adv * batch.mask).sum()).clamp_min(1e-8).to(device) / self.world
                 loss_fn = lambda p: sil.sft_loss(self.model, self.policy, p[0].replay, p[1] * p[0].mask, count)  # noqa: E731

@@ -15,21 +15,24 @@ Behaviour cloning (``sft_loss``) is DDPM's noise-prediction loss (Ho et al. 2020
 expert chunks x0: x_t = sqrt(ᾱ_t)·x0 + sqrt(1 − ᾱ_t)·ε, loss = ‖ε̂θ(x_t, t, c) − ε‖²,
 averaged over the valid (unmasked) actions of the chunks.
 
-Sampling runs K = ``num_denoising_steps`` DDIM (or DDPM) steps from x_K ~ N(0, I) with
-:mod:`mmrl.denoising`. As in DPPO, only the last K' = ``ft_denoising_steps`` steps are
-stochastic and trained: the policy's call makes K' decisions, step j's log-prob being
-log N(x_{j+1}; μθ(x_j), max(σ_j, ``min_logprob_std``)²); the earlier steps are
-deterministic DDIM (η = 0) and carry no log-prob (DPPO runs them with a frozen copy of the
-pretrained network; here they share the fine-tuned weights). The environment sampler puts
-the chunk's reward on the last of its K' decisions (a two-layer MDP). The action sent to
-the env is the final latent clipped to [−1, 1]; the log-probs are those of the unclipped
-chain. ``deterministic=True`` runs every step as DDIM with η = 0 from x_K = 0, so the
-action depends on the observation only (logp and entropy are then 0).
+Sampling runs K = ``denoising.num_inference_steps`` DDIM (or DDPM) steps from
+x_K ~ N(0, I) with :mod:`mmrl.denoising` (``policy.denoising``: ``transition: ddim | ddpm``).
+As in DPPO, by default only the last K' steps are stochastic and trained
+(``stochastic_steps: last``, ``window_size: K'``): with ``logp_granularity: step`` the
+policy's call makes K' decisions, step j's log-prob being
+log N(x_{j+1}; μθ(x_j), max(σ_j, ``min_std``)²); the earlier steps are deterministic DDIM
+(η = 0) and carry no log-prob (DPPO runs them with a frozen copy of the pretrained
+network; here they share the fine-tuned weights). The environment sampler puts the
+chunk's reward on the last of its decisions (a two-layer MDP). The action sent to the env
+is the final latent clipped to [−1, 1]; the log-probs are those of the unclipped chain.
+``deterministic=True`` runs every step as DDIM with η = 0 from x_K = 0, so the action
+depends on the observation only (logp and entropy are then 0).
 
-Replay: observation tensors hold one entry per chunk (``image`` [N, 1, …], ``state``
-[N, 1, D] per call), denoising tensors one per decision (``x_t``, ``x_next`` [N, K', C, A],
-``step`` [N, K'] long). Both concatenate along dim 1 across calls; ``log_prob`` encodes
-each chunk's observation once and recomputes all its K' steps in one batched pass.
+Replay per call: the observation (``image`` [N, 1, …], ``state`` [N, 1, D]) and the chain
+in :mod:`mmrl.denoising`'s layout (``chain``: ``latents`` [N, 1, K' + 1, C, A],
+``step_index`` / ``stochastic`` [N, 1, K']); all concatenate along dim 1 across calls.
+``log_prob`` encodes each chunk's observation once and recomputes its steps in one
+batched pass (or ``chunk_steps`` at a time).
 """
 
 from __future__ import annotations
@@ -39,8 +42,8 @@ import math
 import torch
 from torch import Tensor, nn
 
-from mmrl.core.policy import PolicyModule, Sample
-from mmrl.denoising import DiffusionTransition, alphas_cumprod, ddim_timesteps, ddpm_betas, last_steps, run_chain, sinusoidal_embedding, transition_log_probs
+from mmrl.core.policy import Sample
+from mmrl.denoising import DenoisingPolicy, alphas_cumprod, ddpm_betas, sinusoidal_embedding
 from mmrl.errors import ConfigError
 from mmrl.policies.diffusion_policy.config import DiffusionPolicyConfig
 from mmrl.registry import POLICIES
@@ -147,7 +150,7 @@ class NoisePredictor(nn.Module):
 
 
 @POLICIES.register("diffusion_policy", config=DiffusionPolicyConfig)
-class DiffusionPolicy(PolicyModule):
+class DiffusionPolicy(DenoisingPolicy):
     """DDPM/DDIM action-chunk denoiser on images + state; its last K' denoising steps are the decisions (DPPO)."""
 
     def __init__(self, config: DiffusionPolicyConfig, spec: dict):
@@ -165,9 +168,8 @@ class DiffusionPolicy(PolicyModule):
         # Derived from the spec and config, not learned: kept out of the saved weights.
         self.register_buffer("action_center", torch.where(finite, (low + high) / 2, 0.0), persistent=False)
         self.register_buffer("action_half_range", torch.where(finite, (high - low) / 2, 1.0), persistent=False)
-        schedule = alphas_cumprod(ddpm_betas(config.num_train_timesteps, config.beta_schedule))
-        self.register_buffer("alphas_cumprod", schedule, persistent=False)  # float64
-        self.register_buffer("sampler_timesteps", ddim_timesteps(config.num_train_timesteps, config.num_denoising_steps), persistent=False)
+        schedule = alphas_cumprod(ddpm_betas(config.denoising.num_train_timesteps, config.denoising.beta_schedule))
+        self.register_buffer("alphas_cumprod", schedule, persistent=False)  # float64, for sft_loss
 
     # ------------------------------------------------------------------ pieces
 
@@ -184,22 +186,18 @@ class DiffusionPolicy(PolicyModule):
             obs["state"] = inputs["state"].to(device, torch.float32)
         return obs
 
-    def _transition(self) -> DiffusionTransition:
-        c = self.config
-        return DiffusionTransition(self.alphas_cumprod, self.sampler_timesteps, kind=c.sampler, eta=c.eta, clip_denoised=c.clip_denoised)
-
     def _denoiser(self, cond: Tensor):
-        scale = 1.0 / self.config.num_train_timesteps
+        scale = 1.0 / self.denoising.num_train_timesteps
 
         def denoise(x: Tensor, t: Tensor, rows: Tensor) -> Tensor:
             return self.denoiser(x, t * scale, cond[rows])
 
         return denoise
 
-    def _chain_options(self) -> dict:
-        c = self.config
-        clamp = tuple(c.logp_element_clamp) if c.logp_element_clamp is not None else None
-        return {"min_std": c.min_logprob_std, "reduce": c.logp_reduction, "clamp": clamp}
+    def chain_denoiser(self, replay: dict):
+        """The denoiser conditioned on the replayed observations, one per chunk (call)."""
+        obs = {key: replay[key].flatten(0, 1) for key in ("image", "state") if key in replay}
+        return self._denoiser(self.encoder(obs.get("image"), obs.get("state")))
 
     def normalize_actions(self, actions: Tensor) -> Tensor:
         """Env-unit actions [..., A] → normalized actions (not clipped)."""
@@ -209,46 +207,22 @@ class DiffusionPolicy(PolicyModule):
 
     @torch.no_grad()
     def sample(self, inputs, generator: torch.Generator | None = None, deterministic: bool = False) -> Sample:
-        """Actions [N, C, A] (env units), logp / entropy [N, K'] of the K' trained steps."""
+        """Actions [N, C, A] (env units); logp / entropy per decision of the chunk's chain
+        ([N, K'] for the last K' steps with ``logp_granularity: step``, [N, 1] for ``chain``)."""
         obs = self.observation(inputs)
         cond = self.encoder(obs.get("image"), obs.get("state"))
-        n, device = cond.shape[0], cond.device
-        steps, trained = self.config.num_denoising_steps, self.config.ft_denoising_steps
-        shape = (n, self.chunk, self.action_dim)
-        if deterministic:
-            x_init = torch.zeros(shape, device=device)
-            stochastic = torch.zeros(n, steps, dtype=torch.bool, device=device)
-        else:
-            x_init = torch.randn(shape, generator=generator).to(device)
-            stochastic = last_steps(n, steps, trained, device=device)
-        chain = run_chain(self._denoiser(cond), self._transition(), x_init, stochastic, generator, **self._chain_options())
-        first = steps - trained
+        shape = (cond.shape[0], self.chunk, self.action_dim)
+        x_init = torch.zeros(shape, device=cond.device) if deterministic else torch.randn(shape, generator=generator).to(cond.device)
+        out = self.sample_chain(self._denoiser(cond), x_init, generator, deterministic)
         replay = {key: value.unsqueeze(1) for key, value in obs.items()}
-        replay["x_t"] = chain.latents[:, first:steps]
-        replay["x_next"] = chain.latents[:, first + 1 :]
-        replay["step"] = torch.arange(first, steps, device=device).expand(n, trained).clone()
+        replay["chain"] = {key: value.unsqueeze(1) for key, value in out.chain.items()}
         return Sample(
-            output=self.action_center + self.action_half_range * chain.final.clamp(-1.0, 1.0),
-            logp=chain.log_probs[:, first:],
+            output=self.action_center + self.action_half_range * out.final.clamp(-1.0, 1.0),
+            logp=out.logp,
             replay=replay,
-            entropy=chain.entropies[:, first:],
+            mask=out.mask,
+            entropy=out.entropy,
         )
-
-    def log_prob(self, replay: dict) -> Tensor:
-        """Log-probs [B, T] of the replayed denoising steps (T = calls × K') under the
-        current parameters; each chunk's observation is encoded once."""
-        x_t = replay["x_t"]
-        b, t = x_t.shape[:2]
-        obs = {key: replay[key].flatten(0, 1) for key in ("image", "state") if key in replay}
-        calls = next(iter(obs.values())).shape[0] // b
-        if calls * self.config.ft_denoising_steps != t:
-            raise ValueError(f"replay holds {calls} observations per sample but {t} denoising steps; expected {self.config.ft_denoising_steps} steps per observation")
-        cond = self.encoder(obs.get("image"), obs.get("state"))
-        rows = torch.arange(b * t, device=x_t.device) // self.config.ft_denoising_steps
-        logp = transition_log_probs(
-            self._denoiser(cond), self._transition(), x_t.flatten(0, 1), replay["x_next"].flatten(0, 1), replay["step"].flatten(), rows, **self._chain_options()
-        )
-        return logp.view(b, t)
 
     def sft_loss(self, batch: dict) -> Tensor:
         """DDPM noise-prediction loss on expert chunks ``batch["actions"]`` [B, C, A] (env
@@ -263,9 +237,19 @@ class DiffusionPolicy(PolicyModule):
         b = x0.shape[0]
         mask = batch.get("action_mask")
         mask = torch.ones(b, self.chunk, device=x0.device) if mask is None else mask.to(x0.device, torch.float32)
-        t = torch.randint(0, self.config.num_train_timesteps, (b,), device=x0.device)
+        num_train_timesteps = self.denoising.num_train_timesteps
+        t = torch.randint(0, num_train_timesteps, (b,), device=x0.device)
         eps = torch.randn_like(x0)
         alpha_bar = self.alphas_cumprod[t].float().view(b, 1, 1)
         x_t = alpha_bar.sqrt() * x0 + (1 - alpha_bar).sqrt() * eps
-        error = (self.denoiser(x_t, t.float() / self.config.num_train_timesteps, cond) - eps).square().mean(-1)
+        error = (self.denoiser(x_t, t.float() / num_train_timesteps, cond) - eps).square().mean(-1)
         return (error * mask).sum() / mask.sum().clamp(min=1.0)
+
+    def imitation_batch(self, replay: dict) -> dict:
+        """The N·T replayed decisions as a ``sft_loss`` batch: each one's observation and the
+        chunk its chain executed (the final latent clipped to [−1, 1], in env units)."""
+        chain = replay["chain"]
+        flat = {key: self.per_decision(replay[key], chain) for key in ("image", "state") if key in replay}
+        final = self.per_decision(chain["latents"][:, :, -1], chain).to(self.action_center.device)
+        flat["actions"] = self.action_center + self.action_half_range * final.clamp(-1.0, 1.0)
+        return flat

@@ -25,26 +25,29 @@ the flow-matching loss ‖vθ(x_σ, σ, o) − (ε − x0)‖², averaged over v
 σ from π0's Beta(1.5, 1) (more weight on noisy times) or uniform.
 
 RL (πRL, Chen et al. 2025, "πRL: Online RL Fine-tuning for Flow-based Vision-Language-
-Action Models"): the chain is made stochastic so that the chunk has a likelihood.
+Action Models"): the chain is made stochastic so that the chunk has a likelihood
+(``policy.denoising``, :mod:`mmrl.denoising`):
 
-- ``flow_sde``: the flow's marginal-preserving SDE with noise level a
-  (:func:`mmrl.denoising.flow_sde_step`, Flow-GRPO's formula);
+- ``transition: flow_sde``: the flow's marginal-preserving SDE with noise level a
+  (:func:`mmrl.denoising.flow_sde_step`, Flow-GRPO's formula); ``flow_cps`` its
+  coefficient-preserving variant;
 - ``flow_noise``: the ODE step's mean with a std from a learned noise head on the
   expert's output tokens, squashed log-uniformly into ``noise_std_range``
   (:func:`mmrl.denoising.flow_noise_step`).
 
-``sde_steps: all`` makes every step stochastic; ``one`` makes one step per chunk stochastic,
-chosen uniformly at random (kept in the replay), the others ODE; ``sde_first_steps: N``
-restricts either to the first N (high-noise) steps. One chunk is one decision
-(k = 1): its log-prob is the joint log-likelihood Σ_k log N(x_{k+1}; μ_k, σ_k²) of the
-stochastic steps (the initial noise's density does not depend on the parameters and is
-left out). The env action is the final latent clipped to [−1, 1], mapped to env units
-(center + half_range·a_n); the log-prob is that of the unclipped chain.
-``deterministic=True`` integrates the ODE from x = 0, so the action depends on the
-observation only.
+``stochastic_steps: all`` makes every step stochastic; ``random`` one step per chunk,
+chosen uniformly at random (kept in the replay), the others ODE; ``window`` /
+``window_size: N`` restricts to the first N (high-noise) steps. By default
+(``logp_granularity: chain``) one chunk is one decision (k = 1): its log-prob is the joint
+log-likelihood Σ_k log N(x_{k+1}; μ_k, σ_k²) of the stochastic steps (the initial noise's
+density does not depend on the parameters and is left out). The env action is the final
+latent clipped to [−1, 1], mapped to env units (center + half_range·a_n); the log-prob is
+that of the unclipped chain. ``deterministic=True`` integrates the ODE from x = 0, so the
+action depends on the observation only.
 
-Replay per call (k = 1): ``image`` uint8 [N, 1, …], ``state`` [N, 1, D], ``instruction_ids`` /
-``instruction_mask`` [N, 1, L], ``chain`` [N, 1, K + 1, C, A], ``stochastic`` bool [N, 1, K].
+Replay per call: ``image`` uint8 [N, 1, …], ``state`` [N, 1, D], ``instruction_ids`` /
+``instruction_mask`` [N, 1, L], and the chain in :mod:`mmrl.denoising`'s layout (``chain``:
+``latents`` [N, 1, W + 1, C, A], ``step_index`` / ``stochastic`` [N, 1, W]).
 """
 
 from __future__ import annotations
@@ -54,8 +57,8 @@ import math
 import torch
 from torch import Tensor, nn
 
-from mmrl.core.policy import PolicyModule, Sample
-from mmrl.denoising import FlowTransition, chain_log_probs, flow_sigmas, random_step, run_chain, sinusoidal_embedding
+from mmrl.core.policy import Sample
+from mmrl.denoising import DenoisingPolicy, learned_noise_std, sinusoidal_embedding
 from mmrl.policies.flow_vla.config import FlowVLAConfig
 from mmrl.policies.vla.backbone import VLABackbone, encode_observations
 from mmrl.policies.vla.tokenizer import InstructionTokenizer
@@ -119,9 +122,9 @@ class ActionExpert(nn.Module):
         self.norm = nn.LayerNorm(hidden)
         self.velocity = nn.Linear(hidden, action_dim)
         self.noise_head = None
+        self.std_range = std_range
         if std_range is not None:
             self.noise_head = nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, action_dim))
-            self.log_std_low, self.log_std_high = math.log(std_range[0]), math.log(std_range[1])
 
     def memory(self, prefix: Tensor, prefix_mask: Tensor) -> dict:
         """What every denoising step of a chunk reuses: each block's prefix keys/values and
@@ -140,15 +143,12 @@ class ActionExpert(nn.Module):
         for block, (k, v) in zip(self.blocks, memory["kv"]):
             h = block(h, (k, v) if rows is None else (k[rows], v[rows]), attend)
         h = self.norm(h)
-        std = None
-        if self.noise_head is not None:
-            squash = torch.sigmoid(self.noise_head(h))
-            std = torch.exp(self.log_std_low + (self.log_std_high - self.log_std_low) * squash)
+        std = None if self.noise_head is None else learned_noise_std(self.noise_head(h), self.std_range)
         return self.velocity(h), std
 
 
 @POLICIES.register("flow_vla", config=FlowVLAConfig)
-class FlowVLAPolicy(PolicyModule):
+class FlowVLAPolicy(DenoisingPolicy):
     """Vision-language backbone + flow-matching action expert; RL via Flow-SDE / Flow-Noise chains (πRL)."""
 
     def __init__(self, config: FlowVLAConfig, spec: dict):
@@ -162,7 +162,7 @@ class FlowVLAPolicy(PolicyModule):
         self.tokenizer = InstructionTokenizer.build(list(spec.get("instructions") or []))
         self.backbone = VLABackbone(config.backbone, spec, self.tokenizer.vocab_size)
         hd = self.backbone.hidden_size
-        learned_noise = config.noise_method == "flow_noise"
+        learned_noise = config.denoising.transition == "flow_noise"
         self.expert = ActionExpert(
             self.action_dim,
             self.chunk,
@@ -170,7 +170,7 @@ class FlowVLAPolicy(PolicyModule):
             config.expert_layers,
             config.expert_heads,
             config.backbone.intermediate_size,
-            config.noise_std_range if learned_noise else None,
+            config.denoising.noise_std_range if learned_noise else None,
         )
 
         low = torch.as_tensor(spec.get("action_low", [-math.inf] * self.action_dim), dtype=torch.float32)
@@ -179,7 +179,6 @@ class FlowVLAPolicy(PolicyModule):
         # Derived from the spec and config, not learned: kept out of the saved weights.
         self.register_buffer("action_center", torch.where(finite, (low + high) / 2, 0.0), persistent=False)
         self.register_buffer("action_half_range", torch.where(finite, (high - low) / 2, 1.0), persistent=False)
-        self.register_buffer("sigmas", flow_sigmas(config.num_denoising_steps, config.time_shift).float(), persistent=False)
 
     # ------------------------------------------------------------------ pieces
 
@@ -198,18 +197,17 @@ class FlowVLAPolicy(PolicyModule):
         embeds, mask = self.backbone.prefix(obs.get("image"), obs.get("state"), obs["instruction_ids"], instruction_mask)
         return self.expert.memory(self.backbone(embeds, mask), mask)
 
-    def _denoiser(self, memory: dict, learned_std: bool):
+    def _denoiser(self, memory: dict):
         def denoise(x: Tensor, sigma: Tensor, rows: Tensor):
             v, std = self.expert(x, sigma, memory, rows)
-            return (v, std) if learned_std else v
+            return v if std is None else (v, std)
 
         return denoise
 
-    def _stochastic_method(self) -> str:
-        return "noise" if self.config.noise_method == "flow_noise" else "sde"
-
-    def _transition(self, method: str) -> FlowTransition:
-        return FlowTransition(self.sigmas, method, self.config.noise_level)
+    def chain_denoiser(self, replay: dict):
+        """The action expert conditioned on the replayed observations: one prefix pass per chunk (call)."""
+        obs = {key: replay[key].flatten(0, 1) for key in _OBS_KEYS if key in replay}
+        return self._denoiser(self.prefix_memory(obs))
 
     def normalize_actions(self, actions: Tensor) -> Tensor:
         """Env-unit actions [..., A] → normalized actions (not clipped)."""
@@ -221,61 +219,23 @@ class FlowVLAPolicy(PolicyModule):
     def sample(self, inputs, generator: torch.Generator | None = None, deterministic: bool = False) -> Sample:
         """Actions [N, C, A] (env units); logp / entropy [N, 1]: the chunk's joint chain
         log-likelihood and the summed entropy of its stochastic steps (with
-        ``logp_granularity: step``, [N, K] per denoising step and a mask of the stochastic
-        ones)."""
+        ``logp_granularity: step``, [N, W] per stored denoising step and a mask of the
+        stochastic ones)."""
         obs = self.observation(inputs)
         memory = self.prefix_memory(obs)
-        n, device = memory["attend"].shape[0], self.action_center.device
-        steps = self.config.num_denoising_steps
-        shape = (n, self.chunk, self.action_dim)
-        if deterministic:
-            method = "ode"
-            x_init = torch.zeros(shape, device=device)
-            stochastic = torch.zeros(n, steps, dtype=torch.bool, device=device)
-        else:
-            method = self._stochastic_method()
-            x_init = torch.randn(shape, generator=generator).to(device)
-            window = self.config.sde_first_steps or steps
-            if self.config.sde_steps == "all":
-                stochastic = torch.arange(steps, device=device).expand(n, steps) < window
-            else:
-                stochastic = random_step(n, steps, generator, high=window, device=device)
-        denoiser = self._denoiser(memory, learned_std=method == "noise")
-        chain = run_chain(denoiser, self._transition(method), x_init, stochastic, generator, reduce=self.config.logp_reduction)
+        device = self.action_center.device
+        shape = (memory["attend"].shape[0], self.chunk, self.action_dim)
+        x_init = torch.zeros(shape, device=device) if deterministic else torch.randn(shape, generator=generator).to(device)
+        out = self.sample_chain(self._denoiser(memory), x_init, generator, deterministic)
         replay = {key: value.unsqueeze(1) for key, value in obs.items()}
-        replay["chain"] = chain.latents.unsqueeze(1)
-        replay["stochastic"] = stochastic.unsqueeze(1)
-        logp, entropy, mask = chain.log_probs, chain.entropies, None
-        if self.config.logp_granularity == "chunk":
-            logp, entropy = logp.sum(1, keepdim=True), entropy.sum(1, keepdim=True)
-        else:
-            mask = stochastic.float()  # deterministic (ODE) steps are no decisions
+        replay["chain"] = {key: value.unsqueeze(1) for key, value in out.chain.items()}
         return Sample(
-            output=self.action_center + self.action_half_range * chain.final.clamp(-1.0, 1.0),
-            logp=logp,
+            output=self.action_center + self.action_half_range * out.final.clamp(-1.0, 1.0),
+            logp=out.logp,
             replay=replay,
-            mask=mask,
-            entropy=entropy,
+            mask=out.mask,
+            entropy=out.entropy,
         )
-
-    def log_prob(self, replay: dict) -> Tensor:
-        """Joint chain log-likelihoods [B, T] of the replayed chunks under the current
-        parameters ([B, T*K], step by step, with ``logp_granularity: step``); each chunk's
-        prefix is computed once for all its denoising steps."""
-        chain = replay["chain"]
-        b, t = chain.shape[:2]
-        obs = {key: replay[key].flatten(0, 1) for key in _OBS_KEYS if key in replay}
-        method = self._stochastic_method()
-        per_step = chain_log_probs(
-            self._denoiser(self.prefix_memory(obs), learned_std=method == "noise"),
-            self._transition(method),
-            chain.flatten(0, 1),
-            replay["stochastic"].flatten(0, 1),
-            reduce=self.config.logp_reduction,
-        )
-        if self.config.logp_granularity == "step":
-            return per_step.reshape(b, t * per_step.shape[1])
-        return per_step.sum(1).view(b, t)
 
     def sft_loss(self, batch: dict) -> Tensor:
         """Flow-matching loss ‖vθ(x_σ, σ, o) − (ε − x0)‖² on expert chunks ``batch["actions"]``
@@ -302,11 +262,13 @@ class FlowVLAPolicy(PolicyModule):
         return (error * action_mask).sum() / action_mask.sum().clamp(min=1.0)
 
     def imitation_batch(self, replay: dict) -> dict:
-        """The N·T replayed chunks as a ``sft_loss`` batch: observations and the executed
-        actions (the chain's final latent clipped to [−1, 1], in env units), so a chunk is
-        imitated with the flow-matching loss rather than through its chain's likelihood."""
-        flat = {key: replay[key].flatten(0, 1) for key in _OBS_KEYS if key in replay}
-        final = replay["chain"][:, :, -1].flatten(0, 1).to(self.action_center.device)
+        """The N·T replayed decisions as a ``sft_loss`` batch: each one's observations and
+        the chunk its chain executed (the final latent clipped to [−1, 1], in env units), so
+        a chunk is imitated with the flow-matching loss rather than through its chain's
+        likelihood."""
+        chain = replay["chain"]
+        flat = {key: self.per_decision(replay[key], chain) for key in _OBS_KEYS if key in replay}
+        final = self.per_decision(chain["latents"][:, :, -1], chain).to(self.action_center.device)
         flat["actions"] = self.action_center + self.action_half_range * final.clamp(-1.0, 1.0)
         return flat
 

@@ -1,10 +1,11 @@
-"""Configs of the toy policies: a token sequence model and a 1-D Gaussian denoising chain."""
+"""Configs of the toy policies: a token sequence model and a small Gaussian denoising chain."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from mmrl.config import option
+from mmrl.denoising.options import DenoisingOptions
 from mmrl.errors import ConfigError
 from mmrl.train.config import PolicyConfig
 
@@ -26,15 +27,17 @@ class CategoricalSequenceConfig(PolicyConfig):
 
 @dataclass
 class GaussianChainConfig(PolicyConfig):
-    """A tiny conditional denoising chain: the stand-in for a diffusion/flow generator."""
+    """A tiny conditional denoising chain on mmrl.denoising: the stand-in for a diffusion/flow generator."""
 
     dim: int = option(1, "dimensions of the generated sample x_0", ge=1)
-    num_steps: int = option(8, "denoising transitions x_T -> ... -> x_0 (the decisions)", ge=1)
-    hidden: int = option(32, "width of the denoiser MLP", ge=1)
-    sigma_max: float = option(0.5, "std of the first (noisiest) transition", gt=0)
-    sigma_min: float = option(0.05, "std of the last transition; stds are geometric in between", gt=0)
+    hidden: int = option(32, "width of the denoiser MLP (even: sinusoidal time features)", ge=2)
+    denoising: DenoisingOptions = option(
+        factory=lambda: DenoisingOptions(transition="flow_sde", num_inference_steps=8, noise_level=0.7),
+        doc="the denoising chain: transition, steps, which steps are the decisions, log-prob options",
+    )
 
     def validate(self, path: str) -> None:
-        if self.sigma_min > self.sigma_max:
-            p = f"{path}." if path else ""
-            raise ConfigError(p + "sigma_min", self.sigma_min, f"must be <= sigma_max ({self.sigma_max})")
+        p = f"{path}." if path else ""
+        if self.hidden % 2:
+            raise ConfigError(p + "hidden", self.hidden, "must be even (sinusoidal time features)")
+        self.denoising.validate(p + "denoising")

@@ -3,7 +3,8 @@
 - ``categorical_sequence``: decisions are tokens of an autoregressive model (an LLM in
   miniature).
 - ``gaussian_chain``: decisions are the Gaussian transitions of a denoising chain
-  x_T → … → x_0 ("denoising as an MDP", DDPO / Flow-GRPO in miniature).
+  x_T → … → x_0 ("denoising as an MDP", DDPO / Flow-GRPO in miniature), built on
+  :mod:`mmrl.denoising` like every denoising policy.
 
 Both are conditioned on an integer prompt id in [0, spec["num_prompts"]), supplied by the
 ``prompt`` sampler. Random noise is drawn on the CPU from the caller's generator and then
@@ -12,12 +13,11 @@ moved to the model's device, so a seed draws the same noise on every device.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor, nn
 
 from mmrl.core.policy import PolicyModule, Sample
+from mmrl.denoising import DenoisingPolicy, learned_noise_std, sinusoidal_embedding
 from mmrl.errors import ConfigError
 from mmrl.policies.toy.config import CategoricalSequenceConfig, GaussianChainConfig
 from mmrl.registry import POLICIES
@@ -110,77 +110,65 @@ class CategoricalSequencePolicy(PolicyModule):
         )
 
 
-def _gaussian_logp(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:
-    """log N(x; mean, std² I), summed (not averaged) over the last axis."""
-    z = (x - mean) / std
-    return (-0.5 * z.square() - torch.log(std) - 0.5 * math.log(2 * math.pi)).sum(-1)
-
-
 @POLICIES.register("gaussian_chain", config=GaussianChainConfig)
-class GaussianChainPolicy(PolicyModule):
-    """Conditional Gaussian denoising chain; each transition x_t → x_{t−1} is one decision.
+class GaussianChainPolicy(DenoisingPolicy):
+    """A conditional denoising chain built on mmrl.denoising; each stochastic step is one decision.
 
-    x_T ~ N(0, I); transition k (k = 0 … T−1, from x_{T−k} to x_{T−k−1}) draws
-    x_{t−1} ~ N(μθ(x_t, k, c), σ_k² I) with μθ = x_t + fθ(x_t, k, c) and a fixed geometric
-    schedule σ_0 = sigma_max … σ_{T−1} = sigma_min. A transition's log-prob is summed over
-    the ``dim`` sample dimensions (DDPO averages instead, which changes the right clip range).
+    The denoiser is an MLP over [x, time features, prompt embedding] that predicts what the
+    configured transition needs: ε for ``ddim`` / ``ddpm``, the velocity v for the flow
+    transitions (and, for ``flow_noise``, a std from a second head). Schedule, transition,
+    stochastic steps, log-probs and the replay layout all come from ``config.denoising``.
+    The output layer starts small, so the untrained flow chain stays near its noise x_init
+    instead of drifting at random.
     """
 
     def __init__(self, config: GaussianChainConfig, spec: dict):
         super().__init__()
         config.validate("policy")
         self.config, self.spec = config, dict(spec)
-        h = config.hidden
-        self.sample_in = nn.Linear(config.dim, h)
-        self.step_embedding = nn.Embedding(config.num_steps, h)
+        h, dim = config.hidden, config.dim
+        outputs = 2 * dim if config.denoising.transition == "flow_noise" else dim
+        self.sample_in = nn.Linear(dim, h)
+        self.time_mlp = nn.Sequential(nn.Linear(h, h), nn.SiLU(), nn.Linear(h, h))
         self.prompt_embedding = nn.Embedding(_num_prompts(spec, "gaussian_chain"), h)
-        self.denoiser = nn.Sequential(nn.SiLU(), nn.Linear(h, h), nn.SiLU(), nn.Linear(h, config.dim))
-        with torch.no_grad():
-            # A small residual at init: the untrained chain is x_T plus noise, not a random drift.
-            self.denoiser[-1].weight.mul_(0.1)
-            self.denoiser[-1].bias.zero_()
-        sigmas = torch.exp(torch.linspace(math.log(config.sigma_max), math.log(config.sigma_min), config.num_steps))
-        self.register_buffer("sigmas", sigmas, persistent=False)
+        self.net = nn.Sequential(nn.SiLU(), nn.Linear(h, h), nn.SiLU(), nn.Linear(h, outputs))
+        with torch.no_grad():  # a small output at init (see the class docstring)
+            self.net[-1].weight.mul_(0.1)
+            self.net[-1].bias.zero_()
 
-    def _mean(self, x: Tensor, step: Tensor, prompt: Tensor) -> Tensor:
-        return x + self.denoiser(self.sample_in(x) + self.step_embedding(step) + self.prompt_embedding(prompt))
+    def _model_output(self, x: Tensor, time: Tensor, prompt: Tensor):
+        options = self.denoising
+        # flow times are σ ∈ [0, 1]; diffusion times are training timesteps, scaled to [0, 1)
+        scale = 1.0 if options.transition.startswith("flow") else 1.0 / options.num_train_timesteps
+        features = self.time_mlp(sinusoidal_embedding(time * scale, self.config.hidden))
+        out = self.net(self.sample_in(x) + features + self.prompt_embedding(prompt))
+        if options.transition != "flow_noise":
+            return out
+        v, raw_std = out.chunk(2, dim=-1)
+        return v, learned_noise_std(raw_std, options.noise_std_range)
 
-    def mean_std(self, replay: dict) -> tuple[Tensor, Tensor]:
-        """Every transition's Gaussian from the stored chain: mean [B, T, dim], std [B, T, 1]
-        (for the closed-form KL ‖μθ − μref‖² / (2σ²) of Flow-GRPO)."""
-        chain, prompt = replay["chain"], replay["prompt"]
-        b, steps, dim = chain.shape[0], chain.shape[1] - 1, chain.shape[2]
-        step = torch.arange(steps, device=chain.device).repeat(b)
-        mean = self._mean(chain[:, :-1].reshape(b * steps, dim), step, prompt.repeat_interleave(steps))
-        return mean.view(b, steps, dim), self.sigmas.view(1, steps, 1).expand(b, steps, 1)
+    def _denoiser(self, prompt: Tensor):
+        def denoise(x: Tensor, time: Tensor, rows: Tensor):
+            return self._model_output(x, time, prompt[rows])
 
-    def log_prob(self, replay: dict) -> Tensor:
-        """log N(x_{t−1}; μθ(x_t), σ_t²) of every stored transition: [B, T]."""
-        mean, std = self.mean_std(replay)
-        return _gaussian_logp(replay["chain"][:, 1:], mean, std)
+        return denoise
+
+    def chain_denoiser(self, replay: dict):
+        return self._denoiser(replay["prompt"])
 
     @torch.no_grad()
     def sample(self, inputs, generator: torch.Generator | None = None, deterministic: bool = False) -> Sample:
-        """Run the chain for each prompt id in ``inputs`` [N]; ``deterministic`` takes the mean
-        at every transition (x_T is still drawn from ``generator``)."""
-        device = self.sigmas.device
+        """Run the chain for each prompt id in ``inputs`` [N]; ``deterministic`` takes the
+        deterministic update at every step (x_init is still drawn from ``generator``)."""
+        device = self.sample_in.weight.device
         prompt = torch.as_tensor(inputs, dtype=torch.long, device=device)
-        n, steps, dim = prompt.shape[0], self.config.num_steps, self.config.dim
-        noise = torch.randn((n, steps + 1, dim), generator=generator).to(device)
-        x = noise[:, 0]
-        chain, logps = [x], []
-        for k in range(steps):
-            mean = self._mean(x, torch.full((n,), k, dtype=torch.long, device=device), prompt)
-            std = self.sigmas[k]
-            x = mean if deterministic else mean + std * noise[:, k + 1]
-            logps.append(_gaussian_logp(x, mean, std))
-            chain.append(x)
-        # Differential entropy of N(μ, σ² I) in `dim` dimensions; the same for every sample.
-        entropy = 0.5 * dim * torch.log(2 * math.pi * math.e * self.sigmas.square())
+        x_init = torch.randn((prompt.shape[0], self.config.dim), generator=generator).to(device)
+        out = self.sample_chain(self._denoiser(prompt), x_init, generator, deterministic)
         return Sample(
-            output=x,
-            logp=torch.stack(logps, 1),
-            replay={"prompt": prompt, "chain": torch.stack(chain, 1)},
-            entropy=entropy.expand(n, steps).clone(),
-            info={"sample": x},
+            output=out.final,
+            logp=out.logp,
+            replay={"prompt": prompt, "chain": out.chain},
+            mask=out.mask,
+            entropy=out.entropy,
+            info={"sample": out.final},
         )

@@ -73,6 +73,15 @@ def test_gaussian_kl_mean_and_sum_over_latent_dims():
         gaussian_kl(mean, ref, 2.0, reduce="max")
 
 
+def test_gaussian_kl_with_a_reference_std_is_the_kl_of_two_diagonal_gaussians():
+    mean, ref = torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 0.0]])
+    std, ref_std = torch.tensor([[1.0, 1.0]]), torch.tensor([[2.0, 1.0]])
+    # element 1: log 2 + (1 + 1)/8 - 1/2 = log 2 - 1/4; element 2: equal Gaussians, 0
+    torch.testing.assert_close(gaussian_kl(mean, ref, std, reduce="sum", ref_std=ref_std), torch.tensor([math.log(2) - 0.25]))
+    # equal stds: the shared-std form
+    torch.testing.assert_close(gaussian_kl(mean, ref, 2.0, ref_std=2.0), gaussian_kl(mean, ref, 2.0))
+
+
 def test_kl_in_reward_subtracts_masked_sum():
     rewards = torch.tensor([1.0, 2.0])
     logp = torch.tensor([[-1.0, -2.0], [-1.0, -1.0]], requires_grad=True)

@@ -2,12 +2,15 @@ import pytest
 import torch
 from torch import nn
 
+from mmrl.algo.kl import gaussian_kl
 from mmrl.denoising import (
     DiffusionTransition,
     FlowTransition,
     alphas_cumprod,
+    chain_kl,
     chain_log_probs,
     ddpm_betas,
+    gaussian_log_prob,
     last_steps,
     random_step,
     run_chain,
@@ -35,11 +38,11 @@ class ToyDenoiser(nn.Module):
 
 def transitions():
     return {
-        "ddim": (DiffusionTransition.from_config(50, K, kind="ddim", eta=1.0, clip_denoised=1.0), 0.1),
-        "ddpm": (DiffusionTransition.from_config(50, K, kind="ddpm"), 0.05),
-        "flow_sde": (FlowTransition.from_config(K, "sde", noise_level=0.7), 0.0),
-        "flow_cps": (FlowTransition.from_config(K, "cps", noise_level=0.5), 0.0),
-        "flow_noise": (FlowTransition.from_config(K, "noise"), 0.0),
+        "ddim": (DiffusionTransition.from_config(50, K, name="ddim", eta=1.0, clip_denoised=1.0), 0.1),
+        "ddpm": (DiffusionTransition.from_config(50, K, name="ddpm"), 0.05),
+        "flow_sde": (FlowTransition.from_config(K, "flow_sde", noise_level=0.7), 0.0),
+        "flow_cps": (FlowTransition.from_config(K, "flow_cps", noise_level=0.5), 0.0),
+        "flow_noise": (FlowTransition.from_config(K, "flow_noise"), 0.0),
     }
 
 
@@ -69,9 +72,148 @@ def test_recomputed_log_probs_equal_the_sampling_ones(name, mode):
     assert chain.latents.shape == (6, K + 1, 3) and chain.log_probs.shape == (6, K)
     assert torch.equal(chain.latents[:, 0], x_init)
     assert (chain.log_probs[~stochastic] == 0).all() and (chain.log_probs[stochastic] != 0).all()
-    recomputed = chain_log_probs(denoiser, transition, chain.latents, stochastic, min_std=min_std)
+    recomputed = chain_log_probs(denoiser, transition, chain.replay(), min_std=min_std)
     torch.testing.assert_close(recomputed, chain.log_probs, atol=1e-5, rtol=1e-5)
     assert recomputed.requires_grad
+
+
+def test_the_replay_layout_keeps_the_steps_from_the_first_that_may_be_stochastic():
+    transition, _ = transitions()["flow_sde"]
+    denoiser = make("flow_sde")
+    stochastic = sde_window(6, K, 2, 2)  # steps 2 and 3; step 4 deterministic
+    chain = run_chain(denoiser, transition, torch.randn(6, 3), stochastic, torch.Generator().manual_seed(0))
+    stored = chain.replay(first_step=2)
+    assert stored["latents"].shape == (6, K - 2 + 1, 3) and torch.equal(stored["latents"][:, -1], chain.final)
+    assert stored["step_index"].tolist() == [[2, 3, 4]] * 6 and stored["step_index"].dtype == torch.long
+    assert torch.equal(stored["stochastic"], stochastic[:, 2:])
+    torch.testing.assert_close(chain_log_probs(denoiser, transition, stored), chain.log_probs[:, 2:], atol=1e-5, rtol=1e-5)
+
+
+def test_chains_stacked_along_a_call_axis_recompute_per_chain():
+    """A policy with one chain per env decision stores [N, calls, ...]; the denoiser's rows
+    index the flattened (sample, call) pairs."""
+    transition, _ = transitions()["flow_sde"]
+    torch.manual_seed(0)
+    cond = torch.randn(8, 2)  # 4 samples x 2 calls, flattened
+    denoiser = ToyDenoiser(3, cond)
+    chains = []
+    for call in range(2):
+        rows = torch.arange(4) * 2 + call
+        sub = ToyDenoiser(3, cond[rows])
+        sub.load_state_dict(denoiser.state_dict())
+        chains.append(run_chain(sub, transition, torch.randn(4, 3), random_step(4, K, torch.Generator().manual_seed(call)), torch.Generator().manual_seed(call)))
+    stored = {key: torch.stack([c.replay()[key] for c in chains], 1) for key in ("latents", "step_index", "stochastic")}
+    recomputed = chain_log_probs(denoiser, transition, stored)
+    assert recomputed.shape == (4, 2, K)
+    torch.testing.assert_close(recomputed, torch.stack([c.log_probs for c in chains], 1), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="latents"):
+        chain_log_probs(denoiser, transition, {**stored, "latents": stored["latents"][:, :, :-1]})
+
+
+class ElementwiseDenoiser(nn.Module):
+    """out = a·tanh(b·x + c·t + cond[rows]) (and a std for Flow-Noise): no reduction over a
+    row's elements, so a row's output is bitwise the same in any batch; it records the size
+    of every batch it is called on."""
+
+    def __init__(self, cond: torch.Tensor, learned_std: bool = False):
+        super().__init__()
+        dim = cond.shape[1]
+        self.cond, self.learned_std, self.batches = cond, learned_std, []
+        self.a, self.b, self.c = (nn.Parameter(torch.randn(dim, dtype=cond.dtype)) for _ in range(3))
+        if learned_std:
+            self.s = nn.Parameter(torch.randn(dim, dtype=cond.dtype))
+
+    def forward(self, x, t, rows):
+        self.batches.append(x.shape[0])
+        h = torch.tanh(self.b * x + self.c * t[:, None].to(x.dtype) / 10 + self.cond[rows])
+        out = self.a * h
+        return (out, 0.05 + 0.2 * torch.sigmoid(self.s * h)) if self.learned_std else out
+
+
+@pytest.mark.parametrize("name", ["ddim", "flow_sde", "flow_noise"])
+@pytest.mark.parametrize("chunk_steps", [1, 2, 3])
+def test_chunked_recomputation_equals_one_call_exactly_with_equal_gradients(name, chunk_steps):
+    transition, min_std = transitions()[name]
+    torch.manual_seed(0)
+    denoiser = ElementwiseDenoiser(torch.randn(6, 3, dtype=torch.float64), learned_std=name == "flow_noise")
+    stochastic = torch.ones(6, K, dtype=torch.bool)
+    stochastic[0, 1] = stochastic[2, 4] = False  # a ragged mask: chunks hold different numbers of rows
+    chain = run_chain(denoiser, transition, torch.randn(6, 3, dtype=torch.float64), stochastic, torch.Generator().manual_seed(1), min_std=min_std)
+    weights = torch.linspace(-1, 2, 6 * K, dtype=torch.float64).view(6, K)
+
+    def logp_and_grads(chunk):
+        denoiser.zero_grad()
+        denoiser.batches = []
+        logp = chain_log_probs(denoiser, transition, chain.replay(), min_std=min_std, chunk_steps=chunk)
+        (logp * weights).sum().backward()
+        return logp.detach(), [p.grad.clone() for p in denoiser.parameters()]
+
+    whole, whole_grads = logp_and_grads(None)
+    assert denoiser.batches == [int(stochastic.sum())]
+    chunked, chunked_grads = logp_and_grads(chunk_steps)
+    chunks = -(-K // chunk_steps)
+    # each chunk is evaluated once forward and once more in backward (checkpointed)
+    assert len(denoiser.batches) == 2 * chunks and max(denoiser.batches) <= 6 * chunk_steps
+    assert denoiser.batches[:chunks] == denoiser.batches[chunks:][::-1]
+    denoiser.batches = []
+    with torch.no_grad():  # nothing to recompute
+        assert torch.equal(chain_log_probs(denoiser, transition, chain.replay(), min_std=min_std, chunk_steps=chunk_steps), whole)
+    assert len(denoiser.batches) == chunks
+    assert chunked.dtype == torch.float64 and torch.equal(chunked, whole)
+    for a, b in zip(chunked_grads, whole_grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)  # the same terms, summed in another order
+
+
+@pytest.mark.parametrize("name, reduce", [("flow_sde", "sum"), ("ddim", "sum"), ("flow_noise", "sum"), ("flow_sde", "mean")])
+def test_exact_kl_equals_a_monte_carlo_estimate_of_the_step_kl(name, reduce):
+    """KL(πθ(·|x_k) ‖ πref(·|x_k)) in closed form against the average of log πθ − log πref
+    over many x_{k+1} drawn from πθ's step, at every stochastic step of a stored chain (float64)."""
+    transition, min_std = transitions()[name]
+    if name == "ddim":  # unclipped x0: a saturated clipped x0 gives both policies the same mean
+        transition = DiffusionTransition.from_config(50, K, beta_schedule="linear", name="ddim", eta=1.0)
+    torch.manual_seed(0)
+    cond = torch.randn(4, 2, dtype=torch.float64)
+    policy = ToyDenoiser(3, cond, learned_std=name == "flow_noise").double()
+    reference = ToyDenoiser(3, cond, learned_std=name == "flow_noise").double()
+    reference.load_state_dict(policy.state_dict())
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    stochastic = stochastic_masks(4, "flow_cps")["all"]  # the first K - 1 steps (DDIM's last std is 0)
+    chain = run_chain(policy, transition, torch.randn(4, 3, dtype=torch.float64), stochastic, torch.Generator().manual_seed(1), min_std=min_std)
+    stored = chain.replay()
+    exact = chain_kl(policy, reference, transition, stored, min_std=min_std, reduce=reduce)
+    assert exact.shape == (4, K) and (exact[~stochastic] == 0).all() and (exact[stochastic] > 0).all()
+
+    rows, cols = stochastic.nonzero(as_tuple=True)
+    x, step = stored["latents"][rows, cols], stored["step_index"][rows, cols]
+    with torch.no_grad():
+        gaussians = []
+        for model in (policy, reference):
+            mean, std = transition.mean_std(step, x, model(x, transition.model_time(step), rows), torch.ones_like(rows, dtype=torch.bool))
+            gaussians.append((mean, std.clamp(min=min_std) if min_std else std))
+    (mean, std), (ref_mean, ref_std) = gaussians
+    draws = mean + std * torch.randn(200_000, *mean.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    log_ratio = gaussian_log_prob(draws, mean, std, reduce, batch_dims=2) - gaussian_log_prob(draws, ref_mean, ref_std, reduce, batch_dims=2)
+    estimate, stderr = log_ratio.mean(0), log_ratio.std(0) / 200_000**0.5
+    assert ((estimate - exact[rows, cols].detach()).abs() < 5 * stderr + 1e-9).all(), (estimate, exact[rows, cols])
+    if name != "flow_noise":  # a shared std: the Flow-GRPO form
+        torch.testing.assert_close(exact[rows, cols], gaussian_kl(mean, ref_mean, std, reduce))
+
+
+def test_exact_kl_is_zero_to_itself_and_its_gradient_reaches_only_the_policy():
+    transition, _ = transitions()["flow_noise"]
+    policy, reference = make("flow_noise"), make("flow_noise")
+    stochastic = torch.ones(6, K, dtype=torch.bool)
+    chain = run_chain(policy, transition, torch.randn(6, 3), stochastic, torch.Generator().manual_seed(0))
+    assert (chain_kl(policy, reference, transition, chain.replay()).abs() < 1e-6).all()
+    with torch.no_grad():
+        policy.net[0].weight.add_(0.1)
+    kl = chain_kl(policy, reference, transition, chain.replay(), chunk_steps=2)
+    assert (kl > 0).all()
+    kl.sum().backward()
+    assert all(p.grad is not None for p in policy.parameters())
+    assert all(p.grad is None for p in reference.parameters())
 
 
 def test_deterministic_steps_follow_the_ode_and_ignore_the_generator():
@@ -82,13 +224,13 @@ def test_deterministic_steps_follow_the_ode_and_ignore_the_generator():
     a = run_chain(denoiser, transition, x_init, none, torch.Generator().manual_seed(0))
     b = run_chain(denoiser, transition, x_init, none, torch.Generator().manual_seed(1))
     assert torch.equal(a.latents, b.latents) and (a.log_probs == 0).all()
-    ode = run_chain(denoiser, FlowTransition.from_config(K, "ode"), x_init, none)
+    ode = run_chain(denoiser, FlowTransition.from_config(K, "flow_ode"), x_init, none)
     torch.testing.assert_close(a.latents, ode.latents)
-    assert torch.equal(chain_log_probs(denoiser, transition, a.latents, none), torch.zeros(6, K))  # nothing to evaluate
+    assert torch.equal(chain_log_probs(denoiser, transition, a.replay()), torch.zeros(6, K))  # nothing to evaluate
 
 
 def test_stochastic_step_with_zero_std_needs_a_floor_and_the_floor_is_the_sampling_std():
-    transition = DiffusionTransition.from_config(50, K, kind="ddim", eta=1.0)  # last step: sigma = 0
+    transition = DiffusionTransition.from_config(50, K, name="ddim", eta=1.0)  # last step: sigma = 0
     denoiser = make("ddim")
     every = torch.ones(6, K, dtype=torch.bool)
     with pytest.raises(ValueError, match="step 4 is stochastic but its std is 0"):
@@ -122,19 +264,19 @@ def test_positive_advantage_raises_the_chain_log_prob_of_that_sample_after_one_s
     """A 1-D toy chain: one policy-gradient step with advantage +1 on sample 2 (0 elsewhere)."""
     transition, min_std = transitions()[name]
     if name == "ddim":  # unclipped x0 (a saturated clipped x0 passes no gradient), mild schedule
-        transition = DiffusionTransition.from_config(50, K, beta_schedule="linear", kind="ddim", eta=1.0)
+        transition = DiffusionTransition.from_config(50, K, beta_schedule="linear", name="ddim", eta=1.0)
     denoiser = make(name, n=8, dim=1)
     every = torch.ones(8, K, dtype=torch.bool) if name != "ddim" else last_steps(8, K, 3)
     chain = run_chain(denoiser, transition, torch.randn(8, 1, generator=torch.Generator().manual_seed(5)), every, torch.Generator().manual_seed(6), min_std=min_std)
     advantage = torch.zeros(8, 1)
     advantage[2] = 1.0
     optimizer = torch.optim.Adam(denoiser.parameters(), lr=1e-3)
-    loss = -(advantage * chain_log_probs(denoiser, transition, chain.latents, every, min_std=min_std)).sum()
+    loss = -(advantage * chain_log_probs(denoiser, transition, chain.replay(), min_std=min_std)).sum()
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
     with torch.no_grad():
-        after = chain_log_probs(denoiser, transition, chain.latents, every, min_std=min_std).sum(1)
+        after = chain_log_probs(denoiser, transition, chain.replay(), min_std=min_std).sum(1)
     assert after[2] > chain.log_probs[2].sum() + 1e-3
 
 
@@ -172,10 +314,10 @@ def test_with_the_exact_model_of_gaussian_data_the_sampler_reaches_the_data_dist
         return sig / var * centred - (m + (1 - sig) * s**2 / var * centred)
 
     if name.startswith("flow"):
-        transition, denoiser = FlowTransition.from_config(steps, name[5:], noise_level=0.7), exact_v
+        transition, denoiser = FlowTransition.from_config(steps, name, noise_level=0.7), exact_v
     else:
         kind, eta = ("ddpm", 1.0) if name == "ddpm" else ("ddim", 0.0 if name == "ddim_eta0" else 1.0)
-        transition, denoiser = DiffusionTransition.from_config(1000, steps, beta_schedule="linear", kind=kind, eta=eta), exact_eps
+        transition, denoiser = DiffusionTransition.from_config(1000, steps, beta_schedule="linear", name=kind, eta=eta), exact_eps
     # every step stochastic except the last (its std is 0 for DDIM/DDPM)
     stochastic = torch.zeros(n, steps, dtype=torch.bool) if name in ("flow_ode", "ddim_eta0") else sde_window(n, steps, 0, steps - 1)
     chain = run_chain(denoiser, transition, torch.randn(n, 1, generator=torch.Generator().manual_seed(0)), stochastic, torch.Generator().manual_seed(1))

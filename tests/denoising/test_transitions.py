@@ -12,6 +12,7 @@ from mmrl.denoising import (
     flow_noise_step,
     flow_ode_step,
     flow_sde_step,
+    learned_noise_std,
     predicted_x0,
 )
 
@@ -105,9 +106,14 @@ def test_ode_and_flow_noise_steps():
     torch.testing.assert_close(std, torch.tensor([[0.05, 0.2]]))
 
 
+def test_learned_noise_std_is_squashed_log_uniformly_into_its_range():
+    std = learned_noise_std(torch.tensor([-1e4, 0.0, 1e4]), [0.05, 0.2])
+    torch.testing.assert_close(std, torch.tensor([0.05, 0.1, 0.2]))  # sigmoid(0) = 1/2: the geometric mean
+
+
 def test_diffusion_transition_binds_the_schedule_and_mixes_sde_and_ode_rows():
     ab = torch.tensor([0.9, 0.6, 0.3], dtype=torch.float64)
-    tr = DiffusionTransition(ab, torch.tensor([2, 1]), kind="ddim", eta=1.0)
+    tr = DiffusionTransition(ab, torch.tensor([2, 1]), "ddim", eta=1.0)
     assert tr.num_steps == 2
     torch.testing.assert_close(tr.alpha_bar_prev, torch.tensor([0.6, 1.0]))
     step = torch.tensor([0, 0, 1])
@@ -121,32 +127,37 @@ def test_diffusion_transition_binds_the_schedule_and_mixes_sde_and_ode_rows():
     assert (std[1] == 0).all()
     assert (std[2] == 0).all()  # the last step to alpha_bar = 1 has sigma = 0
     torch.testing.assert_close(tr.model_time(step), torch.tensor([2.0, 2.0, 1.0]))
-    ddpm = DiffusionTransition(ab, torch.tensor([2, 1]), kind="ddpm")
+    ddpm = DiffusionTransition(ab, torch.tensor([2, 1]), "ddpm")
     mean, std = ddpm.mean_std(step[:1], x[:1], eps[:1], torch.tensor([True]))
     m, s = ddpm_step(x[:1], eps[:1], 0.3, 0.6)
     torch.testing.assert_close(mean, m)
     torch.testing.assert_close(std, s)
 
 
-def test_flow_transition_methods_and_model_time():
+def test_flow_transitions_and_model_time():
     sigmas = torch.tensor([1.0, 0.6, 0.4, 0.0])
     x, v = torch.full((2, 1), 0.3), torch.full((2, 1), -0.4)
     step = torch.tensor([1, 1])
     both = torch.tensor([True, False])
-    sde = FlowTransition(sigmas, "sde", noise_level=0.7)
+    sde = FlowTransition(sigmas, "flow_sde", noise_level=0.7)
     mean, std = sde.mean_std(step, x, v, both)
     close(mean[0], 0.36285)
     close(mean[1], 0.38)
     assert std[1].item() == 0
     assert sde.sigma_max == pytest.approx(0.6)
-    cps = FlowTransition(sigmas, "cps", noise_level=0.5)
+    cps = FlowTransition(sigmas, "flow_cps", noise_level=0.5)
     close(cps.mean_std(step, x, v, both)[1][0], 0.4 * math.sqrt(0.5))
-    noise = FlowTransition(sigmas, "noise")
+    noise = FlowTransition(sigmas, "flow_noise")
     mean, std = noise.mean_std(step, x, (v, torch.full((2, 1), 0.1)), both)
     close(mean[0], 0.38)
     close(std[0], 0.1)
-    ode = FlowTransition(sigmas, "ode")
+    with pytest.raises(ValueError, match="returns \\(v, std\\)"):
+        noise.mean_std(step, x, v, both)
+    close(sde.mean_std(step, x, (v, torch.full((2, 1), 0.1)), both)[0][0], 0.36285)  # a learned std is ignored
+    ode = FlowTransition(sigmas, "flow_ode")
     assert (ode.mean_std(step, x, v, both)[1] == 0).all()
     torch.testing.assert_close(sde.model_time(torch.tensor([0, 2])), torch.tensor([1.0, 0.4]))
-    with pytest.raises(ValueError, match="method"):
+    with pytest.raises(ValueError, match="'flow_sde', 'flow_cps'"):
         FlowTransition(sigmas, "langevin")
+    with pytest.raises(ValueError, match="ddim"):
+        DiffusionTransition(torch.tensor([0.9, 0.5]), torch.tensor([1, 0]), "flow_sde")

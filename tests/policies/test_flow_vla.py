@@ -5,10 +5,9 @@ import torch
 
 from mmrl.config import from_dict
 from mmrl.core.weights import build_policy, load_pretrained, save_pretrained
-from mmrl.denoising import flow_sde_step, gaussian_log_prob
+from mmrl.denoising import flow_sde_step, gaussian_log_prob, make_transition
 from mmrl.errors import ConfigError
 from mmrl.policies.flow_vla import FlowVLAConfig, FlowVLAPolicy
-from mmrl.policies.vla import VLABackboneConfig
 from mmrl.registry import POLICIES
 
 INSTRUCTIONS = ["push the red cube", "lift the blue cube"]
@@ -26,17 +25,22 @@ STATE_ONLY = {"action_dim": 2, "action_low": [-1.0, -1.0], "action_high": [1.0, 
 BACKBONE = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64, "vision_channels": [8, 8], "max_instruction_tokens": 6}
 VARIANTS = {
     "sde_all": (SPEC, {}),
-    "sde_one": (SPEC, {"sde_steps": "one"}),
-    "noise_all": (SPEC, {"noise_method": "flow_noise"}),
-    "noise_one": (SPEC, {"noise_method": "flow_noise", "sde_steps": "one"}),
+    "sde_one": (SPEC, {"stochastic_steps": "random"}),
+    "noise_all": (SPEC, {"transition": "flow_noise"}),
+    "noise_one": (SPEC, {"transition": "flow_noise", "stochastic_steps": "random"}),
+    "cps_window": (SPEC, {"transition": "flow_cps", "noise_level": 0.5, "stochastic_steps": "window", "window_size": 3}),
     "two_cameras_mean": (TWO_CAMERAS, {"logp_reduction": "mean", "time_shift": 3.0}),
     "flat_state": (STATE_ONLY, {}),
 }
 
 
 def config(**fields) -> FlowVLAConfig:
-    backbone = VLABackboneConfig(**{**BACKBONE, **fields.pop("backbone", {})})
-    return FlowVLAConfig(**{"backbone": backbone, "action_chunk": 3, "num_denoising_steps": 4, "expert_layers": 1, "expert_heads": 2, **fields})
+    """A tiny flow VLA; ``denoising`` keys on top of 4 inference steps, the rest of the
+    section keeps the policy's defaults."""
+    backbone = {**BACKBONE, **fields.pop("backbone", {})}
+    denoising = {"num_inference_steps": 4, **fields.pop("denoising", {})}
+    data = {"type": "flow_vla", "backbone": backbone, "action_chunk": 3, "expert_layers": 1, "expert_heads": 2, "denoising": denoising, **fields}
+    return from_dict(FlowVLAConfig, data, "policy")
 
 
 
@@ -50,9 +54,18 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def make(spec=SPEC, **fields) -> FlowVLAPolicy:
+def make(spec=SPEC, **denoising) -> FlowVLAPolicy:
     torch.manual_seed(0)
-    return build_policy(config(**fields), spec)
+    return build_policy(config(denoising=denoising), spec)
+
+
+def concat_calls(*replays):
+    """Replays of several policy calls concatenated along dim 1, as the env sampler does."""
+    return {key: concat_calls(*(r[key] for r in replays)) if isinstance(value, dict) else torch.cat([r[key] for r in replays], 1) for key, value in replays[0].items()}
+
+
+def zeros_like_replay(replay):
+    return {key: zeros_like_replay(value) if isinstance(value, dict) else torch.zeros_like(value) for key, value in replay.items()}
 
 
 def inputs(spec, n=6, seed=1):
@@ -78,66 +91,78 @@ def test_sample_shapes_and_log_prob_of_replay_equals_sampling_logp(variant):
     sample = policy.sample(inputs(spec), torch.Generator().manual_seed(0))
     assert sample.output.shape == (6, 3, 2)
     assert sample.logp.shape == sample.entropy.shape == (6, 1)
-    assert sample.replay["chain"].shape == (6, 1, 5, 3, 2)
-    stochastic = sample.replay["stochastic"]
+    chain = sample.replay["chain"]
+    assert chain["latents"].shape == (6, 1, 5, 3, 2) and chain["step_index"].tolist() == [[[0, 1, 2, 3]]] * 6
+    stochastic = chain["stochastic"]
     assert stochastic.shape == (6, 1, 4) and stochastic.dtype == torch.bool
-    assert (stochastic.sum(-1) == (1 if policy.config.sde_steps == "one" else 4)).all()
-    assert all(value.shape[:2] == (6, 1) for value in sample.replay.values())
+    expected = {"random": 1, "window": 3}.get(policy.denoising.stochastic_steps, 4)
+    assert (stochastic.sum(-1) == expected).all()
+    assert all(value.shape[:2] == (6, 1) for value in [*sample.replay.values(), *chain.values()] if isinstance(value, torch.Tensor))
+    assert torch.equal(policy.log_prob(sample.replay), sample.logp)  # ratio 1, exactly
     # a second call with other observations, concatenated along dim 1 as the env sampler does
     other = policy.sample(inputs(spec, seed=2), torch.Generator().manual_seed(1))
-    replay = {key: torch.cat([sample.replay[key], other.replay[key]], 1) for key in sample.replay}
-    logp = policy.log_prob(replay)
+    logp = policy.log_prob(concat_calls(sample.replay, other.replay))
     assert logp.shape == (6, 2) and logp.requires_grad
     torch.testing.assert_close(logp, torch.cat([sample.logp, other.logp], 1), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("sde_steps", ["all", "one"])
-def test_step_granularity_makes_every_stochastic_denoising_step_a_decision(sde_steps):
-    chunk, step = make(sde_steps=sde_steps), make(sde_steps=sde_steps, logp_granularity="step")
+@pytest.mark.parametrize("stochastic_steps", ["all", "random"])
+def test_step_granularity_makes_every_stochastic_denoising_step_a_decision(stochastic_steps):
+    chunk, step = make(stochastic_steps=stochastic_steps), make(stochastic_steps=stochastic_steps, logp_granularity="step")
     obs = inputs(SPEC)
     joint = chunk.sample(obs, torch.Generator().manual_seed(0))
     per_step = step.sample(obs, torch.Generator().manual_seed(0))
     assert torch.equal(joint.output, per_step.output)
     assert per_step.logp.shape == per_step.entropy.shape == per_step.mask.shape == (6, 4)
-    assert torch.equal(per_step.mask.bool(), per_step.replay["stochastic"][:, 0])
+    assert torch.equal(per_step.mask.bool(), per_step.replay["chain"]["stochastic"][:, 0])
     assert (per_step.logp[per_step.mask == 0] == 0).all()  # ODE steps carry no likelihood
     torch.testing.assert_close(per_step.logp.sum(1, keepdim=True), joint.logp, atol=1e-5, rtol=1e-5)
     other = step.sample(inputs(SPEC, seed=2), torch.Generator().manual_seed(1))
-    replay = {key: torch.cat([per_step.replay[key], other.replay[key]], 1) for key in per_step.replay}
-    logp = step.log_prob(replay)
+    logp = step.log_prob(concat_calls(per_step.replay, other.replay))
     assert logp.shape == (6, 8) and logp.requires_grad
     torch.testing.assert_close(logp, torch.cat([per_step.logp, other.logp], 1), atol=1e-5, rtol=1e-5)
 
 
 def test_one_stochastic_step_is_chosen_at_random_per_chunk():
-    policy = make(sde_steps="one")
-    chosen = policy.sample(inputs(SPEC, n=64), torch.Generator().manual_seed(0)).replay["stochastic"][:, 0].float().argmax(-1)
+    policy = make(stochastic_steps="random")
+    chosen = policy.sample(inputs(SPEC, n=64), torch.Generator().manual_seed(0)).replay["chain"]["stochastic"][:, 0].float().argmax(-1)
     assert set(chosen.tolist()) == {0, 1, 2, 3}
 
 
-@pytest.mark.parametrize("sde_steps", ["all", "one"])
-def test_sde_first_steps_keeps_the_late_low_noise_steps_deterministic(sde_steps):
-    policy = make(sde_steps=sde_steps, sde_first_steps=2)
+@pytest.mark.parametrize("stochastic_steps", ["window", "random"])
+def test_a_window_keeps_the_late_low_noise_steps_deterministic(stochastic_steps):
+    policy = make(stochastic_steps=stochastic_steps, window_size=2)
     sample = policy.sample(inputs(SPEC, n=64), torch.Generator().manual_seed(0))
-    stochastic = sample.replay["stochastic"][:, 0]
+    stochastic = sample.replay["chain"]["stochastic"][:, 0]
     assert not stochastic[:, 2:].any()
-    if sde_steps == "all":
+    if stochastic_steps == "window":
         assert stochastic[:, :2].all()
     else:
         assert (stochastic.sum(-1) == 1).all() and stochastic[:, 0].any() and stochastic[:, 1].any()
-    torch.testing.assert_close(policy.log_prob(sample.replay), sample.logp, atol=1e-5, rtol=1e-5)
+    assert torch.equal(policy.log_prob(sample.replay), sample.logp)
+
+
+def test_a_window_that_starts_late_stores_only_the_steps_from_its_start():
+    policy = make(stochastic_steps="window", window_start=2, logp_granularity="step")
+    sample = policy.sample(inputs(SPEC), torch.Generator().manual_seed(0))
+    chain = sample.replay["chain"]
+    assert chain["latents"].shape == (6, 1, 3, 3, 2) and chain["step_index"].tolist() == [[[2, 3]]] * 6
+    assert sample.logp.shape == (6, 2) and chain["stochastic"].all()
+    assert torch.equal(policy.log_prob(sample.replay), sample.logp)
+    torch.testing.assert_close(policy.imitation_batch(sample.replay)["actions"], sample.output.repeat_interleave(2, 0))
 
 
 def test_flow_sde_log_prob_is_the_gaussian_of_the_chosen_step_by_hand():
-    policy = make(sde_steps="one")
+    policy = make(stochastic_steps="random")
     sample = policy.sample(inputs(SPEC, n=4), torch.Generator().manual_seed(0))
-    obs = {key: value[:, 0] for key, value in sample.replay.items() if key not in ("chain", "stochastic")}
-    chain, step = sample.replay["chain"][:, 0], sample.replay["stochastic"][:, 0].float().argmax(-1)
+    obs = {key: value[:, 0] for key, value in sample.replay.items() if key != "chain"}
+    chain, step = sample.replay["chain"]["latents"][:, 0], sample.replay["chain"]["stochastic"][:, 0].float().argmax(-1)
+    sigmas = make_transition(policy.denoising).sigmas
     rows = torch.arange(4)
-    sigma, sigma_next = policy.sigmas[step], policy.sigmas[step + 1]
+    sigma, sigma_next = sigmas[step], sigmas[step + 1]
     with torch.no_grad():
         v, _ = policy.expert(chain[rows, step], sigma, policy.prefix_memory(obs))
-    mean, std = flow_sde_step(chain[rows, step], v, sigma.view(4, 1, 1), sigma_next.view(4, 1, 1), 0.5, sigma_max=policy.sigmas[1].item())
+    mean, std = flow_sde_step(chain[rows, step], v, sigma.view(4, 1, 1), sigma_next.view(4, 1, 1), 0.5, sigma_max=sigmas[1].item())
     torch.testing.assert_close(sample.logp[:, 0], gaussian_log_prob(chain[rows, step + 1], mean, std), atol=1e-5, rtol=1e-5)
 
 
@@ -148,7 +173,7 @@ def test_the_prefix_is_computed_once_per_chunk(monkeypatch):
     monkeypatch.setattr(policy.backbone, "forward", lambda *args, **kw: calls.append(args[0].shape[0]) or forward(*args, **kw))
     sample = policy.sample(inputs(SPEC), torch.Generator().manual_seed(0))
     assert calls == [6]  # one backbone pass for the 4 denoising steps
-    policy.log_prob({key: torch.cat([value, value], 1) for key, value in sample.replay.items()})
+    policy.log_prob(concat_calls(sample.replay, sample.replay))
     assert calls == [6, 12]  # one pass over the 6 x 2 chunks
 
 
@@ -157,30 +182,29 @@ def test_log_prob_of_zero_padded_decisions_is_finite():
     for spec in (SPEC, STATE_ONLY):
         policy = make(spec)
         sample = policy.sample(inputs(spec), torch.Generator().manual_seed(0))
-        padded = {key: torch.cat([value, torch.zeros_like(value)], 1) for key, value in sample.replay.items()}
-        logp = policy.log_prob(padded)
+        logp = policy.log_prob(concat_calls(sample.replay, zeros_like_replay(sample.replay)))
         assert torch.isfinite(logp).all() and (logp[:, 1] == 0).all()
 
 
-@pytest.mark.parametrize("noise_method", ["flow_sde", "flow_noise"])
-def test_deterministic_sampling_is_the_ode_independent_of_the_generator(noise_method):
-    policy = make(noise_method=noise_method)
+@pytest.mark.parametrize("transition", ["flow_sde", "flow_noise"])
+def test_deterministic_sampling_is_the_ode_independent_of_the_generator(transition):
+    policy = make(transition=transition)
     a = policy.sample(inputs(SPEC), torch.Generator().manual_seed(0), deterministic=True)
     b = policy.sample(inputs(SPEC), None, deterministic=True)
     c = policy.sample(inputs(SPEC), torch.Generator().manual_seed(0))
     assert torch.equal(a.output, b.output) and not torch.allclose(a.output, c.output)
-    assert (a.logp == 0).all() and not a.replay["stochastic"].any()
+    assert (a.logp == 0).all() and not a.replay["chain"]["stochastic"].any()
 
 
 def test_same_generator_seed_gives_the_same_sample():
-    policy = make(sde_steps="one")
+    policy = make(stochastic_steps="random")
     a = policy.sample(inputs(SPEC), torch.Generator().manual_seed(3))
     b = policy.sample(inputs(SPEC), torch.Generator().manual_seed(3))
     assert torch.equal(a.output, b.output) and torch.equal(a.logp, b.logp)
 
 
 def test_flow_noise_stds_stay_in_the_configured_range():
-    policy = make(noise_method="flow_noise", noise_std_range=[0.1, 0.2])
+    policy = make(transition="flow_noise", noise_std_range=[0.1, 0.2])
     sample = policy.sample(inputs(SPEC), torch.Generator().manual_seed(0))
     per_element = sample.entropy[:, 0] / (4 * 6) - 0.5 * math.log(2 * math.pi * math.e)  # mean log std
     assert ((per_element > math.log(0.1) - 1e-5) & (per_element < math.log(0.2) + 1e-5)).all()
@@ -201,6 +225,27 @@ def test_positive_advantage_raises_that_chunks_chain_log_prob_after_one_adam_ste
     with torch.no_grad():
         after = policy.log_prob(sample.replay)
     assert after[2, 0] > sample.logp[2, 0] + 1e-3
+
+
+@pytest.mark.parametrize("variant", ["sde_all", "noise_one", "two_cameras_mean"])
+def test_exact_kl_is_zero_to_an_identical_reference_and_positive_after_a_perturbation(variant):
+    import copy
+
+    spec, fields = VARIANTS[variant]
+    policy = make(spec, **fields)
+    reference = copy.deepcopy(policy).requires_grad_(False)
+    sample = policy.sample(inputs(spec), torch.Generator().manual_seed(0))
+    replay = concat_calls(sample.replay, policy.sample(inputs(spec, seed=2), torch.Generator().manual_seed(1)).replay)
+    kl = policy.exact_kl(replay, reference)
+    assert kl.shape == (6, 2) and torch.equal(kl, torch.zeros_like(kl))
+    with torch.no_grad():
+        for p in policy.expert.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    kl = policy.exact_kl(replay, reference)
+    assert (kl > 0).all()
+    kl.sum().backward()
+    assert policy.expert.velocity.weight.grad.abs().sum() > 0
+    assert all(p.grad is None for p in reference.parameters())
 
 
 def test_sft_makes_deterministic_actions_follow_the_instruction():
@@ -232,9 +277,9 @@ def test_sft_makes_deterministic_actions_follow_the_instruction():
     assert (after[0] - after[1])[:2].abs().min() > 0.3  # the two instructions get different chunks
 
 
-@pytest.mark.parametrize("noise_method", ["flow_sde", "flow_noise"])
-def test_save_and_load_pretrained_round_trip_with_the_tokenizer(tmp_path, noise_method):
-    policy = make(noise_method=noise_method)
+@pytest.mark.parametrize("transition", ["flow_sde", "flow_noise"])
+def test_save_and_load_pretrained_round_trip_with_the_tokenizer(tmp_path, transition):
+    policy = make(transition=transition)
     save_pretrained(policy, tmp_path / "policy")
     assert (tmp_path / "policy" / "tokenizer.json").is_file()
     loaded = load_pretrained(tmp_path / "policy")
@@ -250,13 +295,16 @@ def test_save_and_load_pretrained_round_trip_with_the_tokenizer(tmp_path, noise_
     "fields, field",
     [
         ({"expert_heads": 3}, "policy.expert_heads"),
-        ({"noise_std_range": [0.3, 0.1]}, "policy.noise_std_range"),
-        ({"noise_method": "flow_cps"}, "policy.noise_method"),
-        ({"sde_steps": "some"}, "policy.sde_steps"),
-        ({"logp_granularity": "token"}, "policy.logp_granularity"),
-        ({"sde_first_steps": 9}, "policy.sde_first_steps"),
-        ({"noise_level": 0.0}, "policy.noise_level"),
-        ({"num_denoising_steps": 0}, "policy.num_denoising_steps"),
+        ({"denoising": {"noise_std_range": [0.3, 0.1]}}, "policy.denoising.noise_std_range"),
+        ({"denoising": {"transition": "ddpm", "min_std": 0.1}}, "policy.denoising.transition"),
+        ({"denoising": {"stochastic_steps": "some"}}, "policy.denoising.stochastic_steps"),
+        ({"denoising": {"logp_granularity": "token"}}, "policy.denoising.logp_granularity"),
+        ({"denoising": {"stochastic_steps": "window", "window_size": 9}}, "policy.denoising.window_size"),
+        ({"denoising": {"stochastic_steps": "window", "window_start": 5}}, "policy.denoising.window_start"),
+        ({"denoising": {"noise_level": 0.0}}, "policy.denoising.noise_level"),
+        ({"denoising": {"transition": "flow_cps", "noise_level": 1.5, "min_std": 0.1}}, "policy.denoising.noise_level"),
+        ({"denoising": {"transition": "flow_cps"}}, "policy.denoising.min_std"),
+        ({"denoising": {"num_inference_steps": 0}}, "policy.denoising.num_inference_steps"),
         ({"backbone": {"hidden_size": 30, "num_heads": 4}}, "policy.backbone.num_heads"),
     ],
 )
@@ -265,7 +313,7 @@ def test_bad_config_is_a_config_error_naming_the_field(fields, field):
         from_dict(FlowVLAConfig, {"type": "flow_vla", **fields}, "policy")
 
 
-@pytest.mark.parametrize("granularity", ["chunk", "step"])
+@pytest.mark.parametrize("granularity", ["chain", "step"])
 def test_env_sampler_rollout_replays_exactly_and_a_train_step_runs(tmp_path, granularity):
     """A flat-state env through the env sampler (waves of different lengths right-padded)
     and two steps of the trainer."""
@@ -280,8 +328,8 @@ def test_env_sampler_rollout_replays_exactly_and_a_train_step_runs(tmp_path, gra
         env={"num_envs": 4, "kwargs": {"max_steps": 8, "min_steps": 3}},
         algo={"group_size": 2, "groups_per_step": 4, "ppo_epochs": 1},
     )
-    data["policy"] = {"type": "flow_vla", "backbone": BACKBONE, "action_chunk": 2, "num_denoising_steps": 3, "expert_layers": 1, "expert_heads": 2, "sde_steps": "one",
-                      "logp_granularity": granularity}
+    data["policy"] = {"type": "flow_vla", "backbone": BACKBONE, "action_chunk": 2, "expert_layers": 1, "expert_heads": 2,
+                      "denoising": {"num_inference_steps": 3, "stochastic_steps": "random", "logp_granularity": granularity}}
     cfg = from_dict(TrainConfig, data)
     sampler = EnvSampler(cfg.sampler, cfg)
     policy = build_policy(cfg.policy, sampler.policy_spec())
@@ -306,7 +354,7 @@ def test_grpo_with_lr_warmup_raises_a_flow_vlas_success_on_point_reach(tmp_path)
     learning stalls."""
     from tests.conftest import point_reach_success_before_after
 
-    policy = {"type": "flow_vla", "action_chunk": 1, "noise_method": "flow_sde", "noise_level": 0.5,
+    policy = {"type": "flow_vla", "action_chunk": 1, "denoising": {"transition": "flow_sde", "noise_level": 0.5},
               "backbone": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}}
     # 40 updates gave 0.16 -> 0.70 with one set of package versions and 0.16 -> 0.41 with
     # another (float rounding changes the seeded run); 60 gave 0.52 with the latter

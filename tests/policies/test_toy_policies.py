@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -23,7 +21,7 @@ def make(kind: str, **fields):
     torch.manual_seed(0)
     if kind == "categorical_sequence":
         return build_policy(CategoricalSequenceConfig(type=kind, **fields), SPEC)
-    return build_policy(GaussianChainConfig(type=kind, **fields), SPEC)
+    return build_policy(from_dict(GaussianChainConfig, {"type": kind, **fields}, "policy"), SPEC)
 
 
 def gen(seed: int) -> torch.Generator:
@@ -66,7 +64,7 @@ def test_samples_depend_only_on_the_generator(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_save_and_load_pretrained_round_trip_exactly(kind, tmp_path):
-    fields = {"eos_token": 1, "seq_len": 5} if kind == "categorical_sequence" else {"dim": 2, "num_steps": 4}
+    fields = {"eos_token": 1, "seq_len": 5} if kind == "categorical_sequence" else {"dim": 2, "denoising": {"num_inference_steps": 4}}
     policy = make(kind, **fields)
     save_pretrained(policy, tmp_path)
     torch.manual_seed(123)  # the rebuilt policy starts from different random weights
@@ -127,35 +125,108 @@ def test_eos_token_outside_the_vocabulary_is_a_config_error():
 
 # ---------------------------------------------------------------- gaussian chain
 
+# every transition of mmrl.denoising through the toy chain (the ones whose last step has
+# std 0 with a std floor)
+TRANSITIONS = {
+    "flow_sde": {"transition": "flow_sde"},
+    "flow_cps": {"transition": "flow_cps", "noise_level": 0.5, "min_std": 0.05},
+    "flow_noise": {"transition": "flow_noise"},
+    "ddim": {"transition": "ddim", "min_std": 0.05, "clip_denoised": 2.0},
+    "ddpm": {"transition": "ddpm", "min_std": 0.05, "clip_denoised": 2.0},
+    "ddim_last_steps_mean": {"transition": "ddim", "stochastic_steps": "last", "window_size": 3, "min_std": 0.05, "logp_reduction": "mean"},
+    "flow_sde_window": {"transition": "flow_sde", "stochastic_steps": "window", "window_start": 2, "window_size": 3},
+    "flow_sde_random_chain": {"transition": "flow_sde", "stochastic_steps": "random", "logp_granularity": "chain"},
+}
 
-def test_chain_transition_logp_matches_torch_normal():
-    policy = make("gaussian_chain", dim=2, num_steps=5)
+
+def chain_policy(variant: str):
+    return make("gaussian_chain", dim=2, denoising={"num_inference_steps": 6, **TRANSITIONS[variant]})
+
+
+@pytest.mark.parametrize("variant", TRANSITIONS)
+def test_chain_log_prob_of_replay_equals_sampling_logp_exactly(variant):
+    policy = chain_policy(variant)
+    sample = policy.sample(PROMPTS, gen(1))
+    chain = sample.replay["chain"]
+    first = policy.denoising.window[0]
+    assert chain["latents"].shape == (32, 6 - first + 1, 2) and torch.equal(sample.output, chain["latents"][:, -1])
+    assert chain["step_index"].tolist() == [list(range(first, 6))] * 32
+    if policy.denoising.logp_granularity == "step":
+        assert sample.logp.shape == sample.mask.shape == (32, 6 - first)
+        assert torch.equal(sample.mask.bool(), chain["stochastic"]) and (sample.logp[~chain["stochastic"]] == 0).all()
+    else:
+        assert sample.logp.shape == (32, 1) and sample.mask is None and (chain["stochastic"].sum(1) == 1).all()
+    logp = policy.log_prob(sample.replay)
+    assert logp.requires_grad and torch.equal(logp, sample.logp)  # ratio 1 exactly
+
+
+def test_chain_step_log_prob_is_the_gaussian_of_the_mmrl_denoising_transition():
+    from mmrl.denoising import make_transition
+
+    policy = chain_policy("flow_sde")
     sample = policy.sample(PROMPTS, gen(4))
     chain = sample.replay["chain"]
-    assert chain.shape == (32, 6, 2) and torch.equal(sample.output, chain[:, -1])
-    with torch.no_grad():
-        mean, std = policy.mean_std(sample.replay)
+    transition = make_transition(policy.denoising)
     k = 2
-    expected = torch.distributions.Normal(mean[:, k], std[:, k]).log_prob(chain[:, k + 1]).sum(-1)
-    torch.testing.assert_close(sample.logp[:, k], expected, atol=1e-5, rtol=0)
-    sigmas = 0.5 * (0.05 / 0.5) ** (torch.arange(5) / 4)  # geometric from sigma_max to sigma_min
-    torch.testing.assert_close(std[0, :, 0], sigmas)
-
-
-def test_deterministic_chain_follows_the_means():
-    policy = make("gaussian_chain", num_steps=4)
-    sample = policy.sample(PROMPTS, gen(4), deterministic=True)
+    step = torch.full((32,), k)
     with torch.no_grad():
-        mean, std = policy.mean_std(sample.replay)
-    torch.testing.assert_close(sample.replay["chain"][:, 1:], mean)
-    torch.testing.assert_close(sample.logp, (-torch.log(std) - 0.5 * math.log(2 * math.pi))[..., 0])
-    assert not torch.equal(sample.output, policy.sample(PROMPTS, gen(5), deterministic=True).output)  # x_T differs
+        out = policy.chain_denoiser(sample.replay)(chain["latents"][:, k], transition.model_time(step), torch.arange(32))
+        mean, std = transition.mean_std(step, chain["latents"][:, k], out, torch.ones(32, dtype=torch.bool))
+    expected = torch.distributions.Normal(mean, std).log_prob(chain["latents"][:, k + 1]).sum(-1)
+    torch.testing.assert_close(sample.logp[:, k], expected, atol=1e-5, rtol=0)
 
 
-def test_untrained_chain_mean_path_stays_close_to_its_start():
+def test_deterministic_chain_has_no_decisions_and_follows_the_ode():
+    policy = chain_policy("flow_sde")
+    sample = policy.sample(PROMPTS, gen(4), deterministic=True)
+    assert (sample.logp == 0).all() and (sample.mask == 0).all() and not sample.replay["chain"]["stochastic"].any()
+    again = policy.sample(PROMPTS, gen(4), deterministic=True)
+    assert torch.equal(sample.output, again.output)
+    assert not torch.equal(sample.output, policy.sample(PROMPTS, gen(5), deterministic=True).output)  # x_init differs
+
+
+def test_untrained_flow_chain_ode_path_stays_close_to_its_start():
     sample = make("gaussian_chain").sample(torch.arange(512) % 4, gen(0), deterministic=True)
-    drift = sample.output - sample.replay["chain"][:, 0]
+    drift = sample.output - sample.replay["chain"]["latents"][:, 0]
     assert drift.abs().mean() < 0.3
+
+
+@pytest.mark.parametrize("variant", ["flow_sde", "flow_noise", "ddim_last_steps_mean", "flow_sde_random_chain"])
+def test_chain_exact_kl_is_zero_to_an_identical_reference_and_positive_after_a_perturbation(variant):
+    import copy
+
+    policy = chain_policy(variant)
+    reference = copy.deepcopy(policy).requires_grad_(False)
+    sample = policy.sample(PROMPTS, gen(3))
+    kl = policy.exact_kl(sample.replay, reference)
+    assert kl.shape == sample.logp.shape and torch.equal(kl, torch.zeros_like(kl))
+    with torch.no_grad():
+        policy.net[1].weight.add_(0.2 * torch.randn_like(policy.net[1].weight))
+    kl = policy.exact_kl(sample.replay, reference)
+    stochastic = sample.replay["chain"]["stochastic"]
+    decisions = stochastic if policy.denoising.logp_granularity == "step" else stochastic.any(1, keepdim=True)
+    assert (kl[decisions] > 0).all() and (kl[~decisions] == 0).all()
+    kl.sum().backward()
+    assert policy.net[1].weight.grad is not None and policy.net[1].weight.grad.abs().sum() > 0
+
+
+def test_exact_kl_is_only_for_policies_that_have_a_closed_form():
+    tokens = make("categorical_sequence")
+    sample = tokens.sample(PROMPTS, gen(0))
+    with pytest.raises(NotImplementedError, match="kl.type: exact"):
+        tokens.exact_kl(sample.replay, tokens)
+    chain = make("gaussian_chain")
+    with pytest.raises(TypeError, match="denoising reference"):
+        chain.exact_kl(chain.sample(PROMPTS, gen(0)).replay, tokens)
+
+
+def test_chain_config_errors_name_the_denoising_field():
+    with pytest.raises(ConfigError, match="policy.denoising.min_std"):
+        from_dict(GaussianChainConfig, {"type": "gaussian_chain", "denoising": {"transition": "ddim"}}, "policy")
+    with pytest.raises(ConfigError, match="policy.denoising.transition"):
+        from_dict(GaussianChainConfig, {"type": "gaussian_chain", "denoising": {"transition": "euler"}}, "policy")
+    with pytest.raises(ConfigError, match="policy.hidden"):
+        from_dict(GaussianChainConfig, {"type": "gaussian_chain", "hidden": 33}, "policy")
 
 
 # ---------------------------------------------------------------- rewards

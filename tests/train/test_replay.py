@@ -110,13 +110,18 @@ def test_a_memory_left_out_of_checkpoints_is_refilled_on_resume(tmp_path):
 
 
 TINY_VLA = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64, "vision_channels": [8, 8], "max_instruction_tokens": 6}
-VLA_POLICIES = {
-    "flow_vla": {"type": "flow_vla", "backbone": TINY_VLA, "action_chunk": 2, "num_denoising_steps": 3, "expert_layers": 1, "expert_heads": 2},
+ROBOT_POLICIES = {
+    "flow_vla": {"type": "flow_vla", "backbone": TINY_VLA, "action_chunk": 2, "expert_layers": 1, "expert_heads": 2, "denoising": {"num_inference_steps": 3}},
     "token_vla": {"type": "token_vla", "backbone": TINY_VLA, "action_chunk": 2, "action_bins": 16},
+    # one decision per trained denoising step: the chunk is imitated once per step decision
+    "diffusion_policy": {
+        "type": "diffusion_policy", "hidden_size": 32, "num_layers": 1, "action_chunk": 2,
+        "denoising": {"num_train_timesteps": 20, "num_inference_steps": 4, "window_size": 2},
+    },
 }
 
 
-def _vla_trainer(tmp_path, policy: str, **algo):
+def _robot_trainer(tmp_path, policy: str, **algo):
     from mmrl.config import from_dict
     from mmrl.train.config import TrainConfig
     from tests.conftest import point_reach_config
@@ -126,29 +131,31 @@ def _vla_trainer(tmp_path, policy: str, **algo):
         algo={"group_size": 4, "groups_per_step": 2, "self_imitation": {"size": 64, "batch": 16, "loss": "sft", **algo}},
         optim={"lr": 0.003},
     )
-    data["policy"] = VLA_POLICIES[policy]
+    data["policy"] = ROBOT_POLICIES[policy]
     return Trainer(from_dict(TrainConfig, data), tmp_path / policy)
 
 
-@pytest.mark.parametrize("policy", sorted(VLA_POLICIES))
+@pytest.mark.parametrize("policy", sorted(ROBOT_POLICIES))
 def test_imitation_batch_holds_the_executed_actions_of_every_replayed_decision(tmp_path, policy):
-    trainer = _vla_trainer(tmp_path, policy)
+    trainer = _robot_trainer(tmp_path, policy)
     model = trainer.policy
     obs = trainer.sampler.observation(trainer.sampler.env.reset(seed=[0] * 8)[0], "cpu")
     sample = model.sample(obs, torch.Generator().manual_seed(0))
     flat = model.imitation_batch(sample.replay)
-    executed = sample.output  # what the env sampler clips to the bounds and steps
+    decisions = sample.logp.shape[1]  # of this one call: 1 per chunk, or one per trained denoising step
+    executed = sample.output.repeat_interleave(decisions, 0)  # what the env sampler clips to the bounds and steps
     torch.testing.assert_close(flat["actions"], executed)
-    assert flat["actions"].shape[0] == flat["instruction_ids"].shape[0] == 8
+    observation = "instruction_ids" if "instruction_ids" in flat else "state"
+    assert flat["actions"].shape[0] == flat[observation].shape[0] == 8 * decisions
     assert torch.isfinite(model.sft_loss(flat))
     trainer.sampler.close()
 
 
-@pytest.mark.parametrize("policy", sorted(VLA_POLICIES))
+@pytest.mark.parametrize("policy", sorted(ROBOT_POLICIES))
 def test_sft_self_imitation_fits_the_remembered_actions_and_ignores_zero_weights(tmp_path, policy):
     """replay_loss: sft is the policy's supervised loss on the remembered decisions with
     A+ > 0, A+-weighted; its steps lower that loss on the memory."""
-    trainer = _vla_trainer(tmp_path, policy, steps=20)
+    trainer = _robot_trainer(tmp_path, policy, steps=20)
     rollout = trainer.collect(0).rollout
     adv, keep = trainer.advantages(rollout)
     rollout = rollout.with_(mask=trainer.train_mask(rollout, keep))
@@ -170,10 +177,14 @@ def test_sft_self_imitation_fits_the_remembered_actions_and_ignores_zero_weights
     # the actions of decisions without a positive advantage (padding, the failures' and
     # zero-advantage decisions) do not count
     replay = dict(mem.data.replay)
-    key = "action_tokens" if policy == "token_vla" else "chain"
-    zero = (weight == 0).reshape(*weight.shape, *[1] * (replay[key].dim() - 2))
-    scrambled = torch.randint_like(replay[key], 0, 16) if policy == "token_vla" else torch.randn_like(replay[key])
-    replay[key] = torch.where(zero, scrambled, replay[key])
+    if policy == "token_vla":
+        zero = (weight == 0).reshape(*weight.shape, 1)
+        replay["action_tokens"] = torch.where(zero, torch.randint_like(replay["action_tokens"], 0, 16), replay["action_tokens"])
+    else:  # a chunk is scrambled where none of its decisions has a weight
+        latents = replay["chain"]["latents"]
+        unweighted = (weight.view(*latents.shape[:2], -1) == 0).all(-1)
+        zero = unweighted.reshape(*unweighted.shape, *[1] * (latents.dim() - 2))
+        replay["chain"] = {**replay["chain"], "latents": torch.where(zero, torch.randn_like(latents), latents)}
     torch.manual_seed(123)
     with torch.no_grad():
         assert float(sil_sft_loss(trainer.model, trainer.policy, replay, weight, weight.sum())) == pytest.approx(memory_loss(), rel=1e-5)

@@ -276,3 +276,25 @@ def test_micro_batches_accumulate_to_the_same_update(tmp_path, aggregation):
     for a, b in zip(m1, m3):
         for key in ("loss/policy", "approx_kl", "objective/clipped", "grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+
+
+def test_exact_kl_of_a_denoising_chain_pulls_the_policy_back_to_its_reference(tmp_path):
+    """kl.type: exact takes the policy's closed-form per-step KL (through the distributed
+    forward); a large coefficient holds the chain near its reference while the reward
+    alone moves it away."""
+    free = toy_config("denoising", total_steps=12)
+    held = toy_config("denoising", total_steps=12, algo={"group_size": 8, "groups_per_step": 4, "kl": {"type": "exact", "coef": 50.0}})
+    train(free, tmp_path / "free")
+    train(held, tmp_path / "held")
+    kl = [r["kl/ref"] for r in read_metrics(tmp_path / "held") if "kl/ref" in r]
+    assert kl and all(v >= 0 for v in kl) and max(v for v in kl) > 0
+    moved = lambda run: _first_last(read_metrics(tmp_path / run), "reward/total")  # noqa: E731
+    (free_first, free_last), (held_first, held_last) = moved("free"), moved("held")
+    assert free_last - free_first > 1.0 and abs(held_last - held_first) < 0.2, (free_first, free_last, held_first, held_last)
+
+
+def test_exact_kl_on_a_policy_without_one_is_a_config_error(tmp_path):
+    from mmrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="algo.kl.type"):
+        Trainer(toy_config("sequence", algo={"group_size": 8, "groups_per_step": 4, "kl": {"type": "exact", "coef": 0.1}}), tmp_path / "run")

@@ -1,0 +1,114 @@
+"""``DenoisingPolicy``: the base of policies whose decisions are denoising steps.
+
+A subclass holds ``config.denoising`` (:class:`~mmrl.denoising.options.DenoisingOptions`),
+samples with :meth:`DenoisingPolicy.sample_chain` from its own denoiser, stores the
+returned ``chain`` (the replay layout of :mod:`mmrl.denoising.chain`) as
+``replay["chain"]`` beside its conditioning, and implements :meth:`chain_denoiser`. It
+then inherits ``log_prob`` (the stored chains' log-probs, recomputed) and ``exact_kl``
+(the closed-form KL of every stochastic step to a reference).
+
+Decisions (``logp_granularity``): ``step`` makes every stored step a decision — [N, W]
+per chain, [N, calls·W] for a policy with one chain per env decision — and masks the
+deterministic ones; ``chain`` makes each chain one decision whose log-prob is the sum
+over its stochastic steps ([N, 1] or [N, calls]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mmrl.core.policy import PolicyModule
+from mmrl.denoising.chain import Denoiser, chain_kl, chain_log_probs, run_chain
+from mmrl.denoising.options import DenoisingOptions, make_transition, stochastic_mask
+
+
+@dataclass
+class ChainDecisions:
+    """What :meth:`DenoisingPolicy.sample_chain` returns for N chains."""
+
+    final: Tensor  # [N, ...] the chains' final samples
+    chain: dict[str, Tensor]  # the replay layout, leading dim N
+    logp: Tensor  # [N, T] per decision
+    entropy: Tensor  # [N, T] per decision
+    mask: Tensor | None  # [N, T] the stochastic steps (step granularity), else None
+
+
+class DenoisingPolicy(PolicyModule):
+    """A policy whose RL decisions are the stochastic steps of denoising chains."""
+
+    @property
+    def denoising(self) -> DenoisingOptions:
+        return self.config.denoising
+
+    def chain_denoiser(self, replay: dict[str, Any]) -> Denoiser:
+        """The denoiser ``(x, t, rows) -> output`` conditioned on the replay's conditioning;
+        ``rows`` index the chains of ``replay["chain"]`` with its leading dims flattened."""
+        raise NotImplementedError(f"{type(self).__name__} must say how its denoiser is conditioned on a replay (chain_denoiser)")
+
+    def decisions(self, per_step: Tensor) -> Tensor:
+        """Per-step values [N, (calls,) W] of stored chains → per-decision values [N, T]."""
+        n = per_step.shape[0]
+        if self.denoising.logp_granularity == "chain":
+            return per_step.sum(-1).reshape(n, -1)
+        return per_step.reshape(n, -1)
+
+    def per_decision(self, values: Tensor, chain: dict[str, Tensor]) -> Tensor:
+        """Values [N, calls, …] of each stored chain (its observation, its final sample) →
+        one row per decision [N·T, …], in the order of :meth:`decisions` (a chain's value
+        repeated for each of its W steps with ``logp_granularity: step``)."""
+        if self.denoising.logp_granularity == "step":
+            values = values.repeat_interleave(chain["stochastic"].shape[-1], dim=1)
+        return values.flatten(0, 1)
+
+    @torch.no_grad()
+    def sample_chain(self, denoiser: Denoiser, x_init: Tensor, generator: torch.Generator | None = None, deterministic: bool = False) -> ChainDecisions:
+        """Run N chains from ``x_init`` [N, …] under ``config.denoising``; ``deterministic``
+        makes every step deterministic (no decision has a log-prob)."""
+        options = self.denoising
+        n, device = x_init.shape[0], x_init.device
+        transition = make_transition(options, deterministic, device)
+        if deterministic:
+            stochastic = torch.zeros(n, options.num_inference_steps, dtype=torch.bool, device=device)
+        else:
+            stochastic = stochastic_mask(options, n, generator, device)
+        chain = run_chain(denoiser, transition, x_init, stochastic, generator, **options.log_prob_options)
+        first = options.window[0]
+        stored = chain.replay(first)
+        mask = stored["stochastic"].float() if options.logp_granularity == "step" else None
+        return ChainDecisions(chain.final, stored, self.decisions(chain.log_probs[:, first:]), self.decisions(chain.entropies[:, first:]), mask)
+
+    def log_prob(self, replay: dict[str, Any]) -> Tensor:
+        """Log-probs [N, T] of the replayed decisions under the current parameters."""
+        options = self.denoising
+        chain = replay["chain"]
+        per_step = chain_log_probs(
+            self.chain_denoiser(replay), make_transition(options, device=chain["latents"].device), chain, **options.log_prob_options, chunk_steps=options.chunk_steps
+        )
+        return self.decisions(per_step)
+
+    def exact_kl(self, replay: dict[str, Any], reference: "DenoisingPolicy") -> Tensor:
+        """KL(πθ ‖ πref) [N, T] of each replayed decision in closed form: per stochastic
+        step ‖μθ − μref‖² / (2σ²) at the stored latent (:func:`~mmrl.denoising.chain.chain_kl`),
+        reduced over the latent like the log-probs, summed over a chain's steps for
+        ``logp_granularity: chain``; 0 on deterministic steps. Gradient w.r.t. this
+        policy's parameters only."""
+        if not isinstance(reference, DenoisingPolicy):
+            raise TypeError(f"the exact KL of a denoising policy needs a denoising reference policy, got {type(reference).__name__}")
+        options = self.denoising
+        chain = replay["chain"]
+        with torch.no_grad():
+            reference_denoiser = reference.chain_denoiser(replay)
+        kl = chain_kl(
+            self.chain_denoiser(replay),
+            reference_denoiser,
+            make_transition(options, device=chain["latents"].device),
+            chain,
+            min_std=options.min_std,
+            reduce=options.logp_reduction,
+            chunk_steps=options.chunk_steps,
+        )
+        return self.decisions(kl)
