@@ -4,7 +4,6 @@ run's sampler; success rate with a 95% Wilson interval, written as JSON, Markdow
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -12,20 +11,10 @@ import torch
 
 from mmrl import registry
 from mmrl.core.reward import RewardContext, RewardSet
+from mmrl.core.statistics import wilson_interval
 from mmrl.core.weights import build_policy, load_state
 from mmrl.errors import ConfigError
-from mmrl.train.checkpoint import Checkpointer
-
-
-def wilson_interval(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval of a binomial proportion (sound at 0 and 1, unlike ±1.96·SE)."""
-    if n == 0:
-        return (0.0, 1.0)
-    p = successes / n
-    denom = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return (max(0.0, centre - half), min(1.0, centre + half))
+from mmrl.core.weights import latest_checkpoint
 
 
 def evaluate_run(cfg, run_dir: Path | None, episodes: int | None = None, checkpoint: str | None = None, out_dir: str | None = None) -> dict[str, Any]:
@@ -34,7 +23,7 @@ def evaluate_run(cfg, run_dir: Path | None, episodes: int | None = None, checkpo
     try:
         policy = build_policy(cfg.policy, sampler.policy_spec())
         source = "config"
-        ckpt = Path(checkpoint) if checkpoint else (Checkpointer(run_dir).latest() if run_dir else None)
+        ckpt = Path(checkpoint) if checkpoint else (latest_checkpoint(run_dir) if run_dir else None)
         if checkpoint and not Path(checkpoint).is_dir():
             raise ConfigError("--checkpoint", checkpoint, "no such checkpoint directory")
         if run_dir is not None and ckpt is None:
@@ -192,7 +181,7 @@ def _policy_for(cfg, run_dir: Path | None, checkpoint: str | None):
         sampler.close()
     if checkpoint and not Path(checkpoint).is_dir():
         raise ConfigError("--checkpoint", checkpoint, "no such checkpoint directory")
-    ckpt = Path(checkpoint) if checkpoint else (Checkpointer(run_dir).latest() if run_dir else None)
+    ckpt = Path(checkpoint) if checkpoint else (latest_checkpoint(run_dir) if run_dir else None)
     if run_dir is not None and ckpt is None:
         raise ConfigError("run_dir", str(run_dir), "holds no checkpoint yet")
     if ckpt is None:

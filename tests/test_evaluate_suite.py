@@ -12,7 +12,8 @@ from gymnasium import spaces
 from mmrl.config import option
 from mmrl.core.policy import PolicyModule, Sample
 from mmrl.envs.gym import GymEnvConfig
-from mmrl.evaluate import evaluate_suite, wilson_interval
+from mmrl.core.statistics import wilson_interval
+from mmrl.evaluate import evaluate_suite
 from mmrl.registry import POLICIES
 from mmrl.samplers.env import EnvSamplerConfig
 from mmrl.train.checkpoint import Checkpointer

@@ -8,12 +8,15 @@ the same statistics, and they are the statistics one process would have had: N p
 = 1 process. Within a step the statistics are fixed, so the samples of one step are all
 normalized alike.
 
+:func:`wilson_interval` is the confidence interval every evaluation reports.
+
 The committed statistics are buffers (saved with the weights, restored on resume); the
 pending sums are not buffers, so the distributed wrapper never broadcasts them.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -98,3 +101,14 @@ def commit_statistics(module: nn.Module, reduce: Reduce) -> None:
     for m in module.modules():
         if isinstance(m, SyncedStatistic):
             m.commit(reduce)
+
+
+def wilson_interval(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a binomial proportion (sound at 0 and 1, unlike ±1.96·SE)."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return (max(0.0, centre - half), min(1.0, centre + half))

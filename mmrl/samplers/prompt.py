@@ -45,6 +45,7 @@ from mmrl.core.policy import Policy, Sample
 from mmrl.core.reward import RewardSet
 from mmrl.core.rollout import Rollout
 from mmrl.core.sampler import Sampler, group_seed
+from mmrl.core.statistics import wilson_interval
 from mmrl.data.prompts import EpochOrder, PromptData, PromptDataConfig, PromptRecord
 from mmrl.registry import SAMPLERS
 
@@ -157,7 +158,6 @@ class PromptSampler(Sampler):
         ``accuracy/<value>`` per value of the metadata key ``category_key`` where records
         have it; ``success_rate`` when the policy reports ``success``; and ``episodes``.
         """
-        from mmrl.evaluate import wilson_interval  # the eval command's module loads checkpoint code: import on use
 
         pool = self.data.held_out or self.data.train
         n = len(pool) if self.config.eval_all else episodes
