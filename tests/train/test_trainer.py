@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from mmrl.config import from_dict, option
+from mmrl.denoising.policy import DenoisingPolicy
 from mmrl.errors import NonFiniteError
 from mmrl.registry import REWARDS
 from mmrl.train.config import RewardConfig, TrainConfig
@@ -48,17 +49,26 @@ def _first_last(records, key):
 
 
 def test_one_loop_one_preset_trains_tokens_denoising_steps_and_actions(tmp_path):
-    """The core is modality-agnostic: the GRPO preset and the same Trainer raise the reward
-    of a token policy, a denoising chain and an env policy."""
+    """The core is modality-agnostic: the GRPO preset, unchanged but for a smaller KL
+    coefficient, and the same Trainer raise the reward of a token policy and of a Gaussian
+    denoising chain (both fed by the prompt-dataset sampler; the chain through
+    mmrl/denoising) and of an env policy."""
+    from mmrl.config import resolve_defaults
 
     runs = {
-        "sequence": toy_config("sequence", total_steps=25),
-        "denoising": toy_config("denoising", total_steps=25),
-        "env": env_config(total_steps=25, algo={"group_size": 8, "groups_per_step": 4, "ppo_epochs": 4}, optim={"lr": 0.003}),
+        "sequence": {**_TOY["sequence"], "sampler": {"type": "prompt"}, "optim": {"lr": 0.01}},
+        "denoising": {**_TOY["denoising"], "sampler": {"type": "prompt", "data": {"num_prompts": 4}}, "optim": {"lr": 0.01}},
+        "env": {**point_reach_config(), "optim": {"lr": 0.003}},
     }
-    for kind, cfg in runs.items():
-        cfg.algo.kl.coef = 0.01  # the GRPO preset's KL term, kept small for a short run
-        train(cfg, tmp_path / kind)
+    for kind, data in runs.items():
+        data = {**data, "defaults": "presets/grpo", "total_steps": 25, "log": {"progress": False, "tensorboard": False}, "eval": {"episodes": 8}}
+        data["algo"] = {"group_size": 8, "groups_per_step": 4, "ppo_epochs": 4 if kind == "env" else 1, "kl": {"coef": 0.01}}
+        cfg = from_dict(TrainConfig, resolve_defaults(data, None))
+        assert (cfg.algo.objective.type, cfg.algo.aggregation.type, cfg.algo.kl.type) == ("ppo_clip", "seq_mean_token_mean", "k3")
+        trainer = Trainer(cfg, tmp_path / kind)
+        if kind == "denoising":
+            assert isinstance(trainer.policy, DenoisingPolicy)  # schedule, transitions and log-probs of mmrl/denoising
+        trainer.train()
         first, last = _first_last(read_metrics(tmp_path / kind), "reward/total")
         assert last > first + 0.1 * abs(first) + 0.05, (kind, first, last)
 
