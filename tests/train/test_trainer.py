@@ -73,12 +73,19 @@ def test_one_loop_one_preset_trains_tokens_denoising_steps_and_actions(tmp_path)
         assert last > first + 0.1 * abs(first) + 0.05, (kind, first, last)
 
 
-def test_resume_matches_an_uninterrupted_run_exactly(tmp_path):
-    full = env_config(total_steps=6, checkpoint={"every": 3})
+STATEFUL_POLICY = {"type": "gaussian_mlp", "hidden_sizes": [16, 16], "obs_norm": True, "final_log_std": -1.5, "log_std_anneal_decisions": 300}
+
+
+@pytest.mark.parametrize("policy", [None, STATEFUL_POLICY], ids=["plain", "running_statistics"])
+def test_resume_matches_an_uninterrupted_run_exactly(tmp_path, policy):
+    """Also with running statistics (observation normalizer, noise clock): they are saved
+    with the weights and continue exactly."""
+    extra = {"policy": policy} if policy else {}
+    full = env_config(total_steps=6, checkpoint={"every": 3}, **extra)
     train(full, tmp_path / "full")
-    part = env_config(total_steps=3)
+    part = env_config(total_steps=3, **extra)
     train(part, tmp_path / "part")
-    rest = env_config(total_steps=6)
+    rest = env_config(total_steps=6, **extra)
     Trainer(rest, tmp_path / "part", resume=True).train()
 
     def records(run):
