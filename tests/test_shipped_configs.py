@@ -1,0 +1,44 @@
+"""Every shipped config trains: a short run of each through the command line, at its own
+sizes except the number of updates and (for the tabletop) episodes per update. SFT configs
+train on a few demonstrations collected here; RL configs that start from an SFT run start
+from the SFT smoke run of the same family."""
+
+import pytest
+
+from tests.conftest import ROOT, run_mmrl
+
+CONFIGS = sorted(p.stem for p in (ROOT / "configs").glob("*.yaml"))
+SHORT = ["total_steps=1", "log.progress=false", "log.tensorboard=false", "eval.at_end=false"]
+# the SFT run each RL config starts from (policy.pretrained), by config name
+SFT_OF = {name: name.replace("_grpo", "_sft") for name in CONFIGS if name.startswith("tabletop_") and name.endswith("_grpo")}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """Demonstrations of every tabletop task (one episode each)."""
+    root = tmp_path_factory.mktemp("shipped")
+    done = run_mmrl("collect", "--task", "all", "--episodes-per-task", "1", "--out", root / "demos", timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return root
+
+
+def _train(workdir, name: str):
+    overrides = list(SHORT)
+    if name.startswith("tabletop_"):
+        overrides += ["env.num_envs=8", "algo.groups_per_step=1"] if name.endswith("_grpo") else [f"data.path={workdir / 'demos'}", "data.batch_size=8"]
+    if name in SFT_OF:
+        sft = workdir / SFT_OF[name]
+        if not sft.exists():
+            _train(workdir, SFT_OF[name])
+        overrides.append(f"policy.pretrained={sft}")
+    proc = run_mmrl("train", ROOT / "configs" / f"{name}.yaml", "--run-dir", workdir / name, *overrides, timeout=1800)
+    assert proc.returncode == 0, (name, proc.stderr[-3000:])
+    assert (workdir / name / "checkpoints" / "latest").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_shipped_config_trains(workdir, name):
+    if (workdir / name).exists():  # already run as the SFT start of an RL config
+        return
+    _train(workdir, name)
