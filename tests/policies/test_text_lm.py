@@ -230,11 +230,11 @@ def test_save_and_load_pretrained_round_trip_exactly(tmp_path):
     assert a.output == b.output and torch.equal(a.logp, b.logp)
 
 
-def _save_transformers_model(directory, arch="qwen2"):
+def _save_transformers_model(directory, arch="qwen2", tokenizer=None):
     """What a user with real weights has: a model and tokenizer saved by transformers."""
     import transformers
 
-    tokenizer = byte_tokenizer()
+    tokenizer = tokenizer or byte_tokenizer()
     config = transformers.AutoConfig.for_model(
         arch, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
         vocab_size=len(tokenizer), tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
@@ -267,6 +267,18 @@ def test_model_path_errors_name_the_field(tmp_path):
     _save_transformers_model(tmp_path / "hf")
     with pytest.raises(ConfigError, match=r"policy\.gguf_file"):
         make(model_path=str(tmp_path / "hf"), gguf_file="model.Q4.gguf")
+
+
+def test_a_tokenizer_without_padding_pads_with_eos_and_one_without_chat_template_refuses_it(tmp_path):
+    tokenizer = byte_tokenizer()
+    tokenizer.pad_token, tokenizer.chat_template = None, None  # base models often have neither
+    _save_transformers_model(tmp_path / "base", tokenizer=tokenizer)
+    policy = make(model_path=str(tmp_path / "base"), generation={"max_new_tokens": 3})
+    assert policy.sampling.pad_token_id == policy.tokenizer.eos_token_id
+    sample = policy.sample(PROMPTS[:2], generator(0))
+    assert torch.equal(policy.log_prob(sample.replay), sample.logp)
+    with pytest.raises(ConfigError, match=r"policy\.generation\.chat_template"):
+        make(model_path=str(tmp_path / "base"), generation={"chat_template": True})
 
 
 def test_lora_trains_only_the_adapters_and_the_reference_is_the_model_without_them():
@@ -421,22 +433,22 @@ def _digit_fraction(rollout, cfg):
     return torch.tensor([sum(c.isdigit() for c in text) / max(len(text), 1) for text in rollout.info["completions"]])
 
 
-@pytest.mark.parametrize("variant", ["full", "lora_kl"])
+@pytest.mark.parametrize("variant", ["full", "lora"])
 def test_trains_end_to_end_through_the_trainer_on_a_jsonl_of_prompts(tmp_path, variant):
     from mmrl.train.config import TrainConfig
     from mmrl.train.metrics import read_metrics
     from mmrl.train.trainer import Trainer
 
-    if variant == "lora_kl":
+    if variant == "lora":
         pytest.importorskip("peft")
     records = [{"prompt": f"{a} + {b} =", "answer": str(a + b), "category": "add"} for a in range(4) for b in range(3)]
     data = tmp_path / "sums.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     policy = {"type": "text_lm", "tiny": TINY, "generation": {"max_new_tokens": 6, "temperature": 1.0, "stop_strings": [" "]}}
-    algo = {"group_size": 4, "groups_per_step": 4, "ppo_epochs": 2, "num_minibatches": 2, "kl": {"coef": 0.0}}
-    if variant == "lora_kl":
+    # the KL reference: a frozen copy of the initial model, or the model with its adapters disabled
+    algo = {"group_size": 4, "groups_per_step": 4, "ppo_epochs": 2, "num_minibatches": 2, "kl": {"type": "k3", "coef": 0.05}}
+    if variant == "lora":
         policy["lora"] = {"r": 4, "alpha": 8}
-        algo["kl"] = {"type": "k3", "coef": 0.05}
     cfg = from_dict(TrainConfig, {
         "name": "text", "seed": 0, "total_steps": 3,
         "policy": policy,
@@ -453,6 +465,7 @@ def test_trains_end_to_end_through_the_trainer_on_a_jsonl_of_prompts(tmp_path, v
 
     metrics = read_metrics(tmp_path / "run")
     assert [m["step"] for m in metrics if "reward/total" in m] == [1, 2, 3]
+    assert any(m.get("kl/ref", 0) > 0 for m in metrics)  # the policy moved away from its reference
     for m in metrics:
         assert all(math.isfinite(v) for v in m.values() if isinstance(v, float)), m
     assert any("eval/accuracy" in m for m in metrics)
