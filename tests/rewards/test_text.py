@@ -49,10 +49,12 @@ def test_text_rewards_are_registered_with_their_configs():
     ],
 )
 def test_math_answer_reads_boxed_latex_and_last_number_forms(completion, answer, expected):
+    pytest.importorskip("math_verify")
     assert score({"type": "math_answer"}, [completion], [answer]) == [expected]
 
 
 def test_math_answer_extraction_forms_and_answer_tag():
+    pytest.importorskip("math_verify")
     plain = "the sum is 7"
     boxed = "the sum is $\\boxed{7}$"
     assert score({"type": "math_answer", "extraction": ["latex"]}, [plain, boxed], ["7", "7"]) == [0.0, 1.0]
@@ -91,6 +93,7 @@ def test_format_reward_wants_each_tag_once_in_order_and_nothing_else():
 def test_answer_rewards_name_the_record_without_an_answer_and_an_unreadable_gold():
     with pytest.raises(ConfigError, match="record 1 has none"):
         score({"type": "exact_match"}, ["a", "b"], ["a", None])
+    pytest.importorskip("math_verify")
     with pytest.raises(ConfigError, match="record 0's answer"):
         score({"type": "math_answer"}, ["7"], ["  "])
 
