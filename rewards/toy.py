@@ -12,6 +12,7 @@ from mmrl.core.config import RewardConfig
 from mmrl.core.rollout import Rollout
 from mmrl.errors import ConfigError
 from mmrl.registry import REWARDS
+from mmrl.rewards.records import record_answers
 
 
 def _info(rollout: Rollout, key: str, reward: str, policy: str) -> Tensor:
@@ -50,23 +51,6 @@ def target_distance(rollout: Rollout, cfg: TargetDistanceConfig) -> Tensor:
     return -(sample.float() - cfg.target).abs().flatten(1).mean(1)
 
 
-def _answers(rollout: Rollout, reward: str, convert, what: str) -> list:
-    """Each sample's prompt-record answer, converted; an error names the first record
-    without one or with one that does not convert."""
-    if "answer" not in rollout.info:
-        raise ConfigError("rewards", reward, "reads each prompt record's answer; use it with sampler.type: prompt")
-    out = []
-    for i, answer in enumerate(rollout.info["answer"]):
-        record = int(rollout.info["record_id"][i])
-        if answer is None:
-            raise ConfigError("rewards", reward, f"needs an answer for every prompt record; record {record} has none (see sampler.data.answer_field)")
-        try:
-            out.append(convert(answer))
-        except (TypeError, ValueError):
-            raise ConfigError("rewards", reward, f"record {record}'s answer {answer!r} is not {what}") from None
-    return out
-
-
 @dataclass
 class AnswerTokenConfig(RewardConfig):
     """Fraction of a sample's valid tokens equal to its prompt record's answer (a token id)."""
@@ -78,7 +62,7 @@ class AnswerTokenConfig(RewardConfig):
 def answer_token(rollout: Rollout, cfg: AnswerTokenConfig) -> Tensor:
     """Σ_l m_l·[x_l = a] / max(Σ_l m_l, 1), with a the sample's record answer as a token id."""
     tokens = _info(rollout, "tokens", "answer_token", "categorical_sequence")
-    answer = torch.tensor(_answers(rollout, "answer_token", int, "a token id"), device=tokens.device)
+    answer = torch.tensor(record_answers(rollout, "answer_token", int, "a token id"), device=tokens.device)
     mask = rollout.mask.to(tokens.device)
     hits = (tokens == answer[:, None]).float() * mask
     return hits.sum(1) / mask.sum(1).clamp(min=1.0)
@@ -96,5 +80,5 @@ def answer_target(rollout: Rollout, cfg: AnswerTargetConfig) -> Tensor:
     """−mean_d |x_0,d − a| of the final sample ``info["sample"]`` [B, dim], with a the
     sample's record answer."""
     sample = _info(rollout, "sample", "answer_target", "gaussian_chain").float()
-    answer = torch.tensor(_answers(rollout, "answer_target", float, "a number"), device=sample.device)
+    answer = torch.tensor(record_answers(rollout, "answer_target", float, "a number"), device=sample.device)
     return -(sample.flatten(1) - answer[:, None]).abs().mean(1)

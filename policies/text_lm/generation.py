@@ -1,0 +1,190 @@
+"""Sampling of text completions: the sampling distribution, the generation-backend
+interface, and mmrl's own decoding loop (the default backend).
+
+**The sampling distribution.** With logits z over the vocabulary, temperature τ and
+nucleus mass p, a token is drawn from
+
+    π_τ(v) = softmax(z / τ)_v,
+    N_p    = {v : π_τ(v) ≥ π_τ(v_(k))},   k = max{j : Σ_{i<j} π_τ(v_(i)) < p}
+
+(v_(1), v_(2), … the tokens from the most likely down; N_p is the smallest set of most
+likely tokens whose mass reaches p, ties at its edge included), renormalized over N_p:
+
+    q(v) = π_τ(v) / Σ_{u ∈ N_p} π_τ(u)   for v ∈ N_p, else 0.
+
+``old_logp`` and ``log_prob`` are log-probs of this distribution q — the one the tokens were
+actually drawn from — not of the model's raw softmax. When ``log_prob`` recomputes them under
+changed parameters, the nucleus is recomputed from the new logits and widened to contain the
+replayed token a, so a token the new nucleus would exclude keeps a finite log-prob:
+
+    log q'(a) = log π_τ(a) − log Σ_{u ∈ N_p ∪ {a}} π_τ(u).
+
+Right after sampling a ∈ N_p, so the widening changes nothing and the ratio is exactly 1.
+
+**Backends.** A :class:`GenerationBackend` turns prompts (token ids) into completions (token
+ids, per-token log-probs of q, why each ended). :class:`BuiltinBackend` is mmrl's own loop
+over the model with its key/value cache, drawing every token with ``torch.multinomial`` from
+the caller's generator, so a seed gives the same completions. A serving engine plugs in
+through ``policy.generation.backend: 'package.module:factory'`` (docs/text.md).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+
+def nucleus_mask(probs: Tensor, top_p: float) -> Tensor:
+    """Bool mask [..., V] of the nucleus N_p of each distribution ``probs`` [..., V]:
+    v ∈ N_p ⇔ p_v ≥ p_(k), k = max{j : Σ_{i<j} p_(i) < top_p} (sorted descending)."""
+    if top_p >= 1.0:
+        # every token: a float cumulative sum can pass 1 before the last token
+        return torch.ones_like(probs, dtype=torch.bool)
+    ranked = probs.sort(dim=-1, descending=True).values
+    inside = (ranked.cumsum(-1) - ranked) < top_p
+    cutoff = ranked.masked_fill(~inside, float("inf")).amin(dim=-1, keepdim=True)
+    return probs >= cutoff
+
+
+def sampling_log_probs(logits: Tensor, temperature: float, top_p: float) -> Tensor:
+    """log q [..., V] (−inf outside the nucleus) of logits [..., V]: log π_τ(v) − log Σ_{u∈N_p} π_τ(u)."""
+    log_pi = torch.log_softmax(logits.float() / temperature, dim=-1)
+    if top_p >= 1.0:
+        return log_pi
+    masked = log_pi.masked_fill(~nucleus_mask(log_pi.exp(), top_p), float("-inf"))
+    return masked - masked.logsumexp(dim=-1, keepdim=True)
+
+
+def token_log_probs(logits: Tensor, tokens: Tensor, temperature: float, top_p: float, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """log q'(a) of the tokens [...] under logits [..., V], with the nucleus widened to hold
+    each token: log π_τ(a) − log Σ_{u ∈ N_p ∪ {a}} π_τ(u) (see the module docstring); and, if
+    asked, the entropy −Σ_v q'(v) log q'(v) of that distribution."""
+    log_pi = torch.log_softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        with torch.no_grad():  # which tokens count is a choice, not a function to differentiate
+            keep = nucleus_mask(log_pi.exp(), top_p)
+            keep.scatter_(-1, tokens.unsqueeze(-1), True)
+        masked = log_pi.masked_fill(~keep, float("-inf"))
+        log_pi = masked - masked.logsumexp(dim=-1, keepdim=True)
+    logp = log_pi.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return logp, None
+    probs = log_pi.exp()
+    return logp, -(probs * log_pi.masked_fill(probs == 0, 0.0)).sum(-1)
+
+
+def left_pad(sequences: list[list[int]], pad_token_id: int) -> tuple[Tensor, Tensor]:
+    """Token ids [N, L] padded on the left with ``pad_token_id`` and their mask [N, L] (1 = token)."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        if seq:
+            ids[row, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+            mask[row, width - len(seq) :] = 1
+    return ids, mask
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """The name under which ``model.forward`` takes its key/value cache: transformers 5.24
+    renamed ``past_key_values`` to ``cache`` (the old name warns); earlier versions know only
+    ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """What a backend needs to sample completions the way the policy scores them."""
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    eos_token_ids: tuple[int, ...]  # a completion ends with (and keeps) the first of these it samples
+    pad_token_id: int
+    stop_strings: tuple[str, ...] = ()  # a completion also ends at the token completing one of these
+
+
+FINISH_REASONS = ("eos", "stop", "length")
+
+
+@dataclass
+class Generation:
+    """Completions of N prompts. ``token_ids[i]`` are the generated tokens of prompt i, up to
+    and including the EOS token or the token that completes a stop string, at most
+    ``max_new_tokens``; ``logp[i]`` their log-probs under the sampling distribution q;
+    ``finish_reason[i]`` is "eos", "stop" or "length" (the budget ran out: truncated)."""
+
+    token_ids: list[list[int]]
+    logp: list[list[float]]
+    finish_reason: list[str]
+
+
+@runtime_checkable
+class GenerationBackend(Protocol):
+    """Samples completions for a text policy. ``generate`` is called once per
+    ``policy.sample`` call, with the policy's parameters as they are now (an engine that keeps
+    its own copy of the weights refreshes it from ``policy.model`` first)."""
+
+    def generate(self, prompt_ids: list[list[int]], options: SamplingOptions, generator: torch.Generator | None, deterministic: bool) -> Generation: ...
+
+
+class BuiltinBackend:
+    """mmrl's own decoding loop: one batched pass over the left-padded prompts, then one token
+    per step for every completion with the model's key/value cache, until every completion
+    has ended or the budget is spent. Tokens are drawn with ``torch.multinomial`` from the
+    caller's generator (greedy with ``deterministic``), so the same seed gives the same
+    completions. Position ids count each row's own tokens, so left padding changes nothing."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], options: SamplingOptions, generator: torch.Generator | None, deterministic: bool) -> Generation:
+        model, device = self.policy.language_model, self.policy.device
+        ids, mask = (t.to(device) for t in left_pad(prompt_ids, options.pad_token_id))
+        n = ids.shape[0]
+        cache = self.policy.new_cache()
+        logits = self.policy.forward_logits(ids, mask, cache=cache, logits_to_keep=1)[:, -1]
+        eos = torch.tensor(options.eos_token_ids, dtype=torch.long, device=device)
+        stop_window = max((len(s.encode("utf-8")) for s in options.stop_strings), default=0) + 1
+        running = torch.ones(n, dtype=torch.bool, device=device)
+        reasons = ["length"] * n
+        tokens, logps = [], []
+        for _ in range(options.max_new_tokens):
+            log_q = sampling_log_probs(logits, options.temperature, options.top_p)
+            if deterministic:
+                token = log_q.argmax(-1)
+            else:
+                on = generator.device if generator is not None else log_q.device
+                token = torch.multinomial(log_q.exp().to(on), 1, generator=generator).squeeze(1).to(device)
+            token = torch.where(running, token, options.pad_token_id)
+            tokens.append(token)
+            logps.append(log_q.gather(-1, token[:, None]).squeeze(1))
+            ended_eos = running & torch.isin(token, eos)
+            for row in ended_eos.nonzero().flatten().tolist():
+                reasons[row] = "eos"
+            if options.stop_strings:
+                rows = (running & ~ended_eos).nonzero().flatten().tolist()
+                # a stop string of b bytes spans at most b tokens: decode one more than the longest
+                tails = torch.stack(tokens[-stop_window:], 1)[rows].tolist()
+                for row, text in zip(rows, self.policy.tokenizer.batch_decode(tails)):
+                    if any(s in text for s in options.stop_strings):
+                        reasons[row] = "stop"
+            # a finished row keeps feeding padding, masked out of every later token's attention
+            mask = torch.cat([mask, running.long()[:, None]], dim=1)
+            running = running & torch.tensor([r == "length" for r in reasons], device=device)
+            if not running.any() or len(tokens) == options.max_new_tokens:
+                break
+            logits = self.policy.forward_logits(token[:, None], mask, cache=cache, logits_to_keep=1)[:, -1]
+        steps = torch.stack(tokens, 1).tolist()
+        step_logp = torch.stack(logps, 1).tolist()
+        lengths = mask[:, ids.shape[1] :].sum(1).tolist()
+        return Generation(
+            token_ids=[row[:k] for row, k in zip(steps, lengths)],
+            logp=[row[:k] for row, k in zip(step_logp, lengths)],
+            finish_reason=reasons,
+        )

@@ -1,0 +1,365 @@
+"""``text_lm``: a text policy over any ``transformers`` causal LM and its tokenizer.
+
+One decision is one completion token. ``sample`` takes B prompt strings (the prompt sampler
+repeats each prompt G times), encodes them (through the tokenizer's chat template with
+``generation.chat_template``), and has the generation backend complete them; the replay is
+
+    prompt_ids [B, P], prompt_mask [B, P]            (left-padded)
+    completion_ids [B, T], completion_mask [B, T]    (right-padded; 1 = a generated token)
+
+and ``log_prob(replay)`` is one teacher-forced pass over prompt + completion giving the
+log-prob of every completion token under the sampling distribution (temperature, top-p;
+:mod:`mmrl.policies.text_lm.generation`), 0 on padding. ``Rollout.cat`` right-pads the prompts
+of different calls to one width; ``log_prob`` moves that padding back to the left first.
+
+Weights: ``model_path`` loads a local ``save_pretrained`` directory (or a GGUF file in it);
+otherwise a tiny model is built from a ``transformers`` config with random weights and the
+byte-level tokenizer of :mod:`mmrl.policies.text_lm.tokenizer`. ``lora.r > 0`` wraps the model
+with ``peft`` adapters; then only the adapters train and ``reference()`` is the same model
+with its adapters disabled.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from mmrl.core.policy import PolicyModule, Sample
+from mmrl.errors import ConfigError, MissingExtraError
+from mmrl.policies.text_lm.config import TextLMConfig
+from mmrl.policies.text_lm.generation import (
+    FINISH_REASONS,
+    BuiltinBackend,
+    GenerationBackend,
+    SamplingOptions,
+    cache_argument,
+    left_pad,
+    token_log_probs,
+)
+from mmrl.policies.text_lm.tokenizer import byte_tokenizer
+from mmrl.registry import POLICIES
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise MissingExtraError("transformers", "text", "the text policy") from None
+    return transformers
+
+
+def _without_dropout(model_config) -> None:
+    """Zero every dropout probability of a transformers config (``*dropout*``, ``*pdrop``)."""
+    for name, value in vars(model_config).items():
+        if ("dropout" in name or name.endswith("pdrop")) and isinstance(value, float):
+            setattr(model_config, name, 0.0)
+
+
+def _load_model(config: TextLMConfig):
+    """(tokenizer, causal LM) from ``model_path`` or the tiny config."""
+    tf = _transformers()
+    dtype = getattr(torch, config.dtype)
+    if config.model_path is None:
+        tokenizer = byte_tokenizer()
+        tiny = config.tiny
+        model_config = tf.AutoConfig.for_model(
+            tiny.arch,
+            hidden_size=tiny.hidden_size,
+            num_hidden_layers=tiny.num_layers,
+            num_attention_heads=tiny.num_heads,
+            num_key_value_heads=tiny.num_kv_heads or tiny.num_heads,
+            head_dim=tiny.hidden_size // tiny.num_heads,
+            intermediate_size=tiny.intermediate_size,
+            max_position_embeddings=tiny.max_position_embeddings,
+            vocab_size=len(tokenizer),
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            bos_token_id=None,
+            tie_word_embeddings=tiny.tie_word_embeddings,
+        )
+        if config.disable_dropout:
+            _without_dropout(model_config)
+        model = tf.AutoModelForCausalLM.from_config(model_config, attn_implementation=config.attn_implementation, dtype=dtype)
+        return tokenizer, model
+
+    path = Path(config.model_path)
+    if not path.is_dir():
+        raise ConfigError("policy.model_path", config.model_path, "expected a local directory holding a transformers causal LM and its tokenizer (save_pretrained)")
+    gguf = {"gguf_file": config.gguf_file} if config.gguf_file else {}
+    if config.gguf_file and not (path / config.gguf_file).is_file():
+        raise ConfigError("policy.gguf_file", config.gguf_file, f"no such file in {config.model_path}")
+    # local_files_only: a directory name that looks like a hub id must never start a download
+    tokenizer = tf.AutoTokenizer.from_pretrained(path, local_files_only=True, **gguf)
+    model_config = tf.AutoConfig.from_pretrained(path, local_files_only=True, **gguf)
+    if config.disable_dropout:
+        _without_dropout(model_config)
+    model = tf.AutoModelForCausalLM.from_pretrained(
+        path, config=model_config, dtype=dtype, attn_implementation=config.attn_implementation, local_files_only=True, **gguf
+    )
+    return tokenizer, model
+
+
+def _with_lora(model, lora):
+    try:
+        import peft
+    except ImportError:
+        raise MissingExtraError("peft", "text", "LoRA adapters (policy.lora.r > 0)") from None
+    adapter = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules), bias="none")
+    try:
+        return peft.get_peft_model(model, adapter)
+    except ValueError as e:  # peft's message lists the modules it could not find
+        raise ConfigError("policy.lora.target_modules", lora.target_modules, f"must name linear layers of the model: {e}") from None
+
+
+def _eos_token_ids(tokenizer, model) -> tuple[int, ...]:
+    """Ids that end a completion: the tokenizer's EOS and the model's generation-config EOS
+    (chat models list their end-of-turn token there)."""
+    ids = [tokenizer.eos_token_id]
+    generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids += generation_eos if isinstance(generation_eos, list) else [generation_eos]
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def _backend(spec: str, policy) -> GenerationBackend:
+    if spec == "builtin":
+        return BuiltinBackend(policy)
+    field = "policy.generation.backend"
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(field, spec, "expected builtin or 'package.module:factory'")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(field, spec, f"could not import it: {e}") from None
+    if not callable(factory):
+        raise ConfigError(field, spec, f"names a {type(factory).__name__}, not a callable (policy) -> GenerationBackend")
+    backend = factory(policy)
+    if not isinstance(backend, GenerationBackend):
+        raise ConfigError(field, spec, f"the factory returned {type(backend).__name__}, which has no generate(prompt_ids, options, generator, deterministic)")
+    return backend
+
+
+def _left_aligned(ids: Tensor, mask: Tensor, pad_token_id: int) -> tuple[Tensor, Tensor]:
+    """Prompts padded on either side (``Rollout.cat`` right-pads prompts of different calls)
+    → padded on the left only, so the last column is every prompt's last token."""
+    width = mask.shape[1]
+    last = torch.where(mask.bool(), torch.arange(width, device=mask.device), -1).amax(dim=1)
+    source = torch.arange(width, device=mask.device) - (width - 1 - last)[:, None]
+    inside = source >= 0
+    source = source.clamp(min=0)
+    return ids.gather(1, source).masked_fill(~inside, pad_token_id), mask.gather(1, source) * inside
+
+
+class _AdapterDisabledReference(nn.Module):
+    """The KL reference of a LoRA policy: the policy's own model with its adapters disabled.
+
+    It shares the policy's weights without registering them, so the trainer freezing it
+    (``requires_grad_(False)``) or setting it to eval mode leaves the policy alone."""
+
+    def __init__(self, policy: "TextLMPolicy"):
+        super().__init__()
+        object.__setattr__(self, "policy", policy)
+
+    @torch.no_grad()
+    def log_prob(self, replay: dict) -> Tensor:
+        with self.policy.model.disable_adapter():
+            return self.policy.log_prob(replay)
+
+    def forward(self, replay: dict) -> Tensor:
+        return self.log_prob(replay)
+
+
+@POLICIES.register("text_lm", config=TextLMConfig)
+class TextLMPolicy(PolicyModule):
+    """A transformers causal LM as a policy: completion tokens are the decisions."""
+
+    def __init__(self, config: TextLMConfig, spec: dict):
+        super().__init__()
+        config.validate("policy")
+        self.config, self.spec = config, dict(spec)
+        if spec.get("num_prompts") is not None:
+            raise ConfigError("policy.type", "text_lm", "takes text prompts; the prompt sampler's records are condition ids (give sampler.data a train file of text prompts)")
+        self.tokenizer, model = _load_model(config)
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token  # the pad id only fills masked slots
+        self.tokenizer.padding_side = "left"
+        if config.generation.chat_template and not self.tokenizer.chat_template:
+            raise ConfigError("policy.generation.chat_template", True, "the tokenizer has no chat template; send the prompts as they are (chat_template: false)")
+        self._cache_argument = cache_argument(model)  # of the transformers model itself, not a peft wrapper
+        self.model = _with_lora(model, config.lora) if config.lora.r else model
+        generation = config.generation
+        self.sampling = SamplingOptions(
+            max_new_tokens=generation.max_new_tokens,
+            temperature=generation.temperature,
+            top_p=generation.top_p,
+            eos_token_ids=_eos_token_ids(self.tokenizer, model),
+            pad_token_id=self.tokenizer.pad_token_id,
+            stop_strings=tuple(generation.stop_strings),
+        )
+        self.backend = _backend(generation.backend, self)
+        self.register_state_dict_post_hook(_drop_tied_aliases)
+        self.register_load_state_dict_post_hook(_allow_missing_tied_aliases)
+
+    # ------------------------------------------------------------------ model access
+
+    @property
+    def language_model(self) -> nn.Module:
+        """The transformers causal LM (with its adapters, under LoRA)."""
+        return self.model.get_base_model() if self.config.lora.r else self.model
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def new_cache(self):
+        """An empty key/value cache for incremental decoding with :meth:`forward_logits`."""
+        return _transformers().DynamicCache(config=self.language_model.config)
+
+    def forward_logits(self, ids: Tensor, mask: Tensor, cache=None, logits_to_keep: int = 0) -> Tensor:
+        """Logits of the causal LM for ``ids`` [N, S] (the last ``logits_to_keep`` positions;
+        0 = all). ``mask`` [N, S_past + S] marks real tokens; with a ``cache`` holding the
+        S_past earlier tokens the call extends it. Position ids count each row's real tokens,
+        so padding anywhere before a token does not move it."""
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1] :]
+        out = self.language_model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=cache is not None,
+            logits_to_keep=logits_to_keep,
+            **({self._cache_argument: cache} if cache is not None else {}),
+        )
+        return out.logits
+
+    # ------------------------------------------------------------------ text <-> tokens
+
+    def encode_prompts(self, prompts: list[str]) -> list[list[int]]:
+        """Token ids of each prompt; with ``generation.chat_template`` the prompt is a user
+        message (after the optional system message) followed by the assistant's generation
+        prompt, and the template supplies any special tokens."""
+        generation = self.config.generation
+        if generation.chat_template:
+            system = [{"role": "system", "content": generation.system_prompt}] if generation.system_prompt is not None else []
+            texts = [self.tokenizer.apply_chat_template([*system, {"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in prompts]
+            ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        else:
+            ids = self.tokenizer(list(prompts))["input_ids"]
+        for i, seq in enumerate(ids):
+            if not seq:
+                raise ValueError(f"prompt {i} ({prompts[i]!r}) encodes to no tokens: a completion needs at least one token to follow")
+        return ids
+
+    def _replay(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> dict[str, Tensor]:
+        pad = self.tokenizer.pad_token_id
+        prompt, prompt_mask = left_pad(prompt_ids, pad)
+        width = max(1, max(len(c) for c in completion_ids))
+        completion = torch.full((len(completion_ids), width), pad, dtype=torch.long)
+        completion_mask = torch.zeros((len(completion_ids), width), dtype=torch.long)
+        for row, seq in enumerate(completion_ids):
+            completion[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+            completion_mask[row, : len(seq)] = 1
+        device = self.device
+        return {"prompt_ids": prompt.to(device), "prompt_mask": prompt_mask.to(device), "completion_ids": completion.to(device), "completion_mask": completion_mask.to(device)}
+
+    def _completion_logits(self, replay: dict) -> Tensor:
+        """Teacher-forced logits [B, T, V] predicting each completion token."""
+        device = self.device
+        prompt, prompt_mask = _left_aligned(replay["prompt_ids"].to(device), replay["prompt_mask"].to(device), self.tokenizer.pad_token_id)
+        completion = replay["completion_ids"].to(device)
+        ids = torch.cat([prompt, completion], dim=1)
+        mask = torch.cat([prompt_mask, replay["completion_mask"].to(device, prompt_mask.dtype)], dim=1)
+        # position P-1+t predicts completion token t; the last position predicts nothing
+        return self.forward_logits(ids, mask, logits_to_keep=completion.shape[1] + 1)[:, :-1]
+
+    def _scores(self, replay: dict, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+        generation = self.config.generation
+        tokens = replay["completion_ids"].to(self.device)
+        valid = replay["completion_mask"].to(self.device).bool()
+        logp, entropy = token_log_probs(self._completion_logits(replay), tokens, generation.temperature, generation.top_p, with_entropy)
+        logp = logp.masked_fill(~valid, 0.0)
+        return logp, entropy.masked_fill(~valid, 0.0) if entropy is not None else None
+
+    # ------------------------------------------------------------------ protocol
+
+    @torch.no_grad()
+    def sample(self, inputs, generator: torch.Generator | None = None, deterministic: bool = False) -> Sample:
+        """Complete each of the B prompt strings in ``inputs`` once (a group's G copies are
+        already repeated). ``deterministic`` decodes greedily. Returns the completion texts
+        (special tokens and the final EOS left out) as ``output`` and ``info["completions"]``,
+        ``info["truncated"]`` [B] (no EOS or stop string within ``max_new_tokens``), per-token
+        ``logp`` and ``entropy`` [B, T] of the sampling distribution, ``mask`` [B, T] and the
+        replay (module docstring)."""
+        if isinstance(inputs, str) or not isinstance(inputs, (list, tuple)) or not all(isinstance(p, str) for p in inputs):
+            raise ConfigError("policy.type", "text_lm", f"takes a list of prompt strings (sampler.type: prompt with text prompts), got {type(inputs).__name__}")
+        prompt_ids = self.encode_prompts(list(inputs))
+        generated = self.backend.generate(prompt_ids, self.sampling, generator, deterministic)
+        if len(generated.token_ids) != len(prompt_ids) or any(r not in FINISH_REASONS for r in generated.finish_reason):
+            raise ValueError(f"the generation backend returned {len(generated.token_ids)} completions for {len(prompt_ids)} prompts, finish reasons {set(generated.finish_reason)}")
+        replay = self._replay(prompt_ids, generated.token_ids)
+        mask = replay["completion_mask"].float()
+        if self.config.generation.old_logp == "recompute":
+            logp, entropy = self._scores(replay, with_entropy=True)
+        else:  # the backend's own numbers, without the extra pass (and so without entropies)
+            logp, entropy = torch.zeros_like(mask), None
+            for row, values in enumerate(generated.logp):
+                logp[row, : len(values)] = torch.tensor(values, dtype=logp.dtype)
+        completions = []
+        for tokens, reason in zip(generated.token_ids, generated.finish_reason):
+            completions.append(self.tokenizer.decode(tokens[:-1] if reason == "eos" else tokens, skip_special_tokens=True))
+        truncated = torch.tensor([r == "length" for r in generated.finish_reason], dtype=torch.bool, device=logp.device)
+        return Sample(
+            output=completions,
+            logp=logp,
+            replay=replay,
+            mask=mask,
+            entropy=entropy,
+            info={"completions": completions, "truncated": truncated},
+        )
+
+    def log_prob(self, replay: dict) -> Tensor:
+        """log q'(token) [B, T] of every replayed completion token under the current
+        parameters (the sampling distribution, nucleus widened to hold the token; 0 on padding)."""
+        return self._scores(replay)[0]
+
+    def sft_loss(self, batch: dict) -> Tensor:
+        """Supervised fine-tuning: the mean cross-entropy of the completion tokens (each
+        completion followed by EOS, so the model learns to stop) under the model's own
+        distribution (no temperature or top-p). ``batch``: "prompt" and "completion", lists
+        of B strings; prompts are encoded as ``sample`` encodes them."""
+        prompt_ids = self.encode_prompts(list(batch["prompt"]))
+        eos = list(self.sampling.eos_token_ids[:1])
+        completion_ids = [ids + eos for ids in self.tokenizer(list(batch["completion"]), add_special_tokens=False)["input_ids"]]
+        replay = self._replay(prompt_ids, completion_ids)
+        logits = self._completion_logits(replay).float()
+        targets, valid = replay["completion_ids"], replay["completion_mask"].float()
+        ce = nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(valid)
+        return (ce * valid).sum() / valid.sum().clamp(min=1.0)
+
+    def reference(self) -> nn.Module | None:
+        """With LoRA, the model with its adapters disabled (shares the base weights, no copy);
+        otherwise None (the trainer keeps a frozen copy of the initial weights)."""
+        return _AdapterDisabledReference(self) if self.config.lora.r else None
+
+
+def _tied_aliases(module: nn.Module) -> list[str]:
+    """Names of parameters that are another parameter under a second name (a tied output head)."""
+    seen, aliases = set(), []
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            aliases.append(name)
+        seen.add(id(param))
+    return aliases
+
+
+def _drop_tied_aliases(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    # safetensors refuses two names for one tensor; the tie restores the second on load
+    for name in _tied_aliases(module):
+        state_dict.pop(prefix + name, None)
+
+
+def _allow_missing_tied_aliases(module: nn.Module, incompatible_keys) -> None:
+    aliases = _tied_aliases(module)
+    incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys if not any(k == a or k.endswith("." + a) for a in aliases)]
