@@ -417,7 +417,8 @@ class Trainer:
         distributed wrapper's gradient average equals one process's loss on the whole batch."""
         agg = self.cfg.algo.aggregation
         return {
-            "num_tokens": self.dist.sum(mb.mask.sum()).item() / self.world,
+            # a minibatch without valid decisions (e.g. all truncated) gives loss 0, not 0/0
+            "num_tokens": max(self.dist.sum(mb.mask.sum()).item(), 1.0) / self.world,
             "num_seqs": self.dist.sum(mb.batch_size).item() / self.world,
             "max_len": getattr(agg, "max_len", None) or self.dist.max(mb.mask.shape[1]),
         }

@@ -315,3 +315,11 @@ def test_exact_kl_on_a_policy_without_one_is_a_config_error(tmp_path):
 
     with pytest.raises(ConfigError, match="algo.kl.type"):
         Trainer(toy_config("sequence", algo={"group_size": 8, "groups_per_step": 4, "kl": {"type": "exact", "coef": 0.1}}), tmp_path / "run")
+
+
+def test_a_minibatch_whose_decisions_are_all_masked_gives_a_zero_loss_not_nan(tmp_path):
+    trainer = Trainer(toy_config("sequence", algo={"group_size": 8, "groups_per_step": 4, "aggregation": "token_mean"}), tmp_path / "run")
+    rollout = trainer.collect(0).rollout
+    masked = rollout.with_(mask=torch.zeros_like(rollout.mask))
+    loss, *_ = trainer.policy_loss(masked, torch.ones(rollout.batch_size, 1), trainer.normalizers(masked))
+    assert loss.item() == 0.0
