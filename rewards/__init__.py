@@ -6,4 +6,5 @@ below.
 
 from mmrl.rewards import env  # noqa: F401  (registration)
 from mmrl.rewards import images  # noqa: F401  (registration)
+from mmrl.rewards import shapes  # noqa: F401  (registration)
 from mmrl.rewards import toy  # noqa: F401  (registration)
