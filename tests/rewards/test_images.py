@@ -53,6 +53,20 @@ def test_the_two_rewards_are_minus_each_other_and_the_jpeg_size_in_kilobytes(qua
     assert len(set(expected)) == len(expected)
 
 
+def test_sizes_match_ddpo_which_encoded_with_pil():
+    pil = pytest.importorskip("PIL.Image")
+    import io
+
+    rng = np.random.RandomState(3)
+    images = np.stack([rng.randint(0, 256, (64, 64, 3)).astype(np.uint8), cv2.resize(rng.randint(0, 256, (8, 8, 3)).astype(np.uint8), (64, 64))])
+    expected = []
+    for x in images:
+        buffer = io.BytesIO()
+        pil.fromarray(x).save(buffer, format="JPEG", quality=95)
+        expected.append(buffer.tell() / 1000)  # DDPO's incompressibility
+    assert reward("jpeg_incompressibility")(image_rollout(images)).tolist() == pytest.approx(expected, rel=0.02)
+
+
 def test_lower_quality_gives_smaller_files_of_the_same_image():
     noise = np.random.RandomState(2).randint(0, 256, (1, 32, 32, 3)).astype(np.uint8)
     assert reward("jpeg_incompressibility", quality=30)(image_rollout(noise)) < reward("jpeg_incompressibility")(image_rollout(noise))
