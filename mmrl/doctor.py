@@ -124,6 +124,8 @@ def report() -> int:
         rows.append(("mujoco", "ok" if good and chosen else "no-render", detail))
     rows.append(maniskill_row())
     rows.append(libero_row())
+    v = _version("opencv-python") or _version("opencv-python-headless")
+    rows.append(("opencv", "ok" if v else "missing", f"{v}; image rewards and the shapes renderer" if v else "pip install 'mmrl[image]' (image rewards, the shapes renderer)"))
     width = max(len(r[0]) for r in rows)
     for name, status, detail in rows:
         print(f"{name:{width}s}  {status:9s}  {detail}")
