@@ -94,6 +94,7 @@ def cmd_list(args) -> int:
         "aggregations": registry.AGGREGATIONS,
         "filters": registry.FILTERS,
         "kl": registry.KL_ESTIMATORS,
+        "data": registry.DATA_SOURCES,
     }
     if args.kind == "presets":
         for name in list_presets():
@@ -233,7 +234,7 @@ def _train_help() -> str:
     sections = (
         ("env", registry.ENVS), ("policy", registry.POLICIES), ("sampler", registry.SAMPLERS), ("rewards[i]", registry.REWARDS),
         ("algo.advantage", registry.ADVANTAGES), ("algo.objective", registry.OBJECTIVES), ("algo.aggregation", registry.AGGREGATIONS),
-        ("algo.filters[i]", registry.FILTERS),
+        ("algo.filters[i]", registry.FILTERS), ("data", registry.DATA_SOURCES),
     )
     for section, reg in sections:
         for entry in reg.entries():
@@ -276,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("list", help="list registered components, presets, task suites or tasks")
-    p.add_argument("kind", choices=["envs", "policies", "rewards", "samplers", "presets", "suites", "tasks", "advantages", "objectives", "aggregations", "filters", "kl"])
+    p.add_argument("kind", choices=["envs", "policies", "rewards", "samplers", "presets", "suites", "tasks", "advantages", "objectives", "aggregations", "filters", "kl", "data"])
     p.set_defaults(func=cmd_list)
 
     p = sub.add_parser("doctor", help="check rendering backends, simulators and extras")

@@ -211,6 +211,7 @@ def _resolve_component(path: str, value: dict) -> type:
         "objective": registry.OBJECTIVES,
         "aggregation": registry.AGGREGATIONS,
         "filters": registry.FILTERS,
+        "data": registry.DATA_SOURCES,
     }.get(section)
     if reg is None:
         raise TypeError(f"no registry for component section {path!r}")

@@ -77,6 +77,7 @@ ENVS = Registry("envs", ("mmrl.envs",), "mmrl.envs")
 POLICIES = Registry("policies", ("mmrl.policies",), "mmrl.policies")
 REWARDS = Registry("rewards", ("mmrl.rewards",), "mmrl.rewards")
 SAMPLERS = Registry("samplers", ("mmrl.samplers",), "mmrl.samplers")
+DATA_SOURCES = Registry("data sources", ("mmrl.train.sft",))
 
 ADVANTAGES = Registry("advantages", ("mmrl.algo.advantage",))
 OBJECTIVES = Registry("objectives", ("mmrl.algo.objective",))

@@ -13,13 +13,7 @@ from mmrl.algo.objective import ObjectiveConfig, PPOClipConfig
 from mmrl.config import option
 from mmrl.core.config import EnvConfig, PolicyConfig, RewardConfig, SamplerConfig
 from mmrl.errors import ConfigError
-
-
-@dataclass
-class DataConfig:
-    path: str | None = option(None, "directory of demonstrations written by `mmrl collect` (algo.type: sft)")
-    batch_size: int = option(64, "sft: samples per optimizer step (over all processes)", ge=1)
-    max_episodes_per_task: int | None = option(None, "sft: use only the first N demonstrations of each task (few-shot SFT)", ge=1)
+from mmrl.train.sft import DataSourceConfig, DemonstrationsConfig
 
 
 @dataclass
@@ -43,7 +37,7 @@ class AlgoConfig:
     ``configs/presets/`` pick one per axis."""
 
     type: Literal["rl", "sft"] = option(
-        "rl", "rl: the group-relative policy-gradient loop; sft: supervised fine-tuning on data.path (no rollouts)"
+        "rl", "rl: the group-relative policy-gradient loop; sft: supervised fine-tuning on the data section's batches (no rollouts)"
     )
     group_size: int = option(8, "G: samples per prompt / initial state (MC-GRPO: G+1)", ge=1)
     groups_per_step: int = option(8, "groups collected per training step (over all processes)", ge=1)
@@ -116,7 +110,7 @@ class TrainConfig:
     sampler: SamplerConfig = option(factory=lambda: SamplerConfig(type=""), doc="sampler section")
     rewards: list[RewardConfig] = option(factory=list, doc="reward components, each with a type and a weight")
     algo: AlgoConfig = option(factory=AlgoConfig, doc="the group-relative core: advantage, filters, objective, aggregation, KL")
-    data: DataConfig = option(factory=DataConfig, doc="demonstrations for algo.type: sft")
+    data: DataSourceConfig = option(factory=DemonstrationsConfig, doc="where algo.type: sft takes its batches (data.type: demonstrations, completions)")
     optim: OptimConfig = option(factory=OptimConfig, doc="optimizer")
     eval: EvalConfig = option(factory=EvalConfig, doc="evaluation")
     log: LogConfig = option(factory=LogConfig, doc="logging")
@@ -129,7 +123,7 @@ class TrainConfig:
             raise ConfigError("sampler.type", None, "required; env or prompt")
         if self.algo.type == "sft":
             if not self.data.path:
-                raise ConfigError("data.path", None, "algo.type sft needs a directory of demonstrations (written by `mmrl collect`)")
+                raise ConfigError("data.path", None, f"algo.type sft needs data: the {self.data.type} source reads data.path")
         elif not self.rewards:
             raise ConfigError("rewards", [], "at least one reward component is required; see `mmrl list rewards`")
         if self.device not in ("auto", "cpu", "mps") and not self.device.startswith("cuda"):

@@ -161,12 +161,7 @@ class Trainer:
         self.kl_fn = registry.KL_ESTIMATORS.get(algo.kl.type) if algo.kl.type != "exact" else None
         self.filters = [(registry.FILTERS.get(f.type), own_options(f, FilterConfig)) for f in algo.filters]
 
-        if algo.type == "sft":
-            from mmrl.train.sft import DemonstrationSource
-
-            self.data = DemonstrationSource(cfg.data, self.policy, cfg.seed, self.world, self.rank)
-        else:
-            self.data = None
+        self.data = registry.DATA_SOURCES.get(cfg.data.type, "data.type")(cfg.data, self.policy, cfg.seed, self.world, self.rank) if algo.type == "sft" else None
         self.memory = sil.SelfImitationMemory(si.size, self.dist) if si.size and algo.type == "rl" else None
         self.start_step = 0
         self.stop = StopRequest()

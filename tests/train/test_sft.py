@@ -80,3 +80,33 @@ def test_few_shot_keeps_the_first_n_demonstrations_of_each_task(tmp_path, demos)
 def test_sft_without_demonstrations_is_a_config_error_naming_data_path(tmp_path):
     with pytest.raises(ConfigError, match="data.path"):
         Trainer(_sft_config(tmp_path, None, data={"path": None})).train()
+
+
+def test_completions_source_fine_tunes_a_text_policy_then_rl_starts_from_that_run(tmp_path):
+    """data.type: completions — (prompt, completion) pairs teach a tiny text LM its answers;
+    the SFT run directory is then the RL run's starting point, evaluated by exact match."""
+    import json
+
+    records = [{"prompt": f"{a}+{b}=", "completion": str(a + b), "answer": str(a + b)} for a in range(3) for b in range(3)]
+    path = tmp_path / "sums.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    policy = {"type": "text_lm", "tiny": {"hidden_size": 32, "num_heads": 2, "intermediate_size": 64}, "generation": {"max_new_tokens": 3}}
+    common = {"seed": 0, "policy": policy, "sampler": {"type": "prompt", "data": {"train": str(path)}, "batch_groups": 2},
+              "rewards": [{"type": "exact_match"}], "eval": {"episodes": 9}, "log": {"progress": False, "tensorboard": False}}
+    sft = from_dict(TrainConfig, {**common, "name": "sft", "total_steps": 400, "algo": {"type": "sft"},
+                                  "data": {"type": "completions", "path": str(path), "batch_size": 9}, "optim": {"lr": 0.003}})
+    before = Trainer(from_dict(TrainConfig, {**common, "name": "init", "total_steps": 0})).evaluate(0)["accuracy"]
+    after = train(sft, tmp_path / "sft")["eval"]["accuracy"]
+    assert before < 0.5 and after >= 0.9, (before, after)
+    rl = from_dict(TrainConfig, {**common, "name": "rl", "total_steps": 1, "policy": {**policy, "pretrained": str(tmp_path / "sft")},
+                                 "algo": {"group_size": 2, "groups_per_step": 2}})
+    assert Trainer(rl, tmp_path / "rl").evaluate(0)["accuracy"] == after
+
+
+def test_a_completions_source_without_the_completion_field_names_it(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a", "answer": "b"}\n')
+    cfg = from_dict(TrainConfig, {"policy": {"type": "text_lm"}, "sampler": {"type": "prompt", "data": {"train": str(path)}}, "algo": {"type": "sft"},
+                                  "data": {"type": "completions", "path": str(path)}, "log": {"progress": False, "tensorboard": False}})
+    with pytest.raises(ConfigError, match="data.completion_field"):
+        Trainer(cfg, tmp_path / "run")
