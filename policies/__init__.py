@@ -7,6 +7,7 @@ below.
 from mmrl.policies import diffusion_policy  # noqa: F401  (registration)
 from mmrl.policies import flow_vla  # noqa: F401  (registration)
 from mmrl.policies import gaussian_mlp  # noqa: F401  (registration)
+from mmrl.policies import image_diffusion  # noqa: F401  (registration)
 from mmrl.policies import text_lm  # noqa: F401  (registration)
 from mmrl.policies import token_vla  # noqa: F401  (registration)
 from mmrl.policies import toy  # noqa: F401  (registration)

@@ -1,0 +1,331 @@
+import json
+import math
+
+import pytest
+import torch
+
+diffusers = pytest.importorskip("diffusers")
+
+from mmrl.config import from_dict  # noqa: E402
+from mmrl.core.weights import build_policy, load_pretrained, save_pretrained  # noqa: E402
+from mmrl.denoising import flow_sigmas  # noqa: E402
+from mmrl.errors import ConfigError  # noqa: E402
+from mmrl.policies.image_diffusion import ImageDiffusionConfig, ImageDiffusionPolicy  # noqa: E402
+from mmrl.policies.image_diffusion.model import diffusion_target, epsilon_from_prediction  # noqa: E402
+
+CONDITIONS = torch.tensor([0, 1, 2, 0])
+PROMPTS = ["a red circle", "two blue squares", "", "a red circle"]
+# the diffusion default floors the last step's std at 0.01 (its std is 0 otherwise); a
+# float32 UNet run on another batch composition moves its log-prob by ~1e-3 of ~1000
+RATIO_ATOL = 5e-3
+
+
+def make(seed: int = 0, spec: dict | None = None, **fields) -> ImageDiffusionPolicy:
+    torch.manual_seed(seed)
+    return build_policy(from_dict(ImageDiffusionConfig, {"type": "image_diffusion", **fields}, "policy"), {"num_prompts": 3} if spec is None else spec)
+
+
+TRANSITIONS = {
+    "ddim": {"transition": "ddim", "eta": 1.0},
+    "ddpm": {"transition": "ddpm"},
+    "flow_sde": {"transition": "flow_sde", "noise_level": 0.7, "min_std": 0.0},
+}
+
+
+@pytest.mark.parametrize("guidance", [1.0, 3.0])
+@pytest.mark.parametrize("transition", sorted(TRANSITIONS))
+def test_recomputed_log_probs_give_ratio_one_right_after_sampling(transition, guidance):
+    policy = make(denoising=TRANSITIONS[transition], guidance_scale=guidance)
+    sample = policy.sample(CONDITIONS, torch.Generator().manual_seed(1))
+    assert sample.logp.shape == (4, 8) and torch.isfinite(sample.logp).all()
+    ratio = torch.exp(policy.log_prob(sample.replay) - sample.logp)
+    torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=RATIO_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("guidance_grad", ["detached", "both"])
+def test_text_prompts_with_guidance_give_ratio_one_and_the_gradient_reaches_the_unet_only(guidance_grad):
+    policy = make(spec={}, tiny={"conditioning": "text"}, guidance_scale=2.0, guidance_grad=guidance_grad)
+    sample = policy.sample(PROMPTS, torch.Generator().manual_seed(0))
+    assert sample.replay["prompt_ids"].shape == (4, 16)
+    logp = policy.log_prob(sample.replay)
+    torch.testing.assert_close(torch.exp(logp - sample.logp), torch.ones_like(logp), atol=RATIO_ATOL, rtol=0)
+    logp.sum().backward()
+    assert all(p.grad is None for p in policy.text_encoder.parameters())  # frozen by default
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.unet.parameters())
+
+
+def test_guidance_changes_the_samples_and_a_detached_unconditional_branch_changes_only_the_gradient():
+    plain = make(guidance_scale=1.0).sample(CONDITIONS, torch.Generator().manual_seed(0))
+    guided = make(guidance_scale=4.0).sample(CONDITIONS, torch.Generator().manual_seed(0))
+    assert not torch.allclose(plain.output, guided.output)
+    grads = {}
+    for mode in ("detached", "both"):
+        policy = make(guidance_scale=4.0, guidance_grad=mode)
+        logp = policy.log_prob(guided.replay)
+        logp.sum().backward()
+        grads[mode] = policy.unet.class_embedding.weight.grad.clone()
+    null = 3  # the null class (the last embedding) is used only by the unconditional branch
+    assert grads["detached"][null].abs().sum() == 0
+    assert grads["both"][null].abs().sum() > 0
+
+
+def test_images_are_uint8_rgb_of_the_resolution_and_match_the_final_latent():
+    policy = make(tiny={"resolution": 8})
+    sample = policy.sample(CONDITIONS, torch.Generator().manual_seed(0))
+    images = sample.info["images"]
+    assert images.dtype == torch.uint8 and images.shape == (4, 8, 8, 3)
+    expected = ((sample.output.clamp(-1, 1) + 1) * 127.5).round().permute(0, 2, 3, 1)
+    assert torch.equal(images, expected.to(torch.uint8))
+
+
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction", "sample"])
+def test_a_vanishing_eta_reproduces_the_diffusers_ddim_loop(prediction_type):
+    steps = 8
+    policy = make(prediction_type=prediction_type, denoising={"transition": "ddim", "eta": 1e-6, "num_inference_steps": steps, "min_std": 1e-8, "clip_denoised": None})
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn((4, 3, 16, 16), generator=torch.Generator().manual_seed(3))
+    ours = policy.sample(CONDITIONS, gen).output
+
+    scheduler = diffusers.DDIMScheduler(
+        num_train_timesteps=1000, beta_schedule="linear", clip_sample=False, set_alpha_to_one=True, timestep_spacing="trailing", prediction_type=prediction_type
+    )
+    scheduler.set_timesteps(steps)
+    with torch.no_grad():
+        for t in scheduler.timesteps:
+            out = policy.unet(x, t, class_labels=CONDITIONS).sample
+            x = scheduler.step(out, t, x, eta=0.0).prev_sample
+    torch.testing.assert_close(ours, x, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("transition", ["flow_ode", "flow_sde"])
+def test_the_flow_ode_and_a_vanishing_noise_level_reproduce_the_diffusers_flow_match_euler_loop(transition):
+    steps = 6
+    policy = make(denoising={"transition": transition, "noise_level": 1e-7, "num_inference_steps": steps, "min_std": 0.0})
+    ours = policy.sample(CONDITIONS, torch.Generator().manual_seed(5)).output
+    x = torch.randn((4, 3, 16, 16), generator=torch.Generator().manual_seed(5))
+
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0)
+    scheduler.set_timesteps(sigmas=flow_sigmas(steps)[:-1].tolist())  # mmrl's σ grid: 1 … 1/K, then 0
+    with torch.no_grad():
+        for t in scheduler.timesteps:
+            out = policy.unet(x, t.expand(4), class_labels=CONDITIONS).sample
+            x = scheduler.step(out, t, x).prev_sample
+    torch.testing.assert_close(ours, x, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("transition", ["ddim", "flow_sde"])
+def test_a_positive_advantage_raises_that_samples_log_prob_after_one_step(transition):
+    policy = make(denoising=TRANSITIONS[transition])
+    sample = policy.sample(CONDITIONS, torch.Generator().manual_seed(0))
+    advantage = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    before = policy.log_prob(sample.replay).detach()
+    # a small step along the gradient: with summed log-probs the last diffusion step (std
+    # floored at 0.01) is so sharp that Adam's lr-sized step on every weight overshoots it
+    optimizer = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=1e-4)
+    loss = -(advantage[:, None] * policy.log_prob(sample.replay)).sum()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+    optimizer.step()
+    after = policy.log_prob(sample.replay).detach()
+    assert after[0].sum() > before[0].sum()
+
+
+def test_exact_kl_is_zero_to_itself_and_positive_after_an_update():
+    policy = make()
+    reference = make()
+    sample = policy.sample(CONDITIONS, torch.Generator().manual_seed(0))
+    assert policy.exact_kl(sample.replay, reference).abs().max() == 0
+    with torch.no_grad():
+        policy.unet.conv_out.bias.add_(0.05)
+    kl = policy.exact_kl(sample.replay, reference)
+    assert kl.shape == sample.logp.shape and (kl > 0).all()
+
+
+@pytest.mark.parametrize("transition, prediction_type", [("ddim", "epsilon"), ("ddim", "v_prediction"), ("ddpm", "sample"), ("flow_sde", "velocity")])
+def test_sft_loss_is_the_denoising_loss_and_a_step_lowers_it(transition, prediction_type):
+    policy = make(denoising=TRANSITIONS[transition], prediction_type=prediction_type, condition_dropout=0.0)
+    images = torch.zeros(8, 16, 16, 3, dtype=torch.uint8)
+    images[:, 4:12, 4:12, 0] = 255  # a red square on black
+    batch = {"images": images, "condition": torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])}
+    optimizer = torch.optim.Adam(policy.parameters(), lr=3e-3)
+    losses = []
+    for i in range(30):
+        torch.manual_seed(i % 3)  # the same timesteps and noise every third step
+        loss = policy.sft_loss(batch)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert math.isfinite(losses[0]) and sum(losses[-3:]) < 0.5 * sum(losses[:3])
+
+
+def test_prediction_conversions_invert_each_other():
+    x0, noise = torch.randn(2, 3, 4, 4), torch.randn(2, 3, 4, 4)
+    alpha_bar = torch.tensor([0.3, 0.9]).view(-1, 1, 1, 1)
+    x_t = alpha_bar.sqrt() * x0 + (1 - alpha_bar).sqrt() * noise
+    for kind in ("epsilon", "v_prediction", "sample"):
+        target = diffusion_target(x0, noise, alpha_bar, kind)
+        torch.testing.assert_close(epsilon_from_prediction(target, x_t, alpha_bar, kind), noise)
+
+
+@pytest.mark.parametrize("conditioning", ["class", "text", "none"])
+def test_save_and_load_pretrained_round_trip_exactly(tmp_path, conditioning):
+    spec = {} if conditioning == "text" else {"num_prompts": 3}
+    policy = make(spec=spec, tiny={"conditioning": conditioning})
+    inputs = PROMPTS if conditioning == "text" else CONDITIONS
+    save_pretrained(policy, tmp_path / "saved")
+    loaded = load_pretrained(tmp_path / "saved")
+    assert type(loaded) is ImageDiffusionPolicy
+    for (name, a), (_, b) in zip(policy.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    first = policy.sample(inputs, torch.Generator().manual_seed(0))
+    second = loaded.sample(inputs, torch.Generator().manual_seed(0))
+    assert torch.equal(first.output, second.output) and torch.equal(first.logp, second.logp)
+
+
+def _tiny_class_unet(num_class_embeds: int | None = 4):
+    torch.manual_seed(0)
+    return diffusers.UNet2DModel(
+        sample_size=8, in_channels=3, out_channels=3, block_out_channels=(8, 16), layers_per_block=1, norm_num_groups=4,
+        down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D"), num_class_embeds=num_class_embeds,
+    )
+
+
+def _text_pipeline_dir(root):
+    """A tiny text-to-image pipeline directory, as diffusers lays one out."""
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    from mmrl.policies.text_lm.tokenizer import byte_tokenizer
+
+    torch.manual_seed(0)
+    tokenizer = byte_tokenizer()
+    text_encoder = CLIPTextModel(CLIPTextConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=16))
+    unet = diffusers.UNet2DConditionModel(
+        sample_size=8, in_channels=3, out_channels=3, block_out_channels=(8, 16), layers_per_block=1, norm_num_groups=4,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=16, attention_head_dim=4,
+    )
+    unet.save_pretrained(root / "unet")
+    text_encoder.save_pretrained(root / "text_encoder")
+    tokenizer.save_pretrained(root / "tokenizer")
+    diffusers.DDIMScheduler(num_train_timesteps=1000, beta_schedule="linear").save_pretrained(root / "scheduler")
+    return unet
+
+
+def test_loads_a_diffusers_pipeline_directory_and_trains_a_grpo_step_on_text_prompts(tmp_path):
+    from mmrl.train.config import TrainConfig
+    from mmrl.train.metrics import read_metrics
+    from mmrl.train.trainer import Trainer
+
+    unet = _text_pipeline_dir(tmp_path / "pipe")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["a red circle", "a blue square", "two green triangles"]))
+    policy = {"type": "image_diffusion", "model_path": str(tmp_path / "pipe"), "guidance_scale": 2.0, "denoising": {"num_inference_steps": 4}}
+    cfg = from_dict(TrainConfig, {
+        "name": "t2i", "seed": 0, "total_steps": 1,
+        "policy": policy,
+        "sampler": {"type": "prompt", "data": {"train": str(data)}, "batch_groups": 2},
+        "rewards": [{"type": "jpeg_compressibility"}],
+        "algo": {"group_size": 2, "groups_per_step": 2, "ppo_epochs": 1, "num_minibatches": 1},
+        "optim": {"lr": 1e-3}, "eval": {"episodes": 4},
+        "log": {"progress": False, "tensorboard": False},
+    })
+    trainer = Trainer(cfg, tmp_path / "run")
+    assert trainer.policy.conditioning == "text" and trainer.policy.prediction_type == "epsilon"
+    for name, value in unet.state_dict().items():
+        assert torch.equal(trainer.policy.unet.state_dict()[name], value), name
+    trainer.train()
+    assert any(not torch.equal(trainer.policy.unet.state_dict()[n], v) for n, v in unet.state_dict().items())
+    metrics = [m for m in read_metrics(tmp_path / "run") if "reward/total" in m]
+    assert len(metrics) == 1 and all(math.isfinite(v) for v in metrics[0].values() if isinstance(v, float))
+
+
+def test_a_class_conditional_pipeline_takes_its_prediction_type_and_null_class_from_the_directory(tmp_path):
+    _tiny_class_unet().save_pretrained(tmp_path / "unet")
+    diffusers.DDIMScheduler(num_train_timesteps=1000, beta_schedule="linear", prediction_type="v_prediction").save_pretrained(tmp_path / "scheduler")
+    policy = make(model_path=str(tmp_path))
+    assert policy.conditioning == "class" and policy.prediction_type == "v_prediction" and policy.null_class == 3
+    sample = policy.sample(CONDITIONS, torch.Generator().manual_seed(0))
+    assert sample.info["images"].shape == (4, 8, 8, 3)
+    with pytest.raises(ConfigError, match="null class"):
+        make(model_path=str(tmp_path), spec={"num_prompts": 4})
+
+
+def test_a_pipeline_whose_scheduler_disagrees_with_the_denoising_options_is_a_config_error(tmp_path):
+    _tiny_class_unet().save_pretrained(tmp_path / "unet")
+    diffusers.DDIMScheduler(num_train_timesteps=1000, beta_schedule="scaled_linear").save_pretrained(tmp_path / "scheduler")
+    with pytest.raises(ConfigError, match="policy.denoising.beta_schedule"):
+        make(model_path=str(tmp_path))
+    with pytest.raises(ConfigError, match="policy.denoising.transition"):
+        diffusers.FlowMatchEulerDiscreteScheduler().save_pretrained(tmp_path / "scheduler")
+        make(model_path=str(tmp_path))
+    with pytest.raises(ConfigError, match="policy.model_path"):
+        make(model_path=str(tmp_path / "missing"))
+
+
+@pytest.mark.parametrize(
+    "fields, field",
+    [
+        ({"prediction_type": "epsilon", "denoising": {"transition": "flow_sde"}}, "policy.prediction_type"),
+        ({"prediction_type": "velocity"}, "policy.prediction_type"),
+        ({"denoising": {"transition": "flow_noise"}}, "policy.denoising.transition"),
+        ({"tiny": {"conditioning": "none"}, "guidance_scale": 2.0}, "policy.guidance_scale"),
+        ({"tiny": {"resolution": 10, "block_out_channels": [8, 16, 16]}}, "policy.tiny.resolution"),
+    ],
+)
+def test_bad_options_are_config_errors_that_name_the_field(fields, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        make(**fields)
+
+
+def test_inputs_of_the_wrong_kind_are_config_errors():
+    with pytest.raises(ConfigError, match="condition ids"):
+        make().sample(PROMPTS)
+    with pytest.raises(ConfigError, match="prompt strings"):
+        make(spec={}, tiny={"conditioning": "text"}).sample(CONDITIONS)
+
+
+def test_trains_end_to_end_on_conditions_with_the_jpeg_reward(tmp_path):
+    from mmrl.train.config import TrainConfig
+    from mmrl.train.metrics import read_metrics
+    from mmrl.train.trainer import train
+
+    cfg = from_dict(TrainConfig, {
+        "name": "ddpo", "seed": 0, "total_steps": 2,
+        "policy": {"type": "image_diffusion", "tiny": {"resolution": 8}, "guidance_scale": 2.0, "denoising": {"num_inference_steps": 4}},
+        "sampler": {"type": "prompt", "data": {"num_prompts": 3}, "batch_groups": 2},
+        "rewards": [{"type": "jpeg_compressibility"}],
+        "algo": {"group_size": 2, "groups_per_step": 2, "ppo_epochs": 1, "num_minibatches": 2},
+        "optim": {"lr": 1e-3}, "eval": {"episodes": 4},
+        "log": {"progress": False, "tensorboard": False},
+    })
+    train(cfg, tmp_path / "run")
+    metrics = [m for m in read_metrics(tmp_path / "run") if "reward/total" in m]
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert all(math.isfinite(v) for v in m.values() if isinstance(v, float)), m
+    assert type(load_pretrained(tmp_path / "run")) is ImageDiffusionPolicy
+
+
+def test_is_registered_and_a_class_policy_without_conditions_says_which_sampler_to_use():
+    from mmrl.registry import POLICIES
+
+    assert POLICIES.get("image_diffusion") is ImageDiffusionPolicy and POLICIES.entry("image_diffusion").config is ImageDiffusionConfig
+    with pytest.raises(ConfigError, match="sampler.type: prompt"):
+        make(spec={})
+
+
+def test_without_diffusers_the_error_names_the_image_extra(monkeypatch):
+    import builtins
+
+    from mmrl.errors import MissingExtraError
+
+    real_import = builtins.__import__
+
+    def fake_import(name, *args, **kwargs):
+        if name == "diffusers" or name.startswith("diffusers."):
+            raise ImportError("No module named 'diffusers'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    with pytest.raises(MissingExtraError, match=r"mmrl\[image\]"):
+        make()
