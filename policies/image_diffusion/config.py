@@ -35,6 +35,7 @@ class TinyDenoiserConfig:
     text_hidden_size: int = option(16, "text: width of the CLIP text encoder (= the UNet's cross-attention dim)", ge=1)
     text_layers: int = option(1, "text: transformer layers of the text encoder", ge=1)
     text_heads: int = option(2, "text: attention heads of the text encoder (must divide text_hidden_size)", ge=1)
+    max_prompt_tokens: int = option(16, "text: the tokenizer's model_max_length and the text encoder's positions", ge=1)
 
     def validate(self, path: str) -> None:
         p = f"{path}." if path else ""
@@ -67,7 +68,7 @@ class ImageDiffusionConfig(PolicyConfig):
         "detached", "with guidance, whether the gradient flows through the conditional branch only (detached: the unconditional pass runs without grad) or through both"
     )
     condition_dropout: float = option(0.1, "sft_loss: probability of training a sample on the null condition (null class / empty prompt), which guidance needs", ge=0, le=1)
-    max_prompt_tokens: int | None = option(16, "text: prompts are padded / truncated to this many tokens; null = the tokenizer's model_max_length", ge=1)
+    max_prompt_tokens: int | None = option(None, "text: prompts are padded / truncated to this many tokens (at most the text encoder's positions); null = the tokenizer's model_max_length (77 for CLIP)", ge=1)
     train_text_encoder: bool = option(False, "text: also train the text encoder (default: frozen, only the UNet learns)")
     denoising: DenoisingOptions = option(
         factory=lambda: DenoisingOptions(transition="ddim", num_inference_steps=8, eta=1.0, min_std=0.01, beta_schedule="linear", clip_denoised=1.0),

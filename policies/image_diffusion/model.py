@@ -129,15 +129,14 @@ def _tiny_parts(config: ImageDiffusionConfig, spec: dict) -> _Parts:
 
         tokenizer = byte_tokenizer()
         tokenizer.padding_side = "right"
-        max_tokens = config.max_prompt_tokens or 77
-        tokenizer.model_max_length = max_tokens
+        tokenizer.model_max_length = tiny.max_prompt_tokens
         text_config = tf.CLIPTextConfig(
             vocab_size=len(tokenizer),
             hidden_size=tiny.text_hidden_size,
             intermediate_size=2 * tiny.text_hidden_size,
             num_hidden_layers=tiny.text_layers,
             num_attention_heads=tiny.text_heads,
-            max_position_embeddings=max_tokens,
+            max_position_embeddings=tiny.max_prompt_tokens,
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id,
             bos_token_id=tokenizer.pad_token_id,
@@ -232,8 +231,13 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         self.conditioning = parts.conditioning
         self.text_encoder = parts.text_encoder
         self.tokenizer = parts.tokenizer
-        if self.text_encoder is not None and not config.train_text_encoder:
-            self.text_encoder.requires_grad_(False)
+        if self.text_encoder is not None:
+            if not config.train_text_encoder:
+                self.text_encoder.requires_grad_(False)
+            positions = self.text_encoder.config.max_position_embeddings
+            self.prompt_tokens = config.max_prompt_tokens or self.tokenizer.model_max_length
+            if self.prompt_tokens > positions:
+                raise ConfigError("policy.max_prompt_tokens", config.max_prompt_tokens, f"the text encoder has {positions} positions (the tokenizer's model_max_length is {self.tokenizer.model_max_length}); set at most {positions}")
         self.prediction_type = config.prediction_type or self._default_prediction(parts.scheduler)
         if self.prediction_type not in config.allowed_predictions:
             raise ConfigError("policy.prediction_type", self.prediction_type, f"the pipeline's scheduler predicts it, but transition {config.denoising.transition} takes one of {list(config.allowed_predictions)}")
@@ -263,23 +267,29 @@ class ImageDiffusionPolicy(DenoisingPolicy):
 
     # -------------------------------------------------------------- conditioning
 
+    @property
+    def _conditioning_field(self) -> tuple[str, str]:
+        """The config field that chose the conditioning, and its value, for input errors."""
+        if self.config.model_path:
+            return "policy.model_path", self.config.model_path
+        return "policy.tiny.conditioning", self.conditioning
+
     def _conditions(self, inputs) -> Tensor | None:
         """The replay's conditioning of the sampler's inputs: class ids [N] or token ids [N, L]."""
         if self.conditioning == "class":
             if not isinstance(inputs, Tensor) or inputs.dtype != torch.long:
-                raise ConfigError("policy.tiny.conditioning", "class", f"takes condition ids (a LongTensor from a prompt sampler over conditions), got {type(inputs).__name__}")
+                raise ConfigError(*self._conditioning_field, f"takes condition ids (a LongTensor from a prompt sampler over conditions), got {type(inputs).__name__}")
             if inputs.numel() and (int(inputs.min()) < 0 or int(inputs.max()) >= self.null_class):
                 raise ValueError(f"condition ids must lie in [0, {self.null_class}), got {inputs.tolist()}")
             return inputs.to(self.device)
         if self.conditioning == "text":
             if isinstance(inputs, Tensor) or not all(isinstance(p, str) for p in inputs):
-                raise ConfigError("policy.tiny.conditioning", "text", f"takes prompt strings (a prompt sampler over texts), got {type(inputs).__name__}")
+                raise ConfigError(*self._conditioning_field, f"takes prompt strings (a prompt sampler over texts), got {type(inputs).__name__}")
             return self._tokenize(list(inputs))
         return None
 
     def _tokenize(self, prompts: list[str]) -> Tensor:
-        length = self.config.max_prompt_tokens or self.tokenizer.model_max_length
-        ids = self.tokenizer(prompts, padding="max_length", max_length=length, truncation=True, return_tensors="pt").input_ids
+        ids = self.tokenizer(prompts, padding="max_length", max_length=self.prompt_tokens, truncation=True, return_tensors="pt").input_ids
         return ids.to(self.device)
 
     def _encode(self, prompt_ids: Tensor) -> Tensor:

@@ -199,6 +199,7 @@ def _text_pipeline_dir(root):
 
     torch.manual_seed(0)
     tokenizer = byte_tokenizer()
+    tokenizer.model_max_length = 16  # as a CLIP tokenizer's 77: the text encoder's positions
     text_encoder = CLIPTextModel(CLIPTextConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=16))
     unet = diffusers.UNet2DConditionModel(
         sample_size=8, in_channels=3, out_channels=3, block_out_channels=(8, 16), layers_per_block=1, norm_num_groups=4,
@@ -270,6 +271,7 @@ def test_a_pipeline_whose_scheduler_disagrees_with_the_denoising_options_is_a_co
         ({"denoising": {"transition": "flow_noise"}}, "policy.denoising.transition"),
         ({"tiny": {"conditioning": "none"}, "guidance_scale": 2.0}, "policy.guidance_scale"),
         ({"tiny": {"resolution": 10, "block_out_channels": [8, 16, 16]}}, "policy.tiny.resolution"),
+        ({"tiny": {"conditioning": "text"}, "max_prompt_tokens": 17}, "policy.max_prompt_tokens"),
     ],
 )
 def test_bad_options_are_config_errors_that_name_the_field(fields, field):
