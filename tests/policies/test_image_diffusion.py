@@ -42,6 +42,16 @@ def test_recomputed_log_probs_give_ratio_one_right_after_sampling(transition, gu
     torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=RATIO_ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("guidance", [1.0, 3.0])
+@pytest.mark.parametrize("transition", sorted(TRANSITIONS))
+def test_recomputing_one_step_per_call_reproduces_old_logp_exactly(transition, guidance):
+    # chunk_steps 1 runs the UNet on the batch that sampling ran it on: the same float32 sums
+    policy = make(denoising={**TRANSITIONS[transition], "chunk_steps": 1}, guidance_scale=guidance)
+    sample = policy.sample(CONDITIONS, torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(policy.log_prob(sample.replay), sample.logp)
+
+
 @pytest.mark.parametrize("guidance_grad", ["detached", "both"])
 def test_text_prompts_with_guidance_give_ratio_one_and_the_gradient_reaches_the_unet_only(guidance_grad):
     policy = make(spec={}, tiny={"conditioning": "text"}, guidance_scale=2.0, guidance_grad=guidance_grad)
