@@ -100,6 +100,31 @@ def libero_row() -> tuple[str, str, str]:
     return ("libero", "BROKEN", f"{versions}; cannot run a scene: {err[:160]}")
 
 
+# Optional packages by what they enable: (row name, distributions, what needs them, extra).
+_EXTRAS = (
+    ("diffusers", ("diffusers",), "the image_diffusion policy", "image"),
+    ("transformers", ("transformers", "tokenizers"), "text policies, VLAs, text encoders", "text"),
+    ("peft", ("peft",), "LoRA adapters", "text"),
+    ("math-verify", ("math-verify",), "the math_answer reward", "text"),
+    ("gguf", ("gguf",), "GGUF checkpoints (text_lm gguf_file)", "text"),
+    ("datasets", ("datasets",), "prompt datasets saved with save_to_disk", "data"),
+    ("trl", ("trl",), "tests/parity against TRL", "parity"),
+    ("verl", ("verl",), "tests/parity against verl (installed with --no-deps)", "parity"),
+)
+
+
+def extra_rows() -> list[tuple[str, str, str]]:
+    """One row per optional capability: its versions, or the extra that installs it."""
+    rows = []
+    for name, dists, purpose, extra in _EXTRAS:
+        versions = [_version(d) for d in dists]
+        if all(versions):
+            rows.append((name, "ok", f"{', '.join(v for v in versions)}; {purpose}"))
+        else:
+            rows.append((name, "missing", f"pip install 'mmrl[{extra}]' ({purpose})"))
+    return rows
+
+
 def report() -> int:
     import torch
 
@@ -126,6 +151,7 @@ def report() -> int:
     rows.append(libero_row())
     v = _version("opencv-python") or _version("opencv-python-headless")
     rows.append(("opencv", "ok" if v else "missing", f"{v}; image rewards and the shapes renderer" if v else "pip install 'mmrl[image]' (image rewards, the shapes renderer)"))
+    rows.extend(extra_rows())
     width = max(len(r[0]) for r in rows)
     for name, status, detail in rows:
         print(f"{name:{width}s}  {status:9s}  {detail}")

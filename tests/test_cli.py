@@ -153,3 +153,15 @@ def test_eval_suite_from_a_yaml_writes_tables_and_videos(tmp_path, write_config)
     assert (out / "results.csv").is_file() and len(list((out / "videos").glob("*.mp4"))) == 2
     bad = run_mmrl("eval", cfg, "--suite", "no_such_suite")
     assert bad.returncode == 2 and "suite" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_doctor_names_the_extra_for_each_missing_optional_package(monkeypatch):
+    from mmrl import doctor
+
+    present = {"diffusers": "0.42.1", "transformers": "5.0", "tokenizers": "0.23"}
+    monkeypatch.setattr(doctor, "_version", lambda dist: present.get(dist))
+    rows = {name: (status, detail) for name, status, detail in doctor.extra_rows()}
+    assert rows["diffusers"][0] == "ok" and "0.42.1" in rows["diffusers"][1]
+    assert rows["transformers"][0] == "ok"
+    assert rows["peft"] == ("missing", "pip install 'mmrl[text]' (LoRA adapters)")
+    assert rows["trl"][0] == "missing" and "mmrl[parity]" in rows["trl"][1]
