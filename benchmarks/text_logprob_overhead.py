@@ -1,13 +1,14 @@
-"""Cost of the text policy's sampling: mmrl's seeded decoding loop against transformers'
-``generate`` on the same model and batch, and the teacher-forced pass that recomputes
-``old_logp`` (``generation.old_logp: recompute``).
+"""text_logprob_overhead: mmrl's sampling with per-token log-probs against plain
+transformers ``generate`` on the same model, prompts and lengths (target: ≤ 1.10×), and the
+teacher-forced pass that recomputes ``old_logp`` (``generation.old_logp: recompute``).
 
 Both generators sample (temperature 1, the given top-p) exactly ``--new-tokens`` tokens per
 prompt (no EOS), from left-padded prompts of different lengths. Prints generated tokens per
-second for both, and the time of the recompute pass and of one forward + backward of
+second for both and their time ratio (medians over interleaved repeats, so a noisy machine
+slows both alike), and the time of the recompute pass and of one forward + backward of
 ``log_prob`` as fractions of mmrl's sampling time.
 
-    .venv/bin/python benchmarks/text_generation.py [--batch 32 --new-tokens 64 --hidden 64 --layers 2]
+    .venv/bin/python benchmarks/text_logprob_overhead.py [--batch 32 --new-tokens 64 --hidden 64 --layers 2]
 """
 
 from __future__ import annotations
@@ -35,6 +36,18 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def interleaved(a, b, repeats: int) -> tuple[float, float]:
+    """Median wall times of ``a()`` and ``b()``, alternating them after one warm-up each."""
+    a(), b()
+    times_a, times_b = [], []
+    for _ in range(repeats):
+        for fn, times in ((a, times_a), (b, times_b)):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    return statistics.median(times_a), statistics.median(times_b)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=32)
@@ -58,10 +71,11 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     generated = args.batch * args.new_tokens
 
-    mmrl_time = timed(lambda: policy.backend.generate(prompt_ids, policy.sampling, generator, False), args.repeats)
-
     encoded = policy.tokenizer(prompts, return_tensors="pt", padding=True)
     lm = policy.language_model
+
+    def mmrl_sample():
+        policy.backend.generate(prompt_ids, policy.sampling, generator, False)
 
     def hf_generate():
         with torch.no_grad():
@@ -70,7 +84,7 @@ def main() -> None:
                 pad_token_id=policy.tokenizer.pad_token_id,
             )
 
-    hf_time = timed(hf_generate, args.repeats)
+    mmrl_time, hf_time = interleaved(mmrl_sample, hf_generate, args.repeats)
     sample = policy.sample(prompts, generator)
     assert int(sample.mask.sum()) == generated
 
@@ -86,6 +100,7 @@ def main() -> None:
     print(f"batch {args.batch} x {args.new_tokens} new tokens, hidden {args.hidden}, {args.layers} layers, top_p {args.top_p}, {torch.get_num_threads()} threads")
     print(f"mmrl loop:            {generated / mmrl_time:8.0f} tokens/s ({mmrl_time * 1e3:.0f} ms)")
     print(f"transformers generate: {generated / hf_time:8.0f} tokens/s ({hf_time * 1e3:.0f} ms)")
+    print(f"text_logprob_overhead: {mmrl_time / hf_time:.2f}x generate's time (target <= 1.10x)")
     print(f"old_logp recompute:   {recompute_time * 1e3:8.1f} ms ({recompute_time / mmrl_time:.1%} of sampling)")
     print(f"log_prob fwd+bwd:     {train_time * 1e3:8.1f} ms ({train_time / mmrl_time:.1%} of sampling)")
 
