@@ -139,9 +139,18 @@ class PromptSampler(Sampler):
         return Rollout.cat(parts)
 
     def metrics(self, rollout: Rollout) -> dict[str, Tensor]:
+        """Per-sample values the trainer averages over all collected samples: ``success_rate``
+        when the policy reports success; for text completions, ``completion_length`` (tokens,
+        EOS or stop string included) and ``truncated_rate`` (the fraction cut off by the
+        token budget)."""
+        out = {}
         if "success" in rollout.info:
-            return {"success_rate": torch.as_tensor(rollout.info["success"]).float().reshape(-1)}
-        return {}
+            out["success_rate"] = torch.as_tensor(rollout.info["success"]).float().reshape(-1)
+        if "completions" in rollout.info:
+            out["completion_length"] = rollout.mask.float().sum(1).cpu()
+        if "truncated" in rollout.info:
+            out["truncated_rate"] = torch.as_tensor(rollout.info["truncated"]).float().reshape(-1).cpu()
+        return out
 
     @torch.no_grad()
     def evaluate(self, policy: Policy, episodes: int, seed: int, rewards: RewardSet | None = None) -> dict[str, Any]:

@@ -386,3 +386,25 @@ def test_a_resumed_prompt_run_matches_an_uninterrupted_one(tmp_path):
     wa = load_file(str(tmp_path / "full/checkpoints/step_00000006/model.safetensors"))
     wb = load_file(str(tmp_path / "part/checkpoints/step_00000006/model.safetensors"))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+class _ScriptedText:
+    """Completions of known lengths (mask) whose last one ran out of budget."""
+
+    def sample(self, inputs, generator=None, deterministic=False):
+        n, budget = len(inputs), 4
+        lengths = torch.arange(n) % budget + 1
+        mask = (torch.arange(budget)[None, :] < lengths[:, None]).float()
+        info = {"completions": ["x" * int(k) for k in lengths], "truncated": lengths == budget}
+        return Sample(output=mask, logp=-mask, replay={"mask": mask}, info=info, mask=mask)
+
+
+def test_text_rollouts_report_completion_length_and_truncated_rate(tmp_path):
+    rows = [{"prompt": f"{i} + {i} ="} for i in range(4)]
+    sampler = sampler_only(groups_per_step=4, batch_groups=4, data={"train": write_jsonl(tmp_path / "p.jsonl", rows)})
+    rollout = sampler.collect(_ScriptedText(), 4, 4, step=0)
+    metrics = sampler.metrics(rollout)
+    lengths = torch.tensor([float(len(c)) for c in rollout.info["completions"]])
+    assert torch.equal(metrics["completion_length"], lengths) and lengths.mean() == 2.5
+    assert torch.equal(metrics["truncated_rate"], (lengths == 4).float()) and metrics["truncated_rate"].mean() == 0.25
+    assert "completion_length" not in sampler.metrics(sampler.collect(RecordingPolicy(), 4, 4, step=0))
