@@ -34,6 +34,9 @@ class PointReachEnv(gymnasium.Env):
         episode's time limit is drawn uniformly from ``[min_steps, max_steps]`` at reset."""
         if min_steps is not None and not 1 <= min_steps <= max_steps:
             raise ValueError(f"min_steps must lie in [1, max_steps={max_steps}], got {min_steps}")
+        if not 0 < success_radius < 1:
+            # goals are drawn at least 2 radii from the start in [-1, 1]^2: beyond 1 that rarely or never happens
+            raise ValueError(f"success_radius must lie in (0, 1), got {success_radius}")
         self.max_steps, self.min_steps = max_steps, min_steps
         self.step_size, self.success_radius = step_size, success_radius
         self.observation_space = spaces.Box(-2.0, 2.0, shape=(4,), dtype=np.float32)
