@@ -16,12 +16,12 @@ from mmrl.policies.image_diffusion.config import DIFFUSION_PREDICTIONS, FLOW_PRE
 @dataclass
 class TinyVideoDenoiserConfig:
     """The ``tiny:`` section: a small diffusers ``UNet3DConditionModel`` with random weights
-    over RGB pixels, cross-attending to a learned embedding of the condition; nothing is
-    downloaded."""
+    over RGB pixels, cross-attending to a learned embedding of the condition or to a small
+    CLIP text encoder's states; nothing is downloaded."""
 
-    conditioning: Literal["class", "none"] = option(
+    conditioning: Literal["class", "text", "none"] = option(
         "class",
-        "class: one learned condition embedding per prompt-sampler condition id (plus one null condition for guidance) that the UNet cross-attends to; none: a single learned embedding for every sample",
+        "class: one learned condition embedding per prompt-sampler condition id (plus one null condition for guidance) that the UNet cross-attends to; text: a small frozen CLIP text encoder over prompt strings (mmrl's byte-level tokenizer); none: a single learned embedding for every sample",
     )
     frames: int = option(4, "frames F of a generated video", ge=1)
     resolution: int = option(8, "height and width of the frames in pixels (a multiple of 2^(len(block_out_channels) - 1))", ge=4)
@@ -29,7 +29,10 @@ class TinyVideoDenoiserConfig:
     layers_per_block: int = option(1, "residual blocks per UNet level", ge=1)
     norm_num_groups: int = option(4, "groups of the UNet's group norms", ge=1)
     attention_heads: int = option(4, "heads of the spatial cross-attention and of the temporal attention layers (diffusers' UNet3DConditionModel takes it as attention_head_dim)", ge=1)
-    condition_dim: int = option(16, "width of the condition embedding (the UNet's cross-attention dim)", ge=1)
+    condition_dim: int = option(16, "width of the condition embedding or of the text encoder (the UNet's cross-attention dim)", ge=1)
+    text_layers: int = option(1, "text: transformer layers of the text encoder", ge=1)
+    text_heads: int = option(2, "text: attention heads of the text encoder (must divide condition_dim)", ge=1)
+    max_prompt_tokens: int = option(16, "text: prompts are padded / truncated to this many tokens (the text encoder's positions)", ge=1)
 
     def validate(self, path: str) -> None:
         p = f"{path}." if path else ""
@@ -38,13 +41,15 @@ class TinyVideoDenoiserConfig:
             raise ConfigError(p + "block_out_channels", channels, f"expected one or more channel counts, each a multiple of norm_num_groups ({self.norm_num_groups})")
         if any(c % self.attention_heads for c in channels):
             raise ConfigError(p + "attention_heads", self.attention_heads, f"must divide every entry of block_out_channels ({channels})")
+        if self.conditioning == "text" and self.condition_dim % self.text_heads:
+            raise ConfigError(p + "text_heads", self.text_heads, f"must divide condition_dim ({self.condition_dim})")
         if self.resolution % 2 ** (len(channels) - 1):
             raise ConfigError(p + "resolution", self.resolution, f"must be a multiple of {2 ** (len(channels) - 1)} (the UNet halves it between its levels)")
 
 
 @dataclass
 class VideoDiffusionConfig(PolicyConfig):
-    """A short-video generator over a diffusers UNet3D (class- or un-conditioned) whose
+    """A short-video generator over a diffusers UNet3D (class-, text- or un-conditioned) whose
     denoising steps over the whole video latent are the RL decisions (DDPO with ddim/ddpm,
     Flow-GRPO with flow_sde), on the same denoising core as ``image_diffusion``."""
 
@@ -71,7 +76,7 @@ class VideoDiffusionConfig(PolicyConfig):
         if self.denoising.transition == "flow_noise":
             raise ConfigError(p + "denoising.transition", "flow_noise", "needs a learned noise head, which a diffusers UNet does not have; use flow_sde, flow_cps or flow_ode")
         if self.tiny.conditioning == "none" and self.guidance_scale != 1:
-            raise ConfigError(p + "guidance_scale", self.guidance_scale, "needs class conditioning (tiny.conditioning: class); an unconditional model takes 1")
+            raise ConfigError(p + "guidance_scale", self.guidance_scale, "needs conditioning (tiny.conditioning: class or text); an unconditional model takes 1")
 
     @property
     def is_diffusion(self) -> bool:

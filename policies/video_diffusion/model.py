@@ -9,9 +9,11 @@ denoising step of a whole video (all F frames at once), with the transitions of
 The denoiser is a ``UNet3DConditionModel`` (spatial convolutions and cross-attention per
 frame, temporal convolutions and temporal self-attention across frames), which needs
 ``encoder_hidden_states``: a learned embedding [1, D] of the prompt sampler's condition id
-(``tiny.conditioning: class``, one more row for the null condition of guidance) or one
-learned embedding for every sample (``none``). The replay holds the chain beside
-``condition`` [N] (class ids). What the UNet predicts is converted to what the transition
+(``tiny.conditioning: class``, one more row for the null condition of guidance), the states
+[L, D] of a small frozen CLIP text encoder over the prompt string (``text``, the empty
+prompt as null condition), or one learned embedding for every sample (``none``). The
+replay holds the chain beside ``condition`` [N] (class ids) or ``prompt_ids`` [N, L] (the
+text encoder runs again in ``log_prob``). What the UNet predicts is converted to what the transition
 takes with the image policy's conversions (:func:`epsilon_from_prediction`).
 
 ``sample`` returns ``info["videos"]`` (uint8 [N, F, H, W, 3], RGB) for video rewards and
@@ -53,6 +55,31 @@ def uint8_to_videos(videos: Tensor) -> Tensor:
     return uint8_to_pixels(videos.flatten(0, 1)).view(n, f, 3, h, w).transpose(1, 2)
 
 
+def _tiny_text_encoder(config: VideoDiffusionConfig):
+    """A small random CLIP text encoder over mmrl's byte-level tokenizer, and the tokenizer."""
+    try:
+        import transformers
+    except ImportError:
+        raise MissingExtraError("transformers", "text", "text prompts of the video_diffusion policy (a CLIP text encoder)") from None
+    from mmrl.policies.text_lm.tokenizer import byte_tokenizer
+
+    tiny = config.tiny
+    tokenizer = byte_tokenizer()
+    tokenizer.padding_side = "right"
+    text_config = transformers.CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=tiny.condition_dim,
+        intermediate_size=2 * tiny.condition_dim,
+        num_hidden_layers=tiny.text_layers,
+        num_attention_heads=tiny.text_heads,
+        max_position_embeddings=tiny.max_prompt_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.pad_token_id,
+    )
+    return transformers.CLIPTextModel(text_config), tokenizer
+
+
 def _tiny_unet(config: VideoDiffusionConfig) -> nn.Module:
     tiny = config.tiny
     levels = len(tiny.block_out_channels)
@@ -81,6 +108,7 @@ class VideoDiffusionPolicy(DenoisingPolicy):
         self.config, self.spec = config, dict(spec)
         tiny = config.tiny
         self.conditioning = tiny.conditioning
+        self.text_encoder = self.tokenizer = None
         if self.conditioning == "class":
             num_prompts = spec.get("num_prompts")
             if not isinstance(num_prompts, int) or isinstance(num_prompts, bool) or num_prompts < 1:
@@ -90,9 +118,13 @@ class VideoDiffusionPolicy(DenoisingPolicy):
             # one more row than the sampler's conditions: the last is the null condition of guidance
             self.null_class = num_prompts
             self.condition_embedding = nn.Embedding(num_prompts + 1, tiny.condition_dim)
+            nn.init.normal_(self.condition_embedding.weight, std=1.0)
+        elif self.conditioning == "text":
+            self.text_encoder, self.tokenizer = _tiny_text_encoder(config)
+            self.text_encoder.requires_grad_(False)
         else:
             self.condition_embedding = nn.Embedding(1, tiny.condition_dim)
-        nn.init.normal_(self.condition_embedding.weight, std=1.0)
+            nn.init.normal_(self.condition_embedding.weight, std=1.0)
         self.unet = _tiny_unet(config)
         self.frames, self.resolution = tiny.frames, (tiny.resolution, tiny.resolution)
         self.prediction_type = config.prediction_type or ("epsilon" if config.is_diffusion else "velocity")
@@ -112,34 +144,56 @@ class VideoDiffusionPolicy(DenoisingPolicy):
     # -------------------------------------------------------------- conditioning
 
     def _conditions(self, inputs) -> Tensor:
-        """Class ids [N] of the sampler's inputs (zeros without conditioning)."""
+        """The replay's conditioning of the sampler's inputs: class ids [N] (zeros without
+        conditioning) or prompt token ids [N, L]."""
         if self.conditioning == "none":
             return torch.zeros(len(inputs), dtype=torch.long, device=self.device)
+        if self.conditioning == "text":
+            if isinstance(inputs, Tensor) or not all(isinstance(p, str) for p in inputs):
+                raise ConfigError("policy.tiny.conditioning", "text", f"takes prompt strings (a prompt sampler over texts), got {type(inputs).__name__}")
+            return self._tokenize(list(inputs))
         if not isinstance(inputs, Tensor) or inputs.dtype != torch.long:
-            raise ConfigError("policy.tiny.conditioning", self.conditioning, f"takes condition ids (a LongTensor from a prompt sampler over conditions), got {type(inputs).__name__}")
+            raise ConfigError("policy.tiny.conditioning", "class", f"takes condition ids (a LongTensor from a prompt sampler over conditions), got {type(inputs).__name__}")
         if inputs.numel() and (int(inputs.min()) < 0 or int(inputs.max()) >= self.null_class):
             raise ValueError(f"condition ids must lie in [0, {self.null_class}), got {inputs.tolist()}")
         return inputs.to(self.device)
 
-    def _embed(self, ids: Tensor) -> Tensor:
-        """encoder_hidden_states [N, 1, D] of class ids [N]."""
-        return self.condition_embedding(ids)[:, None, :]
+    def _tokenize(self, prompts: list[str]) -> Tensor:
+        length = self.config.tiny.max_prompt_tokens
+        return self.tokenizer(prompts, padding="max_length", max_length=length, truncation=True, return_tensors="pt").input_ids.to(self.device)
+
+    def _context(self, conditions: Tensor) -> Tensor:
+        """encoder_hidden_states [N, L, D] of a replay's conditioning: the learned embedding
+        of class ids [N] (L = 1), or the frozen text encoder's states of token ids [N, L]."""
+        if self.conditioning == "text":
+            with torch.no_grad():
+                return self.text_encoder(conditions).last_hidden_state
+        return self.condition_embedding(conditions)[:, None, :]
+
+    def _null_context(self, n: int) -> Tensor:
+        """The null condition's states for n rows: the null class, or the empty prompt."""
+        if self.conditioning == "text":
+            return self._context(self._tokenize([""])).expand(n, -1, -1)
+        return self._context(torch.full((n,), self.null_class, dtype=torch.long, device=self.device))
 
     # -------------------------------------------------------------- the denoiser
 
-    def _unet(self, x: Tensor, timestep: Tensor, ids: Tensor) -> Tensor:
-        return self.unet(x, timestep, encoder_hidden_states=self._embed(ids)).sample
+    def _unet(self, x: Tensor, timestep: Tensor, context: Tensor) -> Tensor:
+        return self.unet(x, timestep, encoder_hidden_states=context).sample
 
-    def _denoiser(self, ids: Tensor):
-        """``(x, t, rows) -> ε or v`` for the chains of class ids ``ids`` [N]."""
+    def _denoiser(self, conditions: Tensor):
+        """``(x, t, rows) -> ε or v`` for the chains of ``conditions`` (class ids [N] or token
+        ids [N, L]); class embeddings are looked up per call so that they get a gradient."""
         w = self.config.guidance_scale
+        text_states = self._context(conditions) if self.conditioning == "text" else None
 
         def denoise(x: Tensor, time: Tensor, rows: Tensor) -> Tensor:
             timestep = time if self.config.is_diffusion else time * self.config.flow_time_scale
-            out = self._unet(x, timestep, ids[rows])
+            context = text_states[rows] if text_states is not None else self._context(conditions[rows])
+            out = self._unet(x, timestep, context)
             if w != 1:
                 with torch.no_grad():
-                    uncond = self._unet(x, timestep, torch.full_like(rows, self.null_class))
+                    uncond = self._unet(x, timestep, self._null_context(x.shape[0]))
                 out = uncond + w * (out - uncond)
             if not self.config.is_diffusion:
                 return out
@@ -148,8 +202,12 @@ class VideoDiffusionPolicy(DenoisingPolicy):
 
         return denoise
 
+    @property
+    def _replay_key(self) -> str:
+        return "prompt_ids" if self.conditioning == "text" else "condition"
+
     def chain_denoiser(self, replay: dict):
-        return self._denoiser(replay["condition"])
+        return self._denoiser(replay[self._replay_key])
 
     # -------------------------------------------------------------- sampling, media and SFT
 
@@ -162,7 +220,7 @@ class VideoDiffusionPolicy(DenoisingPolicy):
         out = self.sample_chain(self._denoiser(ids), x_init, generator, deterministic)
         videos = videos_to_uint8(out.final)
         info = {"videos": videos, "images": videos[:, 0].contiguous()}
-        return Sample(output=out.final, logp=out.logp, replay={"chain": out.chain, "condition": ids}, mask=out.mask, entropy=out.entropy, info=info)
+        return Sample(output=out.final, logp=out.logp, replay={"chain": out.chain, self._replay_key: ids}, mask=out.mask, entropy=out.entropy, info=info)
 
     def media(self, rollout: Rollout) -> dict[str, Tensor]:
         """The sampled videos, to be written at evaluation (an mp4 and a PNG of the frames)."""
@@ -171,23 +229,25 @@ class VideoDiffusionPolicy(DenoisingPolicy):
     def sft_loss(self, batch: dict) -> Tensor:
         """The denoising loss (diffusion: ‖target − UNet(x_t, t, c)‖², t uniform over the
         training timesteps; flow matching: ‖(ε − x0) − UNet(x_σ, σ, c)‖², σ ~ U(0, 1)) on
-        ``{"videos": uint8 [B, F, H, W, 3], "condition": LongTensor [B]}`` (no condition
-        without conditioning); a ``condition_dropout`` fraction trains on the null condition."""
+        ``{"videos": uint8 [B, F, H, W, 3], "condition": LongTensor [B] | "prompt": [str]}``
+        (neither without conditioning); a ``condition_dropout`` fraction trains on the null
+        condition."""
         x0 = uint8_to_videos(batch["videos"]).to(self.device)
         b = x0.shape[0]
-        ids = self._conditions(batch["condition"] if self.conditioning == "class" else range(b))
-        if self.conditioning == "class" and self.config.condition_dropout > 0:
+        inputs = {"class": batch.get("condition"), "text": batch.get("prompt")}.get(self.conditioning, range(b))
+        context = self._context(self._conditions(inputs))
+        if self.conditioning != "none" and self.config.condition_dropout > 0:
             drop = torch.rand(b, device=self.device) < self.config.condition_dropout
-            ids = torch.where(drop, torch.full_like(ids, self.null_class), ids)
+            context = torch.where(drop.view(-1, 1, 1), self._null_context(b), context)
         noise = torch.randn_like(x0)
         if self.config.is_diffusion:
             t = torch.randint(0, self.config.denoising.num_train_timesteps, (b,), device=self.device)
             alpha_bar = self.alphas_cumprod[t].view(-1, 1, 1, 1, 1)
-            prediction = self._unet(alpha_bar.sqrt() * x0 + (1 - alpha_bar).sqrt() * noise, t.float(), ids)
+            prediction = self._unet(alpha_bar.sqrt() * x0 + (1 - alpha_bar).sqrt() * noise, t.float(), context)
             target = diffusion_target(x0, noise, alpha_bar, self.prediction_type)
         else:
             sigma = torch.rand(b, device=self.device)
             s = sigma.view(-1, 1, 1, 1, 1)
-            prediction = self._unet((1 - s) * x0 + s * noise, sigma * self.config.flow_time_scale, ids)
+            prediction = self._unet((1 - s) * x0 + s * noise, sigma * self.config.flow_time_scale, context)
             target = noise - x0
         return torch.mean((prediction - target) ** 2)

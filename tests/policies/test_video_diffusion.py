@@ -11,6 +11,7 @@ from mmrl.errors import ConfigError  # noqa: E402
 from mmrl.policies.video_diffusion import VideoDiffusionConfig, VideoDiffusionPolicy  # noqa: E402
 
 CONDITIONS = torch.tensor([0, 1, 2, 0])
+PROMPTS = ["a red circle moving right", "two blue squares", "", "a red circle moving right"]
 # summed over a 3×4×8×8 video, the last DDIM step (std floored at 0.01) has a log-prob of
 # ~+2500; a float32 UNet run on another batch composition moves it by ~1e-3
 RATIO_ATOL = 5e-3
@@ -35,6 +36,19 @@ def test_recomputed_log_probs_give_ratio_one_right_after_sampling(transition, gu
     assert sample.replay["chain"]["latents"].shape == (4, 9, 3, 4, 8, 8)
     ratio = torch.exp(policy.log_prob(sample.replay) - sample.logp)
     torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=RATIO_ATOL, rtol=0)
+
+
+def test_text_prompts_with_guidance_give_ratio_one_and_the_gradient_reaches_the_unet_only():
+    policy = make(spec={}, tiny={"conditioning": "text"}, guidance_scale=2.0)
+    sample = policy.sample(PROMPTS, torch.Generator().manual_seed(0))
+    assert sample.replay["prompt_ids"].shape == (4, 16) and "condition" not in sample.replay
+    logp = policy.log_prob(sample.replay)
+    torch.testing.assert_close(torch.exp(logp - sample.logp), torch.ones_like(logp), atol=RATIO_ATOL, rtol=0)
+    logp.sum().backward()
+    assert all(p.grad is None for p in policy.text_encoder.parameters())  # frozen
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.unet.parameters())
+    other = policy.sample(["a blue square", "two blue squares", "", "x"], torch.Generator().manual_seed(0))
+    assert not torch.allclose(other.output[0], sample.output[0]) and torch.equal(other.output[1], sample.output[1])
 
 
 @pytest.mark.parametrize("transition", ["ddim", "flow_sde"])
@@ -90,13 +104,13 @@ def test_exact_kl_is_zero_to_itself_and_positive_after_an_update():
     assert kl.shape == sample.logp.shape and (kl > 0).all()
 
 
-@pytest.mark.parametrize("transition", ["ddim", "flow_sde"])
-def test_sft_loss_is_the_denoising_loss_and_a_step_lowers_it(transition):
-    policy = make(denoising=TRANSITIONS[transition], condition_dropout=0.0)
+@pytest.mark.parametrize("transition, conditioning", [("ddim", "class"), ("flow_sde", "class"), ("ddim", "text")])
+def test_sft_loss_is_the_denoising_loss_and_a_step_lowers_it(transition, conditioning):
+    policy = make(denoising=TRANSITIONS[transition], condition_dropout=0.5 if conditioning == "text" else 0.0, tiny={"conditioning": conditioning}, spec={} if conditioning == "text" else None)
     videos = torch.zeros(6, 4, 8, 8, 3, dtype=torch.uint8)
     for t in range(4):
         videos[:, t, 2:6, t : t + 4, 0] = 255  # a red square moving right
-    batch = {"videos": videos, "condition": torch.tensor([0, 1, 2, 0, 1, 2])}
+    batch = {"videos": videos, "condition": torch.tensor([0, 1, 2, 0, 1, 2]), "prompt": ["a red square moving right"] * 6}
     optimizer = torch.optim.Adam(policy.parameters(), lr=3e-3)
     losses = []
     for i in range(30):
@@ -109,16 +123,17 @@ def test_sft_loss_is_the_denoising_loss_and_a_step_lowers_it(transition):
     assert math.isfinite(losses[0]) and sum(losses[-3:]) < 0.5 * sum(losses[:3])
 
 
-@pytest.mark.parametrize("conditioning", ["class", "none"])
+@pytest.mark.parametrize("conditioning", ["class", "text", "none"])
 def test_save_and_load_pretrained_round_trip_exactly(tmp_path, conditioning):
-    policy = make(tiny={"conditioning": conditioning})
+    policy = make(tiny={"conditioning": conditioning}, spec={} if conditioning == "text" else None)
+    inputs = PROMPTS if conditioning == "text" else CONDITIONS
     save_pretrained(policy, tmp_path / "saved")
     loaded = load_pretrained(tmp_path / "saved")
     assert type(loaded) is VideoDiffusionPolicy
     for (name, a), (_, b) in zip(policy.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a, b), name
-    first = policy.sample(CONDITIONS, torch.Generator().manual_seed(0))
-    second = loaded.sample(CONDITIONS, torch.Generator().manual_seed(0))
+    first = policy.sample(inputs, torch.Generator().manual_seed(0))
+    second = loaded.sample(inputs, torch.Generator().manual_seed(0))
     assert torch.equal(first.output, second.output) and torch.equal(first.logp, second.logp)
 
 
@@ -134,7 +149,8 @@ def test_save_and_load_pretrained_round_trip_exactly(tmp_path, conditioning):
         ({"tiny": {"attention_heads": 3}}, None, "policy.tiny.attention_heads"),
         ({"tiny": {"block_out_channels": [6, 16]}}, None, "policy.tiny.block_out_channels"),
         ({"tiny": {"frames": 0}}, None, "policy.tiny.frames"),
-        ({"tiny": {"conditioning": "text"}}, None, "policy.tiny.conditioning"),
+        ({"tiny": {"conditioning": "text", "text_heads": 3}}, {}, "policy.tiny.text_heads"),
+        ({"tiny": {"conditioning": "video"}}, None, "policy.tiny.conditioning"),
         ({}, {}, "policy.tiny.conditioning"),  # class conditioning without the sampler's conditions
     ],
 )
@@ -146,6 +162,8 @@ def test_bad_options_are_config_errors_that_name_the_field(fields, spec, field):
 def test_inputs_of_the_wrong_kind_are_config_errors():
     with pytest.raises(ConfigError, match="condition ids"):
         make().sample(["a red circle"])
+    with pytest.raises(ConfigError, match="prompt strings"):
+        make(spec={}, tiny={"conditioning": "text"}).sample(CONDITIONS)
 
 
 def _train_cfg(run_steps: int, **over):
