@@ -188,6 +188,12 @@ def test_trains_end_to_end_and_writes_eval_videos_into_the_run_directory(tmp_pat
     for step in (1, 2):
         directory = tmp_path / "run" / "samples" / f"step_{step:06d}"
         assert sorted(p.name for p in directory.iterdir()) == ["videos.mp4", "videos.png"]
+    # `mmrl eval` of the run writes them beside its tables, and keeps them out of eval.json
+    from mmrl.evaluate import evaluate_run
+
+    result = evaluate_run(cfg, tmp_path / "run")
+    assert "media" not in result and 0 < result["reward_mean"] <= 1
+    assert sorted(p.name for p in (tmp_path / "run" / "eval" / "samples").iterdir()) == ["videos.mp4", "videos.png"]
 
 
 def test_ten_steps_on_a_smaller_setting_raise_the_temporal_consistency_reward(tmp_path):
