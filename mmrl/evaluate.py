@@ -38,6 +38,7 @@ def evaluate_run(cfg, run_dir: Path | None, episodes: int | None = None, checkpo
             result = sampler.evaluate(policy, n, seed=cfg.seed + 1_000_003, rewards=rewards)
     finally:
         sampler.close()
+    media = result.pop("media", None)
     result = {"weights": source, **result}
     if "success_rate" in result:
         lo, hi = wilson_interval(result["success_rate"] * result["episodes"], result["episodes"])
@@ -52,6 +53,10 @@ def evaluate_run(cfg, run_dir: Path | None, episodes: int | None = None, checkpo
         if "success_ci95" in result:
             rows.append(f"| success 95% CI | [{result['success_ci95'][0]:.3f}, {result['success_ci95'][1]:.3f}] |")
         (out / "eval.md").write_text("| metric | value |\n|---|---|\n" + "\n".join(rows) + "\n")
+        if media:
+            from mmrl.media import write_media
+
+            write_media(out / "samples", media)
     return result
 
 

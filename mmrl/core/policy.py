@@ -71,6 +71,12 @@ class PolicyModule(nn.Module):
             return self.log_prob(replay), self.exact_kl(replay, reference)
         return self.log_prob(replay)
 
+    def media(self, rollout) -> dict[str, Any]:
+        """Samples worth looking at, written as files at evaluation (:mod:`mmrl.media`):
+        ``{name: uint8 [N, H, W, 3] images or [N, F, H, W, 3] videos}`` of an evaluation
+        rollout. Default: nothing."""
+        return {}
+
     def save_extra(self, directory) -> None:
         """Write files the weights do not hold (e.g. a tokenizer) next to them; called by
         ``save_pretrained`` and by checkpoints."""

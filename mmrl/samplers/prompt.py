@@ -165,7 +165,9 @@ class PromptSampler(Sampler):
         combined reward is ≥ ``accuracy_threshold``, with its 95% Wilson interval
         (``accuracy_ci_low``, ``accuracy_ci_high``, samples taken as independent);
         ``accuracy/<value>`` per value of the metadata key ``category_key`` where records
-        have it; ``success_rate`` when the policy reports ``success``; and ``episodes``.
+        have it; ``success_rate`` when the policy reports ``success``; ``episodes``; and
+        ``media``, the policy's ``media(rollout)`` (sample images or videos to write as
+        files, :mod:`mmrl.media`) when it gives any.
         """
 
         pool = self.data.held_out or self.data.train
@@ -198,6 +200,9 @@ class PromptSampler(Sampler):
                     metrics[f"accuracy/{category}"] = correct[rows].mean().item()
         if "success" in rollout.info:
             metrics["success_rate"] = torch.as_tensor(rollout.info["success"]).float().mean().item()
+        media = getattr(policy, "media", None)
+        if media is not None and (samples := media(rollout)):
+            metrics["media"] = samples
         return metrics
 
     def state_dict(self) -> dict[str, Any]:

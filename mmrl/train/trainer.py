@@ -10,7 +10,7 @@ step or an action chunk; read it top to bottom.
         log(); maybe_eval(); maybe_checkpoint()
 
 Everything modality-specific sits behind a hook: the sampler (``collect``, ``metrics``,
-``counters``, ``evaluate``), the policy (``log_prob`` as its forward, ``sft_loss``,
+``counters``, ``evaluate``), the policy (``log_prob`` as its forward, ``sft_loss``, ``media``,
 ``exact_kl``), the reward components, and the SFT data source. The algorithm's math is in
 ``mmrl/algo``; each axis gets exactly its own config section's options.
 
@@ -47,6 +47,7 @@ from mmrl.core.sampler import group_seed
 from mmrl.core.statistics import commit_statistics
 from mmrl.core.weights import build_policy
 from mmrl.errors import ConfigError, NonFiniteError
+from mmrl.media import write_media
 from mmrl.train import self_imitation as sil
 from mmrl.train.checkpoint import Checkpointer, set_rng_state
 from mmrl.train.config import TrainConfig
@@ -547,6 +548,9 @@ class Trainer:
             self.policy.eval()
             with torch.no_grad():
                 result = self.sampler.evaluate(self.policy, self.cfg.eval.episodes, seed=self.cfg.seed + 1_000_003, rewards=self.rewards)
+                media = result.pop("media", None)
+                if media:  # sample images / videos the policy asks to keep (mmrl.media)
+                    write_media(self.run_dir / "samples" / f"step_{step:06d}", media)
                 result = {k: v for k, v in result.items() if isinstance(v, (int, float))}  # per-episode lists stay out of the metrics
             self.policy.train()
         self.accelerator.wait_for_everyone()
