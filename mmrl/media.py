@@ -80,6 +80,18 @@ def write_video_batch(path: Path, videos, fps: int = 4, scale: int = 4) -> Path:
     return write_video(path, frames, fps=fps, scale=scale)
 
 
+def media_grid(array, max_items: int = 16) -> np.ndarray:
+    """One uint8 image [H, W, 3] of the first ``max_items`` samples: a grid of images
+    [N, H, W, 3], or of videos [N, F, H, W, 3] with a row of frames per video."""
+    a = np.asarray(array.detach().cpu() if hasattr(array, "detach") else array)[:max_items]
+    if a.ndim == 4:
+        return tile(_uint8(a, "images", 4))
+    if a.ndim == 5:
+        videos = _uint8(a, "videos", 5)
+        return tile(videos.reshape(-1, *videos.shape[2:]), columns=videos.shape[1])
+    raise ValueError(f"media must be images [N, H, W, 3] or videos [N, F, H, W, 3], got shape {a.shape}")
+
+
 def write_media(directory: Path, media: dict, max_items: int = 16, fps: int = 4, scale: int = 4) -> list[Path]:
     """Write each ``name: array`` of ``media`` (the first ``max_items`` samples) into
     ``directory``: images [N, H, W, 3] as ``name.png`` (a grid); videos [N, F, H, W, 3] as

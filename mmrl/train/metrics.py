@@ -44,6 +44,17 @@ class MetricsWriter:
                     self._tb.add_scalar(k, v, step)
             self._tb.flush()
 
+    def add_media(self, step: int, media: dict) -> None:
+        """Sample images [N, H, W, 3] / videos [N, F, H, W, 3] as TensorBoard images: a grid
+        per name (a video: one row of frames per sample); the files are mmrl.media's."""
+        if not self.enabled or self._tb is None:
+            return
+        from mmrl.media import media_grid
+
+        for name, array in media.items():
+            self._tb.add_image(f"samples/{name}", media_grid(array), step, dataformats="HWC")
+        self._tb.flush()
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()

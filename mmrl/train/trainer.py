@@ -551,6 +551,7 @@ class Trainer:
                 media = result.pop("media", None)
                 if media:  # sample images / videos the policy asks to keep (mmrl.media)
                     write_media(self.run_dir / "samples" / f"step_{step:06d}", media)
+                    self.metrics.add_media(step, media)
                 result = {k: v for k, v in result.items() if isinstance(v, (int, float))}  # per-episode lists stay out of the metrics
             self.policy.train()
         self.accelerator.wait_for_everyone()

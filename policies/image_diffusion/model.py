@@ -373,6 +373,10 @@ class ImageDiffusionPolicy(DenoisingPolicy):
             replay["prompt_ids"] = condition
         return Sample(output=out.final, logp=out.logp, replay=replay, mask=out.mask, entropy=out.entropy, info={"images": pixels_to_uint8(out.final)})
 
+    def media(self, rollout) -> dict[str, Tensor]:
+        """The generated images, written at evaluation as a PNG grid (and to TensorBoard)."""
+        return {"images": rollout.info["images"]}
+
     def sft_loss(self, batch: dict) -> Tensor:
         """The denoising loss of diffusion models (‖target − UNet(x_t, t, c)‖², with t uniform
         over the training timesteps and the target of ``prediction_type``), or flow matching's

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 diffusers = pytest.importorskip("diffusers")
+cv2 = pytest.importorskip("cv2")
 
 from mmrl.config import from_dict  # noqa: E402
 from mmrl.core.weights import build_policy, load_pretrained, save_pretrained  # noqa: E402
@@ -308,9 +309,16 @@ def test_trains_end_to_end_on_conditions_with_the_jpeg_reward(tmp_path):
         "rewards": [{"type": "jpeg_compressibility"}],
         "algo": {"group_size": 2, "groups_per_step": 2, "ppo_epochs": 1, "num_minibatches": 2},
         "optim": {"lr": 1e-3}, "eval": {"episodes": 4},
-        "log": {"progress": False, "tensorboard": False},
+        "log": {"progress": False, "tensorboard": True},
     })
     train(cfg, tmp_path / "run")
+    # the evaluation's samples: a PNG grid of the 4 images (8 px, enlarged 4x, 1 px borders) and a TensorBoard image
+    grid = cv2.imread(str(tmp_path / "run" / "samples" / "step_000002" / "images.png"))
+    assert grid.shape == (4 * (2 * 8 + 3), 4 * (2 * 8 + 3), 3)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard")).Reload()
+    assert events.Tags()["images"] == ["samples/images"]
     metrics = [m for m in read_metrics(tmp_path / "run") if "reward/total" in m]
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
