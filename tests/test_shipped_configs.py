@@ -10,7 +10,7 @@ from tests.conftest import ROOT, run_mmrl
 CONFIGS = sorted(p.stem for p in (ROOT / "configs").glob("*.yaml"))
 SHORT = ["total_steps=1", "log.progress=false", "log.tensorboard=false", "eval.at_end=false"]
 # the SFT run each RL config starts from (policy.pretrained), by config name
-SFT_OF = {name: name.replace("_grpo", "_sft") for name in CONFIGS if name.startswith("tabletop_") and name.endswith("_grpo")}
+SFT_OF = {name: name.replace("_grpo", "_sft") for name in CONFIGS if name.endswith("_grpo") and name.replace("_grpo", "_sft") in CONFIGS}
 
 
 @pytest.fixture(scope="module")
