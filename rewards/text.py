@@ -170,3 +170,22 @@ def format_reward(rollout: Rollout, cfg: FormatConfig) -> Tensor:
         once = all(completion.count(f"<{t}>") == 1 and completion.count(f"</{t}>") == 1 for t in cfg.tags)
         rewards.append(float(once and pattern.fullmatch(completion) is not None))
     return torch.tensor(rewards, dtype=torch.float32)
+
+
+@dataclass
+class ArithmeticConsistencyConfig(RewardConfig):
+    """1 when a column-by-column addition completion states the answer its reasoning computes."""
+
+    type: str = option("arithmetic_consistency", "registered name of this component (see `mmrl list`)")
+
+
+@REWARDS.register("arithmetic_consistency", config=ArithmeticConsistencyConfig)
+def arithmetic_consistency(rollout: Rollout, cfg: ArithmeticConsistencyConfig) -> Tensor:
+    """Reasoning → answer consistency of the addition format of :mod:`mmrl.data.arithmetic`:
+    1 if the ``<answer>`` equals the number the ``<think>`` steps compute (right or wrong),
+    else 0 — whether the answer *follows from* the reasoning, not whether it is correct.
+    With ``weight: 0`` it only reports the consistency rate (``reward/arithmetic_consistency``
+    in training and evaluation metrics)."""
+    from mmrl.data.arithmetic import is_consistent
+
+    return torch.tensor([float(is_consistent(c)) for c in _completions(rollout, "arithmetic_consistency")], dtype=torch.float32)

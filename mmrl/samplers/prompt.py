@@ -165,7 +165,8 @@ class PromptSampler(Sampler):
         combined reward is ≥ ``accuracy_threshold``, with its 95% Wilson interval
         (``accuracy_ci_low``, ``accuracy_ci_high``, samples taken as independent);
         ``accuracy/<value>`` per value of the metadata key ``category_key`` where records
-        have it; ``success_rate`` when the policy reports ``success``; ``episodes``; and
+        have it, with its interval (``/ci_low``, ``/ci_high``) and count (``/n``);
+        ``reward/<name>``, each component's mean, when there are several; ``success_rate`` when the policy reports ``success``; ``episodes``; and
         ``media``, the policy's ``media(rollout)`` (sample images or videos to write as
         files, :mod:`mmrl.media`) when it gives any.
         """
@@ -186,10 +187,14 @@ class PromptSampler(Sampler):
         if rewards is None:
             raise ValueError("the prompt sampler's evaluation scores its samples with the run's rewards: pass rewards= (a RewardSet)")
         if rewards.components:
-            combined = rewards.combine(rewards.score(rollout, policy=policy), rollout.group_id.cpu())
+            scores = rewards.score(rollout, policy=policy)
+            combined = rewards.combine(scores, rollout.group_id.cpu())
             correct = (combined >= self.config.accuracy_threshold).float()
             low, high = wilson_interval(correct.sum().item(), n)
             metrics.update(reward_mean=combined.mean().item(), accuracy=correct.mean().item(), accuracy_ci_low=low, accuracy_ci_high=high)
+            if len(rewards.names) > 1:  # each component's mean, weighted or not (a weight-0 component is a monitor)
+                for k, name in enumerate(rewards.names):
+                    metrics[f"reward/{name}"] = scores[:, k].mean().item()
             key = self.config.category_key
             if key is not None:
                 categories: dict[str, list[int]] = {}
@@ -197,7 +202,11 @@ class PromptSampler(Sampler):
                     if key in metadata:
                         categories.setdefault(str(metadata[key]), []).append(i)
                 for category, rows in sorted(categories.items()):
-                    metrics[f"accuracy/{category}"] = correct[rows].mean().item()
+                    hits = correct[rows].sum().item()
+                    low, high = wilson_interval(hits, len(rows))
+                    metrics[f"accuracy/{category}"] = hits / len(rows)
+                    metrics[f"accuracy/{category}/ci_low"], metrics[f"accuracy/{category}/ci_high"] = low, high
+                    metrics[f"accuracy/{category}/n"] = len(rows)
         if "success" in rollout.info:
             metrics["success_rate"] = torch.as_tensor(rollout.info["success"]).float().mean().item()
         media = getattr(policy, "media", None)

@@ -117,3 +117,14 @@ def test_text_rewards_need_decoded_completions():
 def test_bad_reward_config_names_the_field(data, field):
     with pytest.raises(ConfigError, match=field):
         from_dict(REWARDS.entry(data["type"]).config, data, "rewards[0]")
+
+
+def test_arithmetic_consistency_scores_answers_that_follow_from_the_reasoning_right_or_wrong():
+    completions = [
+        "<think>7+8=15 4+3+1=8</think><answer>85</answer>",  # right and consistent
+        "<think>7+8=15 4+3+1=9</think><answer>95</answer>",  # wrong, but follows from its steps
+        "<think>7+8=15 4+3+1=8</think><answer>86</answer>",  # steps give 85, states 86
+        "<answer>85</answer>",  # no reasoning to follow from
+    ]
+    assert score({"type": "arithmetic_consistency"}, completions, ["85"] * 4) == [1.0, 1.0, 0.0, 0.0]
+    assert score({"type": "exact_match", "answer_tag": "answer"}, completions, ["85"] * 4) == [1.0, 0.0, 0.0, 1.0]

@@ -305,6 +305,13 @@ def test_evaluation_accuracy_wilson_interval_and_categories_by_hand(tmp_path):
             "accuracy_ci_high": 0.89221,
             "accuracy/low": 0.8,
             "accuracy/high": 0.6,
+            # Wilson intervals of 4 of 5 and 3 of 5, by hand as above
+            "accuracy/low/ci_low": 0.37553,
+            "accuracy/low/ci_high": 0.96378,
+            "accuracy/low/n": 5,
+            "accuracy/high/ci_low": 0.23072,
+            "accuracy/high/ci_high": 0.88238,
+            "accuracy/high/n": 5,
             "success_rate": 0.1,
         },
         abs=1e-5,
