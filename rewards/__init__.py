@@ -4,6 +4,7 @@ Importing this package registers every built-in reward; a new module is one impo
 below.
 """
 
+from mmrl.rewards import consistency  # noqa: F401  (registration)
 from mmrl.rewards import env  # noqa: F401  (registration)
 from mmrl.rewards import images  # noqa: F401  (registration)
 from mmrl.rewards import shapes  # noqa: F401  (registration)

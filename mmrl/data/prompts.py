@@ -217,6 +217,15 @@ def split_held_out(records: list[PromptRecord], fraction: float, seed: int) -> t
     return [r for r, h in zip(records, held) if not h], [r for r, h in zip(records, held) if h]
 
 
+def clusters_by(records: list["PromptRecord"], key: str) -> list[list[int]]:
+    """Record indices grouped by the value of metadata ``key`` (first appearance order); a
+    record without the key is a cluster of its own."""
+    clusters: dict[Any, list[int]] = {}
+    for i, record in enumerate(records):
+        clusters.setdefault(("value", str(record.metadata[key])) if key in record.metadata else ("alone", i), []).append(i)
+    return list(clusters.values())
+
+
 def epoch_order(num_records: int, seed: int, epoch: int) -> np.ndarray:
     """The permutation of 0 … n−1 that epoch ``epoch`` visits the records in, drawn from
     (seed, epoch) alone."""
@@ -230,15 +239,22 @@ class EpochOrder:
 
     _CACHED_EPOCHS = 4  # a call's positions span one or two epochs unless n is tiny
 
-    def __init__(self, num_records: int, seed: int):
-        self.num_records, self.seed = num_records, seed
+    def __init__(self, num_records: int, seed: int, clusters: list[list[int]] | None = None):
+        """``clusters`` (a partition of the records, e.g. the paraphrases of each question):
+        an epoch then visits the clusters in a random order, each cluster's records one after
+        another in source order."""
+        self.num_records, self.seed, self.clusters = num_records, seed, clusters
         self._orders: dict[int, np.ndarray] = {}
 
     def _order(self, epoch: int) -> np.ndarray:
         if epoch not in self._orders:
             if len(self._orders) >= self._CACHED_EPOCHS:
                 self._orders.pop(next(iter(self._orders)))
-            self._orders[epoch] = epoch_order(self.num_records, self.seed, epoch)
+            if self.clusters is None:
+                self._orders[epoch] = epoch_order(self.num_records, self.seed, epoch)
+            else:
+                perm = epoch_order(len(self.clusters), self.seed, epoch)
+                self._orders[epoch] = np.array([i for c in perm for i in self.clusters[c]], dtype=np.int64)
         return self._orders[epoch]
 
     def indices(self, start: int, count: int) -> list[int]:

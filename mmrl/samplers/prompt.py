@@ -46,7 +46,7 @@ from mmrl.core.reward import RewardSet
 from mmrl.core.rollout import Rollout
 from mmrl.core.sampler import Sampler, group_seed
 from mmrl.core.statistics import wilson_interval
-from mmrl.data.prompts import EpochOrder, PromptData, PromptDataConfig, PromptRecord
+from mmrl.data.prompts import EpochOrder, PromptData, PromptDataConfig, PromptRecord, clusters_by
 from mmrl.registry import SAMPLERS
 
 
@@ -60,6 +60,10 @@ class PromptSamplerConfig(SamplerConfig):
     eval_batch_size: int = option(64, "evaluation samples per policy.sample call", ge=1)
     eval_all: bool = option(False, "evaluate every held-out record once, whatever eval.episodes says")
     accuracy_threshold: float = option(1.0, "evaluation: a sample is correct when its combined reward is >= this")
+    cluster_key: str | None = option(
+        None,
+        "records sharing this metadata value (e.g. question_id: the paraphrases of one question) are consecutive in the epoch order, so they meet in one step when groups_per_step is a multiple of the cluster size (paraphrase_consistency needs this); null = records shuffled one by one",
+    )
     category_key: str | None = option("category", "metadata key whose values get their own evaluation accuracy/<value> (null = none)")
 
 
@@ -87,7 +91,8 @@ class PromptSampler(Sampler):
         self.seed = train_cfg.seed
         self.groups_per_step = train_cfg.algo.groups_per_step
         self.data = PromptData.load(sampler_cfg.data, "sampler.data")
-        self.order = EpochOrder(len(self.data.train), self.seed)
+        key = sampler_cfg.cluster_key
+        self.order = EpochOrder(len(self.data.train), self.seed, clusters_by(self.data.train, key) if key else None)
         # the step that the stream position `next_position` starts (see the module docstring)
         self.next_step, self.next_position = 0, 0
 
