@@ -335,6 +335,27 @@ class TextLMPolicy(PolicyModule):
             info={"completions": completions, "truncated": truncated},
         )
 
+    @torch.no_grad()
+    def continuation_log_prob(self, prompts: list[str], prefixes: list[str], continuations: list[str], reduce: str = "mean") -> Tensor:
+        """[B] log-likelihood of each ``continuation`` after its prompt (encoded as ``sample``
+        encodes it) and ``prefix`` (e.g. the answer given the reasoning that precedes it),
+        under the model's own distribution (temperature 1, no top-p): the sum over the
+        continuation's tokens, or their mean (``reduce="mean"``). Prefix and continuation are
+        tokenized separately and joined (exact for byte-level tokenizers; a BPE merge across the
+        boundary is not made)."""
+        prompt_ids = self.encode_prompts(list(prompts))
+        prefix_ids = self.tokenizer(list(prefixes), add_special_tokens=False)["input_ids"] if any(prefixes) else [[] for _ in prefixes]
+        cont_ids = self.tokenizer(list(continuations), add_special_tokens=False)["input_ids"]
+        replay = self._replay(prompt_ids, [p + c for p, c in zip(prefix_ids, cont_ids)])
+        logp = torch.log_softmax(self._completion_logits(replay).float(), dim=-1)
+        logp = logp.gather(-1, replay["completion_ids"][..., None])[..., 0]
+        starts = torch.tensor([len(p) for p in prefix_ids], device=logp.device)
+        lengths = torch.tensor([len(c) for c in cont_ids], device=logp.device)
+        position = torch.arange(logp.shape[1], device=logp.device)[None, :]
+        in_cont = (position >= starts[:, None]) & (position < (starts + lengths)[:, None])
+        total = (logp * in_cont).sum(1)
+        return total / lengths.clamp(min=1) if reduce == "mean" else total
+
     def log_prob(self, replay: dict) -> Tensor:
         """log q'(token) [B, T] of every replayed completion token under the current
         parameters (the sampling distribution, nucleus widened to hold the token; 0 on padding)."""

@@ -58,3 +58,84 @@ def test_cluster_order_keeps_the_paraphrases_of_a_question_together_in_every_epo
             cluster = next(c for c in clusters if c[0] == seen[start])
             assert seen[start:start + len(cluster)] == cluster
     assert order.indices(0, 11) != order.indices(11, 11)  # a new cluster order each epoch
+
+
+# ------------------------------------------------------------------ GRPO-CARE
+
+TINY_LM = {"tiny": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}, "generation": {"max_new_tokens": 8}}
+
+
+def tiny_policy(seed=0):
+    import pytest
+
+    pytest.importorskip("transformers")
+    from mmrl.core.weights import build_policy
+    from mmrl.policies.text_lm import TextLMConfig
+
+    torch.manual_seed(seed)
+    return build_policy(from_dict(TextLMConfig, TINY_LM, "policy"), {})
+
+
+def care(**options):
+    from mmrl.rewards.consistency import GrpoCareConfig
+
+    return build_reward(from_dict(GrpoCareConfig, options, "rewards[0]"), RewardContext())
+
+
+def text_rollout(prompts, completions, answers, groups):
+    n = len(completions)
+    return Rollout(
+        group_id=torch.tensor(groups), old_logp=torch.zeros(n, 1), mask=torch.ones(n, 1), replay={},
+        info={"prompt": prompts, "completions": completions, "answer": answers, "record_id": torch.tensor(groups), "metadata": [{}] * n},
+    )
+
+
+def test_continuation_log_prob_is_the_teacher_forced_log_prob_of_the_continuation_tokens():
+    policy = tiny_policy()
+    prompt, prefix, cont = "Q: 1+2?", "<think>1+2=3</think><answer>", "3"
+    ids = policy.tokenizer([prefix + cont], add_special_tokens=False)["input_ids"]
+    replay = policy._replay(policy.encode_prompts([prompt]), ids)
+    per_token = policy.log_prob(replay)[0]  # temperature 1, top-p 1: the model's own distribution
+    n_cont = len(policy.tokenizer(cont, add_special_tokens=False)["input_ids"])
+    got = policy.continuation_log_prob([prompt], [prefix], [cont], reduce="sum")
+    assert torch.allclose(got, per_token[-n_cont:].sum()[None], atol=1e-5)
+    assert torch.allclose(policy.continuation_log_prob([prompt], [prefix], [cont]), got / n_cont)
+
+
+def test_care_gives_the_bonus_to_the_correct_sample_whose_reasoning_makes_its_answer_more_likely():
+    policy = tiny_policy()
+    prompts = ["What is 2 + 2?"] * 4
+    completions = [
+        "<think>2+2=4</think><answer>4</answer>",
+        "<think>two and two</think><answer>4</answer>",
+        "<think>2+2=5</think><answer>5</answer>",  # wrong: never a bonus
+        "no answer tag 4",
+    ]
+    reward = care(bonus=0.5, ema_decay=0.9)
+    got = reward(text_rollout(prompts, completions, ["4"] * 4, [0, 0, 0, 0]), policy=policy)
+    c = policy.continuation_log_prob(prompts[:2], ["<think>2+2=4</think><answer>", "<think>two and two</think><answer>"], ["4", "4"])
+    assert c[0] != c[1]
+    winner = int(torch.argmax(c))
+    assert got[winner] == 0.5 and got[1 - winner] == 0.0 and got[2:].tolist() == [0.0, 0.0]
+    # a lone correct sample in its group is at its group's mean: it gets the bonus
+    alone = reward(text_rollout(prompts[:2], completions[1:3], ["4", "4"], [0, 1]), policy=policy)
+    assert alone.tolist() == [0.5, 0.0]
+
+
+def test_care_reference_is_a_moving_average_of_the_policy_and_resumes_exactly():
+    policy = tiny_policy()
+    rollout = text_rollout(["Q"], ["<answer>1</answer>"], ["1"], [0])
+    reward = care(ema_decay=0.9)
+    reward(rollout, policy=policy)
+    name = "model.model.embed_tokens.weight"
+    start = policy.state_dict()[name].clone()
+    with torch.no_grad():
+        policy.state_dict()[name].add_(1.0)
+    reward(rollout, policy=policy)
+    assert torch.allclose(reward.reference.state_dict()[name], start + 0.1, atol=1e-6)  # 0.9 * start + 0.1 * (start + 1)
+    saved = reward.state_dict()
+    resumed = care(ema_decay=0.9)
+    resumed.load_state_dict(saved)
+    resumed(rollout, policy=policy)  # the restored reference, then one more average
+    assert torch.allclose(resumed.reference.state_dict()[name], 0.9 * (start + 0.1) + 0.1 * (start + 1.0), atol=1e-6)
+    assert resumed.calls == 3
