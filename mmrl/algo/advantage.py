@@ -217,3 +217,39 @@ def discounted_returns(step_rewards: Tensor, mask: Tensor, gamma: float) -> Tens
         future = valid[:, t] * (step_rewards[:, t] + gamma * future)
         returns[:, t] = future
     return returns
+
+
+@dataclass
+class CopoConfig(AdvantageConfig):
+    type: str = option("copo", "advantage estimator (mmrl list advantages)")
+    threshold: float = option(0.5, "a sample's outcome is a success when its reward is >= this")
+    std: Literal["group", "none"] = option("group", "the local (GRPO) advantage's scale: group std or none")
+    ddof: int = option(0, "delta degrees of freedom of the stds", ge=0, le=1)
+
+
+@ADVANTAGES.register("copo", config=CopoConfig)
+def copo(rewards: Tensor, group_id: Tensor, *, eps: float = 1e-6, threshold: float = 0.5, std: str = "group", ddof: int = 0):
+    """COPO (Han et al. 2025, "COPO: Consistency-Aware Policy Optimization",
+    arXiv:2508.04138), as mmrl reads it: a local GRPO advantage blended, per group, with a
+    global advantage of the group's outcome consistency, by the entropy of its outcomes.
+
+    With p_g the fraction of successes (reward ≥ ``threshold``) in group g and
+    H_g = −p log₂ p − (1−p) log₂(1−p) ∈ [0, 1] its outcome entropy:
+
+        A_i = H_g · A_local_i + (1 − H_g) · A_global_g,
+        A_local_i = GRPO's (r_i − mean_g r) / (std_g r + ε),
+        A_global_g = (p_g − mean_batch p) / (std_batch p + ε)   (p over the batch's samples)
+
+    A group whose samples all agree (all right, all wrong: H = 0, where GRPO's advantage
+    vanishes) still gets a signal — up if it agrees on success more than the batch does,
+    down otherwise; a maximally mixed group (p = ½, H = 1) gets GRPO's advantage. ``keep``
+    is all True.
+    """
+    index, counts = _groups(group_id)
+    local = _normalize(rewards - _group_mean(rewards, index, counts), rewards, index, counts, std, ddof, eps)
+    p = _group_mean((rewards >= threshold).to(rewards.dtype), index, counts)
+    q = p.clamp(1e-12, 1 - 1e-12)
+    entropy = torch.where((p > 0) & (p < 1), -(q * torch.log2(q) + (1 - q) * torch.log2(1 - q)), torch.zeros_like(p))
+    spread = p.std(correction=ddof) if len(p) > ddof else p.new_zeros(())
+    global_adv = (p - p.mean()) / (spread + eps)
+    return entropy * local + (1 - entropy) * global_adv, _keep_all(rewards)

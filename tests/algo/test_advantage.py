@@ -1,3 +1,4 @@
+import math
 import pytest
 import torch
 
@@ -12,7 +13,7 @@ GROUPS = torch.tensor([7, -3, 7, 7, -3, 7])
 
 
 def test_registry_holds_every_advantage():
-    assert ADVANTAGES.names() == ["grpo", "median", "passk", "psr_nsr", "rloo"]
+    assert ADVANTAGES.names() == ["copo", "grpo", "median", "passk", "psr_nsr", "rloo"]
 
 
 def test_grpo_divides_by_population_group_std():
@@ -135,3 +136,29 @@ def test_discounted_returns_within_mask():
     # row 2: the hole at t=2 cuts the sum: G3 = 1, G2 = 0, G1 = 1, G0 = 1.5
     expected = torch.tensor([[2.75, 3.5, 3.0, 0.0], [1.5, 1.0, 0.0, 0.0], [1.5, 1.0, 0.0, 1.0]])
     torch.testing.assert_close(returns, expected)
+
+
+# ------------------------------------------------------------------ COPO
+
+
+def test_copo_gives_groups_that_all_agree_a_signal_and_mixed_groups_grpo():
+    from mmrl.algo.advantage import copo
+
+    rewards = torch.tensor([1.0, 1, 1, 1, 0, 0, 0, 0, 1, 0, 1, 0, 1, 0, 0, 0])
+    group = torch.arange(4).repeat_interleave(4)
+    adv, keep = copo(rewards, group)
+    assert keep.all()
+    local, _ = grpo(rewards, group)
+    p = torch.tensor([1.0, 0.0, 0.5, 0.25])
+    glob = (p - p.mean()) / (p.std(correction=0) + 1e-6)
+    # all right / all wrong (entropy 0): GRPO gives 0, COPO the global consistency advantage
+    assert torch.equal(local[:8], torch.zeros(8))
+    assert torch.allclose(adv[:4], glob[0].expand(4)) and torch.allclose(adv[4:8], glob[1].expand(4)) and adv[0] > 0 > adv[4]
+    # half right (entropy 1): exactly GRPO
+    assert torch.allclose(adv[8:12], local[8:12])
+    # a quarter right: H(1/4) = 0.8113 of the local advantage, the rest global
+    h = -(0.25 * math.log2(0.25) + 0.75 * math.log2(0.75))
+    assert torch.allclose(adv[12:], h * local[12:] + (1 - h) * glob[3], atol=1e-6)
+    # the order of samples and the values of group ids do not matter
+    perm = torch.randperm(16, generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(copo(rewards[perm], group[perm] * 7 + 3)[0], adv[perm])
