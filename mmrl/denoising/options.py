@@ -34,16 +34,16 @@ from mmrl.errors import ConfigError
 
 # Transitions whose last step has std 0 (DDIM/DDPM reach ᾱ = 1, CPS reaches σ = 0): a
 # stochastic last step needs a std floor.
-_ZERO_STD_LAST_STEP = ("ddim", "ddpm", "flow_cps")
+_ZERO_STD_LAST_STEP = ("ddim", "ddpm", "lcm", "flow_cps")
 
 
 @dataclass
 class DenoisingOptions:
     """How a denoising policy samples its chain and recomputes its log-probs."""
 
-    transition: Literal["ddim", "ddpm", "flow_sde", "flow_cps", "flow_noise", "flow_ode"] = option(
+    transition: Literal["ddim", "ddpm", "lcm", "flow_sde", "flow_cps", "flow_noise", "flow_ode"] = option(
         "flow_sde",
-        "Gaussian transition of a stochastic step: ddim (with eta) or ddpm for noise-predicting (ε) models; flow_sde (Flow-GRPO), flow_cps (coefficient-preserving), flow_noise (learned std, πRL) or flow_ode (deterministic: no decisions) for velocity (flow-matching) models",
+        "Gaussian transition of a stochastic step: ddim (with eta), ddpm, or lcm (a multistep consistency sampler: RLCM) for noise-predicting (ε) models; flow_sde (Flow-GRPO), flow_cps (coefficient-preserving), flow_noise (learned std, πRL) or flow_ode (deterministic: no decisions) for velocity (flow-matching) models",
     )
     num_inference_steps: int = option(10, "denoising steps K of a sampled chain", ge=1)
     eta: float = option(1.0, "ddim: stochasticity of the stochastic steps (1: the DDPM posterior variance)", gt=0)
@@ -52,6 +52,10 @@ class DenoisingOptions:
     time_shift: float = option(1.0, "flow transitions: SD3 time shift of the sigma schedule (> 1 spends more steps at high noise)", gt=0)
     num_train_timesteps: int = option(1000, "ddim / ddpm: training timesteps T of the noise schedule the denoiser was trained on", ge=1)
     beta_schedule: Literal["cosine", "linear", "scaled_linear"] = option("linear", "ddim / ddpm: noise schedule the denoiser was trained on (cosine: Nichol & Dhariwal 2021)")
+    lcm_original_steps: int = option(50, "lcm: steps of the schedule the consistency model was distilled on; the K steps are evenly spaced among them", ge=1)
+    lcm_timestep_scaling: float = option(10.0, "lcm: timestep scaling of the boundary-condition coefficients c_skip, c_out", gt=0)
+    beta_start: float = option(1e-4, "ddim / ddpm / lcm, linear and scaled_linear schedules: the first beta (DDPM 1e-4; Stable Diffusion and LCM 0.00085 with scaled_linear)", gt=0, lt=1)
+    beta_end: float = option(0.02, "ddim / ddpm / lcm, linear and scaled_linear schedules: the last beta (DDPM 0.02; Stable Diffusion and LCM 0.012)", gt=0, lt=1)
     clip_denoised: float | None = option(None, "ddim / ddpm: clip the predicted clean sample x0 to +-this inside each step; null: no clipping", gt=0)
     stochastic_steps: Literal["all", "last", "window", "random"] = option(
         "all",
@@ -70,6 +74,10 @@ class DenoisingOptions:
         k = self.num_inference_steps
         if self.transition in DIFFUSION_TRANSITIONS and k > self.num_train_timesteps:
             raise ConfigError(p + "num_inference_steps", k, f"must be <= num_train_timesteps ({self.num_train_timesteps})")
+        if not self.beta_start < self.beta_end:
+            raise ConfigError(p + "beta_end", self.beta_end, f"must be > beta_start ({self.beta_start})")
+        if self.transition == "lcm" and not k <= self.lcm_original_steps <= self.num_train_timesteps:
+            raise ConfigError(p + "lcm_original_steps", self.lcm_original_steps, f"must lie in [num_inference_steps ({k}), num_train_timesteps ({self.num_train_timesteps})]")
         if self.transition == "flow_cps" and self.noise_level > 1:
             raise ConfigError(p + "noise_level", self.noise_level, "flow_cps needs a noise level in (0, 1]")
         lo_hi = self.noise_std_range
@@ -113,7 +121,9 @@ def make_transition(options: DenoisingOptions, deterministic: bool = False, devi
     k = options.num_inference_steps
     if options.transition in DIFFUSION_TRANSITIONS:
         return DiffusionTransition.from_config(
-            options.num_train_timesteps, k, options.beta_schedule, options.transition, options.eta, options.clip_denoised, device=device
+            options.num_train_timesteps, k, options.beta_schedule, options.transition, options.eta, options.clip_denoised, device=device,
+            lcm_original_steps=options.lcm_original_steps, lcm_timestep_scaling=options.lcm_timestep_scaling,
+            beta_start=options.beta_start, beta_end=options.beta_end,
         )
     name = "flow_ode" if deterministic else options.transition
     return FlowTransition.from_config(k, name, options.noise_level, options.time_shift, device=device)

@@ -78,3 +78,17 @@ def flow_sigmas(num_steps: int, shift: float = 1.0) -> Tensor:
         raise ValueError(f"shift must be > 0, got {shift}")
     sigmas = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
     return shift * sigmas / (1 + (shift - 1) * sigmas)
+
+
+def lcm_timesteps(num_train_timesteps: int, num_steps: int, original_steps: int = 50) -> Tensor:
+    """The K = ``num_steps`` timesteps of a multistep latent-consistency sampler (LCM), noisiest
+    first: the distillation schedule t_j = (j + 1)·(T // original_steps) − 1 (j < original_steps),
+    reversed, at K evenly spaced indices (floor(i·original_steps / K)), as diffusers'
+    ``LCMScheduler`` spaces them (long [K])."""
+    if not 1 <= original_steps <= num_train_timesteps:
+        raise ValueError(f"original_steps must be in [1, {num_train_timesteps}], got {original_steps}")
+    if not 1 <= num_steps <= original_steps:
+        raise ValueError(f"num_steps must be in [1, original_steps={original_steps}], got {num_steps}")
+    origin = (torch.arange(1, original_steps + 1, dtype=torch.long) * (num_train_timesteps // original_steps) - 1).flip(0)
+    index = torch.floor(torch.arange(num_steps, dtype=torch.float64) * original_steps / num_steps).long()
+    return origin[index]

@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from mmrl.denoising.schedules import alphas_cumprod, ddim_timesteps, ddpm_betas, flow_sigmas
+from mmrl.denoising.schedules import alphas_cumprod, ddim_timesteps, ddpm_betas, flow_sigmas, lcm_timesteps
 
 # ------------------------------------------------------------------ diffusion (ε-prediction)
 
@@ -71,6 +71,25 @@ def ddim_step(x: Tensor, eps: Tensor, alpha_bar, alpha_bar_prev, eta: float, cli
 
 
 # ------------------------------------------------------------------ flow matching (v-prediction)
+
+
+def lcm_boundary_scalings(timestep, timestep_scaling: float = 10.0, sigma_data: float = 0.5):
+    """(c_skip, c_out) of a consistency model at training timestep t: with s = t·scaling,
+    c_skip = σ_d² / (s² + σ_d²), c_out = s / sqrt(s² + σ_d²) (Luo et al. 2023, LCM)."""
+    s = timestep * timestep_scaling
+    return sigma_data**2 / (s**2 + sigma_data**2), s / (s**2 + sigma_data**2) ** 0.5
+
+
+def lcm_step(x: Tensor, eps: Tensor, alpha_bar, alpha_bar_prev, c_skip, c_out, last, clip_denoised: float | None = None) -> tuple[Tensor, Tensor]:
+    """One multistep consistency-sampler step, the Gaussian RLCM treats as the decision
+    (Oertell et al. 2024, "RL for Consistency Models"): the consistency function
+    f = c_skip·x + c_out·x̂0, then x_prev ~ N(sqrt(ᾱ_prev)·f, (1 − ᾱ_prev)·I); the ``last``
+    step returns f itself (std 0)."""
+    x0, _ = predicted_x0(x, eps, alpha_bar, clip_denoised)
+    f = c_skip * x + c_out * x0
+    mean = torch.where(last, f, _sqrt(alpha_bar_prev) * f)
+    std = torch.where(last, torch.zeros_like(_like(alpha_bar_prev, x)), _like(_sqrt(1 - alpha_bar_prev), x))
+    return mean, std
 
 
 def flow_ode_step(x: Tensor, v: Tensor, sigma, sigma_next) -> tuple[Tensor, Tensor]:
@@ -153,7 +172,7 @@ class Transition(Protocol):
 
 # The names of the transitions, shared by these classes and the ``transition`` option of
 # :class:`mmrl.denoising.options.DenoisingOptions`.
-DIFFUSION_TRANSITIONS = ("ddim", "ddpm")
+DIFFUSION_TRANSITIONS = ("ddim", "ddpm", "lcm")
 FLOW_TRANSITIONS = ("flow_sde", "flow_cps", "flow_noise", "flow_ode")
 TRANSITIONS = DIFFUSION_TRANSITIONS + FLOW_TRANSITIONS
 
@@ -161,7 +180,9 @@ TRANSITIONS = DIFFUSION_TRANSITIONS + FLOW_TRANSITIONS
 class DiffusionTransition:
     """K steps of an ε-prediction diffusion model over training timesteps ``timesteps``
     (noisiest first). ``name="ddim"``: :func:`ddim_step` with ``eta``; ``"ddpm"``:
-    :func:`ddpm_step`. Deterministic steps use DDIM with η = 0. The step after the last
+    :func:`ddpm_step`; ``"lcm"``: :func:`lcm_step` over LCM's timesteps (a multistep
+    consistency sampler, RLCM). Deterministic steps use DDIM with η = 0 (for lcm, with the
+    consistency estimate as the clean sample). The step after the last
     timestep goes to ᾱ = ``final_alpha_cumprod`` (1.0: the clean sample).
 
     The denoiser is given the training timestep t_k (as a float) as its time.
@@ -175,6 +196,7 @@ class DiffusionTransition:
         eta: float = 1.0,
         clip_denoised: float | None = None,
         final_alpha_cumprod: float = 1.0,
+        lcm_timestep_scaling: float = 10.0,
     ):
         if name not in DIFFUSION_TRANSITIONS:
             raise ValueError(f"name must be one of {DIFFUSION_TRANSITIONS}, got {name!r}")
@@ -185,6 +207,8 @@ class DiffusionTransition:
         # Schedules are computed in float64 and used in float32, the latents' precision.
         self.alpha_bar = ab.float()
         self.alpha_bar_prev = torch.cat([ab[1:], ab.new_tensor([final_alpha_cumprod])]).float()
+        c_skip, c_out = lcm_boundary_scalings(self.timesteps.to(torch.float64), lcm_timestep_scaling)
+        self.c_skip, self.c_out = c_skip.float(), c_out.float()
 
     @classmethod
     def from_config(
@@ -197,9 +221,17 @@ class DiffusionTransition:
         clip_denoised: float | None = None,
         spacing: str = "trailing",
         device=None,
+        lcm_original_steps: int = 50,
+        lcm_timestep_scaling: float = 10.0,
+        beta_start: float = 1e-4,
+        beta_end: float = 0.02,
     ) -> "DiffusionTransition":
-        ab = alphas_cumprod(ddpm_betas(num_train_timesteps, beta_schedule)).to(device)
-        return cls(ab, ddim_timesteps(num_train_timesteps, num_steps, spacing).to(device), name, eta, clip_denoised)
+        ab = alphas_cumprod(ddpm_betas(num_train_timesteps, beta_schedule, beta_start, beta_end)).to(device)
+        if name == "lcm":
+            timesteps = lcm_timesteps(num_train_timesteps, num_steps, lcm_original_steps)
+        else:
+            timesteps = ddim_timesteps(num_train_timesteps, num_steps, spacing)
+        return cls(ab, timesteps.to(device), name, eta, clip_denoised, lcm_timestep_scaling=lcm_timestep_scaling)
 
     def model_time(self, step: Tensor) -> Tensor:
         return self.timesteps.to(step.device)[step].float()
@@ -207,6 +239,16 @@ class DiffusionTransition:
     def mean_std(self, step: Tensor, x: Tensor, model_output: Tensor, stochastic: Tensor) -> tuple[Tensor, Tensor]:
         ab = _per_sample(self.alpha_bar.to(x.device)[step], x)
         ab_prev = _per_sample(self.alpha_bar_prev.to(x.device)[step], x)
+        if self.name == "lcm":
+            # deterministic steps: DDIM (η = 0) with the consistency estimate f as the clean sample
+            c_skip, c_out = _per_sample(self.c_skip.to(x.device)[step], x), _per_sample(self.c_out.to(x.device)[step], x)
+            last = _per_sample(step == self.num_steps - 1, x)
+            mean, std = lcm_step(x, model_output, ab, ab_prev, c_skip, c_out, last, self.clip_denoised)
+            f = torch.where(last, mean, mean / _sqrt(ab_prev))
+            eps_f = (x - _sqrt(ab) * f) / _sqrt(1 - ab)
+            det_mean = torch.where(last, f, _sqrt(ab_prev) * f + _sqrt(_clamp_min0(1 - ab_prev)) * eps_f)
+            keep = _per_sample(stochastic, x)
+            return torch.where(keep, mean, det_mean), torch.where(keep, std, torch.zeros_like(std))
         det_mean, _ = ddim_step(x, model_output, ab, ab_prev, 0.0, self.clip_denoised)
         if self.name == "ddim":
             mean, std = ddim_step(x, model_output, ab, ab_prev, self.eta, self.clip_denoised)

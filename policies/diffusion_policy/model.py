@@ -168,7 +168,7 @@ class DiffusionPolicy(DenoisingPolicy):
         # Derived from the spec and config, not learned: kept out of the saved weights.
         self.register_buffer("action_center", torch.where(finite, (low + high) / 2, 0.0), persistent=False)
         self.register_buffer("action_half_range", torch.where(finite, (high - low) / 2, 1.0), persistent=False)
-        schedule = alphas_cumprod(ddpm_betas(config.denoising.num_train_timesteps, config.denoising.beta_schedule))
+        schedule = alphas_cumprod(ddpm_betas(config.denoising.num_train_timesteps, config.denoising.beta_schedule, config.denoising.beta_start, config.denoising.beta_end))
         self.register_buffer("alphas_cumprod", schedule, persistent=False)  # float64, for sft_loss
 
     # ------------------------------------------------------------------ pieces

@@ -207,10 +207,9 @@ def _check_scheduler(config: ImageDiffusionConfig, scheduler: dict) -> None:
     for key, value in expected.items():
         if key in scheduler and scheduler[key] != value:
             raise ConfigError(path + key, value, f"the pipeline's scheduler has {key} {scheduler[key]!r}")
-    # mmrl's schedules use DDPM's beta range (1e-4 … 0.02)
-    for key, value in (("beta_start", 1e-4), ("beta_end", 0.02)):
+    for key, value in (("beta_start", options.beta_start), ("beta_end", options.beta_end)):
         if key in scheduler and abs(float(scheduler[key]) - value) > 1e-12:
-            raise ConfigError(path + "beta_schedule", options.beta_schedule, f"the pipeline's scheduler has {key} {scheduler[key]}; mmrl's schedules use beta_start 1e-4 and beta_end 0.02")
+            raise ConfigError(path + key, value, f"the pipeline's scheduler has {key} {scheduler[key]} (Stable Diffusion: scaled_linear from 0.00085 to 0.012)")
 
 
 # ------------------------------------------------------------------ the policy
@@ -253,7 +252,7 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         self.resolution = tuple(sample_size) if isinstance(sample_size, (list, tuple)) else (sample_size, sample_size)
         options = config.denoising
         if config.is_diffusion:
-            ab = alphas_cumprod(ddpm_betas(options.num_train_timesteps, options.beta_schedule)).float()
+            ab = alphas_cumprod(ddpm_betas(options.num_train_timesteps, options.beta_schedule, options.beta_start, options.beta_end)).float()
             self.register_buffer("alphas_cumprod", ab, persistent=False)
 
     def _default_prediction(self, scheduler: dict | None) -> str:

@@ -130,7 +130,7 @@ class VideoDiffusionPolicy(DenoisingPolicy):
         self.prediction_type = config.prediction_type or ("epsilon" if config.is_diffusion else "velocity")
         options = config.denoising
         if config.is_diffusion:
-            ab = alphas_cumprod(ddpm_betas(options.num_train_timesteps, options.beta_schedule)).float()
+            ab = alphas_cumprod(ddpm_betas(options.num_train_timesteps, options.beta_schedule, options.beta_start, options.beta_end)).float()
             self.register_buffer("alphas_cumprod", ab, persistent=False)
 
     @property

@@ -58,7 +58,7 @@ def test_log_prob_options_are_the_chain_functions_keyword_arguments():
 @pytest.mark.parametrize(
     "fields, field, allowed",
     [
-        ({"transition": "euler"}, "transition", "allowed: ddim, ddpm, flow_sde"),
+        ({"transition": "euler"}, "transition", "allowed: ddim, ddpm, lcm, flow_sde"),
         ({"transition": "ddim", "num_inference_steps": 50, "num_train_timesteps": 20, "min_std": 0.1}, "num_inference_steps", "<= num_train_timesteps (20)"),
         ({"transition": "ddim"}, "min_std", "last step of ddim has std 0"),
         ({"transition": "flow_cps", "stochastic_steps": "random"}, "min_std", "last step of flow_cps"),
