@@ -19,9 +19,15 @@ FLOW_PREDICTIONS = ("velocity",)
 
 @dataclass
 class TinyDenoiserConfig:
-    """The ``tiny:`` section: a small diffusers UNet with random weights in pixel space
-    (and, for text prompts, a small CLIP text encoder with mmrl's byte-level tokenizer),
-    built from configs; nothing is downloaded."""
+    """The ``tiny:`` section: a small diffusers denoiser with random weights — a UNet, an
+    SD3-style transformer or a DiT — in pixel space or over a small VAE's latents (and, for
+    text prompts, a small CLIP text encoder with mmrl's byte-level tokenizer), built from
+    configs; nothing is downloaded."""
+
+    denoiser: Literal["unet", "sd3_transformer", "dit_transformer"] = option(
+        "unet",
+        "unet: UNet2DModel / UNet2DConditionModel; sd3_transformer: SD3Transformer2DModel (text conditioning: joint attention to the prompt's token states, pooled projection of the prompt); dit_transformer: DiTTransformer2DModel (class conditioning, adaLN-zero)",
+    )
 
     conditioning: Literal["class", "text", "none"] = option(
         "class",
@@ -31,7 +37,15 @@ class TinyDenoiserConfig:
     block_out_channels: list[int] = option(factory=lambda: [8, 16], doc="channels of the UNet's resolution levels (each a multiple of norm_num_groups)")
     layers_per_block: int = option(1, "residual blocks per UNet level", ge=1)
     norm_num_groups: int = option(4, "groups of the UNet's group norms", ge=1)
-    attention_head_dim: int = option(4, "text: width of a cross-attention head", ge=1)
+    attention_head_dim: int = option(4, "width of an attention head (the text UNet's cross-attention, the transformers' attention)", ge=1)
+    transformer_heads: int = option(2, "sd3_transformer / dit_transformer: attention heads (the transformer's width is heads x attention_head_dim)", ge=1)
+    transformer_layers: int = option(1, "sd3_transformer / dit_transformer: transformer blocks", ge=1)
+    patch_size: int = option(2, "sd3_transformer / dit_transformer: side of the square patches of the latent that are the transformer's tokens", ge=1)
+    vae: bool = option(False, "denoise in the latent space of a small random AutoencoderKL (the final latent is decoded to the images); false = pixel space")
+    vae_block_out_channels: list[int] = option(factory=lambda: [8, 16], doc="vae: channels of the VAE's levels (each level after the first halves the resolution)")
+    latent_channels: int = option(4, "vae: channels of the latent", ge=1)
+    vae_scaling_factor: float = option(1.0, "vae: the denoiser's latent is (z - vae_shift_factor) * vae_scaling_factor of the VAE's z (diffusers' scaling_factor, 0.18215 for SD, 1.5305 for SD3)", gt=0)
+    vae_shift_factor: float = option(0.0, "vae: diffusers' shift_factor (0.0609 for SD3; 0 = none)")
     text_hidden_size: int = option(16, "text: width of the CLIP text encoder (= the UNet's cross-attention dim)", ge=1)
     text_layers: int = option(1, "text: transformer layers of the text encoder", ge=1)
     text_heads: int = option(2, "text: attention heads of the text encoder (must divide text_hidden_size)", ge=1)
@@ -41,21 +55,56 @@ class TinyDenoiserConfig:
         p = f"{path}." if path else ""
         if not self.block_out_channels or any(c % self.norm_num_groups for c in self.block_out_channels):
             raise ConfigError(p + "block_out_channels", self.block_out_channels, f"expected one or more channel counts, each a multiple of norm_num_groups ({self.norm_num_groups})")
-        if self.resolution % 2 ** (len(self.block_out_channels) - 1):
-            raise ConfigError(p + "resolution", self.resolution, f"must be a multiple of {2 ** (len(self.block_out_channels) - 1)} (the UNet halves it between its levels)")
+        if self.vae:
+            if not self.vae_block_out_channels or any(c % self.norm_num_groups for c in self.vae_block_out_channels):
+                raise ConfigError(p + "vae_block_out_channels", self.vae_block_out_channels, f"expected one or more channel counts, each a multiple of norm_num_groups ({self.norm_num_groups})")
+            vae_factor = 2 ** (len(self.vae_block_out_channels) - 1)
+            if self.resolution % vae_factor:
+                raise ConfigError(p + "resolution", self.resolution, f"must be a multiple of {vae_factor} (the VAE halves it between its levels)")
+        latent = self.latent_resolution
+        if self.denoiser == "unet" and latent % 2 ** (len(self.block_out_channels) - 1):
+            raise ConfigError(p + "resolution", self.resolution, f"the denoised resolution {latent} must be a multiple of {2 ** (len(self.block_out_channels) - 1)} (the UNet halves it between its levels)")
+        if self.denoiser != "unet" and latent % self.patch_size:
+            raise ConfigError(p + "patch_size", self.patch_size, f"must divide the denoised resolution ({latent})")
+        needs = {"sd3_transformer": "text", "dit_transformer": "class"}.get(self.denoiser)
+        if needs and self.conditioning != needs:
+            raise ConfigError(p + "conditioning", self.conditioning, f"tiny.denoiser {self.denoiser} takes {needs} conditioning")
         if self.text_hidden_size % self.text_heads:
             raise ConfigError(p + "text_heads", self.text_heads, f"must divide text_hidden_size ({self.text_hidden_size})")
+
+    @property
+    def latent_resolution(self) -> int:
+        """Height and width of what the denoiser denoises: the images, or the VAE's latents."""
+        return self.resolution // 2 ** (len(self.vae_block_out_channels) - 1) if self.vae else self.resolution
+
+
+@dataclass
+class ImageLoraOptions:
+    """The ``lora:`` section: low-rank adapters (``peft``) on the denoiser instead of training every weight."""
+
+    r: int = option(0, "rank of the adapters; 0 = no adapters (every weight of the denoiser trains)", ge=0)
+    alpha: float = option(16.0, "scale of the adapters' update: W + (alpha / r) B A", gt=0)
+    dropout: float = option(0.0, "dropout on the adapters' input (nonzero makes two passes of the same weights differ: ratio != 1)", ge=0, lt=1)
+    target_modules: list[str] = option(
+        factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"],
+        doc="names (or name suffixes) of the denoiser's layers that get adapters: diffusers' attention projections by default; linear and conv layers are allowed",
+    )
+
+    def validate(self, path: str) -> None:
+        if self.r and not self.target_modules:
+            raise ConfigError(f"{path}.target_modules" if path else "target_modules", self.target_modules, "name at least one module (e.g. to_q, to_v)")
 
 
 @dataclass
 class ImageDiffusionConfig(PolicyConfig):
-    """An image generator over a diffusers UNet (class-, text- or un-conditioned), whose
-    denoising steps are the RL decisions (DDPO with ddim/ddpm, Flow-GRPO with flow_sde)."""
+    """An image generator over a diffusers denoiser (UNet, SD3 transformer or DiT; class-,
+    text- or un-conditioned; in pixel space or over VAE latents), whose denoising steps are
+    the RL decisions (DDPO with ddim/ddpm, Flow-GRPO with flow_sde)."""
 
     type: str = option("image_diffusion", "registered name of this component (see `mmrl list`)")
     model_path: str | None = option(
         None,
-        "local directory laid out like a diffusers pipeline: unet/ (UNet2DModel or UNet2DConditionModel), text_encoder/ + tokenizer/ for text prompts, optional scheduler/ (its training schedule and prediction type are checked against denoising); null = the random tiny model of `tiny`",
+        "local directory laid out like a diffusers pipeline: unet/ (UNet2DModel or UNet2DConditionModel) or transformer/ (SD3Transformer2DModel or DiTTransformer2DModel), optional vae/ (AutoencoderKL: the chain runs over its latents), text_encoder/ + tokenizer/ (and _2, _3 for SD3) for text prompts, optional scheduler/ (its training schedule and prediction type are checked against denoising); null = the random tiny model of `tiny`",
     )
     tiny: TinyDenoiserConfig = option(factory=TinyDenoiserConfig, doc="the random tiny model built when model_path is null")
     prediction_type: Literal["epsilon", "v_prediction", "sample", "velocity"] | None = option(
@@ -69,7 +118,9 @@ class ImageDiffusionConfig(PolicyConfig):
     )
     condition_dropout: float = option(0.1, "sft_loss: probability of training a sample on the null condition (null class / empty prompt), which guidance needs", ge=0, le=1)
     max_prompt_tokens: int | None = option(None, "text: prompts are padded / truncated to this many tokens (at most the text encoder's positions); null = the tokenizer's model_max_length (77 for CLIP)", ge=1)
-    train_text_encoder: bool = option(False, "text: also train the text encoder (default: frozen, only the UNet learns)")
+    train_text_encoder: bool = option(False, "text: also train the text encoder(s) (default: frozen, only the denoiser learns)")
+    max_t5_tokens: int = option(256, "SD3 with a T5 encoder (text_encoder_3/): prompts are padded / truncated to this many T5 tokens (256 as diffusers' pipeline)", ge=1)
+    lora: ImageLoraOptions = option(factory=ImageLoraOptions, doc="low-rank adapters on the denoiser (r > 0): only they train, and the KL reference is the denoiser with its adapters disabled")
     denoising: DenoisingOptions = option(
         factory=lambda: DenoisingOptions(transition="ddim", num_inference_steps=8, eta=1.0, min_std=0.01, beta_schedule="linear", clip_denoised=1.0),
         doc="the denoising chain: transition (ddim / ddpm for noise-predicting UNets, flow_* for velocity ones), steps, which steps are decisions, log-prob options",
@@ -78,6 +129,9 @@ class ImageDiffusionConfig(PolicyConfig):
     def validate(self, path: str) -> None:
         p = f"{path}." if path else ""
         self.tiny.validate(p + "tiny")
+        self.lora.validate(p + "lora")
+        if self.lora.r and self.train_text_encoder:
+            raise ConfigError(p + "train_text_encoder", True, "LoRA trains adapters on the denoiser only (the KL reference is the adapter-disabled model); set lora.r: 0 to train the text encoder too")
         self.denoising.validate(p + "denoising")
         if self.prediction_type is not None:
             allowed = self.allowed_predictions

@@ -26,7 +26,8 @@ or the empty prompt).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -37,8 +38,6 @@ from mmrl.denoising import DenoisingPolicy, alphas_cumprod, ddpm_betas
 from mmrl.errors import ConfigError, MissingExtraError
 from mmrl.policies.image_diffusion.config import ImageDiffusionConfig
 from mmrl.registry import POLICIES
-
-UNET_CLASSES = ("UNet2DModel", "UNet2DConditionModel")
 
 
 def _diffusers():
@@ -101,46 +100,123 @@ def uint8_to_pixels(images: Tensor) -> Tensor:
 
 # ------------------------------------------------------------------ building the parts
 
+UNET_CLASSES = ("UNet2DModel", "UNet2DConditionModel")
+TRANSFORMER_CLASSES = ("SD3Transformer2DModel", "DiTTransformer2DModel")
+VAE_CLASSES = ("AutoencoderKL",)
+TEXT_ENCODER_CLASSES = ("CLIPTextModel", "CLIPTextModelWithProjection", "T5EncoderModel")
+
 
 @dataclass
 class _Parts:
-    unet: nn.Module
+    denoiser: nn.Module
+    kind: str  # unet | sd3 | dit
     conditioning: str  # class | text | none
-    text_encoder: nn.Module | None = None
-    tokenizer: object = None
+    text_encoders: list = field(default_factory=list)  # up to three: CLIP, CLIP (SD3), T5 (SD3)
+    tokenizers: list = field(default_factory=list)
+    vae: nn.Module | None = None
     scheduler: dict | None = None  # the pipeline's scheduler_config.json
+
+
+def _kind(denoiser: nn.Module) -> str:
+    return {"SD3Transformer2DModel": "sd3", "DiTTransformer2DModel": "dit"}.get(type(denoiser).__name__, "unet")
+
+
+def _tiny_text(tiny, with_projection: bool):
+    tf = _transformers()
+    from mmrl.policies.text_lm.tokenizer import byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    tokenizer.padding_side = "right"
+    tokenizer.model_max_length = tiny.max_prompt_tokens
+    text_config = tf.CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=tiny.text_hidden_size,
+        intermediate_size=2 * tiny.text_hidden_size,
+        num_hidden_layers=tiny.text_layers,
+        num_attention_heads=tiny.text_heads,
+        max_position_embeddings=tiny.max_prompt_tokens,
+        projection_dim=tiny.text_hidden_size,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.pad_token_id,
+    )
+    model = tf.CLIPTextModelWithProjection(text_config) if with_projection else tf.CLIPTextModel(text_config)
+    return model, tokenizer
+
+
+def _tiny_vae(tiny):
+    levels = len(tiny.vae_block_out_channels)
+    return _diffusers().AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * levels,
+        up_block_types=("UpDecoderBlock2D",) * levels,
+        block_out_channels=tuple(tiny.vae_block_out_channels),
+        layers_per_block=1,
+        latent_channels=tiny.latent_channels,
+        norm_num_groups=tiny.norm_num_groups,
+        sample_size=tiny.resolution,
+        scaling_factor=tiny.vae_scaling_factor,
+        shift_factor=tiny.vae_shift_factor or None,
+    )
+
+
+def _num_conditions(spec: dict) -> int:
+    num_prompts = spec.get("num_prompts")
+    if not isinstance(num_prompts, int) or isinstance(num_prompts, bool) or num_prompts < 1:
+        raise ConfigError(
+            "policy.tiny.conditioning", "class", f"takes condition ids; use it with `sampler.type: prompt` over conditions (the sampler's spec gave num_prompts={num_prompts!r})"
+        )
+    return num_prompts
 
 
 def _tiny_parts(config: ImageDiffusionConfig, spec: dict) -> _Parts:
     diffusers = _diffusers()
     tiny = config.tiny
+    vae = _tiny_vae(tiny) if tiny.vae else None
+    channels = tiny.latent_channels if tiny.vae else 3
+    size = tiny.latent_resolution
+    if tiny.denoiser == "sd3_transformer":
+        text_encoder, tokenizer = _tiny_text(tiny, with_projection=True)
+        width = tiny.transformer_heads * tiny.attention_head_dim
+        transformer = diffusers.SD3Transformer2DModel(
+            sample_size=size,
+            patch_size=tiny.patch_size,
+            in_channels=channels,
+            out_channels=channels,
+            num_layers=tiny.transformer_layers,
+            attention_head_dim=tiny.attention_head_dim,
+            num_attention_heads=tiny.transformer_heads,
+            joint_attention_dim=tiny.text_hidden_size,
+            caption_projection_dim=width,
+            pooled_projection_dim=tiny.text_hidden_size,
+            pos_embed_max_size=size // tiny.patch_size,
+        )
+        return _Parts(transformer, "sd3", "text", [text_encoder], [tokenizer], vae)
+    if tiny.denoiser == "dit_transformer":
+        # num_embeds_ada_norm classes plus one more, the null class of classifier-free guidance
+        transformer = diffusers.DiTTransformer2DModel(
+            num_attention_heads=tiny.transformer_heads,
+            attention_head_dim=tiny.attention_head_dim,
+            in_channels=channels,
+            out_channels=channels,
+            num_layers=tiny.transformer_layers,
+            sample_size=size,
+            patch_size=tiny.patch_size,
+            num_embeds_ada_norm=_num_conditions(spec),
+        )
+        return _Parts(transformer, "dit", "class", vae=vae)
     levels = len(tiny.block_out_channels)
     common = dict(
-        sample_size=tiny.resolution,
-        in_channels=3,
-        out_channels=3,
+        sample_size=size,
+        in_channels=channels,
+        out_channels=channels,
         block_out_channels=tuple(tiny.block_out_channels),
         layers_per_block=tiny.layers_per_block,
         norm_num_groups=tiny.norm_num_groups,
     )
     if tiny.conditioning == "text":
-        tf = _transformers()
-        from mmrl.policies.text_lm.tokenizer import byte_tokenizer
-
-        tokenizer = byte_tokenizer()
-        tokenizer.padding_side = "right"
-        tokenizer.model_max_length = tiny.max_prompt_tokens
-        text_config = tf.CLIPTextConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=tiny.text_hidden_size,
-            intermediate_size=2 * tiny.text_hidden_size,
-            num_hidden_layers=tiny.text_layers,
-            num_attention_heads=tiny.text_heads,
-            max_position_embeddings=tiny.max_prompt_tokens,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            bos_token_id=tokenizer.pad_token_id,
-        )
+        text_encoder, tokenizer = _tiny_text(tiny, with_projection=False)
         unet = diffusers.UNet2DConditionModel(
             **common,
             down_block_types=("CrossAttnDownBlock2D",) + ("DownBlock2D",) * (levels - 1),
@@ -148,46 +224,95 @@ def _tiny_parts(config: ImageDiffusionConfig, spec: dict) -> _Parts:
             cross_attention_dim=tiny.text_hidden_size,
             attention_head_dim=tiny.attention_head_dim,
         )
-        return _Parts(unet, "text", tf.CLIPTextModel(text_config), tokenizer)
+        return _Parts(unet, "unet", "text", [text_encoder], [tokenizer], vae)
     blocks = dict(down_block_types=("DownBlock2D",) * levels, up_block_types=("UpBlock2D",) * levels)
     if tiny.conditioning == "none":
-        return _Parts(diffusers.UNet2DModel(**common, **blocks), "none")
-    num_prompts = spec.get("num_prompts")
-    if not isinstance(num_prompts, int) or isinstance(num_prompts, bool) or num_prompts < 1:
-        raise ConfigError(
-            "policy.tiny.conditioning", "class", f"takes condition ids; use it with `sampler.type: prompt` over conditions (the sampler's spec gave num_prompts={num_prompts!r})"
-        )
+        return _Parts(diffusers.UNet2DModel(**common, **blocks), "unet", "none", vae=vae)
     # one more class than the sampler's conditions: the last is the null condition of guidance
-    return _Parts(diffusers.UNet2DModel(**common, **blocks, num_class_embeds=num_prompts + 1), "class")
+    return _Parts(diffusers.UNet2DModel(**common, **blocks, num_class_embeds=_num_conditions(spec) + 1), "unet", "class", vae=vae)
+
+
+def _class_name(directory: Path, config_file: str = "config.json") -> str | None:
+    path = directory / config_file
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    return data.get("_class_name") or (data.get("architectures") or [None])[0]
+
+
+def _load_text_encoders(root: Path, kind: str) -> tuple[list, list]:
+    """The pipeline's text encoders and tokenizers by slot: text_encoder/ + tokenizer/ (a
+    UNet2DConditionModel's CLIPTextModel; SD3's first CLIPTextModelWithProjection), and for SD3
+    text_encoder_2/ + tokenizer_2/ (the second CLIP) and text_encoder_3/ + tokenizer_3/ (T5),
+    each None when absent."""
+    tf = _transformers()
+    field_name, value = "policy.model_path", str(root)
+    encoders, tokenizers = [], []
+    for suffix in ("", "_2", "_3") if kind == "sd3" else ("",):
+        encoder_dir, tokenizer_dir = root / f"text_encoder{suffix}", root / f"tokenizer{suffix}"
+        if not encoder_dir.is_dir():
+            if suffix == "":
+                raise ConfigError(field_name, value, f"a text-conditioned {'SD3Transformer2DModel' if kind == 'sd3' else 'UNet2DConditionModel'} needs text_encoder/ and tokenizer/ beside it")
+            encoders.append(None)
+            tokenizers.append(None)
+            continue
+        if not tokenizer_dir.is_dir():
+            raise ConfigError(field_name, value, f"text_encoder{suffix}/ needs tokenizer{suffix}/ beside it")
+        class_name = _class_name(encoder_dir)
+        allowed = ("T5EncoderModel",) if suffix == "_3" else ("CLIPTextModelWithProjection",) if kind == "sd3" else ("CLIPTextModel",)
+        if class_name not in allowed:
+            raise ConfigError(field_name, value, f"text_encoder{suffix}/ holds a {class_name}; supported there: {list(allowed)}")
+        # local_files_only: a directory name that looks like a hub id must never start a download
+        encoders.append(getattr(tf, class_name).from_pretrained(str(encoder_dir), local_files_only=True))
+        tokenizer = tf.AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+        tokenizer.padding_side = "right"
+        tokenizers.append(tokenizer)
+    return encoders, tokenizers
 
 
 def _load_parts(config: ImageDiffusionConfig) -> _Parts:
-    """The UNet (+ text encoder and tokenizer) and scheduler config of a pipeline directory."""
+    """The denoiser (+ VAE, text encoders and tokenizers) and scheduler config of a pipeline directory."""
     diffusers = _diffusers()
     root = Path(config.model_path)
-    field = "policy.model_path"
-    unet_config = root / "unet" / "config.json"
-    if not unet_config.is_file():
-        raise ConfigError(field, config.model_path, "expected a local diffusers pipeline directory with unet/ (written by save_pretrained), and text_encoder/ + tokenizer/ for text prompts")
-    class_name = json.loads(unet_config.read_text()).get("_class_name")
-    if class_name not in UNET_CLASSES:
-        raise ConfigError(field, config.model_path, f"unet/ holds a {class_name}; supported denoisers: {list(UNET_CLASSES)}")
-    unet = getattr(diffusers, class_name).from_pretrained(str(root / "unet"))
-    if unet.config.in_channels != 3 or unet.config.out_channels != 3:
-        raise ConfigError(field, config.model_path, f"the UNet has {unet.config.in_channels} input channels; this policy denoises RGB pixels (3 channels); latent-space (VAE) models are not supported yet")
+    field_name = "policy.model_path"
+    unet_name, transformer_name = _class_name(root / "unet"), _class_name(root / "transformer")
+    if unet_name is None and transformer_name is None:
+        raise ConfigError(
+            field_name, config.model_path, "expected a local diffusers pipeline directory with unet/ or transformer/ (written by save_pretrained), and text_encoder/ + tokenizer/ for text prompts"
+        )
+    if unet_name is not None:
+        sub, class_name, allowed = "unet", unet_name, UNET_CLASSES
+    else:
+        sub, class_name, allowed = "transformer", transformer_name, TRANSFORMER_CLASSES
+    if class_name not in allowed:
+        raise ConfigError(field_name, config.model_path, f"{sub}/ holds a {class_name}; supported denoisers: {list(UNET_CLASSES + TRANSFORMER_CLASSES)}")
+    denoiser = getattr(diffusers, class_name).from_pretrained(str(root / sub))
+    kind = _kind(denoiser)
+    if class_name == "UNet2DConditionModel" and (denoiser.config.addition_embed_type or denoiser.config.class_embed_type):
+        raise ConfigError(field_name, config.model_path, "the UNet2DConditionModel takes added conditions (an SDXL-style UNet); supported: UNets conditioned on the text encoder's states only")
+    vae = None
+    vae_name = _class_name(root / "vae")
+    if vae_name is not None:
+        if vae_name not in VAE_CLASSES:
+            raise ConfigError(field_name, config.model_path, f"vae/ holds a {vae_name}; supported: {list(VAE_CLASSES)}")
+        vae = diffusers.AutoencoderKL.from_pretrained(str(root / "vae"))
+    channels = vae.config.latent_channels if vae is not None else 3
+    in_channels = denoiser.config.in_channels
+    out_channels = denoiser.config.out_channels or in_channels
+    if in_channels != channels or out_channels not in (channels, 2 * channels):
+        where = f"the VAE's {channels} latent channels" if vae is not None else "RGB pixels (3 channels; a latent-space model needs vae/ beside it)"
+        raise ConfigError(field_name, config.model_path, f"the {class_name} has {in_channels} input and {out_channels} output channels; it must denoise {where}")
     scheduler_file = root / "scheduler" / "scheduler_config.json"
     scheduler = json.loads(scheduler_file.read_text()) if scheduler_file.is_file() else None
     if class_name == "UNet2DModel":
-        conditioning = "class" if unet.config.num_class_embeds else "none"
-        return _Parts(unet, conditioning, scheduler=scheduler)
-    if not (root / "text_encoder").is_dir() or not (root / "tokenizer").is_dir():
-        raise ConfigError(field, config.model_path, "a UNet2DConditionModel needs text_encoder/ and tokenizer/ beside unet/")
-    tf = _transformers()
-    # local_files_only: a directory name that looks like a hub id must never start a download
-    text_encoder = tf.CLIPTextModel.from_pretrained(str(root / "text_encoder"), local_files_only=True)
-    tokenizer = tf.AutoTokenizer.from_pretrained(str(root / "tokenizer"), local_files_only=True)
-    tokenizer.padding_side = "right"
-    return _Parts(unet, "text", text_encoder, tokenizer, scheduler)
+        conditioning = "class" if denoiser.config.num_class_embeds else "none"
+        return _Parts(denoiser, kind, conditioning, vae=vae, scheduler=scheduler)
+    if class_name == "DiTTransformer2DModel":
+        if not denoiser.config.num_embeds_ada_norm:
+            raise ConfigError(field_name, config.model_path, "the DiTTransformer2DModel has no class embedding (num_embeds_ada_norm)")
+        return _Parts(denoiser, kind, "class", vae=vae, scheduler=scheduler)
+    encoders, tokenizers = _load_text_encoders(root, kind)
+    return _Parts(denoiser, kind, "text", encoders, tokenizers, vae, scheduler)
 
 
 def _check_scheduler(config: ImageDiffusionConfig, scheduler: dict) -> None:
@@ -212,12 +337,72 @@ def _check_scheduler(config: ImageDiffusionConfig, scheduler: dict) -> None:
             raise ConfigError(path + key, value, f"the pipeline's scheduler has {key} {scheduler[key]} (Stable Diffusion: scaled_linear from 0.00085 to 0.012)")
 
 
+# ------------------------------------------------------------------ conditions as tensors or tuples
+# A class id / text-state condition is one tensor; SD3's is a tuple (token states, pooled projection).
+
+
+def _map(fn, condition):
+    return tuple(fn(c) for c in condition) if isinstance(condition, tuple) else fn(condition)
+
+
+def _map2(fn, a, b):
+    return tuple(fn(x, y) for x, y in zip(a, b)) if isinstance(a, tuple) else fn(a, b)
+
+
+def _with_lora(denoiser: nn.Module, lora) -> None:
+    try:
+        import peft
+    except ImportError:
+        raise MissingExtraError("peft", "text", "LoRA adapters on the image denoiser (policy.lora.r > 0)") from None
+    adapter = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules), bias="none")
+    try:
+        denoiser.add_adapter(adapter)
+    except ValueError as e:  # peft's message lists the modules it could not find
+        raise ConfigError("policy.lora.target_modules", lora.target_modules, f"must name linear or conv layers of the denoiser: {e}") from None
+    # only the adapters train (peft's injection leaves the base weights as they were)
+    for name, param in denoiser.named_parameters():
+        param.requires_grad_("lora_" in name)
+
+
+class _AdapterDisabledReference(DenoisingPolicy):
+    """The KL reference of a LoRA policy: the policy's own denoiser with its adapters disabled.
+
+    It shares the policy's weights without registering them, so the trainer freezing it
+    (``requires_grad_(False)``) or setting it to eval mode leaves the policy alone; every
+    denoiser call runs without grad with the adapters off, then turns them back on."""
+
+    def __init__(self, policy: "ImageDiffusionPolicy"):
+        super().__init__()
+        object.__setattr__(self, "policy", policy)
+
+    @property
+    def config(self) -> ImageDiffusionConfig:
+        return self.policy.config
+
+    def chain_denoiser(self, replay: dict):
+        inner = self.policy.chain_denoiser(replay)
+
+        def denoise(x: Tensor, time: Tensor, rows: Tensor) -> Tensor:
+            with torch.no_grad(), self.policy.adapters_disabled():
+                return inner(x, time, rows)
+
+        return denoise
+
+    @torch.no_grad()
+    def log_prob(self, replay: dict) -> Tensor:
+        return super().log_prob(replay)
+
+    def forward(self, replay: dict) -> Tensor:
+        return self.log_prob(replay)
+
+
 # ------------------------------------------------------------------ the policy
 
 
 @POLICIES.register("image_diffusion", config=ImageDiffusionConfig)
 class ImageDiffusionPolicy(DenoisingPolicy):
-    """RGB images from a diffusers UNet; each stochastic denoising step is one decision."""
+    """RGB images from a diffusers denoiser (a UNet, an SD3 transformer or a DiT), in pixel
+    space or over a VAE's latents; each stochastic denoising step is one decision."""
 
     def __init__(self, config: ImageDiffusionConfig, spec: dict):
         super().__init__()
@@ -226,34 +411,84 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         parts = _load_parts(config) if config.model_path else _tiny_parts(config, spec)
         if parts.scheduler is not None:
             _check_scheduler(config, parts.scheduler)
-        self.unet = parts.unet
+        self.kind = parts.kind
+        # the UNet keeps its attribute (and state-dict prefix) ``unet``; transformers are ``transformer``
+        if self.kind == "unet":
+            self.unet = parts.denoiser
+        else:
+            self.transformer = parts.denoiser
         self.conditioning = parts.conditioning
-        self.text_encoder = parts.text_encoder
-        self.tokenizer = parts.tokenizer
-        if self.text_encoder is not None:
+        encoders = parts.text_encoders + [None] * (3 - len(parts.text_encoders))
+        tokenizers = parts.tokenizers + [None] * (3 - len(parts.tokenizers))
+        self.text_encoder, self.text_encoder_2, self.text_encoder_3 = encoders
+        self.tokenizer, self.tokenizer_2, self.tokenizer_3 = tokenizers
+        self.vae = parts.vae
+        if self.vae is not None:
+            self.vae.requires_grad_(False)
+            vae_config = self.vae.config
+            self.vae_scale = float(vae_config.scaling_factor)
+            self.vae_shift = float(vae_config.shift_factor or 0.0)
+            self.vae_factor = 2 ** (len(vae_config.block_out_channels) - 1)
+        self.prompt_tokens = []
+        for i, (encoder, tokenizer) in enumerate(zip(encoders, tokenizers)):
+            if encoder is None:
+                self.prompt_tokens.append(None)
+                continue
             if not config.train_text_encoder:
-                self.text_encoder.requires_grad_(False)
-            positions = self.text_encoder.config.max_position_embeddings
-            self.prompt_tokens = config.max_prompt_tokens or self.tokenizer.model_max_length
-            if self.prompt_tokens > positions:
-                raise ConfigError("policy.max_prompt_tokens", config.max_prompt_tokens, f"the text encoder has {positions} positions (the tokenizer's model_max_length is {self.tokenizer.model_max_length}); set at most {positions}")
+                encoder.requires_grad_(False)
+            self.prompt_tokens.append(self._prompt_length(i, encoder, tokenizer))
+        if self.kind == "sd3":
+            self._check_sd3_widths()
         self.prediction_type = config.prediction_type or self._default_prediction(parts.scheduler)
         if self.prediction_type not in config.allowed_predictions:
             raise ConfigError("policy.prediction_type", self.prediction_type, f"the pipeline's scheduler predicts it, but transition {config.denoising.transition} takes one of {list(config.allowed_predictions)}")
         if self.conditioning == "none" and config.guidance_scale != 1:
-            raise ConfigError("policy.guidance_scale", config.guidance_scale, "needs a conditional UNet (class or text); an unconditional one takes 1")
+            raise ConfigError("policy.guidance_scale", config.guidance_scale, "needs a conditional denoiser (class or text); an unconditional one takes 1")
+        model_config = self.denoiser_model.config
         if self.conditioning == "class":
             # the last class embedding is the null condition of classifier-free guidance
-            self.null_class = int(self.unet.config.num_class_embeds) - 1
+            if self.kind == "dit":
+                self.null_class = int(model_config.num_embeds_ada_norm)
+                self._no_label_dropout()
+            else:
+                self.null_class = int(model_config.num_class_embeds) - 1
             num_prompts = spec.get("num_prompts")
             if isinstance(num_prompts, int) and num_prompts > self.null_class:
-                raise ConfigError("policy.model_path", config.model_path, f"the UNet has {self.null_class} classes besides the null class (the last); the sampler has {num_prompts} conditions")
-        sample_size = self.unet.config.sample_size
+                raise ConfigError("policy.model_path", config.model_path, f"the denoiser has {self.null_class} classes besides the null class (the last); the sampler has {num_prompts} conditions")
+        sample_size = model_config.sample_size
         self.resolution = tuple(sample_size) if isinstance(sample_size, (list, tuple)) else (sample_size, sample_size)
+        self.channels = int(model_config.in_channels)
         options = config.denoising
         if config.is_diffusion:
             ab = alphas_cumprod(ddpm_betas(options.num_train_timesteps, options.beta_schedule, options.beta_start, options.beta_end)).float()
             self.register_buffer("alphas_cumprod", ab, persistent=False)
+        if config.lora.r:
+            _with_lora(self.denoiser_model, config.lora)
+
+    def _prompt_length(self, slot: int, encoder: nn.Module, tokenizer) -> int:
+        if slot == 2:  # T5: relative positions, no limit of its own
+            return self.config.max_t5_tokens
+        positions = encoder.config.max_position_embeddings
+        length = self.config.max_prompt_tokens or tokenizer.model_max_length
+        if length > positions:
+            raise ConfigError("policy.max_prompt_tokens", self.config.max_prompt_tokens, f"the text encoder has {positions} positions (the tokenizer's model_max_length is {tokenizer.model_max_length}); set at most {positions}")
+        return length
+
+    def _check_sd3_widths(self) -> None:
+        clips = [e for e in (self.text_encoder, self.text_encoder_2) if e is not None]
+        width = sum(e.config.hidden_size for e in clips)
+        pooled = sum(e.config.projection_dim for e in clips)
+        joint, pooled_dim = self.transformer.config.joint_attention_dim, self.transformer.config.pooled_projection_dim
+        where = self.config.model_path or "policy.tiny"
+        if width > joint or pooled != pooled_dim or (self.text_encoder_3 is not None and self.text_encoder_3.config.d_model != joint):
+            raise ConfigError("policy.model_path", where, f"the text encoders (CLIP widths {width}, projections {pooled}) do not fit the SD3 transformer (joint_attention_dim {joint}, pooled_projection_dim {pooled_dim})")
+
+    def _no_label_dropout(self) -> None:
+        """DiT drops class labels at random in train mode (its own CFG training); RL compares
+        two passes over the same chain, so the labels are always kept (sft_loss drops them itself)."""
+        for module in self.transformer.modules():
+            if type(module).__name__ == "LabelEmbedding":
+                module.dropout_prob = 0.0
 
     def _default_prediction(self, scheduler: dict | None) -> str:
         if not self.config.is_diffusion:
@@ -261,8 +496,35 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         return (scheduler or {}).get("prediction_type", "epsilon")
 
     @property
+    def denoiser_model(self) -> nn.Module:
+        """The diffusers denoiser: ``unet`` or ``transformer``."""
+        return self.unet if self.kind == "unet" else self.transformer
+
+    @property
     def device(self) -> torch.device:
-        return next(self.unet.parameters()).device
+        return next(self.denoiser_model.parameters()).device
+
+    @contextmanager
+    def adapters_disabled(self):
+        """Within the block the denoiser runs without its LoRA adapters (the base model)."""
+        if not self.config.lora.r:
+            yield
+            return
+        # peft's switch also sets requires_grad of the adapters; what the trainer froze stays frozen
+        trainable = {name: p.requires_grad for name, p in self.denoiser_model.named_parameters() if "lora_" in name}
+        self.denoiser_model.disable_adapters()
+        try:
+            yield
+        finally:
+            self.denoiser_model.enable_adapters()
+            for name, param in self.denoiser_model.named_parameters():
+                if name in trainable:
+                    param.requires_grad_(trainable[name])
+
+    def reference(self) -> nn.Module | None:
+        """With LoRA, the denoiser with its adapters disabled (shares the base weights, no copy);
+        otherwise None (the trainer keeps a frozen copy of the initial weights)."""
+        return _AdapterDisabledReference(self) if self.config.lora.r else None
 
     # -------------------------------------------------------------- conditioning
 
@@ -273,46 +535,82 @@ class ImageDiffusionPolicy(DenoisingPolicy):
             return "policy.model_path", self.config.model_path
         return "policy.tiny.conditioning", self.conditioning
 
-    def _conditions(self, inputs) -> Tensor | None:
-        """The replay's conditioning of the sampler's inputs: class ids [N] or token ids [N, L]."""
+    @property
+    def _prompt_keys(self) -> list[str]:
+        """Replay keys of the token ids of each text encoder present: prompt_ids, prompt_ids_2, prompt_ids_3."""
+        encoders = (self.text_encoder, self.text_encoder_2, self.text_encoder_3)
+        return [key for key, e in zip(("prompt_ids", "prompt_ids_2", "prompt_ids_3"), encoders) if e is not None]
+
+    def _conditions(self, inputs) -> dict[str, Tensor]:
+        """The replay's conditioning of the sampler's inputs: ``condition`` class ids [N], or
+        token ids ``prompt_ids`` [N, L] (and ``prompt_ids_2`` / ``_3`` for SD3's other encoders)."""
         if self.conditioning == "class":
             if not isinstance(inputs, Tensor) or inputs.dtype != torch.long:
                 raise ConfigError(*self._conditioning_field, f"takes condition ids (a LongTensor from a prompt sampler over conditions), got {type(inputs).__name__}")
             if inputs.numel() and (int(inputs.min()) < 0 or int(inputs.max()) >= self.null_class):
                 raise ValueError(f"condition ids must lie in [0, {self.null_class}), got {inputs.tolist()}")
-            return inputs.to(self.device)
+            return {"condition": inputs.to(self.device)}
         if self.conditioning == "text":
             if isinstance(inputs, Tensor) or not all(isinstance(p, str) for p in inputs):
                 raise ConfigError(*self._conditioning_field, f"takes prompt strings (a prompt sampler over texts), got {type(inputs).__name__}")
             return self._tokenize(list(inputs))
-        return None
+        return {}
 
-    def _tokenize(self, prompts: list[str]) -> Tensor:
-        ids = self.tokenizer(prompts, padding="max_length", max_length=self.prompt_tokens, truncation=True, return_tensors="pt").input_ids
-        return ids.to(self.device)
+    def _tokenize(self, prompts: list[str]) -> dict[str, Tensor]:
+        tokenizers = dict(zip(("prompt_ids", "prompt_ids_2", "prompt_ids_3"), zip((self.tokenizer, self.tokenizer_2, self.tokenizer_3), self.prompt_tokens)))
+        out = {}
+        for key in self._prompt_keys:
+            tokenizer, length = tokenizers[key]
+            out[key] = tokenizer(prompts, padding="max_length", max_length=length, truncation=True, return_tensors="pt").input_ids.to(self.device)
+        return out
 
-    def _encode(self, prompt_ids: Tensor) -> Tensor:
-        """Text embeddings [N, L, D] the UNet cross-attends to (no grad unless the encoder trains)."""
+    def _encode(self, ids: dict[str, Tensor]):
+        """Text embeddings the denoiser attends to (no grad unless the encoders train): the
+        CLIP states [N, L, D] for a UNet; for SD3 as diffusers' pipeline builds them, the
+        tuple (token states [N, L, joint_dim], pooled [N, P]) — the CLIPs' penultimate states
+        side by side, zero-padded to joint_attention_dim, then the T5 states (when there is a
+        T5 encoder) after them; the CLIPs' pooled projections side by side."""
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.config.train_text_encoder):
-            return self.text_encoder(prompt_ids).last_hidden_state
+            if self.kind != "sd3":
+                return self.text_encoder(ids["prompt_ids"]).last_hidden_state
+            states, pooled = [], []
+            for key, encoder in (("prompt_ids", self.text_encoder), ("prompt_ids_2", self.text_encoder_2)):
+                if encoder is not None:
+                    out = encoder(ids[key], output_hidden_states=True)
+                    states.append(out.hidden_states[-2])
+                    pooled.append(out.text_embeds)
+            clip = torch.cat(states, dim=-1)
+            joint = self.transformer.config.joint_attention_dim
+            clip = nn.functional.pad(clip, (0, joint - clip.shape[-1]))
+            if self.text_encoder_3 is not None:
+                clip = torch.cat([clip, self.text_encoder_3(ids["prompt_ids_3"]).last_hidden_state], dim=-2)
+            return clip, torch.cat(pooled, dim=-1)
 
-    def _null(self, n: int) -> Tensor:
+    def _null(self, n: int):
         """The null condition for n rows: the null class, or the empty prompt's embedding."""
         if self.conditioning == "class":
             return torch.full((n,), self.null_class, dtype=torch.long, device=self.device)
-        return self._encode(self._tokenize([""])).expand(n, -1, -1)
+        return _map(lambda c: c.expand(n, *c.shape[1:]), self._encode(self._tokenize([""])))
 
     # -------------------------------------------------------------- the denoiser
 
-    def _unet(self, x: Tensor, timestep: Tensor, condition: Tensor | None) -> Tensor:
+    def _unet(self, x: Tensor, timestep: Tensor, condition) -> Tensor:
+        """The denoiser's output for ``x`` (named for the UNet it first was; any denoiser)."""
+        if self.kind == "sd3":
+            states, pooled = condition
+            return self.transformer(x, encoder_hidden_states=states, pooled_projections=pooled, timestep=timestep.expand(x.shape[0])).sample
+        if self.kind == "dit":
+            out = self.transformer(x, timestep=timestep.expand(x.shape[0]), class_labels=condition).sample
+            # a DiT that learns its variance outputs it after the prediction; the chain's std is its own
+            return out[:, : self.channels] if out.shape[1] == 2 * self.channels else out
         if self.conditioning == "class":
             return self.unet(x, timestep, class_labels=condition).sample
         if self.conditioning == "text":
             return self.unet(x, timestep, encoder_hidden_states=condition).sample
         return self.unet(x, timestep).sample
 
-    def _guided(self, x: Tensor, timestep: Tensor, condition: Tensor | None, null: Tensor | None) -> Tensor:
-        """The UNet's output under classifier-free guidance: uncond + w (cond − uncond)."""
+    def _guided(self, x: Tensor, timestep: Tensor, condition, null) -> Tensor:
+        """The denoiser's output under classifier-free guidance: uncond + w (cond − uncond)."""
         w = self.config.guidance_scale
         if w == 1:
             return self._unet(x, timestep, condition)
@@ -321,7 +619,8 @@ class ImageDiffusionPolicy(DenoisingPolicy):
             with torch.no_grad():
                 uncond = self._unet(x, timestep, null)
         else:
-            both = self._unet(torch.cat([x, x]), torch.cat([timestep, timestep]), torch.cat([condition, null]))
+            cat = lambda a, b: torch.cat([a, b])  # noqa: E731
+            both = self._unet(cat(x, x), cat(timestep.expand(x.shape[0]), timestep.expand(x.shape[0])), _map2(cat, condition, null))
             cond, uncond = both.chunk(2)
         return uncond + w * (cond - uncond)
 
@@ -332,28 +631,50 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         return epsilon_from_prediction(out, x, alpha_bar, self.prediction_type)
 
     def _unet_time(self, time: Tensor) -> Tensor:
-        """The transition's time (a training timestep, or σ) → the UNet's timestep."""
+        """The transition's time (a training timestep, or σ) → the denoiser's timestep."""
         return time if self.config.is_diffusion else time * self.config.flow_time_scale
 
-    def _denoiser(self, condition: Tensor | None):
+    def _denoiser(self, condition):
         """``(x, t, rows) -> ε or v`` for the chains of ``condition`` (class ids or embeddings)."""
         guided = self.config.guidance_scale != 1
         null = self._null(1) if guided else None
 
         def denoise(x: Tensor, time: Tensor, rows: Tensor) -> Tensor:
-            cond = condition[rows] if condition is not None else None
-            null_rows = null.expand(x.shape[0], *null.shape[1:]) if null is not None else None
+            cond = _map(lambda c: c[rows], condition) if condition is not None else None
+            null_rows = _map(lambda c: c.expand(x.shape[0], *c.shape[1:]), null) if null is not None else None
             out = self._guided(x, self._unet_time(time), cond, null_rows)
             return self._transition_input(out, x, time)
 
         return denoise
 
-    def _embedded(self, condition: Tensor | None) -> Tensor | None:
-        return self._encode(condition) if self.conditioning == "text" else condition
+    def _embedded(self, conditions: dict[str, Tensor]):
+        """The replay's conditioning → what the denoiser takes (class ids, or text embeddings)."""
+        if self.conditioning == "text":
+            return self._encode(conditions)
+        return conditions.get("condition")
 
     def chain_denoiser(self, replay: dict):
-        key = {"class": "condition", "text": "prompt_ids"}.get(self.conditioning)
-        return self._denoiser(self._embedded(replay[key]) if key else None)
+        return self._denoiser(self._embedded(replay))
+
+    # -------------------------------------------------------------- latents and pixels
+
+    def encode_images(self, pixels: Tensor) -> Tensor:
+        """Pixels [N, 3, H, W] in [-1, 1] → what the chain denoises: the pixels themselves, or
+        the VAE latent (z − shift_factor)·scaling_factor with z drawn from the encoder's
+        posterior (as diffusers' training scripts do); no grad."""
+        if self.vae is None:
+            return pixels
+        with torch.no_grad():
+            z = self.vae.encode(pixels).latent_dist.sample()
+        return (z - self.vae_shift) * self.vae_scale
+
+    def decode_latents(self, latents: Tensor) -> Tensor:
+        """The chain's final latents → pixels [N, 3, H, W] (the VAE decodes z = latent /
+        scaling_factor + shift_factor); no grad, once per sample."""
+        if self.vae is None:
+            return latents
+        with torch.no_grad():
+            return self.vae.decode(latents / self.vae_scale + self.vae_shift).sample
 
     # -------------------------------------------------------------- sampling and SFT
 
@@ -361,35 +682,33 @@ class ImageDiffusionPolicy(DenoisingPolicy):
     def sample(self, inputs, generator: torch.Generator | None = None, deterministic: bool = False) -> Sample:
         """One image per input (condition id or prompt string); ``deterministic`` takes the
         deterministic update at every step (the initial noise is still drawn from ``generator``)."""
-        condition = self._conditions(inputs)
+        conditions = self._conditions(inputs)
         n = len(inputs)
-        x_init = torch.randn((n, 3, *self.resolution), generator=generator).to(self.device)
-        out = self.sample_chain(self._denoiser(self._embedded(condition)), x_init, generator, deterministic)
-        replay = {"chain": out.chain}
-        if self.conditioning == "class":
-            replay["condition"] = condition
-        elif self.conditioning == "text":
-            replay["prompt_ids"] = condition
-        return Sample(output=out.final, logp=out.logp, replay=replay, mask=out.mask, entropy=out.entropy, info={"images": pixels_to_uint8(out.final)})
+        x_init = torch.randn((n, self.channels, *self.resolution), generator=generator).to(self.device)
+        out = self.sample_chain(self._denoiser(self._embedded(conditions)), x_init, generator, deterministic)
+        replay = {"chain": out.chain, **conditions}
+        images = pixels_to_uint8(self.decode_latents(out.final))
+        return Sample(output=out.final, logp=out.logp, replay=replay, mask=out.mask, entropy=out.entropy, info={"images": images})
 
     def media(self, rollout) -> dict[str, Tensor]:
         """The generated images, written at evaluation as a PNG grid (and to TensorBoard)."""
         return {"images": rollout.info["images"]}
 
     def sft_loss(self, batch: dict) -> Tensor:
-        """The denoising loss of diffusion models (‖target − UNet(x_t, t, c)‖², with t uniform
+        """The denoising loss of diffusion models (‖target − D(x_t, t, c)‖², with t uniform
         over the training timesteps and the target of ``prediction_type``), or flow matching's
-        (‖(ε − x0) − UNet(x_σ, σ, c)‖² with x_σ = (1 − σ)·x0 + σ·ε, σ ~ U(0, 1)), on a batch
-        ``{"images": uint8 [B, H, W, 3], "condition": LongTensor [B] | "prompt": [str]}``.
-        A ``condition_dropout`` fraction of the samples is trained on the null condition."""
-        x0 = uint8_to_pixels(batch["images"]).to(self.device)
+        (‖(ε − x0) − D(x_σ, σ, c)‖² with x_σ = (1 − σ)·x0 + σ·ε, σ ~ U(0, 1)), on a batch
+        ``{"images": uint8 [B, H, W, 3], "condition": LongTensor [B] | "prompt": [str]}``;
+        x0 is the images' VAE latent when there is a VAE. A ``condition_dropout`` fraction of
+        the samples is trained on the null condition."""
+        x0 = self.encode_images(uint8_to_pixels(batch["images"]).to(self.device))
         b = x0.shape[0]
         inputs = batch.get("condition", batch.get("prompt"))
         condition = self._embedded(self._conditions(inputs)) if self.conditioning != "none" else None
         if condition is not None and self.config.condition_dropout > 0:
             drop = torch.rand(b, device=self.device) < self.config.condition_dropout
             null = self._null(b)
-            condition = torch.where(drop.view(-1, *([1] * (condition.ndim - 1))), null, condition)
+            condition = _map2(lambda n, c: torch.where(drop.view(-1, *([1] * (c.ndim - 1))), n, c), null, condition)
         noise = torch.randn_like(x0)
         if self.config.is_diffusion:
             t = torch.randint(0, self.config.denoising.num_train_timesteps, (b,), device=self.device)
