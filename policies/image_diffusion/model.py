@@ -37,6 +37,7 @@ from mmrl.core.policy import Sample
 from mmrl.denoising import DenoisingPolicy, alphas_cumprod, ddpm_betas
 from mmrl.errors import ConfigError, MissingExtraError
 from mmrl.policies.image_diffusion.config import ImageDiffusionConfig
+from mmrl.policies.text_lm.model import _allow_missing_tied_aliases, _drop_tied_aliases
 from mmrl.registry import POLICIES
 
 
@@ -335,6 +336,10 @@ def _check_scheduler(config: ImageDiffusionConfig, scheduler: dict) -> None:
     for key, value in (("beta_start", options.beta_start), ("beta_end", options.beta_end)):
         if key in scheduler and abs(float(scheduler[key]) - value) > 1e-12:
             raise ConfigError(path + key, value, f"the pipeline's scheduler has {key} {scheduler[key]} (Stable Diffusion: scaled_linear from 0.00085 to 0.012)")
+    if "clip_sample" in scheduler:
+        clip = float(scheduler.get("clip_sample_range", 1.0)) if scheduler["clip_sample"] else None
+        if clip != options.clip_denoised:
+            raise ConfigError(path + "clip_denoised", options.clip_denoised, "the pipeline's scheduler " + (f"clips the predicted clean sample to +-{clip}; set {clip}" if clip else "does not clip the predicted clean sample (clip_sample false); set null"))
 
 
 # ------------------------------------------------------------------ conditions as tensors or tuples
@@ -350,18 +355,25 @@ def _map2(fn, a, b):
 
 
 def _with_lora(denoiser: nn.Module, lora) -> None:
+    """Inject ``peft`` LoRA layers into the denoiser in place (any diffusers model, with or
+    without diffusers' own adapter mixin) and leave only them trainable."""
     try:
         import peft
     except ImportError:
         raise MissingExtraError("peft", "text", "LoRA adapters on the image denoiser (policy.lora.r > 0)") from None
     adapter = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules), bias="none")
     try:
-        denoiser.add_adapter(adapter)
+        peft.inject_adapter_in_model(adapter, denoiser)
     except ValueError as e:  # peft's message lists the modules it could not find
         raise ConfigError("policy.lora.target_modules", lora.target_modules, f"must name linear or conv layers of the denoiser: {e}") from None
-    # only the adapters train (peft's injection leaves the base weights as they were)
     for name, param in denoiser.named_parameters():
         param.requires_grad_("lora_" in name)
+
+
+def _adapter_layers(denoiser: nn.Module) -> list[nn.Module]:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [m for m in denoiser.modules() if isinstance(m, BaseTunerLayer)]
 
 
 class _AdapterDisabledReference(DenoisingPolicy):
@@ -429,6 +441,8 @@ class ImageDiffusionPolicy(DenoisingPolicy):
             self.vae_scale = float(vae_config.scaling_factor)
             self.vae_shift = float(vae_config.shift_factor or 0.0)
             self.vae_factor = 2 ** (len(vae_config.block_out_channels) - 1)
+            if config.is_diffusion and config.denoising.clip_denoised is not None:
+                raise ConfigError("policy.denoising.clip_denoised", config.denoising.clip_denoised, "clips the predicted clean sample to pixel range, but the chain runs over VAE latents, which are not in [-1, 1]; set null")
         self.prompt_tokens = []
         for i, (encoder, tokenizer) in enumerate(zip(encoders, tokenizers)):
             if encoder is None:
@@ -464,6 +478,19 @@ class ImageDiffusionPolicy(DenoisingPolicy):
             self.register_buffer("alphas_cumprod", ab, persistent=False)
         if config.lora.r:
             _with_lora(self.denoiser_model, config.lora)
+        self.train()
+        # T5's input embedding is tied to its shared embedding: safetensors takes one name per tensor
+        self.register_state_dict_post_hook(_drop_tied_aliases)
+        self.register_load_state_dict_post_hook(_allow_missing_tied_aliases)
+
+    def train(self, mode: bool = True) -> "ImageDiffusionPolicy":
+        """Train mode for the denoiser only: the text encoders and the VAE stay in eval mode
+        (T5's dropout would otherwise make two encodings of one prompt differ: ratio != 1)."""
+        super().train(mode)
+        for part in (self.text_encoder, self.text_encoder_2, self.text_encoder_3, self.vae):
+            if part is not None:
+                part.eval()
+        return self
 
     def _prompt_length(self, slot: int, encoder: nn.Module, tokenizer) -> int:
         if slot == 2:  # T5: relative positions, no limit of its own
@@ -510,13 +537,16 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         if not self.config.lora.r:
             yield
             return
-        # peft's switch also sets requires_grad of the adapters; what the trainer froze stays frozen
+        # peft's switch also sets requires_grad of the adapters; what was frozen stays frozen
         trainable = {name: p.requires_grad for name, p in self.denoiser_model.named_parameters() if "lora_" in name}
-        self.denoiser_model.disable_adapters()
+        layers = _adapter_layers(self.denoiser_model)
+        for layer in layers:
+            layer.enable_adapters(False)
         try:
             yield
         finally:
-            self.denoiser_model.enable_adapters()
+            for layer in layers:
+                layer.enable_adapters(True)
             for name, param in self.denoiser_model.named_parameters():
                 if name in trainable:
                     param.requires_grad_(trainable[name])

@@ -1,0 +1,400 @@
+"""image_diffusion beyond pixel UNets: SD3 / DiT transformer denoisers, VAE latents, full
+pipeline directories (Stable Diffusion and SD3 shaped, saved with diffusers' save_pretrained)
+trained through `mmrl train`, and LoRA adapters with the adapter-disabled model as reference."""
+
+import json
+import math
+
+import pytest
+import torch
+
+diffusers = pytest.importorskip("diffusers")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from safetensors.torch import load_file  # noqa: E402
+
+from mmrl.config import from_dict  # noqa: E402
+from mmrl.core.weights import build_policy, load_pretrained, save_pretrained  # noqa: E402
+from mmrl.denoising import flow_sigmas  # noqa: E402
+from mmrl.errors import ConfigError  # noqa: E402
+from mmrl.policies.image_diffusion import ImageDiffusionConfig, ImageDiffusionPolicy  # noqa: E402
+from mmrl.policies.image_diffusion.model import pixels_to_uint8  # noqa: E402
+from mmrl.policies.text_lm.tokenizer import byte_tokenizer  # noqa: E402
+
+CONDITIONS = torch.tensor([0, 1, 2, 0])
+PROMPTS = ["a red circle", "two blue squares", "", "a red circle"]
+RATIO_ATOL = 5e-3  # as tests/policies/test_image_diffusion.py: batch-dependent float32 sums
+SD3 = {"denoiser": "sd3_transformer", "conditioning": "text"}
+DIT = {"denoiser": "dit_transformer", "conditioning": "class"}
+FLOW = {"transition": "flow_sde", "noise_level": 0.7, "min_std": 0.0}
+
+
+def make(seed: int = 0, spec: dict | None = None, **fields) -> ImageDiffusionPolicy:
+    torch.manual_seed(seed)
+    return build_policy(from_dict(ImageDiffusionConfig, {"type": "image_diffusion", **fields}, "policy"), {"num_prompts": 3} if spec is None else spec)
+
+
+# ------------------------------------------------------------------ tiny pipelines as diffusers saves them
+
+
+def _tokenizer(max_length: int | None = 8):
+    tokenizer = byte_tokenizer()
+    tokenizer.padding_side = "right"
+    if max_length:
+        tokenizer.model_max_length = max_length  # as a CLIP tokenizer's 77: the text encoder's positions
+    return tokenizer
+
+
+def _clip(tokenizer, width: int, projection: bool):
+    config = transformers.CLIPTextConfig(
+        vocab_size=len(tokenizer), hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2, num_attention_heads=2,
+        max_position_embeddings=tokenizer.model_max_length, projection_dim=8, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    return (transformers.CLIPTextModelWithProjection if projection else transformers.CLIPTextModel)(config).eval()
+
+
+def _vae(scaling_factor: float, shift_factor: float | None):
+    return diffusers.AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16),
+        layers_per_block=1, latent_channels=4, norm_num_groups=4, sample_size=16, scaling_factor=scaling_factor, shift_factor=shift_factor,
+    ).eval()
+
+
+def sd3_pipeline(directory, t5: bool = True):
+    """An SD3-shaped pipeline (transformer, VAE, two CLIPs with projection, T5, flow-matching
+    scheduler with shift 3), saved with StableDiffusion3Pipeline.save_pretrained."""
+    torch.manual_seed(0)
+    tok1, tok2, tok3 = _tokenizer(), _tokenizer(), _tokenizer(None)
+    te1, te2 = _clip(tok1, 16, True), _clip(tok2, 8, True)
+    te3 = transformers.T5EncoderModel(transformers.T5Config(vocab_size=len(tok3), d_model=32, d_kv=8, d_ff=32, num_layers=1, num_heads=2)).eval() if t5 else None
+    transformer = diffusers.SD3Transformer2DModel(
+        sample_size=8, patch_size=2, in_channels=4, out_channels=4, num_layers=1, attention_head_dim=8, num_attention_heads=2,
+        joint_attention_dim=32, caption_projection_dim=16, pooled_projection_dim=16, pos_embed_max_size=4,
+    )
+    pipe = diffusers.StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0), vae=_vae(1.5305, 0.0609),
+        text_encoder=te1, tokenizer=tok1, text_encoder_2=te2, tokenizer_2=tok2, text_encoder_3=te3, tokenizer_3=tok3 if t5 else None,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    pipe.save_pretrained(directory)
+    return pipe
+
+
+def sd_pipeline(directory):
+    """A Stable-Diffusion-shaped pipeline (UNet2DConditionModel over a VAE's latents, CLIPTextModel,
+    DDIM with SD's scaled_linear 0.00085 … 0.012), saved with StableDiffusionPipeline.save_pretrained."""
+    torch.manual_seed(0)
+    tokenizer = _tokenizer()
+    unet = diffusers.UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, block_out_channels=(8, 16), layers_per_block=1, norm_num_groups=4,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=16, attention_head_dim=4,
+    )
+    scheduler = diffusers.DDIMScheduler(
+        num_train_timesteps=1000, beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, clip_sample=False, set_alpha_to_one=True, timestep_spacing="trailing"
+    )
+    pipe = diffusers.StableDiffusionPipeline(
+        vae=_vae(0.18215, None), text_encoder=_clip(tokenizer, 16, False), tokenizer=tokenizer, unet=unet, scheduler=scheduler,
+        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    pipe.save_pretrained(directory)
+    return pipe
+
+
+SD_DENOISING = {"transition": "ddim", "beta_schedule": "scaled_linear", "beta_start": 0.00085, "beta_end": 0.012, "num_inference_steps": 4, "clip_denoised": None}
+SD3_DENOISING = {"transition": "flow_sde", "time_shift": 3.0, "num_inference_steps": 4, "min_std": 0.0}
+
+
+# ------------------------------------------------------------------ transformer denoisers
+
+
+@pytest.mark.parametrize("denoiser, denoising, inputs", [(SD3, FLOW, PROMPTS), (DIT, {"transition": "ddim", "eta": 1.0, "clip_denoised": None}, CONDITIONS)])
+@pytest.mark.parametrize("vae", [False, True])
+def test_transformer_denoisers_give_ratio_one_and_reproduce_old_logp_exactly_one_step_per_call(denoiser, denoising, inputs, vae):
+    spec = {} if denoiser is SD3 else None
+    policy = make(spec=spec, tiny={**denoiser, "vae": vae}, denoising=denoising, guidance_scale=2.0)
+    sample = policy.sample(inputs, torch.Generator().manual_seed(1))
+    assert sample.logp.shape == (4, 8) and torch.isfinite(sample.logp).all()
+    assert sample.output.shape == ((4, 4, 8, 8) if vae else (4, 3, 16, 16)) and sample.info["images"].shape == (4, 16, 16, 3)
+    logp = policy.log_prob(sample.replay)
+    torch.testing.assert_close(torch.exp(logp - sample.logp), torch.ones_like(logp), atol=RATIO_ATOL, rtol=0)
+    logp.sum().backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.transformer.parameters())
+    assert all(p.grad is None for p in policy.parameters() if not p.requires_grad)  # frozen text encoder / VAE
+    exact = make(spec=spec, tiny={**denoiser, "vae": vae}, denoising={**denoising, "chunk_steps": 1}, guidance_scale=2.0)
+    sample = exact.sample(inputs, torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(exact.log_prob(sample.replay), sample.logp)
+
+
+def test_the_deterministic_chain_equals_diffusers_sd3_pipeline_with_guidance_and_decodes_as_it_does(tmp_path):
+    # the whole StableDiffusion3Pipeline (its prompt encoding: two CLIPs' penultimate states + T5,
+    # pooled projections; its Euler loop with shift 3; its CFG; the VAE's scaling and shift)
+    pipe = sd3_pipeline(tmp_path / "sd3")
+    policy = make(spec={}, model_path=str(tmp_path / "sd3"), max_t5_tokens=8, guidance_scale=2.0, denoising={**SD3_DENOISING, "transition": "flow_ode"})
+    assert policy.kind == "sd3" and policy.vae is not None and policy.text_encoder_3 is not None and (policy.vae_scale, policy.vae_shift) == (1.5305, 0.0609)
+    prompts = ["a red circle", "two squares"]
+    ours = policy.sample(prompts, torch.Generator().manual_seed(1), deterministic=True)
+    x = torch.randn((2, 4, 8, 8), generator=torch.Generator().manual_seed(1))
+    sigmas = flow_sigmas(4)[:-1].tolist()  # mmrl's grid before the shift; the scheduler shifts it
+    common = dict(height=16, width=16, num_inference_steps=4, sigmas=sigmas, guidance_scale=2.0, max_sequence_length=8)
+    latents = pipe(prompts, latents=x, output_type="latent", **common).images
+    torch.testing.assert_close(ours.output, latents, atol=1e-4, rtol=1e-4)
+    images = pipe(prompts, latents=x, output_type="pt", **common).images  # [0, 1]
+    assert (ours.info["images"].permute(0, 3, 1, 2).float() - images * 255).abs().max() <= 1.0
+
+
+def test_the_deterministic_chain_equals_diffusers_stable_diffusion_pipeline(tmp_path):
+    pipe = sd_pipeline(tmp_path / "sd")
+    policy = make(spec={}, model_path=str(tmp_path / "sd"), guidance_scale=3.0, denoising=SD_DENOISING)
+    assert policy.kind == "unet" and policy.vae is not None and policy.prediction_type == "epsilon"
+    prompts = ["a red circle", "two squares"]
+    ours = policy.sample(prompts, torch.Generator().manual_seed(2), deterministic=True)
+    x = torch.randn((2, 4, 8, 8), generator=torch.Generator().manual_seed(2))
+    latents = pipe(prompts, height=16, width=16, num_inference_steps=4, guidance_scale=3.0, eta=0.0, latents=x, output_type="latent").images
+    torch.testing.assert_close(ours.output, latents, atol=1e-4, rtol=1e-4)
+
+
+def _dit_pipeline(directory, learn_sigma: bool):
+    torch.manual_seed(0)
+    transformer = diffusers.DiTTransformer2DModel(
+        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8 if learn_sigma else 4, num_layers=1, sample_size=8, patch_size=2, num_embeds_ada_norm=3
+    )
+    transformer.save_pretrained(directory / "transformer")
+    _vae(0.18215, None).save_pretrained(directory / "vae")
+    diffusers.DDIMScheduler(num_train_timesteps=1000, beta_schedule="linear", clip_sample=False).save_pretrained(directory / "scheduler")
+    return transformer.eval()
+
+
+@pytest.mark.parametrize("learn_sigma", [False, True])
+def test_a_vanishing_eta_on_a_dit_reproduces_the_diffusers_ddim_loop(tmp_path, learn_sigma):
+    transformer = _dit_pipeline(tmp_path, learn_sigma)
+    policy = make(model_path=str(tmp_path), denoising={"transition": "ddim", "eta": 1e-6, "num_inference_steps": 5, "min_std": 1e-8, "clip_denoised": None})
+    assert policy.kind == "dit" and policy.null_class == 3
+    ours = policy.sample(CONDITIONS, torch.Generator().manual_seed(3)).output
+    x = torch.randn((4, 4, 8, 8), generator=torch.Generator().manual_seed(3))
+    scheduler = diffusers.DDIMScheduler(num_train_timesteps=1000, beta_schedule="linear", clip_sample=False, set_alpha_to_one=True, timestep_spacing="trailing")
+    scheduler.set_timesteps(5)  # a divisor of 1000: diffusers' DDIM steps to t - T // K, not to its next trailing timestep
+    with torch.no_grad():
+        for t in scheduler.timesteps:
+            out = transformer(x, timestep=t.expand(4), class_labels=CONDITIONS).sample
+            x = scheduler.step(out[:, :4], t, x, eta=0.0).prev_sample  # a learned variance is split off, as DiTPipeline does
+    torch.testing.assert_close(ours, x, atol=1e-4, rtol=1e-4)
+
+
+def test_dit_keeps_its_labels_in_train_mode_and_guidance_uses_its_null_class():
+    policy = make(tiny=DIT, guidance_scale=3.0)
+    policy.train()
+    sample = policy.sample(CONDITIONS, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(policy.log_prob(sample.replay), policy.log_prob(sample.replay), atol=0, rtol=0)
+    embedding = next(m for m in policy.transformer.modules() if type(m).__name__ == "LabelEmbedding").embedding_table
+    assert embedding.num_embeddings == 4 and policy.null_class == 3
+    policy.log_prob(sample.replay).sum().backward()
+    assert embedding.weight.grad[3].abs().sum() == 0  # detached unconditional branch: the null class gets no gradient
+
+
+# ------------------------------------------------------------------ VAE latents
+
+
+def test_the_final_latent_is_decoded_once_per_sample_without_grad_with_the_vae_scaling():
+    policy = make(tiny={"vae": True, "vae_scaling_factor": 0.5, "vae_shift_factor": 0.1, "block_out_channels": [8]}, denoising={"clip_denoised": None})
+    calls = []
+    decode = policy.vae.decode
+
+    def counting(z, *args, **kwargs):
+        calls.append(torch.is_grad_enabled())
+        return decode(z, *args, **kwargs)
+
+    policy.vae.decode = counting
+    sample = policy.sample(CONDITIONS, torch.Generator().manual_seed(0))
+    assert calls == [False]  # one call for the whole batch, after the last step
+    with torch.no_grad():
+        expected = pixels_to_uint8(decode(sample.output / 0.5 + 0.1).sample)
+    assert torch.equal(sample.info["images"], expected)
+    policy.log_prob(sample.replay).sum().backward()
+    assert calls == [False]  # recomputing log-probs never decodes
+    assert all(p.grad is None and not p.requires_grad for p in policy.vae.parameters())
+
+
+def test_sft_loss_in_latent_space_encodes_the_images_with_the_scaling_and_a_step_lowers_it():
+    policy = make(tiny={**DIT, "vae": True, "vae_scaling_factor": 0.5, "vae_shift_factor": 0.1}, denoising={"clip_denoised": None}, condition_dropout=0.0)
+    images = torch.zeros(8, 16, 16, 3, dtype=torch.uint8)
+    images[:, 4:12, 4:12, 0] = 255
+    pixels = images.permute(0, 3, 1, 2).float() / 127.5 - 1
+    torch.manual_seed(0)
+    latents = policy.encode_images(pixels)
+    torch.manual_seed(0)
+    z = policy.vae.encode(pixels).latent_dist.sample()
+    torch.testing.assert_close(latents, (z - 0.1) * 0.5)
+    batch = {"images": images, "condition": torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])}
+    optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=3e-3)
+    losses = []
+    for i in range(30):
+        torch.manual_seed(i % 3)
+        loss = policy.sft_loss(batch)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert math.isfinite(losses[0]) and sum(losses[-3:]) < 0.7 * sum(losses[:3])
+
+
+# ------------------------------------------------------------------ LoRA
+
+
+LORA = {"r": 4, "alpha": 8.0}
+
+
+def _lora_policy(**fields):
+    return make(spec={}, tiny=SD3, denoising=FLOW, lora=LORA, guidance_scale=2.0, **fields)
+
+
+def test_lora_trains_only_the_adapters_and_the_reference_is_the_base_model():
+    policy = _lora_policy()
+    base = make(spec={}, tiny=SD3, denoising=FLOW, guidance_scale=2.0)  # same seed: the same base weights
+    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    sample = policy.sample(PROMPTS, torch.Generator().manual_seed(0))
+    reference = policy.reference()
+    assert isinstance(reference, torch.nn.Module) and not list(reference.parameters())  # shares, does not copy
+    with torch.no_grad():
+        base_logp = base.log_prob(sample.replay)
+        torch.testing.assert_close(reference.log_prob(sample.replay), base_logp, atol=1e-5, rtol=0)
+        torch.testing.assert_close(policy.log_prob(sample.replay), base_logp, atol=1e-5, rtol=0)  # B = 0 at the start
+    assert policy.exact_kl(sample.replay, reference).abs().max() < 1e-6
+
+    optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
+    kl = policy.exact_kl(sample.replay, reference)
+    loss = -(torch.tensor([1.0, -1.0, 0.0, 0.0])[:, None] * policy.log_prob(sample.replay)).sum() + kl.sum()
+    loss.backward()
+    assert {n for n, p in policy.named_parameters() if p.grad is not None} == trainable
+    optimizer.step()
+    assert set(map(id, optimizer.state)) == {id(p) for p in policy.parameters() if p.requires_grad}
+    assert {n for n, p in policy.named_parameters() if p.requires_grad} == trainable  # disabling adapters restored their flags
+    with torch.no_grad():
+        after = policy.log_prob(sample.replay)
+        assert (after - base_logp).abs().max() > 1e-3
+        torch.testing.assert_close(reference.log_prob(sample.replay), base_logp, atol=1e-5, rtol=0)
+    kl = policy.exact_kl(sample.replay, reference)
+    assert (kl > 0).all()
+    kl.sum().backward()  # the KL's gradient reaches the adapters only
+    assert all(p.grad is None for n, p in policy.named_parameters() if "lora_" not in n)
+
+
+def test_lora_checkpoints_save_and_load_the_adapters_exactly(tmp_path):
+    policy = _lora_policy()
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)  # a trained adapter
+    save_pretrained(policy, tmp_path / "saved")
+    stored = load_file(str(tmp_path / "saved" / "model.safetensors"))
+    adapters = {n: p for n, p in policy.state_dict().items() if "lora_" in n}
+    assert adapters and all(torch.equal(stored[n], v) for n, v in adapters.items())
+    loaded = load_pretrained(tmp_path / "saved")
+    for (name, a), (_, b) in zip(policy.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    first = policy.sample(PROMPTS, torch.Generator().manual_seed(0))
+    second = loaded.sample(PROMPTS, torch.Generator().manual_seed(0))
+    assert torch.equal(first.output, second.output) and torch.equal(first.logp, second.logp)
+    assert all(("lora_" in n) == p.requires_grad for n, p in loaded.named_parameters())
+
+
+# ------------------------------------------------------------------ `mmrl train` from a pipeline directory
+
+
+def _train_config(tmp_path, name: str, policy: dict, kl: dict) -> str:
+    import yaml
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["a red circle", "a blue square", "two green triangles"]))
+    config = {
+        "name": name, "seed": 0, "total_steps": 2,
+        "policy": {"type": "image_diffusion", **policy},
+        "sampler": {"type": "prompt", "data": {"train": str(data)}, "batch_groups": 2},
+        "rewards": [{"type": "jpeg_compressibility"}],
+        "algo": {"group_size": 2, "groups_per_step": 2, "ppo_epochs": 1, "num_minibatches": 1, "kl": kl},
+        "optim": {"lr": 1e-3}, "eval": {"episodes": 2},
+        "log": {"progress": False, "tensorboard": False},
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+@pytest.mark.parametrize("shape", ["sd", "sd3_lora"])
+def test_mmrl_train_runs_from_a_saved_pipeline_directory(tmp_path, shape):
+    from mmrl.cli import main
+    from mmrl.train.metrics import read_metrics
+
+    if shape == "sd":
+        pipe = sd_pipeline(tmp_path / "pipe")
+        policy = {"model_path": str(tmp_path / "pipe"), "guidance_scale": 2.0, "denoising": SD_DENOISING}
+        kl, denoiser = {"coef": 0.0}, pipe.unet
+    else:
+        pipe = sd3_pipeline(tmp_path / "pipe")
+        policy = {"model_path": str(tmp_path / "pipe"), "max_t5_tokens": 8, "lora": LORA, "denoising": SD3_DENOISING}
+        kl, denoiser = {"type": "exact", "coef": 0.1}, pipe.transformer
+    config = _train_config(tmp_path, shape, policy, kl)
+    assert main(["train", config, "--run-dir", str(tmp_path / "run")]) == 0
+    metrics = [m for m in read_metrics(tmp_path / "run") if "reward/total" in m]
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(math.isfinite(v) for m in metrics for v in m.values() if isinstance(v, float))
+    trained = load_pretrained(tmp_path / "run")
+    assert trained.vae is not None and (tmp_path / "run" / "samples" / "step_000002" / "images.png").is_file()
+    weights = trained.denoiser_model.state_dict()
+    base = {n.replace(".base_layer", ""): v for n, v in weights.items() if "lora_" not in n}
+    if shape == "sd":  # full fine-tuning moved the UNet
+        assert any(not torch.equal(base[n], v) for n, v in denoiser.state_dict().items())
+    else:  # LoRA: the base transformer is untouched, the adapters moved off zero, the KL was logged
+        assert all(torch.equal(base[n], v) for n, v in denoiser.state_dict().items())
+        assert any(v.abs().sum() > 0 for n, v in weights.items() if "lora_B" in n)
+        assert all("kl" in " ".join(m) for m in metrics)
+
+
+def test_a_stable_diffusion_scheduler_needs_its_beta_range_in_the_denoising_options(tmp_path):
+    sd_pipeline(tmp_path / "sd")
+    with pytest.raises(ConfigError, match="policy.denoising.beta_schedule"):
+        make(spec={}, model_path=str(tmp_path / "sd"))
+    with pytest.raises(ConfigError, match="policy.denoising.beta_start"):
+        make(spec={}, model_path=str(tmp_path / "sd"), denoising={"beta_schedule": "scaled_linear", "clip_denoised": None})
+    with pytest.raises(ConfigError, match="policy.denoising.clip_denoised"):
+        make(spec={}, model_path=str(tmp_path / "sd"), denoising={**SD_DENOISING, "clip_denoised": 1.0})
+
+
+def test_an_sd3_pipeline_without_t5_loads_its_two_clips(tmp_path):
+    sd3_pipeline(tmp_path / "sd3", t5=False)
+    policy = make(spec={}, model_path=str(tmp_path / "sd3"), denoising=SD3_DENOISING)
+    assert policy.text_encoder_3 is None and set(policy._prompt_keys) == {"prompt_ids", "prompt_ids_2"}
+    sample = policy.sample(["a red circle", "two squares"], torch.Generator().manual_seed(0))
+    assert set(sample.replay) == {"chain", "prompt_ids", "prompt_ids_2"}
+    assert sample.info["images"].shape == (2, 16, 16, 3)
+    with pytest.raises(ConfigError, match="policy.denoising.time_shift"):
+        make(spec={}, model_path=str(tmp_path / "sd3"), denoising={"transition": "flow_sde"})
+
+
+@pytest.mark.parametrize(
+    "fields, field",
+    [
+        ({"tiny": {"denoiser": "sd3_transformer", "conditioning": "class"}}, "policy.tiny.conditioning"),
+        ({"tiny": {"denoiser": "dit_transformer", "conditioning": "none"}}, "policy.tiny.conditioning"),
+        ({"tiny": {**DIT, "resolution": 10, "patch_size": 4}}, "policy.tiny.patch_size"),
+        ({"tiny": {"vae": True}}, "policy.denoising.clip_denoised"),  # a VAE latent is not in [-1, 1]
+        ({"tiny": {"vae": True, "resolution": 12, "vae_block_out_channels": [8, 16, 16]}}, "policy.tiny.resolution"),
+        ({"lora": {"r": 4, "target_modules": ["q_proj"]}}, "policy.lora.target_modules"),  # a language model's layer name
+        ({"tiny": DIT, "lora": {"r": 4}, "train_text_encoder": True}, "policy.train_text_encoder"),
+    ],
+)
+def test_bad_options_are_config_errors_that_name_the_field(fields, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        make(**fields)
+
+
+def test_a_latent_denoiser_without_its_vae_is_a_config_error(tmp_path):
+    _dit_pipeline(tmp_path, learn_sigma=True)
+    import shutil
+
+    shutil.rmtree(tmp_path / "vae")
+    with pytest.raises(ConfigError, match="needs vae/"):
+        make(model_path=str(tmp_path))
