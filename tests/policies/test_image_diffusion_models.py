@@ -398,3 +398,44 @@ def test_a_latent_denoiser_without_its_vae_is_a_config_error(tmp_path):
     shutil.rmtree(tmp_path / "vae")
     with pytest.raises(ConfigError, match="needs vae/"):
         make(model_path=str(tmp_path))
+
+
+# ------------------------------------------------------------------ learning
+
+
+def _brightness_training(policy, inputs, lr: float, steps: int = 12, seed: int = 0) -> list[float]:
+    """PPO-clip on the standardized mean image brightness, two epochs per batch: the reward of each step."""
+    optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=lr)
+    generator = torch.Generator().manual_seed(seed)
+    rewards = []
+    for _ in range(steps):
+        sample = policy.sample(inputs, generator)
+        reward = sample.info["images"].float().mean((1, 2, 3)) / 255
+        rewards.append(reward.mean().item())
+        advantage = ((reward - reward.mean()) / (reward.std() + 1e-6))[:, None]
+        for _ in range(2):
+            ratio = torch.exp(policy.log_prob(sample.replay) - sample.logp)
+            loss = -torch.minimum(ratio * advantage, ratio.clamp(0.8, 1.2) * advantage).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    return rewards
+
+
+LEARN = {"transition": "flow_sde", "noise_level": 0.7, "min_std": 0.0, "num_inference_steps": 4, "logp_reduction": "mean"}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_lora_on_the_sd3_transformer_raises_a_brightness_reward(seed):
+    # measured: mean reward of steps 1-3 -> 10-12 went 0.526 -> 0.780, 0.520 -> 0.598, 0.524 -> 0.898 for seeds 0, 1, 2
+    lora = {"r": 4, "alpha": 8.0, "target_modules": ["to_q", "to_k", "to_v", "to_out.0", "proj_out"]}
+    policy = make(seed=seed, spec={}, tiny={**SD3, "resolution": 8}, denoising=LEARN, lora=lora)
+    rewards = _brightness_training(policy, ["a red circle", "two blue squares", "a green triangle", "x"] * 4, lr=3e-2, seed=seed)
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.05
+
+
+def test_full_fine_tuning_of_a_dit_raises_a_brightness_reward():
+    # measured: 0.563 -> 0.696 (seed 0), 0.531 -> 0.707 (1), 0.514 -> 0.725 (2)
+    policy = make(tiny={**DIT, "resolution": 8}, denoising=LEARN)
+    rewards = _brightness_training(policy, torch.arange(16) % 3, lr=1e-2)
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.05
