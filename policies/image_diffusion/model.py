@@ -1,26 +1,33 @@
-"""``image_diffusion``: an image generator over a ``diffusers`` UNet, denoising as an MDP.
+"""``image_diffusion``: an image generator over a ``diffusers`` denoiser, denoising as an MDP.
 
 One decision is one stochastic denoising step of an image's chain (DDPO with ``ddim`` η > 0
 or ``ddpm``; Flow-GRPO with ``flow_sde``; CPS with ``flow_cps``), all from
-:mod:`mmrl.denoising`: this module only says how the UNet is conditioned and what it
-predicts. ``sample`` takes the prompt sampler's inputs — a LongTensor of condition ids (a
-class-conditional UNet2DModel) or a list of prompt strings (a UNet2DConditionModel under a
-CLIP text encoder) — and returns the chains in the replay layout beside the conditioning:
+:mod:`mmrl.denoising`: this module only says how the denoiser is conditioned and what it
+predicts. The denoiser is a UNet (``UNet2DModel`` class-conditional or unconditional,
+``UNet2DConditionModel`` under a CLIP text encoder), an ``SD3Transformer2DModel`` (CLIP /
+T5 text encoders, pooled projections) or a ``DiTTransformer2DModel`` (class-conditional).
+``sample`` takes the prompt sampler's inputs — a LongTensor of condition ids or a list of
+prompt strings — and returns the chains in the replay layout beside the conditioning:
 
-    chain            the latents, step indices and stochastic mask (mmrl.denoising.chain)
-    condition [N]    class ids (class conditioning), or
-    prompt_ids [N, L] token ids (text conditioning; the encoder runs again in log_prob)
+    chain              the latents, step indices and stochastic mask (mmrl.denoising.chain)
+    condition [N]      class ids (class conditioning), or
+    prompt_ids [N, L]  token ids (text conditioning; the encoders run again in log_prob),
+                       with prompt_ids_2 / prompt_ids_3 for SD3's second CLIP and T5
 
-The images live in pixel space, in [-1, 1]; the final latent is decoded to
-``info["images"]`` (uint8 [N, H, W, 3], RGB) for the image rewards.
+The chain runs in pixel space, in [-1, 1], or over the latents of an ``AutoencoderKL``
+(scaled as diffusers does); the final latent is decoded to ``info["images"]`` (uint8
+[N, H, W, 3], RGB) for the image rewards, once per sample and without grad.
 
-What the UNet predicts (``prediction_type``) is converted to what the transition takes:
+What the denoiser predicts (``prediction_type``) is converted to what the transition takes:
 ε for diffusion steps (:func:`epsilon_from_prediction`), the velocity noise − image for flow
 steps. Classifier-free guidance (``guidance_scale`` w) combines a conditional and an
-unconditional pass, uncond + w (cond − uncond), in the UNet's own output space, when
+unconditional pass, uncond + w (cond − uncond), in the denoiser's own output space, when
 sampling and when recomputing log-probs, so the recomputed log-prob is that of the guided
 step that was sampled; the unconditional pass uses the null condition (the last class id,
 or the empty prompt).
+
+With ``lora.r > 0`` peft LoRA layers are injected into the denoiser and only they train;
+``reference()`` is then the policy itself with its adapters disabled.
 """
 
 from __future__ import annotations
@@ -325,6 +332,8 @@ def _check_scheduler(config: ImageDiffusionConfig, scheduler: dict) -> None:
         allowed = "flow_sde, flow_cps or flow_ode" if is_flow else "ddim or ddpm"
         raise ConfigError(path + "transition", options.transition, f"the pipeline's scheduler ({scheduler.get('_class_name')}) is {kind} schedule; use {allowed}")
     if is_flow:
+        if scheduler.get("use_dynamic_shifting"):
+            raise ConfigError(path + "time_shift", options.time_shift, "the pipeline's scheduler shifts its sigmas by the image size (use_dynamic_shifting, FLUX-style); only a fixed shift is supported")
         shift = float(scheduler.get("shift", 1.0))
         if shift != options.time_shift:
             raise ConfigError(path + "time_shift", options.time_shift, f"the pipeline's scheduler has shift {shift}")
@@ -443,14 +452,15 @@ class ImageDiffusionPolicy(DenoisingPolicy):
             self.vae_factor = 2 ** (len(vae_config.block_out_channels) - 1)
             if config.is_diffusion and config.denoising.clip_denoised is not None:
                 raise ConfigError("policy.denoising.clip_denoised", config.denoising.clip_denoised, "clips the predicted clean sample to pixel range, but the chain runs over VAE latents, which are not in [-1, 1]; set null")
-        self.prompt_tokens = []
+        self.prompt_lengths = []  # tokens of each encoder's prompts (None: no such encoder)
         for i, (encoder, tokenizer) in enumerate(zip(encoders, tokenizers)):
             if encoder is None:
-                self.prompt_tokens.append(None)
+                self.prompt_lengths.append(None)
                 continue
             if not config.train_text_encoder:
                 encoder.requires_grad_(False)
-            self.prompt_tokens.append(self._prompt_length(i, encoder, tokenizer))
+            self.prompt_lengths.append(self._prompt_length(i, encoder, tokenizer))
+        self.prompt_tokens = self.prompt_lengths[0]  # the first (or only) text encoder's
         if self.kind == "sd3":
             self._check_sd3_widths()
         self.prediction_type = config.prediction_type or self._default_prediction(parts.scheduler)
@@ -587,7 +597,7 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         return {}
 
     def _tokenize(self, prompts: list[str]) -> dict[str, Tensor]:
-        tokenizers = dict(zip(("prompt_ids", "prompt_ids_2", "prompt_ids_3"), zip((self.tokenizer, self.tokenizer_2, self.tokenizer_3), self.prompt_tokens)))
+        tokenizers = dict(zip(("prompt_ids", "prompt_ids_2", "prompt_ids_3"), zip((self.tokenizer, self.tokenizer_2, self.tokenizer_3), self.prompt_lengths)))
         out = {}
         for key in self._prompt_keys:
             tokenizer, length = tokenizers[key]
@@ -631,13 +641,14 @@ class ImageDiffusionPolicy(DenoisingPolicy):
             return self.transformer(x, encoder_hidden_states=states, pooled_projections=pooled, timestep=timestep.expand(x.shape[0])).sample
         if self.kind == "dit":
             out = self.transformer(x, timestep=timestep.expand(x.shape[0]), class_labels=condition).sample
-            # a DiT that learns its variance outputs it after the prediction; the chain's std is its own
-            return out[:, : self.channels] if out.shape[1] == 2 * self.channels else out
-        if self.conditioning == "class":
-            return self.unet(x, timestep, class_labels=condition).sample
-        if self.conditioning == "text":
-            return self.unet(x, timestep, encoder_hidden_states=condition).sample
-        return self.unet(x, timestep).sample
+        elif self.conditioning == "class":
+            out = self.unet(x, timestep, class_labels=condition).sample
+        elif self.conditioning == "text":
+            out = self.unet(x, timestep, encoder_hidden_states=condition).sample
+        else:
+            out = self.unet(x, timestep).sample
+        # a model that learns its variance (DiT) outputs it after the prediction; the chain's std is the transition's
+        return out[:, : self.channels] if out.shape[1] == 2 * self.channels else out
 
     def _guided(self, x: Tensor, timestep: Tensor, condition, null) -> Tensor:
         """The denoiser's output under classifier-free guidance: uncond + w (cond − uncond)."""

@@ -240,6 +240,27 @@ def test_sft_loss_in_latent_space_encodes_the_images_with_the_scaling_and_a_step
     assert math.isfinite(losses[0]) and sum(losses[-3:]) < 0.7 * sum(losses[:3])
 
 
+def test_sd3_guidance_through_both_branches_and_its_sft_loss_with_dropped_prompts():
+    policy = make(spec={}, tiny=SD3, denoising=FLOW, guidance_scale=3.0, guidance_grad="both", condition_dropout=0.5)
+    sample = policy.sample(PROMPTS, torch.Generator().manual_seed(0))
+    logp = policy.log_prob(sample.replay)
+    torch.testing.assert_close(torch.exp(logp - sample.logp), torch.ones_like(logp), atol=RATIO_ATOL, rtol=0)
+    images = torch.zeros(8, 16, 16, 3, dtype=torch.uint8)
+    images[:, 4:12, 4:12, 2] = 255
+    batch = {"images": images, "prompt": ["a blue square"] * 8}
+    optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=3e-3)
+    losses = []
+    for i in range(30):
+        torch.manual_seed(i % 3)  # the same noise, times and dropped prompts every third step
+        loss = policy.sft_loss(batch)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert sum(losses[-3:]) < 0.7 * sum(losses[:3])
+    assert all(p.grad is None for p in policy.text_encoder.parameters())
+
+
 # ------------------------------------------------------------------ LoRA
 
 
