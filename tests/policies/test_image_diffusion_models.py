@@ -91,7 +91,7 @@ def sd_pipeline(directory):
         down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=16, attention_head_dim=4,
     )
     scheduler = diffusers.DDIMScheduler(
-        num_train_timesteps=1000, beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, clip_sample=False, set_alpha_to_one=True, timestep_spacing="trailing"
+        num_train_timesteps=1000, beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, clip_sample=False, set_alpha_to_one=True, timestep_spacing="trailing", steps_offset=1
     )
     pipe = diffusers.StableDiffusionPipeline(
         vae=_vae(0.18215, None), text_encoder=_clip(tokenizer, 16, False), tokenizer=tokenizer, unet=unet, scheduler=scheduler,
