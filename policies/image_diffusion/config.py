@@ -120,6 +120,10 @@ class ImageDiffusionConfig(PolicyConfig):
     max_prompt_tokens: int | None = option(None, "text: prompts are padded / truncated to this many tokens (at most the text encoder's positions); null = the tokenizer's model_max_length (77 for CLIP)", ge=1)
     train_text_encoder: bool = option(False, "text: also train the text encoder(s) (default: frozen, only the denoiser learns)")
     max_t5_tokens: int = option(256, "SD3 with a T5 encoder (text_encoder_3/): prompts are padded / truncated to this many T5 tokens (256 as diffusers' pipeline)", ge=1)
+    save_frozen_weights: bool = option(
+        True,
+        "checkpoints and save_pretrained hold every weight; false (with model_path): they leave out the frozen weights read from model_path (VAE, text encoders, the denoiser's base under LoRA), which loading reads from model_path again — megabytes instead of gigabytes per checkpoint of a real pipeline",
+    )
     lora: ImageLoraOptions = option(factory=ImageLoraOptions, doc="low-rank adapters on the denoiser (r > 0): only they train, and the KL reference is the denoiser with its adapters disabled")
     denoising: DenoisingOptions = option(
         factory=lambda: DenoisingOptions(transition="ddim", num_inference_steps=8, eta=1.0, min_std=0.01, beta_schedule="linear", clip_denoised=1.0),
@@ -133,6 +137,9 @@ class ImageDiffusionConfig(PolicyConfig):
         if self.lora.r and self.train_text_encoder:
             raise ConfigError(p + "train_text_encoder", True, "LoRA trains adapters on the denoiser only (the KL reference is the adapter-disabled model); set lora.r: 0 to train the text encoder too")
         self.denoising.validate(p + "denoising")
+        if not self.save_frozen_weights and (self.model_path is None or self.pretrained):
+            why = "the tiny model's random weights exist only in the checkpoint" if self.model_path is None else "the frozen weights come from policy.pretrained, not from model_path"
+            raise ConfigError(p + "save_frozen_weights", False, f"needs model_path and no pretrained: {why}")
         if self.prediction_type is not None:
             allowed = self.allowed_predictions
             if self.prediction_type not in allowed:

@@ -417,6 +417,15 @@ class _AdapterDisabledReference(DenoisingPolicy):
         return self.log_prob(replay)
 
 
+def _drop_unsaved(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    for name in module._unsaved:
+        state_dict.pop(prefix + name, None)
+
+
+def _allow_missing_unsaved(module: nn.Module, incompatible_keys) -> None:
+    incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys if k not in module._unsaved]
+
+
 # ------------------------------------------------------------------ the policy
 
 
@@ -492,6 +501,11 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         # T5's input embedding is tied to its shared embedding: safetensors takes one name per tensor
         self.register_state_dict_post_hook(_drop_tied_aliases)
         self.register_load_state_dict_post_hook(_allow_missing_tied_aliases)
+        # the frozen weights read from model_path, left out of saved weights on request
+        self._unsaved = set() if config.save_frozen_weights else {n for n, p in self.named_parameters() if not p.requires_grad}
+        if self._unsaved:
+            self.register_state_dict_post_hook(_drop_unsaved)
+            self.register_load_state_dict_post_hook(_allow_missing_unsaved)
 
     def train(self, mode: bool = True) -> "ImageDiffusionPolicy":
         """Train mode for the denoiser only: the text encoders and the VAE stay in eval mode

@@ -322,6 +322,34 @@ def test_lora_checkpoints_save_and_load_the_adapters_exactly(tmp_path):
     assert all(("lora_" in n) == p.requires_grad for n, p in loaded.named_parameters())
 
 
+def test_checkpoints_can_leave_out_the_frozen_weights_of_the_pipeline_directory(tmp_path):
+    sd_pipeline(tmp_path / "sd")
+    fields = dict(spec={}, model_path=str(tmp_path / "sd"), denoising=SD_DENOISING, lora={"r": 2})
+    full, light = make(**fields), make(**fields, save_frozen_weights=False)
+    for policy in (full, light):
+        with torch.no_grad():
+            for name, p in policy.named_parameters():
+                if "lora_B" in name:
+                    p.fill_(0.05)
+    save_pretrained(full, tmp_path / "full")
+    save_pretrained(light, tmp_path / "light")
+    stored = load_file(str(tmp_path / "light" / "model.safetensors"))
+    trainable = {n for n, p in light.named_parameters() if p.requires_grad}
+    assert trainable <= set(stored) and not any(k.startswith(("vae.", "text_encoder.")) or ".base_layer." in k for k in stored)
+    assert (tmp_path / "light" / "model.safetensors").stat().st_size < 0.2 * (tmp_path / "full" / "model.safetensors").stat().st_size
+    loaded = load_pretrained(tmp_path / "light")  # the frozen weights come from model_path again
+    weights = dict(loaded.named_parameters())
+    for name, value in full.named_parameters():
+        assert torch.equal(weights[name], value), name
+    prompts = ["a red circle", "two squares"]
+    first, second = full.sample(prompts, torch.Generator().manual_seed(0)), loaded.sample(prompts, torch.Generator().manual_seed(0))
+    assert torch.equal(first.output, second.output) and torch.equal(first.logp, second.logp)
+    with pytest.raises(ConfigError, match="policy.save_frozen_weights"):
+        make(save_frozen_weights=False)  # the tiny model's random weights live only in its checkpoint
+    with pytest.raises(ConfigError, match="policy.save_frozen_weights"):
+        make(**fields, save_frozen_weights=False, pretrained=str(tmp_path / "full"))
+
+
 # ------------------------------------------------------------------ `mmrl train` from a pipeline directory
 
 
