@@ -489,7 +489,9 @@ class ImageDiffusionPolicy(DenoisingPolicy):
             if isinstance(num_prompts, int) and num_prompts > self.null_class:
                 raise ConfigError("policy.model_path", config.model_path, f"the denoiser has {self.null_class} classes besides the null class (the last); the sampler has {num_prompts} conditions")
         sample_size = model_config.sample_size
+        # what the chain denoises (the latent's height and width with a VAE), and the images' size
         self.resolution = tuple(sample_size) if isinstance(sample_size, (list, tuple)) else (sample_size, sample_size)
+        self.image_resolution = tuple(r * self.vae_factor for r in self.resolution) if self.vae is not None else self.resolution
         self.channels = int(model_config.in_channels)
         options = config.denoising
         if config.is_diffusion:
@@ -554,6 +556,11 @@ class ImageDiffusionPolicy(DenoisingPolicy):
     @property
     def device(self) -> torch.device:
         return next(self.denoiser_model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The denoiser's dtype; text states and VAE latents of other parts are cast to it."""
+        return next(self.denoiser_model.parameters()).dtype
 
     @contextmanager
     def adapters_disabled(self):
@@ -626,7 +633,7 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         T5 encoder) after them; the CLIPs' pooled projections side by side."""
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.config.train_text_encoder):
             if self.kind != "sd3":
-                return self.text_encoder(ids["prompt_ids"]).last_hidden_state
+                return self.text_encoder(ids["prompt_ids"]).last_hidden_state.to(self.dtype)
             states, pooled = [], []
             for key, encoder in (("prompt_ids", self.text_encoder), ("prompt_ids_2", self.text_encoder_2)):
                 if encoder is not None:
@@ -638,7 +645,7 @@ class ImageDiffusionPolicy(DenoisingPolicy):
             clip = nn.functional.pad(clip, (0, joint - clip.shape[-1]))
             if self.text_encoder_3 is not None:
                 clip = torch.cat([clip, self.text_encoder_3(ids["prompt_ids_3"]).last_hidden_state], dim=-2)
-            return clip, torch.cat(pooled, dim=-1)
+            return clip.to(self.dtype), torch.cat(pooled, dim=-1).to(self.dtype)
 
     def _null(self, n: int):
         """The null condition for n rows: the null class, or the empty prompt's embedding."""
@@ -720,7 +727,7 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         if self.vae is None:
             return pixels
         with torch.no_grad():
-            z = self.vae.encode(pixels).latent_dist.sample()
+            z = self.vae.encode(pixels.to(self.vae.dtype)).latent_dist.sample().to(self.dtype)
         return (z - self.vae_shift) * self.vae_scale
 
     def decode_latents(self, latents: Tensor) -> Tensor:
@@ -729,7 +736,7 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         if self.vae is None:
             return latents
         with torch.no_grad():
-            return self.vae.decode(latents / self.vae_scale + self.vae_shift).sample
+            return self.vae.decode((latents / self.vae_scale + self.vae_shift).to(self.vae.dtype)).sample.float()
 
     # -------------------------------------------------------------- sampling and SFT
 

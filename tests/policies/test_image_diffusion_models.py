@@ -117,6 +117,7 @@ def test_transformer_denoisers_give_ratio_one_and_reproduce_old_logp_exactly_one
     sample = policy.sample(inputs, torch.Generator().manual_seed(1))
     assert sample.logp.shape == (4, 8) and torch.isfinite(sample.logp).all()
     assert sample.output.shape == ((4, 4, 8, 8) if vae else (4, 3, 16, 16)) and sample.info["images"].shape == (4, 16, 16, 3)
+    assert policy.resolution == ((8, 8) if vae else (16, 16)) and policy.image_resolution == (16, 16)
     logp = policy.log_prob(sample.replay)
     torch.testing.assert_close(torch.exp(logp - sample.logp), torch.ones_like(logp), atol=RATIO_ATOL, rtol=0)
     logp.sum().backward()
