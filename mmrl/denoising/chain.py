@@ -123,7 +123,15 @@ def run_chain(
         out = denoiser(x, transition.model_time(step), rows)
         is_stochastic = stochastic[:, k]
         mean, std = transition.mean_std(step, x, out, is_stochastic)
-        if is_stochastic.any():
+        if bool(is_stochastic.all()):  # the usual case: no masking needed
+            std = _floor(std, min_std)
+            if bool((std <= 0).any()):
+                raise ValueError(f"denoising step {k} is stochastic but its std is 0; set a minimum std (min_std > 0) or make the step deterministic")
+            noise = torch.randn(x.shape, generator=generator, dtype=x.dtype).to(x.device)
+            x = mean + std * noise
+            log_probs[:, k] = gaussian_log_prob(x, mean, std, reduce, clamp=clamp)
+            entropies[:, k] = gaussian_entropy(std, x, reduce)
+        elif is_stochastic.any():
             std = _floor(std, min_std)
             noisy = is_stochastic.view(n, *([1] * (x.ndim - 1))).expand_as(x)
             if bool((std <= 0)[noisy].any()):
