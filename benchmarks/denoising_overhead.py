@@ -9,8 +9,9 @@ same UNet, steps, batch and initial noise (target: ≤ 1.10×).
   with ``stochastic_sampling`` (it also draws fresh noise every step) on mmrl's σ grid.
 
 Both run under ``torch.no_grad`` and draw their noise from a seeded CPU generator. Prints
-images per second of both and the time ratio: medians over interleaved repeats, so a noisy
-machine slows both alike. Sizes are the tiny class-conditional UNets of docs/images.md:
+images per second of both and the time ratios, of wall time and of process CPU time:
+medians over interleaved repeats, so a noisy machine slows both alike (on a crowded
+machine the CPU-time ratio is the steadier one). Sizes are the tiny class-conditional UNets of docs/images.md:
 ``16`` = 16×16 with channels (8, 16), ``32`` = 32×32 with channels (32, 64).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/denoising_overhead.py [--sizes 16 32 --transitions ddim flow_sde --batch 8 --steps 8 --repeats 7]

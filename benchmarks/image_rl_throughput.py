@@ -18,8 +18,9 @@ divided by the number of steps, ``backward``; then gradient clipping and AdamW. 
 the same options (every step a decision, log-probs averaged over pixels as DDPO, std
 floored at 0.01 for DDIM, lr, clip range, grad-norm clip), on copies of the same UNet.
 
-Prints images per second of both and mmrl's throughput over the reference's: medians over
-interleaved repeats (a noisy machine slows both alike).
+Prints images per second of both and mmrl's throughput over the reference's, by wall time
+and by process CPU time: medians over interleaved repeats (a noisy machine slows both
+alike; on a crowded machine the CPU-time ratio is the steadier one).
 
 ``--rss CONFIG`` instead runs ``mmrl train CONFIG`` in a subprocess (any config; extra
 ``key=value`` overrides after it) and prints its peak resident set size
@@ -171,10 +172,28 @@ class Reference:
         self.optimizer.step()
 
 
+def check_agreement(policy, reference: Reference, groups: int, group_size: int) -> float:
+    """The reference's hand-written log-probs of a chain mmrl sampled, against mmrl's own:
+    both sides compute the same update. Returns the largest difference (raises above 1e-3)."""
+    n = groups * group_size
+    conditions = torch.arange(groups).repeat_interleave(group_size) % NUM_CONDITIONS
+    sample = policy.sample(conditions, torch.Generator().manual_seed(2))
+    latents = sample.replay["chain"]["latents"]
+    with torch.no_grad():
+        theirs = torch.stack([
+            reference.step(reference.unet(latents[:, k], reference.unet_time(k, n), class_labels=conditions).sample, k, latents[:, k], latents[:, k + 1])[1]
+            for k in range(reference.steps)
+        ], 1)
+    difference = float((theirs - sample.logp).abs().max())
+    if difference > 1e-3:
+        raise AssertionError(f"the reference's log-probs differ from mmrl's by {difference:.2e} on the same chain")
+    return difference
+
+
 def cv2_jpeg(image: np.ndarray) -> bytes:
     import cv2
 
-    ok, buffer = cv2.imencode(".jpg", np.ascontiguousarray(image[..., ::-1]), [cv2.IMWRITE_JPEG_QUALITY, 95])
+    ok, buffer = cv2.imencode(".jpg", cv2.cvtColor(image, cv2.COLOR_RGB2BGR), [cv2.IMWRITE_JPEG_QUALITY, 95])
     assert ok
     return buffer.tobytes()
 
@@ -219,13 +238,14 @@ def main() -> None:
     print(f"{args.groups} groups x {args.group_size} images, {args.steps} steps (all decisions), class-conditional, {torch.get_num_threads()} threads, {args.repeats} interleaved repeats")
     print("| size | transition | mmrl (Trainer.rl_step) | reference | ratio (wall) | ratio (CPU) |")
     print("|---|---|---|---|---|---|")
-    ratios = []
+    ratios, agreements = [], []
     for size in args.sizes:
         for transition in args.transitions:
             with tempfile.TemporaryDirectory() as run_dir:
                 cfg = train_config(size, transition, args, str(Path(run_dir) / "run"))
                 trainer = Trainer(cfg)
                 reference = Reference(copy.deepcopy(trainer.policy.unet), transition, args.steps, args.groups, args.group_size, size, cfg.optim)
+                agreement = check_agreement(trainer.policy, reference, args.groups, args.group_size)
                 step = iter(range(1_000_000))
 
                 def mmrl_update():
@@ -240,6 +260,8 @@ def main() -> None:
                 f"| {n / ref_wall:.1f} img/s ({ref_wall:.2f} s; CPU {ref_cpu:.2f} s) | {ratios[-1][2]:.3f}× | {ratios[-1][3]:.3f}× |",
                 flush=True,
             )
+            agreements.append(agreement)
+    print(f"the reference's log-probs of mmrl's chains: largest difference {max(agreements):.1e} (mean over pixels)")
     for size, transition, wall, cpu in ratios:
         print(f"image_rl_throughput {size}x{size} {transition}: {wall:.3f}x the reference's images/s by wall time, {cpu:.3f}x by CPU time (target >= 1.0x)")
 
