@@ -85,17 +85,26 @@ def set_timesteps(scheduler, transition: str, steps: int, shift: float = 1.0) ->
         scheduler.set_timesteps(sigmas=flow_sigmas(steps, shift)[:-1].tolist())  # mmrl's σ grid: 1 … 1/K, then 0
 
 
-def diffusers_loop(policy, scheduler, transition: str, eta: float, conditions: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """The pipeline's denoising loop: UNet, then ``scheduler.step`` at every timestep."""
+def diffusers_loop(policy, scheduler, transition: str, eta: float, conditions: torch.Tensor, generator: torch.Generator, network: bool = True) -> torch.Tensor:
+    """The pipeline's denoising loop: UNet, then ``scheduler.step`` at every timestep.
+    ``network=False`` replaces the UNet by a trivial output (0.1·x): the scheduler's own work."""
     n = conditions.shape[0]
     set_timesteps(scheduler, transition, policy.config.denoising.num_inference_steps, policy.config.denoising.time_shift)
     x = torch.randn((n, 3, *policy.resolution), generator=generator)
     extra = {"eta": eta, "generator": generator} if transition == "ddim" else {"generator": generator}
     with torch.no_grad():
         for t in scheduler.timesteps:
-            out = policy.unet(x, t.expand(n), class_labels=conditions).sample
+            out = policy.unet(x, t.expand(n), class_labels=conditions).sample if network else 0.1 * x
             x = scheduler.step(out, t, x, **extra).prev_sample
     return x
+
+
+def mmrl_chain_without_network(policy, n: int, generator: torch.Generator) -> None:
+    """The policy's chain (``DenoisingPolicy.sample_chain``: transition, stochastic mask,
+    every step's Gaussian, its log-prob and entropy) with the trivial output 0.1·x in place
+    of the UNet: the work of mmrl.denoising itself."""
+    x_init = torch.randn((n, 3, *policy.resolution), generator=generator)
+    policy.sample_chain(lambda x, t, rows: 0.1 * x, x_init, generator)
 
 
 def main() -> None:
@@ -111,7 +120,7 @@ def main() -> None:
     print(f"batch {args.batch}, {args.steps} steps (all stochastic), class-conditional, {torch.get_num_threads()} threads, {args.repeats} interleaved repeats")
     print("| size | transition | mmrl sample | diffusers loop | ratio (wall) | ratio (CPU) |")
     print("|---|---|---|---|---|---|")
-    ratios = []
+    ratios, work = [], []
     for size in args.sizes:
         for transition in args.transitions:
             policy = make_policy(size, transition, args.steps, args.eta)
@@ -127,12 +136,21 @@ def main() -> None:
                 diffusers_loop(policy, scheduler, transition, args.eta, conditions, torch.Generator().manual_seed(0))
 
             (mmrl_wall, mmrl_cpu), (ref_wall, ref_cpu) = interleaved(mmrl_sample, diffusers_sample, args.repeats)
+            (_, chain_cpu), (_, step_cpu) = interleaved(
+                lambda: mmrl_chain_without_network(policy, args.batch, torch.Generator().manual_seed(0)),
+                lambda: diffusers_loop(policy, scheduler, transition, args.eta, conditions, torch.Generator().manual_seed(0), network=False),
+                max(args.repeats, 20),
+            )
+            work.append((size, transition, chain_cpu, step_cpu))
             ratios.append((size, transition, mmrl_wall / ref_wall, mmrl_cpu / ref_cpu))
             print(
                 f"| {size}×{size} {SIZES[size]} | {transition} | {args.batch / mmrl_wall:.1f} img/s ({mmrl_wall * 1e3:.0f} ms; CPU {mmrl_cpu * 1e3:.0f} ms) "
                 f"| {args.batch / ref_wall:.1f} img/s ({ref_wall * 1e3:.0f} ms; CPU {ref_cpu * 1e3:.0f} ms) | {ratios[-1][2]:.3f}× | {ratios[-1][3]:.3f}× |",
                 flush=True,
             )
+    print("\nWithout the network (0.1·x in place of the UNet), CPU time of one chain:")
+    for size, transition, chain_cpu, step_cpu in work:
+        print(f"  {size}×{size} {transition}: mmrl's chain {chain_cpu * 1e3:.2f} ms, diffusers' scheduler.step loop {step_cpu * 1e3:.2f} ms")
     for size, transition, wall, cpu in ratios:
         print(f"denoising_overhead {size}x{size} {transition}: {wall:.3f}x the diffusers loop's wall time, {cpu:.3f}x its CPU time (target <= 1.10x)")
 
