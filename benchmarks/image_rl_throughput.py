@@ -26,7 +26,7 @@ alike; on a crowded machine the CPU-time ratio is the steadier one).
 ``key=value`` overrides after it) and prints its peak resident set size
 (``resource.getrusage(RUSAGE_CHILDREN).ru_maxrss``) against the 4 GB target.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/image_rl_throughput.py [--sizes 16 32 --transitions ddim flow_sde --groups 4 --group-size 4 --steps 8 --repeats 3]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/image_rl_throughput.py [--sizes 16 32 --transitions ddim flow_sde --groups 4 --group-size 4 --steps 8 --repeats 3] [--chunk-steps 1 --keep-chunks]
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/image_rl_throughput.py --rss configs/image_ddpo_jpeg.yaml [total_steps=10]
 """
 
@@ -77,7 +77,7 @@ def train_config(size: int, transition: str, args, run_dir: str):
         denoising = {"transition": "ddim", "eta": 1.0, "min_std": 0.01}
     else:
         denoising = {"transition": "flow_sde", "noise_level": 0.7, "min_std": 0.0}
-    denoising.update(num_inference_steps=args.steps, logp_reduction="mean", stochastic_steps="all")
+    denoising.update(num_inference_steps=args.steps, logp_reduction="mean", stochastic_steps="all", chunk_steps=args.chunk_steps, checkpoint_chunks=not args.keep_chunks)
     return from_dict(TrainConfig, {
         "name": "image_rl_throughput", "seed": 0, "total_steps": 1_000_000, "run_dir": run_dir,
         "policy": {"type": "image_diffusion", "tiny": {"conditioning": "class", "resolution": size, "block_out_channels": SIZES[size]}, "denoising": denoising},
@@ -223,6 +223,8 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=4, help="images per group")
     parser.add_argument("--steps", type=int, default=8, help="denoising steps, all of them decisions")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats per side (medians compared)")
+    parser.add_argument("--chunk-steps", type=int, default=None, help="mmrl: policy.denoising.chunk_steps (default null: every step in one UNet call)")
+    parser.add_argument("--keep-chunks", action="store_true", help="mmrl: policy.denoising.checkpoint_chunks false (chunks keep their activations instead of recomputing them)")
     parser.add_argument("--rss", metavar="CONFIG", help="instead: run `mmrl train CONFIG` in a subprocess and print its peak RSS")
     parser.add_argument("overrides", nargs="*", help="with --rss: key=value overrides of the config")
     args = parser.parse_args()
@@ -236,6 +238,7 @@ def main() -> None:
 
     n = args.groups * args.group_size
     print(f"{args.groups} groups x {args.group_size} images, {args.steps} steps (all decisions), class-conditional, {torch.get_num_threads()} threads, {args.repeats} interleaved repeats")
+    print(f"mmrl: denoising.chunk_steps {args.chunk_steps}, checkpoint_chunks {not args.keep_chunks}")
     print("| size | transition | mmrl (Trainer.rl_step) | reference | ratio (wall) | ratio (CPU) |")
     print("|---|---|---|---|---|---|")
     ratios, agreements = [], []

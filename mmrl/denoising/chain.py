@@ -156,11 +156,11 @@ def _gaussian(denoiser: Denoiser, transition: Transition, x: Tensor, step: Tenso
     return mean, _floor(std, min_std)
 
 
-def _per_stochastic_step(chain: dict[str, Tensor], chunk_steps: int | None, evaluate: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+def _per_stochastic_step(chain: dict[str, Tensor], chunk_steps: int | None, evaluate: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor], checkpoint_chunks: bool = True) -> Tensor:
     """``evaluate(x, x_next, step, rows) -> [B]`` on the stochastic transitions of a stored
     chain (the replay layout), at most ``chunk_steps`` steps of every chain per call (None:
-    one call); [*, W], 0 on deterministic steps. With grad, chunks are checkpointed: backward
-    recomputes each chunk's activations instead of keeping them all."""
+    one call); [*, W], 0 on deterministic steps. With grad and ``checkpoint_chunks``, chunks
+    are checkpointed: backward recomputes each chunk's activations instead of keeping them all."""
     stochastic = chain["stochastic"].to(torch.bool)
     lead, width = stochastic.shape[:-1], stochastic.shape[-1]
     latents, step_index = chain["latents"], chain["step_index"]
@@ -180,7 +180,7 @@ def _per_stochastic_step(chain: dict[str, Tensor], chunk_steps: int | None, eval
             continue
         cols = cols + first
         inputs = (latents[rows, cols], latents[rows, cols + 1], step_index[rows, cols], rows)
-        if chunk_steps is not None and torch.is_grad_enabled():
+        if chunk_steps is not None and checkpoint_chunks and torch.is_grad_enabled():
             values = checkpoint(evaluate, *inputs, use_reentrant=False)
         else:
             values = evaluate(*inputs)
@@ -197,6 +197,7 @@ def chain_log_probs(
     reduce: str = "sum",
     clamp: tuple[float, float] | None = None,
     chunk_steps: int | None = None,
+    checkpoint_chunks: bool = True,
 ) -> Tensor:
     """Recompute the per-step log-probs [*, W] of a stored chain (the replay layout)
     under current parameters, with grad; 0 on deterministic steps. Under unchanged
@@ -206,13 +207,16 @@ def chain_log_probs(
     stochastic), or with ``chunk_steps`` in calls over at most that many steps of every
     chain: the same values with memory bounded by one chunk — without grad each chunk's
     activations are freed, with grad they are recomputed in backward (gradient
-    checkpointing: one more forward per chunk)."""
+    checkpointing: one more forward per chunk). ``checkpoint_chunks=False`` keeps every
+    chunk's activations instead: the memory of one call, no extra forward, the denoiser
+    run on batches of one chunk (on a CPU a large network runs faster on those than on
+    one batch of every step, whose activations outgrow the cache)."""
 
     def log_prob(x: Tensor, x_next: Tensor, step: Tensor, rows: Tensor) -> Tensor:
         mean, std = _gaussian(denoiser, transition, x, step, rows, min_std)
         return gaussian_log_prob(x_next, mean, std, reduce, clamp=clamp)
 
-    return _per_stochastic_step(chain, chunk_steps, log_prob)
+    return _per_stochastic_step(chain, chunk_steps, log_prob, checkpoint_chunks)
 
 
 def chain_kl(
@@ -224,6 +228,7 @@ def chain_kl(
     min_std: float = 0.0,
     reduce: str = "sum",
     chunk_steps: int | None = None,
+    checkpoint_chunks: bool = True,
 ) -> Tensor:
     """Exact KL(πθ(· | x_k) ‖ πref(· | x_k)) [*, W] of every stochastic step of a stored
     chain, at its stored latent x_k; 0 on deterministic steps.
@@ -242,7 +247,7 @@ def chain_kl(
         mean, std = _gaussian(denoiser, transition, x, step, rows, min_std)
         return gaussian_kl(mean, ref_mean, std, reduce, ref_std=ref_std if learned_std else None)
 
-    return _per_stochastic_step(chain, chunk_steps, kl)
+    return _per_stochastic_step(chain, chunk_steps, kl, checkpoint_chunks)
 
 
 # ------------------------------------------------------------------ which steps are stochastic
