@@ -123,7 +123,15 @@ def run_chain(
         out = denoiser(x, transition.model_time(step), rows)
         is_stochastic = stochastic[:, k]
         mean, std = transition.mean_std(step, x, out, is_stochastic)
-        if is_stochastic.any():
+        if bool(is_stochastic.all()):  # the usual case: no masking needed
+            std = _floor(std, min_std)
+            if bool((std <= 0).any()):
+                raise ValueError(f"denoising step {k} is stochastic but its std is 0; set a minimum std (min_std > 0) or make the step deterministic")
+            noise = torch.randn(x.shape, generator=generator, dtype=x.dtype).to(x.device)
+            x = mean + std * noise
+            log_probs[:, k] = gaussian_log_prob(x, mean, std, reduce, clamp=clamp)
+            entropies[:, k] = gaussian_entropy(std, x, reduce)
+        elif is_stochastic.any():
             std = _floor(std, min_std)
             noisy = is_stochastic.view(n, *([1] * (x.ndim - 1))).expand_as(x)
             if bool((std <= 0)[noisy].any()):
@@ -148,11 +156,11 @@ def _gaussian(denoiser: Denoiser, transition: Transition, x: Tensor, step: Tenso
     return mean, _floor(std, min_std)
 
 
-def _per_stochastic_step(chain: dict[str, Tensor], chunk_steps: int | None, evaluate: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+def _per_stochastic_step(chain: dict[str, Tensor], chunk_steps: int | None, evaluate: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor], checkpoint_chunks: bool = True) -> Tensor:
     """``evaluate(x, x_next, step, rows) -> [B]`` on the stochastic transitions of a stored
     chain (the replay layout), at most ``chunk_steps`` steps of every chain per call (None:
-    one call); [*, W], 0 on deterministic steps. With grad, chunks are checkpointed: backward
-    recomputes each chunk's activations instead of keeping them all."""
+    one call); [*, W], 0 on deterministic steps. With grad and ``checkpoint_chunks``, chunks
+    are checkpointed: backward recomputes each chunk's activations instead of keeping them all."""
     stochastic = chain["stochastic"].to(torch.bool)
     lead, width = stochastic.shape[:-1], stochastic.shape[-1]
     latents, step_index = chain["latents"], chain["step_index"]
@@ -172,7 +180,7 @@ def _per_stochastic_step(chain: dict[str, Tensor], chunk_steps: int | None, eval
             continue
         cols = cols + first
         inputs = (latents[rows, cols], latents[rows, cols + 1], step_index[rows, cols], rows)
-        if chunk_steps is not None and torch.is_grad_enabled():
+        if chunk_steps is not None and checkpoint_chunks and torch.is_grad_enabled():
             values = checkpoint(evaluate, *inputs, use_reentrant=False)
         else:
             values = evaluate(*inputs)
@@ -189,6 +197,7 @@ def chain_log_probs(
     reduce: str = "sum",
     clamp: tuple[float, float] | None = None,
     chunk_steps: int | None = None,
+    checkpoint_chunks: bool = True,
 ) -> Tensor:
     """Recompute the per-step log-probs [*, W] of a stored chain (the replay layout)
     under current parameters, with grad; 0 on deterministic steps. Under unchanged
@@ -198,13 +207,16 @@ def chain_log_probs(
     stochastic), or with ``chunk_steps`` in calls over at most that many steps of every
     chain: the same values with memory bounded by one chunk — without grad each chunk's
     activations are freed, with grad they are recomputed in backward (gradient
-    checkpointing: one more forward per chunk)."""
+    checkpointing: one more forward per chunk). ``checkpoint_chunks=False`` keeps every
+    chunk's activations instead: the memory of one call, no extra forward, the denoiser
+    run on batches of one chunk (on a CPU a large network runs faster on those than on
+    one batch of every step, whose activations outgrow the cache)."""
 
     def log_prob(x: Tensor, x_next: Tensor, step: Tensor, rows: Tensor) -> Tensor:
         mean, std = _gaussian(denoiser, transition, x, step, rows, min_std)
         return gaussian_log_prob(x_next, mean, std, reduce, clamp=clamp)
 
-    return _per_stochastic_step(chain, chunk_steps, log_prob)
+    return _per_stochastic_step(chain, chunk_steps, log_prob, checkpoint_chunks)
 
 
 def chain_kl(
@@ -216,6 +228,7 @@ def chain_kl(
     min_std: float = 0.0,
     reduce: str = "sum",
     chunk_steps: int | None = None,
+    checkpoint_chunks: bool = True,
 ) -> Tensor:
     """Exact KL(πθ(· | x_k) ‖ πref(· | x_k)) [*, W] of every stochastic step of a stored
     chain, at its stored latent x_k; 0 on deterministic steps.
@@ -234,7 +247,7 @@ def chain_kl(
         mean, std = _gaussian(denoiser, transition, x, step, rows, min_std)
         return gaussian_kl(mean, ref_mean, std, reduce, ref_std=ref_std if learned_std else None)
 
-    return _per_stochastic_step(chain, chunk_steps, kl)
+    return _per_stochastic_step(chain, chunk_steps, kl, checkpoint_chunks)
 
 
 # ------------------------------------------------------------------ which steps are stochastic

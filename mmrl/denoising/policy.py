@@ -86,7 +86,8 @@ class DenoisingPolicy(PolicyModule):
         options = self.denoising
         chain = replay["chain"]
         per_step = chain_log_probs(
-            self.chain_denoiser(replay), make_transition(options, device=chain["latents"].device), chain, **options.log_prob_options, chunk_steps=options.chunk_steps
+            self.chain_denoiser(replay), make_transition(options, device=chain["latents"].device), chain, **options.log_prob_options,
+            chunk_steps=options.chunk_steps, checkpoint_chunks=options.checkpoint_chunks,
         )
         return self.decisions(per_step)
 
@@ -110,5 +111,6 @@ class DenoisingPolicy(PolicyModule):
             min_std=options.min_std,
             reduce=options.logp_reduction,
             chunk_steps=options.chunk_steps,
+            checkpoint_chunks=options.checkpoint_chunks,
         )
         return self.decisions(kl)

@@ -249,11 +249,13 @@ class DiffusionTransition:
             det_mean = torch.where(last, f, _sqrt(ab_prev) * f + _sqrt(_clamp_min0(1 - ab_prev)) * eps_f)
             keep = _per_sample(stochastic, x)
             return torch.where(keep, mean, det_mean), torch.where(keep, std, torch.zeros_like(std))
-        det_mean, _ = ddim_step(x, model_output, ab, ab_prev, 0.0, self.clip_denoised)
         if self.name == "ddim":
             mean, std = ddim_step(x, model_output, ab, ab_prev, self.eta, self.clip_denoised)
         else:
             mean, std = ddpm_step(x, model_output, ab, ab_prev, self.clip_denoised)
+        if bool(stochastic.all()):  # no row takes the deterministic update: skip computing it
+            return mean, std
+        det_mean, _ = ddim_step(x, model_output, ab, ab_prev, 0.0, self.clip_denoised)
         keep = _per_sample(stochastic, x)
         return torch.where(keep, mean, det_mean), torch.where(keep, std, torch.zeros_like(std))
 
@@ -289,9 +291,8 @@ class FlowTransition:
         v, learned_std = model_output if isinstance(model_output, tuple) else (model_output, None)
         sigmas = self.sigmas.to(x.device)
         sigma, sigma_next = _per_sample(sigmas[step], x), _per_sample(sigmas[step + 1], x)
-        det_mean, zero = flow_ode_step(x, v, sigma, sigma_next)
         if self.name == "flow_ode":
-            return det_mean, zero
+            return flow_ode_step(x, v, sigma, sigma_next)
         if self.name == "flow_sde":
             mean, std = flow_sde_step(x, v, sigma, sigma_next, self.noise_level, self.sigma_max)
         elif self.name == "flow_cps":
@@ -300,6 +301,9 @@ class FlowTransition:
             if learned_std is None:
                 raise ValueError("flow_noise needs a denoiser that returns (v, std) from a learned noise head")
             mean, std = flow_noise_step(x, v, sigma, sigma_next, learned_std)
+        if bool(stochastic.all()):  # no row takes the ODE step: skip computing it
+            return mean, std
+        det_mean, zero = flow_ode_step(x, v, sigma, sigma_next)
         keep = _per_sample(stochastic, x)
         return torch.where(keep, mean, det_mean), torch.where(keep, std, zero)
 

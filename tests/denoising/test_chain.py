@@ -164,6 +164,29 @@ def test_chunked_recomputation_equals_one_call_exactly_with_equal_gradients(name
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)  # the same terms, summed in another order
 
 
+@pytest.mark.parametrize("name", ["ddim", "flow_sde"])
+def test_uncheckpointed_chunks_run_each_chunk_once_with_the_same_values_and_gradients(name):
+    transition, min_std = transitions()[name]
+    torch.manual_seed(0)
+    denoiser = ElementwiseDenoiser(torch.randn(6, 3, dtype=torch.float64))
+    chain = run_chain(denoiser, transition, torch.randn(6, 3, dtype=torch.float64), torch.ones(6, K, dtype=torch.bool), torch.Generator().manual_seed(1), min_std=min_std)
+    weights = torch.linspace(-1, 2, 6 * K, dtype=torch.float64).view(6, K)
+
+    def logp_and_grads(**chunking):
+        denoiser.zero_grad()
+        denoiser.batches = []
+        logp = chain_log_probs(denoiser, transition, chain.replay(), min_std=min_std, **chunking)
+        (logp * weights).sum().backward()
+        return logp.detach(), [p.grad.clone() for p in denoiser.parameters()]
+
+    whole, whole_grads = logp_and_grads()
+    kept, kept_grads = logp_and_grads(chunk_steps=1, checkpoint_chunks=False)
+    assert denoiser.batches == [6] * K  # one forward per chunk, none again in backward
+    assert torch.equal(kept, whole)
+    for a, b in zip(kept_grads, whole_grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
 @pytest.mark.parametrize("name, reduce", [("flow_sde", "sum"), ("ddim", "sum"), ("flow_noise", "sum"), ("flow_sde", "mean")])
 def test_exact_kl_equals_a_monte_carlo_estimate_of_the_step_kl(name, reduce):
     """KL(πθ(·|x_k) ‖ πref(·|x_k)) in closed form against the average of log πθ − log πref

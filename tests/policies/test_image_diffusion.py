@@ -349,3 +349,13 @@ def test_without_diffusers_the_error_names_the_image_extra(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", fake_import)
     with pytest.raises(MissingExtraError, match=r"mmrl\[image\]"):
         make()
+
+
+def test_uncheckpointed_one_step_chunks_reproduce_old_logp_exactly_and_train():
+    # chunk_steps 1 without checkpointing: the UNet runs once per step on the sampling batch, with grad
+    policy = make(denoising={**TRANSITIONS["ddim"], "chunk_steps": 1, "checkpoint_chunks": False})
+    sample = policy.sample(CONDITIONS, torch.Generator().manual_seed(1))
+    logp = policy.log_prob(sample.replay)
+    assert torch.equal(logp.detach(), sample.logp)
+    logp.sum().backward()
+    assert all(p.grad is not None for p in policy.unet.parameters() if p.requires_grad)

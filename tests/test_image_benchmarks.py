@@ -1,0 +1,44 @@
+"""The image benchmark scripts run at a tiny size and print their ratios (no timing is asserted)."""
+
+import re
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("diffusers")
+pytest.importorskip("cv2")
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def run(script: str, args: list[str], monkeypatch, capsys) -> str:
+    monkeypatch.setattr(sys, "argv", [script, *args])
+    runpy.run_path(str(BENCHMARKS / script), run_name="__main__")
+    return capsys.readouterr().out
+
+
+def ratios(name: str, out: str) -> list[float]:
+    return [float(r) for r in re.findall(rf"^{name} \S+ \S+: (\d+\.\d+)x", out, re.MULTILINE)]
+
+
+def test_denoising_overhead_prints_a_ratio_per_size_and_transition(monkeypatch, capsys):
+    out = run("denoising_overhead.py", ["--sizes", "8", "--batch", "2", "--steps", "2", "--repeats", "1"], monkeypatch, capsys)
+    found = ratios("denoising_overhead", out)
+    assert len(found) == 2 and all(r > 0 for r in found), out
+
+
+def test_image_rl_throughput_prints_a_ratio_per_size_and_transition(monkeypatch, capsys, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    out = run("image_rl_throughput.py", ["--sizes", "8", "--groups", "2", "--group-size", "2", "--steps", "2", "--repeats", "1"], monkeypatch, capsys)
+    found = ratios("image_rl_throughput", out)
+    assert len(found) == 2 and all(r > 0 for r in found), out
+
+
+def test_image_rl_throughput_reports_the_peak_rss_of_a_training_run(monkeypatch, capsys):
+    args = ["--rss", str(CONFIGS / "image_ddpo_jpeg.yaml"), "total_steps=1", "eval.episodes=2", "policy.tiny.resolution=8"]
+    out = run("image_rl_throughput.py", args, monkeypatch, capsys)
+    match = re.search(r"peak RSS: (\d+\.\d+) GB", out)
+    assert match and float(match.group(1)) > 0.05, out  # at least the Python + torch process
