@@ -117,16 +117,14 @@ def _pretrained_model(config: TextVLMConfig, dtype: torch.dtype):
         raise ConfigError("policy.model_path", config.model_path, "expected a local directory holding a transformers vision-language model and its processor (save_pretrained)")
     # local_files_only: a directory name that looks like a hub id must never start a download
     model_config = tf.AutoConfig.from_pretrained(path, local_files_only=True)
-    text_config = model_config.get_text_config()
-    rope = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None) or {}
-    if "mrope_section" in rope:
-        raise ConfigError("policy.model_path", config.model_path, f"holds a {model_config.model_type} model, whose rotary positions follow the image layout (multimodal RoPE); text_vlm supports models with 1-D positions (LLaVA family)")
     if config.disable_dropout:
         _without_dropout(model_config)
+    model = tf.AutoModelForImageTextToText.from_pretrained(path, config=model_config, dtype=dtype, attn_implementation=config.attn_implementation, local_files_only=True)
+    if hasattr(getattr(model, "model", model), "get_rope_index"):  # Qwen2-VL and its kin compute 3-D positions from the image layout
+        raise ConfigError("policy.model_path", config.model_path, f"holds a {model_config.model_type} model, whose rotary positions follow the image layout (multimodal RoPE); text_vlm takes models with 1-D positions (the LLaVA family)")
     processor = tf.AutoProcessor.from_pretrained(path, local_files_only=True)
     if getattr(processor, "image_token", None) is None or not hasattr(processor, "tokenizer"):
         raise ConfigError("policy.model_path", config.model_path, f"its processor ({type(processor).__name__}) has no image token and tokenizer; expected a vision-language processor")
-    model = tf.AutoModelForImageTextToText.from_pretrained(path, config=model_config, dtype=dtype, attn_implementation=config.attn_implementation, local_files_only=True)
     return processor, model
 
 

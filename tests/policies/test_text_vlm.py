@@ -220,6 +220,17 @@ def test_loads_a_vision_language_model_and_processor_saved_with_save_pretrained(
     assert torch.equal(original.log_prob(sample.replay), sample.logp)  # the same model, the same inputs
 
 
+def test_a_model_with_multimodal_rotary_positions_is_refused(tmp_path):
+    import transformers
+
+    text = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 64, "vocab_size": 300,
+            "eos_token_id": 0, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}
+    vision = {"depth": 1, "embed_dim": 32, "hidden_size": 32, "num_heads": 2, "mlp_ratio": 2, "patch_size": 4, "out_hidden_size": 32}
+    transformers.Qwen2VLForConditionalGeneration(transformers.Qwen2VLConfig(text_config=text, vision_config=vision)).save_pretrained(tmp_path / "qwen2vl")
+    with pytest.raises(ConfigError, match=r"policy\.model_path.*multimodal RoPE"):
+        make(model_path=str(tmp_path / "qwen2vl"))
+
+
 def test_config_errors_name_the_field(tmp_path):
     with pytest.raises(ConfigError, match=r"policy\.model_path"):
         make(model_path=str(tmp_path / "missing"))
