@@ -1,5 +1,6 @@
 import json
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -9,13 +10,14 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 pytest.importorskip("PIL")
 
-from mmrl.config import from_dict  # noqa: E402
+from mmrl.config import from_dict, option  # noqa: E402
+from mmrl.core.config import RewardConfig  # noqa: E402
 from mmrl.core.rollout import Rollout  # noqa: E402
 from mmrl.core.weights import build_policy, load_pretrained, save_pretrained  # noqa: E402
 from mmrl.data.prompts import ImagePrompt  # noqa: E402
 from mmrl.errors import ConfigError  # noqa: E402
 from mmrl.policies.text_vlm import TextVLMConfig, TextVLMPolicy  # noqa: E402
-from mmrl.registry import POLICIES  # noqa: E402
+from mmrl.registry import POLICIES, REWARDS  # noqa: E402
 from tests.conftest import ROOT, run_mmrl  # noqa: E402
 
 TINY = {"hidden_size": 32, "num_heads": 2, "intermediate_size": 64}
@@ -270,3 +272,39 @@ def test_grpo_trains_through_mmrl_train_and_evaluation_reports_accuracy_per_ques
         assert final[f"eval/accuracy/{category}/n"] == sum(r["category"] == category for r in held_out)
         assert 0 <= final[f"eval/accuracy/{category}"] <= 1
     assert (run / "checkpoints" / "latest").is_file()
+
+
+@dataclass
+class _VowelFractionConfig(RewardConfig):
+    type: str = option("_test_vowel_fraction", "registered name of this component (see `mmrl list`)")
+
+
+@REWARDS.register("_test_vowel_fraction", config=_VowelFractionConfig)
+def _vowel_fraction(rollout, cfg):
+    """Test-only: the fraction of a completion's characters that are vowels (a graded signal a random model gets)."""
+    return torch.tensor([sum(c in "aeiou" for c in text) / max(len(text), 1) for text in rollout.info["completions"]])
+
+
+def test_lora_grpo_with_a_kl_to_the_adapter_disabled_model_trains_through_the_trainer(tmp_path, shapes_qa):
+    pytest.importorskip("peft")
+    from mmrl.train.config import TrainConfig
+    from mmrl.train.metrics import read_metrics
+    from mmrl.train.trainer import Trainer
+
+    cfg = from_dict(TrainConfig, {
+        "name": "vlm_lora", "seed": 0, "total_steps": 2,
+        "policy": {"type": "text_vlm", "tiny": TINY, "lora": {"r": 4, "alpha": 8}, "generation": {"max_new_tokens": 4, "chat_template": True}},
+        "sampler": {"type": "prompt", "data": {"train": str(shapes_qa / "train.jsonl"), "eval": str(shapes_qa / "held_out.jsonl")}, "batch_groups": 4},
+        "rewards": [{"type": "exact_match", "ignore_case": True}, {"type": "_test_vowel_fraction"}],
+        "algo": {"group_size": 4, "groups_per_step": 4, "num_minibatches": 2, "kl": {"type": "k3", "coef": 0.05}},
+        "optim": {"lr": 1e-2}, "eval": {"episodes": 4, "at_end": False}, "log": {"progress": False, "tensorboard": False},
+    })
+    trainer = Trainer(cfg, tmp_path / "run")
+    base = {name: p.detach().clone() for name, p in trainer.policy.named_parameters() if not p.requires_grad}
+    adapters = {name: p.detach().clone() for name, p in trainer.policy.named_parameters() if p.requires_grad}
+    trainer.train()
+    now = dict(trainer.policy.named_parameters())
+    assert all(torch.equal(now[name], value) for name, value in base.items())
+    assert any(not torch.equal(now[name], value) for name, value in adapters.items())
+    metrics = read_metrics(tmp_path / "run")
+    assert any(m.get("kl/ref", 0) > 0 for m in metrics)  # the adapters moved the policy from the model without them
