@@ -308,3 +308,36 @@ def test_lora_grpo_with_a_kl_to_the_adapter_disabled_model_trains_through_the_tr
     assert any(not torch.equal(now[name], value) for name, value in adapters.items())
     metrics = read_metrics(tmp_path / "run")
     assert any(m.get("kl/ref", 0) > 0 for m in metrics)  # the adapters moved the policy from the model without them
+
+
+@pytest.mark.slow
+def test_sft_learns_to_read_the_colour_of_objects_in_images_it_has_not_seen():
+    """The vision path learns: 600 rendered single-object scenes, "What colour is the object?",
+    the demo's model size; greedy answers on 120 other images (2–4 min on two shared cores)."""
+    pytest.importorskip("cv2")
+    import random
+
+    from mmrl.data.shapes import COLOURS, SHAPES, ObjectGroup, Scene, render_scene
+
+    def questions(n, seed):
+        rng = random.Random(seed)
+        out = []
+        for i in range(n):
+            colour, shape = rng.choice(list(COLOURS)), rng.choice(SHAPES)
+            image = render_scene(Scene((ObjectGroup(1, colour, shape),)), 32, seed=seed * 100_000 + i)
+            out.append((ImagePrompt("What colour is the object?", (image,)), colour))
+        return out
+
+    width = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 128}
+    policy = make(tiny={**width, "max_position_embeddings": 128}, vision=width, generation={"max_new_tokens": 8, "chat_template": True})
+    train, unseen = questions(600, 1), questions(120, 2)
+    optimizer = torch.optim.Adam(policy.parameters(), lr=2e-3)
+    for step in range(200):
+        rows = np.random.RandomState(step).randint(len(train), size=64)
+        loss = policy.sft_loss({"prompt": [train[i][0] for i in rows], "completion": [train[i][1] for i in rows]})
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    answers = policy.sample([p for p, _ in unseen], deterministic=True).output
+    accuracy = np.mean([a == colour for a, (_, colour) in zip(answers, unseen)])
+    assert accuracy >= 0.9, accuracy
