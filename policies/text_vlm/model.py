@@ -28,6 +28,7 @@ supported: positions here count each row's tokens, as text_lm's do.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -139,6 +140,7 @@ class TextVLMPolicy(TextLMPolicy):
         super().__init__(config, spec)
         # placeholders stand for images in prompts; a completion must never produce one
         placeholders = {self.tokenizer.convert_tokens_to_ids(self.processor.image_token), getattr(self.language_model.config, "image_token_id", None)}
+        self._image_output_shapes = None
         self._placeholder_ids = torch.tensor(sorted(i for i in placeholders if i is not None), dtype=torch.long)
         if config.freeze_vision_tower:
             for param in self.vision_tower.parameters():
@@ -173,7 +175,7 @@ class TextVLMPolicy(TextLMPolicy):
     def _encode_inputs(self, inputs) -> tuple[list[list[int]], dict[str, Tensor]]:
         """Token ids of each prompt (image placeholders expanded) and the image tensors, one
         row per prompt: ``pixel_values`` [B, K, ...] (zero rows past a prompt's images) and
-        ``image_count`` [B]; no tensors when no prompt of the batch has images."""
+        ``image_count`` [B]; K = 0 when no prompt of the batch has images."""
         if isinstance(inputs, (str, ImagePrompt)) or not isinstance(inputs, (list, tuple)) or not all(isinstance(p, (str, ImagePrompt)) for p in inputs):
             raise ConfigError("policy.type", self.config.type, f"takes a list of prompts, each a string or an ImagePrompt (sampler.type: prompt with text prompts and an image_field), got {type(inputs).__name__}")
         prompts = [p if isinstance(p, ImagePrompt) else ImagePrompt(p, ()) for p in inputs]
@@ -189,8 +191,9 @@ class TextVLMPolicy(TextLMPolicy):
         for i, seq in enumerate(prompt_ids):
             if not seq:
                 raise ValueError(f"prompt {i} ({prompts[i].text!r}) encodes to no tokens: a completion needs at least one token to follow")
-        if not images:
-            return prompt_ids, {}
+        if not images:  # tensors of width 0, so that the replay has the keys of a call with images
+            empty = {name: torch.zeros((len(prompts), 0, *shape), dtype=dtype) for name, (shape, dtype) in self._image_outputs().items()}
+            return prompt_ids, {"image_count": torch.zeros(len(prompts), dtype=torch.long), **empty}
         counts = torch.tensor([len(p.images) for p in prompts], dtype=torch.long)
         starts = (counts.cumsum(0) - counts).tolist()
         width = int(counts.max())
@@ -205,6 +208,15 @@ class TextVLMPolicy(TextLMPolicy):
                 rows[row, :count] = value[start : start + count]
             model_inputs[name] = rows
         return prompt_ids, model_inputs
+
+    def _image_outputs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Shape and dtype of one image's entry in each per-image output of the processor
+        (found once, on a blank image)."""
+        if self._image_output_shapes is None:
+            blank = np.zeros((64, 64, 3), dtype=np.uint8)
+            encoded = self.processor(text=[self.processor.image_token], images=[blank], return_tensors="pt")
+            self._image_output_shapes = {name: (tuple(v.shape[1:]), v.dtype) for name, v in encoded.items() if name not in _TOKEN_OUTPUTS}
+        return self._image_output_shapes
 
     def forward_logits(self, ids: Tensor, mask: Tensor, cache=None, logits_to_keep: int = 0, image_count: Tensor | None = None, **image_inputs) -> Tensor:
         """``text_lm``'s :meth:`forward_logits`; ``image_count`` [N] and the per-row image

@@ -107,6 +107,33 @@ def test_the_image_placeholder_is_never_sampled_even_when_the_model_favours_it()
     assert torch.isfinite(sample.logp).all()
 
 
+class _RecordingBackend:
+    """A stand-in for a serving engine: mmrl's own loop, recording what it was given."""
+
+    calls: list = []
+
+    def __init__(self, policy):
+        from mmrl.policies.text_lm import BuiltinBackend
+
+        self.inner = BuiltinBackend(policy)
+
+    def generate(self, prompt_ids, options, generator, deterministic, model_inputs=None):
+        _RecordingBackend.calls.append(model_inputs)
+        return self.inner.generate(prompt_ids, options, generator, deterministic, model_inputs=model_inputs)
+
+
+def test_a_generation_backend_plugged_in_by_import_path_gets_the_images_as_model_inputs():
+    _RecordingBackend.calls.clear()
+    policy = make(generation={"max_new_tokens": 5, "backend": f"{__name__}:_RecordingBackend"})
+    sample = policy.sample(prompts(), generator(0))
+    (given,) = _RecordingBackend.calls
+    assert given["image_count"].tolist() == [1, 2, 0, 1] and given["pixel_values"].shape == (4, 2, 3, 32, 32)
+    assert torch.equal(given["pixel_values"], sample.replay["pixel_values"])
+    assert torch.equal(policy.log_prob(sample.replay), sample.logp)
+    reference = make(generation={"max_new_tokens": 5}).sample(prompts(), generator(0))
+    assert sample.output == reference.output  # the same loop, given the same inputs
+
+
 def test_a_prompts_completion_does_not_depend_on_the_other_prompts_of_its_batch():
     policy = make(generation={"max_new_tokens": 8})
     batch = prompts()
@@ -185,13 +212,13 @@ def test_log_prob_of_replays_concatenated_across_sample_calls():
     realigns the prompts and takes each row's own images."""
     policy = make(generation={"max_new_tokens": 6})
     parts = []
-    for seed, batch in enumerate([prompts()[:2], prompts()[2:], [ImagePrompt("x", tuple(images(3, seed=5)))]]):
+    for seed, batch in enumerate([prompts()[:2], ["text only", "no images in this call"], prompts()[2:], [ImagePrompt("x", tuple(images(3, seed=5)))]]):
         sample = policy.sample(batch, generator(seed))
         parts.append(Rollout(group_id=torch.zeros(len(batch), dtype=torch.long), old_logp=sample.logp, mask=sample.mask, replay=sample.replay))
     rollout = Rollout.cat(parts)
-    assert rollout.replay["pixel_values"].shape[1] == 3 and rollout.replay["image_count"].tolist() == [1, 2, 0, 1, 3]
+    assert rollout.replay["pixel_values"].shape[1] == 3 and rollout.replay["image_count"].tolist() == [1, 2, 0, 0, 0, 1, 3]
     assert torch.allclose(policy.log_prob(rollout.replay), rollout.old_logp, atol=1e-5)
-    rows = rollout[torch.tensor([4, 1])]  # a minibatch
+    rows = rollout[torch.tensor([6, 1, 3])]  # a minibatch
     assert torch.allclose(policy.log_prob(rows.replay), rows.old_logp, atol=1e-5)
 
 
