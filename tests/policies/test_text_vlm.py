@@ -63,6 +63,14 @@ def test_registered_and_built_as_a_tiny_llava_whose_prompts_hold_one_token_per_p
     assert (inputs["pixel_values"][0, 1] == 0).all()  # padding past a prompt's images
 
 
+def test_images_go_before_the_text_inside_the_user_turn_after_the_system_message():
+    chat = make(generation={"chat_template": True, "system_prompt": "Answer with one word."})
+    assert chat._prompt_text("Hi", 2) == (
+        "<|im_start|>system\nAnswer with one word.<|im_end|>\n<|im_start|>user\n<image><image>Hi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert make()._prompt_text("Hi", 1) == "<image>Hi" and make()._prompt_text("Hi", 0) == "Hi"
+
+
 @pytest.mark.parametrize(
     ("temperature", "top_p", "dtype", "chat_template"),
     [(1.0, 1.0, "float32", False), (0.7, 0.9, "float32", True), (1.5, 0.8, "float32", True), (0.8, 0.9, "bfloat16", True)],
