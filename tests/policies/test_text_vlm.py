@@ -376,3 +376,15 @@ def test_sft_learns_to_read_the_colour_of_objects_in_images_it_has_not_seen():
     answers = policy.sample([p for p, _ in unseen], deterministic=True).output
     accuracy = np.mean([a == colour for a, (_, colour) in zip(answers, unseen)])
     assert accuracy >= 0.9, accuracy
+
+
+def test_the_processor_and_model_calls_raise_no_deprecation_or_future_warnings():
+    import warnings
+
+    policy = make(generation={"max_new_tokens": 4, "chat_template": True})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sample = policy.sample(prompts(), generator(0))
+        policy.log_prob(sample.replay).sum().backward()
+        policy.sft_loss({"prompt": prompts(), "completion": ["a", "b", "c", "d"]})
+    assert not [w for w in caught if issubclass(w.category, (DeprecationWarning, FutureWarning))], [str(w.message) for w in caught]
