@@ -5,7 +5,14 @@ A record (:class:`PromptRecord`) holds
 - ``prompt``: a text (``str``) or a condition (``int``, e.g. a class id);
 - ``answer``: the reference answer that verifiable rewards check, or None;
 - ``metadata``: a dict of anything else (a category, a difficulty, a source id);
+- ``images``: the paths of the images that come with the prompt (none, one, or a video's
+  frames), from the field ``image_field``: a path or a list of paths, relative to the folder
+  of the source file (of the saved dataset's directory);
 - ``record_id``: the record's row in its source (0-based), to trace a sample to its data.
+
+A text prompt with images reaches the policy as an :class:`ImagePrompt` (its text and the
+images as RGB uint8 arrays, read once and cached), a text prompt without images as its string
+(:func:`prompt_input`).
 
 Sources (:func:`read_records`):
 - a ``.jsonl`` file, one JSON object per line (blank lines are skipped);
@@ -16,7 +23,7 @@ Sources (:func:`read_records`):
 
 Which field is the prompt, the answer and the metadata is configurable
 (:class:`PromptDataConfig`). With ``metadata_fields`` null the metadata is every field but
-the prompt and the answer. A field whose value is a mapping (a JSON object, a ``datasets``
+the prompt, the answer and the images. A field whose value is a mapping (a JSON object, a ``datasets``
 struct) contributes its keys rather than itself, so ``{"metadata": {"category": "add"}}``
 in JSONL and a CSV column ``category`` both give ``metadata["category"]``. Missing values
 are left out of the metadata.
@@ -45,6 +52,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
@@ -66,6 +74,7 @@ class PromptDataConfig:
     num_prompts: int = option(4, "number of integer conditions when train is null", ge=1)
     prompt_field: str = option("prompt", "field holding each record's prompt (a text or an integer condition)")
     answer_field: str | None = option("answer", "field holding the reference answer (null = none); a record without it has none")
+    image_field: str | None = option("image", "field holding the path of an image that comes with the prompt, or a list of paths (a video's frames), relative to the source file's folder (null = no images); a record without it has none")
     metadata_fields: list[str] | None = option(None, "fields gathered into each record's metadata (null = all but the prompt and answer); a mapping contributes its keys")
     prompt_kind: Literal["auto", "text", "condition"] = option("auto", "prompts are texts or integer conditions (auto: conditions if every prompt is an integer)")
     eval_fraction: float = option(0.0, "fraction of train held out for evaluation when eval is null", ge=0, lt=1)
@@ -85,6 +94,36 @@ class PromptRecord:
     answer: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
     record_id: int = 0  # row in the source, 0-based
+    images: tuple[str, ...] = ()  # paths of the images that come with the prompt
+
+
+@dataclass(frozen=True, eq=False)
+class ImagePrompt:
+    """A text prompt with images (a video is its frames): what a policy receives for a record
+    with images. Each image is an RGB uint8 array [H, W, 3], read-only (shared by a group's
+    samples and cached across calls)."""
+
+    text: str
+    images: tuple[np.ndarray, ...]
+
+
+@lru_cache(maxsize=4096)
+def read_image(path: str) -> np.ndarray:
+    """The image file at ``path`` as a read-only RGB uint8 array [H, W, 3] (Pillow)."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        array = np.asarray(image.convert("RGB"), dtype=np.uint8).copy()
+    array.setflags(write=False)
+    return array
+
+
+def prompt_input(record: PromptRecord) -> str | int | ImagePrompt:
+    """What a policy receives for ``record``: its prompt, or an :class:`ImagePrompt` when
+    images come with it."""
+    if not record.images:
+        return record.prompt
+    return ImagePrompt(str(record.prompt), tuple(read_image(p) for p in record.images))
 
 
 def integer_records(num_prompts: int) -> list[PromptRecord]:
@@ -104,15 +143,32 @@ def read_records(cfg: PromptDataConfig, key: Literal["train", "eval"], path: str
     for option_name, name in [("prompt_field", cfg.prompt_field)] + [("metadata_fields", name) for name in cfg.metadata_fields or []]:
         if name not in columns:
             raise ConfigError(f"{path}.{option_name}", name, f"no such field in {source}; its fields: {', '.join(columns)}")
-    metadata_fields = cfg.metadata_fields if cfg.metadata_fields is not None else [c for c in columns if c not in (cfg.prompt_field, cfg.answer_field)]
+    metadata_fields = cfg.metadata_fields if cfg.metadata_fields is not None else [c for c in columns if c not in (cfg.prompt_field, cfg.answer_field, cfg.image_field)]
+    # image paths are relative to the file's folder (a saved dataset: its directory)
+    image_root = Path(source) if Path(source).is_dir() else Path(source).parent
     records = []
     for i, row in enumerate(rows):
         prompt = row.get(cfg.prompt_field)
         if prompt is None:
             raise ConfigError(f"{path}.prompt_field", cfg.prompt_field, f"record {i} of {source} has no prompt")
         answer = row.get(cfg.answer_field) if cfg.answer_field is not None else None
-        records.append(PromptRecord(prompt, answer, _metadata(row, metadata_fields), i))
+        images = _image_paths(row.get(cfg.image_field) if cfg.image_field is not None else None, image_root, f"{path}.image_field", cfg.image_field, i, source)
+        records.append(PromptRecord(prompt, answer, _metadata(row, metadata_fields), i, images))
     return records
+
+
+def _image_paths(value, root: Path, field_name: str, image_field: str, row: int, source: str) -> tuple[str, ...]:
+    """The record's image paths (a path or a list of them), resolved against ``root``; each must exist."""
+    if value is None:
+        return ()
+    paths = [value] if isinstance(value, str) else value
+    if not isinstance(paths, list) or not all(isinstance(p, str) and p for p in paths):
+        raise ConfigError(field_name, image_field, f"record {row} of {source} holds {value!r}; expected an image path or a list of paths")
+    resolved = tuple(str(root / p) for p in paths)
+    for p in resolved:
+        if not Path(p).is_file():
+            raise ConfigError(field_name, image_field, f"record {row} of {source} names the image {p}, which does not exist (paths are relative to the source file's folder)")
+    return resolved
 
 
 def _metadata(row: dict, fields: list[str]) -> dict[str, Any]:
@@ -279,6 +335,8 @@ class PromptData:
         train = read_records(cfg, "train", path) if cfg.train is not None else integer_records(cfg.num_prompts)
         held_out = read_records(cfg, "eval", path) if cfg.eval is not None else []
         kind, (train, held_out) = resolve_prompt_kind([train, held_out], cfg.prompt_kind, path)
+        if kind == "condition" and any(r.images for r in train + held_out):
+            raise ConfigError(f"{path}.image_field", cfg.image_field, "images come with text prompts; these prompts are integer conditions (set prompt_kind: text, or image_field: null)")
         if cfg.eval_fraction > 0:
             n = len(train)
             train, held_out = split_held_out(train, cfg.eval_fraction, cfg.split_seed)

@@ -5,7 +5,8 @@ Records come from a prompt dataset (:mod:`mmrl.data.prompts`): JSONL, CSV, a sav
 
 What the policy receives: one input per sample, the G samples of a group next to each other
 — a LongTensor [N] of condition ids on the policy's device when the prompts are conditions
-(the toy policies take these), else a list of N prompt strings.
+(the toy policies take these), else a list of N prompts: a string, or an
+:class:`~mmrl.data.prompts.ImagePrompt` (the text and its images) for a record with images.
 
 Which record a group gets: the train records form a stream of epochs (each a permutation
 drawn from (run seed, epoch), :class:`~mmrl.data.prompts.EpochOrder`). Step s starts at
@@ -46,7 +47,7 @@ from mmrl.core.reward import RewardSet
 from mmrl.core.rollout import Rollout
 from mmrl.core.sampler import Sampler, group_seed
 from mmrl.core.statistics import wilson_interval
-from mmrl.data.prompts import EpochOrder, PromptData, PromptDataConfig, PromptRecord, clusters_by
+from mmrl.data.prompts import EpochOrder, PromptData, PromptDataConfig, PromptRecord, clusters_by, prompt_input
 from mmrl.registry import SAMPLERS
 
 
@@ -103,7 +104,7 @@ class PromptSampler(Sampler):
     def _inputs(self, records: list[PromptRecord], copies: int, device: torch.device) -> Tensor | list[str]:
         if self.data.kind == "condition":
             return torch.tensor([r.prompt for r in records], dtype=torch.long, device=device).repeat_interleave(copies)
-        return [r.prompt for r in records for _ in range(copies)]
+        return [prompt for r in records for prompt in [prompt_input(r)] * copies]
 
     def _rollout(self, sample: Sample, inputs, records: list[PromptRecord], copies: int, group_id: Tensor) -> Rollout:
         logp = sample.logp

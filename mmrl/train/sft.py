@@ -8,12 +8,13 @@ it: one process and N train on the same samples.
 - ``demonstrations``: episodes recorded by ``mmrl collect``; every time step is one sample
   (observation, the next C actions, their mask), C = the policy's action chunk.
 - ``completions``: (prompt, completion) text pairs from a JSONL or CSV file or a saved
-  ``datasets`` directory; a batch is ``{"prompt": [...], "completion": [...]}``.
+  ``datasets`` directory; a batch is ``{"prompt": [...], "completion": [...]}``. A record with
+  images (``image_field``) gives an :class:`~mmrl.data.prompts.ImagePrompt` as its prompt.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -96,6 +97,7 @@ class CompletionsConfig(DataSourceConfig):
     path: str | None = option(None, "a .jsonl or .csv file, or a directory saved by datasets' save_to_disk")
     prompt_field: str = option("prompt", "field holding each record's prompt")
     completion_field: str = option("completion", "field holding the completion to learn")
+    image_field: str | None = option("image", "field holding the path of the prompt's image or a list of paths, relative to the file's folder (null = no images)")
 
 
 @DATA_SOURCES.register("completions", config=CompletionsConfig)
@@ -103,13 +105,13 @@ class Completions(DataSource):
     """(prompt, completion) text pairs: supervised fine-tuning of a text policy."""
 
     def __init__(self, cfg: CompletionsConfig, policy, seed: int, world: int, rank: int):
-        from mmrl.data.prompts import PromptDataConfig, read_records
+        from mmrl.data.prompts import PromptDataConfig, prompt_input, read_records
 
         super().__init__(cfg, seed, world, rank)
-        source = PromptDataConfig(train=cfg.path, prompt_field=cfg.prompt_field, answer_field=cfg.completion_field, prompt_kind="text")
+        source = PromptDataConfig(train=cfg.path, prompt_field=cfg.prompt_field, answer_field=cfg.completion_field, image_field=cfg.image_field, prompt_kind="text")
         records = read_records(source, "train", "data")
         missing = [r.record_id for r in records if r.answer is None]
         if missing:
             raise ConfigError("data.completion_field", cfg.completion_field, f"missing in {len(missing)} records (first: record {missing[0]})")
-        self.samples = {"prompt": [str(r.prompt) for r in records], "completion": [str(r.answer) for r in records]}
+        self.samples = {"prompt": [prompt_input(replace(r, prompt=str(r.prompt))) for r in records], "completion": [str(r.answer) for r in records]}
         self.info = {"samples": self.num_samples}

@@ -127,7 +127,9 @@ class Generation:
 class GenerationBackend(Protocol):
     """Samples completions for a text policy. ``generate`` is called once per
     ``policy.sample`` call, with the policy's parameters as they are now (an engine that keeps
-    its own copy of the weights refreshes it from ``policy.model`` first)."""
+    its own copy of the weights refreshes it from ``policy.model`` first). A vision-language
+    policy (``text_vlm``) also passes ``model_inputs=``: the prompts' image tensors, one row per
+    prompt (docs/text.md); a backend for text policies alone need not take it."""
 
     def generate(self, prompt_ids: list[list[int]], options: SamplingOptions, generator: torch.Generator | None, deterministic: bool) -> Generation: ...
 
@@ -143,12 +145,15 @@ class BuiltinBackend:
         self.policy = policy
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], options: SamplingOptions, generator: torch.Generator | None, deterministic: bool) -> Generation:
-        model, device = self.policy.language_model, self.policy.device
+    def generate(
+        self, prompt_ids: list[list[int]], options: SamplingOptions, generator: torch.Generator | None, deterministic: bool, model_inputs: dict[str, Tensor] | None = None
+    ) -> Generation:
+        device = self.policy.device
         ids, mask = (t.to(device) for t in left_pad(prompt_ids, options.pad_token_id))
         n = ids.shape[0]
         cache = self.policy.new_cache()
-        logits = self.policy.forward_logits(ids, mask, cache=cache, logits_to_keep=1)[:, -1]
+        # the extra inputs (images) enter with the prompts; the cache holds them from then on
+        logits = self.policy.forward_logits(ids, mask, cache=cache, logits_to_keep=1, **{k: v.to(device) for k, v in (model_inputs or {}).items()})[:, -1]
         eos = torch.tensor(options.eos_token_ids, dtype=torch.long, device=device)
         stop_window = max((len(s.encode("utf-8")) for s in options.stop_strings), default=0) + 1
         running = torch.ones(n, dtype=torch.bool, device=device)

@@ -74,28 +74,33 @@ def resolve_model_path(model_path: str) -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
+def tiny_decoder_config(tiny, tokenizer):
+    """The transformers config of the random decoder of a ``tiny:`` section (:class:`TinyLMConfig`),
+    its vocabulary the tokenizer's."""
+    return _transformers().AutoConfig.for_model(
+        tiny.arch,
+        hidden_size=tiny.hidden_size,
+        num_hidden_layers=tiny.num_layers,
+        num_attention_heads=tiny.num_heads,
+        num_key_value_heads=tiny.num_kv_heads or tiny.num_heads,
+        head_dim=tiny.hidden_size // tiny.num_heads,
+        intermediate_size=tiny.intermediate_size,
+        max_position_embeddings=tiny.max_position_embeddings,
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=tiny.tie_word_embeddings,
+    )
+
+
 def _load_model(config: TextLMConfig):
     """(tokenizer, causal LM) from ``model_path`` or the tiny config."""
     tf = _transformers()
     dtype = getattr(torch, config.dtype)
     if config.model_path is None:
         tokenizer = byte_tokenizer()
-        tiny = config.tiny
-        model_config = tf.AutoConfig.for_model(
-            tiny.arch,
-            hidden_size=tiny.hidden_size,
-            num_hidden_layers=tiny.num_layers,
-            num_attention_heads=tiny.num_heads,
-            num_key_value_heads=tiny.num_kv_heads or tiny.num_heads,
-            head_dim=tiny.hidden_size // tiny.num_heads,
-            intermediate_size=tiny.intermediate_size,
-            max_position_embeddings=tiny.max_position_embeddings,
-            vocab_size=len(tokenizer),
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            bos_token_id=None,
-            tie_word_embeddings=tiny.tie_word_embeddings,
-        )
+        model_config = tiny_decoder_config(config.tiny, tokenizer)
         if config.disable_dropout:
             _without_dropout(model_config)
         model = tf.AutoModelForCausalLM.from_config(model_config, attn_implementation=config.attn_implementation, dtype=dtype)
@@ -158,6 +163,9 @@ def _backend(spec: str, policy) -> GenerationBackend:
     return backend
 
 
+_TEXT_REPLAY = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+
+
 def _left_aligned(ids: Tensor, mask: Tensor, pad_token_id: int) -> tuple[Tensor, Tensor]:
     """Prompts padded on either side (``Rollout.cat`` right-pads prompts of different calls)
     → padded on the left only, so the last column is every prompt's last token."""
@@ -197,12 +205,12 @@ class TextLMPolicy(PolicyModule):
         config.validate("policy")
         self.config, self.spec = config, dict(spec)
         if spec.get("num_prompts") is not None:
-            raise ConfigError("policy.type", "text_lm", "takes text prompts; the prompt sampler's records are condition ids (give sampler.data a train file of text prompts)")
-        self.tokenizer, model = _load_model(config)
+            raise ConfigError("policy.type", config.type, "takes text prompts; the prompt sampler's records are condition ids (give sampler.data a train file of text prompts)")
+        self.tokenizer, model = self._build_model(config)
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token  # the pad id only fills masked slots
         self.tokenizer.padding_side = "left"
-        if config.generation.chat_template and not self.tokenizer.chat_template:
+        if config.generation.chat_template and not self._has_chat_template():
             raise ConfigError("policy.generation.chat_template", True, "the tokenizer has no chat template; send the prompts as they are (chat_template: false)")
         self._cache_argument = cache_argument(model)  # of the transformers model itself, not a peft wrapper
         self.model = _with_lora(model, config.lora) if config.lora.r else model
@@ -221,6 +229,13 @@ class TextLMPolicy(PolicyModule):
 
     # ------------------------------------------------------------------ model access
 
+    def _build_model(self, config: TextLMConfig):
+        """(tokenizer, transformers model) of ``config`` (a subclass builds other models)."""
+        return _load_model(config)
+
+    def _has_chat_template(self) -> bool:
+        return bool(self.tokenizer.chat_template)
+
     @property
     def language_model(self) -> nn.Module:
         """The transformers causal LM (with its adapters, under LoRA)."""
@@ -234,11 +249,12 @@ class TextLMPolicy(PolicyModule):
         """An empty key/value cache for incremental decoding with :meth:`forward_logits`."""
         return _transformers().DynamicCache(config=self.language_model.config)
 
-    def forward_logits(self, ids: Tensor, mask: Tensor, cache=None, logits_to_keep: int = 0) -> Tensor:
+    def forward_logits(self, ids: Tensor, mask: Tensor, cache=None, logits_to_keep: int = 0, **model_inputs) -> Tensor:
         """Logits of the causal LM for ``ids`` [N, S] (the last ``logits_to_keep`` positions;
         0 = all). ``mask`` [N, S_past + S] marks real tokens; with a ``cache`` holding the
         S_past earlier tokens the call extends it. Position ids count each row's real tokens,
-        so padding anywhere before a token does not move it."""
+        so padding anywhere before a token does not move it. ``model_inputs`` go to the model
+        as they are (none for a text model)."""
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1] :]
         out = self.language_model(
             input_ids=ids,
@@ -247,6 +263,7 @@ class TextLMPolicy(PolicyModule):
             use_cache=cache is not None,
             logits_to_keep=logits_to_keep,
             **({self._cache_argument: cache} if cache is not None else {}),
+            **model_inputs,
         )
         return out.logits
 
@@ -268,7 +285,14 @@ class TextLMPolicy(PolicyModule):
                 raise ValueError(f"prompt {i} ({prompts[i]!r}) encodes to no tokens: a completion needs at least one token to follow")
         return ids
 
-    def _replay(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> dict[str, Tensor]:
+    def _encode_inputs(self, inputs) -> tuple[list[list[int]], dict[str, Tensor]]:
+        """(token ids of each prompt, the extra model inputs of the batch: per-row tensors the
+        replay keeps and ``forward_logits`` takes; none for text) of the policy's inputs."""
+        if isinstance(inputs, str) or not isinstance(inputs, (list, tuple)) or not all(isinstance(p, str) for p in inputs):
+            raise ConfigError("policy.type", self.config.type, f"takes a list of prompt strings (sampler.type: prompt with text prompts), got {type(inputs).__name__}")
+        return self.encode_prompts(list(inputs)), {}
+
+    def _replay(self, prompt_ids: list[list[int]], completion_ids: list[list[int]], model_inputs: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
         pad = self.tokenizer.pad_token_id
         prompt, prompt_mask = left_pad(prompt_ids, pad)
         width = max(1, max(len(c) for c in completion_ids))
@@ -278,7 +302,8 @@ class TextLMPolicy(PolicyModule):
             completion[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
             completion_mask[row, : len(seq)] = 1
         device = self.device
-        return {"prompt_ids": prompt.to(device), "prompt_mask": prompt_mask.to(device), "completion_ids": completion.to(device), "completion_mask": completion_mask.to(device)}
+        replay = {"prompt_ids": prompt.to(device), "prompt_mask": prompt_mask.to(device), "completion_ids": completion.to(device), "completion_mask": completion_mask.to(device)}
+        return {**replay, **{k: v.to(device) for k, v in (model_inputs or {}).items()}}
 
     def _completion_logits(self, replay: dict) -> Tensor:
         """Teacher-forced logits [B, T, V] predicting each completion token."""
@@ -287,8 +312,9 @@ class TextLMPolicy(PolicyModule):
         completion = replay["completion_ids"].to(device)
         ids = torch.cat([prompt, completion], dim=1)
         mask = torch.cat([prompt_mask, replay["completion_mask"].to(device, prompt_mask.dtype)], dim=1)
+        model_inputs = {k: v.to(device) for k, v in replay.items() if k not in _TEXT_REPLAY}
         # position P-1+t predicts completion token t; the last position predicts nothing
-        return self.forward_logits(ids, mask, logits_to_keep=completion.shape[1] + 1)[:, :-1]
+        return self.forward_logits(ids, mask, logits_to_keep=completion.shape[1] + 1, **model_inputs)[:, :-1]
 
     def _scores(self, replay: dict, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
         generation = self.config.generation
@@ -308,13 +334,13 @@ class TextLMPolicy(PolicyModule):
         ``info["truncated"]`` [B] (no EOS or stop string within ``max_new_tokens``), per-token
         ``logp`` and ``entropy`` [B, T] of the sampling distribution, ``mask`` [B, T] and the
         replay (module docstring)."""
-        if isinstance(inputs, str) or not isinstance(inputs, (list, tuple)) or not all(isinstance(p, str) for p in inputs):
-            raise ConfigError("policy.type", "text_lm", f"takes a list of prompt strings (sampler.type: prompt with text prompts), got {type(inputs).__name__}")
-        prompt_ids = self.encode_prompts(list(inputs))
-        generated = self.backend.generate(prompt_ids, self.sampling, generator, deterministic)
+        prompt_ids, model_inputs = self._encode_inputs(inputs)
+        # a backend gets the extra model inputs (images) only when there are some
+        extra = {"model_inputs": model_inputs} if model_inputs else {}
+        generated = self.backend.generate(prompt_ids, self.sampling, generator, deterministic, **extra)
         if len(generated.token_ids) != len(prompt_ids) or any(r not in FINISH_REASONS for r in generated.finish_reason):
             raise ValueError(f"the generation backend returned {len(generated.token_ids)} completions for {len(prompt_ids)} prompts, finish reasons {set(generated.finish_reason)}")
-        replay = self._replay(prompt_ids, generated.token_ids)
+        replay = self._replay(prompt_ids, generated.token_ids, model_inputs)
         mask = replay["completion_mask"].float()
         if self.config.generation.old_logp == "recompute":
             logp, entropy = self._scores(replay, with_entropy=True)
@@ -343,10 +369,10 @@ class TextLMPolicy(PolicyModule):
         continuation's tokens, or their mean (``reduce="mean"``). Prefix and continuation are
         tokenized separately and joined (exact for byte-level tokenizers; a BPE merge across the
         boundary is not made)."""
-        prompt_ids = self.encode_prompts(list(prompts))
+        prompt_ids, model_inputs = self._encode_inputs(list(prompts))
         prefix_ids = self.tokenizer(list(prefixes), add_special_tokens=False)["input_ids"] if any(prefixes) else [[] for _ in prefixes]
         cont_ids = self.tokenizer(list(continuations), add_special_tokens=False)["input_ids"]
-        replay = self._replay(prompt_ids, [p + c for p, c in zip(prefix_ids, cont_ids)])
+        replay = self._replay(prompt_ids, [p + c for p, c in zip(prefix_ids, cont_ids)], model_inputs)
         logp = torch.log_softmax(self._completion_logits(replay).float(), dim=-1)
         logp = logp.gather(-1, replay["completion_ids"][..., None])[..., 0]
         starts = torch.tensor([len(p) for p in prefix_ids], device=logp.device)
@@ -366,10 +392,10 @@ class TextLMPolicy(PolicyModule):
         completion followed by EOS, so the model learns to stop) under the model's own
         distribution (no temperature or top-p). ``batch``: "prompt" and "completion", lists
         of B strings; prompts are encoded as ``sample`` encodes them."""
-        prompt_ids = self.encode_prompts(list(batch["prompt"]))
+        prompt_ids, model_inputs = self._encode_inputs(list(batch["prompt"]))
         eos = list(self.sampling.eos_token_ids[:1])
         completion_ids = [ids + eos for ids in self.tokenizer(list(batch["completion"]), add_special_tokens=False)["input_ids"]]
-        replay = self._replay(prompt_ids, completion_ids)
+        replay = self._replay(prompt_ids, completion_ids, model_inputs)
         logits = self._completion_logits(replay).float()
         targets, valid = replay["completion_ids"], replay["completion_mask"].float()
         ce = nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(valid)

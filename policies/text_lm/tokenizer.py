@@ -21,9 +21,10 @@ CHAT_TEMPLATE = (
 )
 
 
-def byte_tokenizer():
-    """A ``transformers`` fast tokenizer: 256 byte tokens + the three special tokens, EOS
-    ``<|im_end|>``, padding ``<|endoftext|>`` on the left, the ChatML chat template."""
+def byte_tokenizer(extra_special_tokens: tuple[str, ...] = ()):
+    """A ``transformers`` fast tokenizer: 256 byte tokens + the three special tokens (and
+    ``extra_special_tokens`` after them, e.g. an image placeholder), EOS ``<|im_end|>``,
+    padding ``<|endoftext|>`` on the left, the ChatML chat template."""
     try:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
         from transformers import PreTrainedTokenizerFast
@@ -39,7 +40,7 @@ def byte_tokenizer():
         tokenizer_object=tokenizer,
         pad_token=PAD,
         eos_token=TURN_END,
-        additional_special_tokens=[TURN_START],
+        additional_special_tokens=[TURN_START, *extra_special_tokens],
         chat_template=CHAT_TEMPLATE,
         padding_side="left",
     )

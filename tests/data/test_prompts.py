@@ -167,3 +167,55 @@ def test_a_saved_dataset_dict_points_at_its_split_directories(tmp_path):
     (tmp_path / "plain").mkdir()
     with pytest.raises(ConfigError, match="not a saved dataset"):
         load(train=str(tmp_path / "plain"))
+
+
+# ------------------------------------------------------------------ images with the prompt
+
+
+def write_png(path, rgb):
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.full((4, 6, 3), rgb, dtype=np.uint8)).save(path)
+
+
+def test_records_carry_images_relative_to_the_source_file_and_prompts_become_image_prompts(tmp_path):
+    pytest.importorskip("PIL")
+    from mmrl.data.prompts import ImagePrompt, prompt_input
+
+    write_png(tmp_path / "data" / "img" / "red.png", (200, 0, 0))
+    write_png(tmp_path / "data" / "img" / "blue.png", (0, 0, 200))
+    rows = [
+        {"prompt": "Colour?", "answer": "red", "image": "img/red.png", "category": "c"},
+        {"prompt": "Which came first?", "answer": "blue", "image": ["img/blue.png", "img/red.png"]},  # a clip's frames
+        {"prompt": "No picture.", "answer": "ok"},
+    ]
+    data = PromptData.load(PromptDataConfig(train=write_jsonl(tmp_path / "data" / "p.jsonl", rows)))
+    first, clip, plain = data.train
+    assert first.images == (str(tmp_path / "data" / "img" / "red.png"),) and first.metadata == {"category": "c"}  # not metadata
+    assert [p.rsplit("/", 1)[1] for p in clip.images] == ["blue.png", "red.png"] and plain.images == ()
+    image_prompt = prompt_input(first)
+    assert isinstance(image_prompt, ImagePrompt) and image_prompt.text == "Colour?"
+    (pixels,) = image_prompt.images
+    assert pixels.shape == (4, 6, 3) and pixels.dtype == np.uint8 and tuple(pixels[0, 0]) == (200, 0, 0)
+    assert not pixels.flags.writeable  # cached and shared: read-only
+    assert [tuple(im[0, 0]) for im in prompt_input(clip).images] == [(0, 0, 200), (200, 0, 0)]
+    assert prompt_input(plain) == "No picture."
+    # image_field: null reads no images (the field is then metadata like any other)
+    no_images = PromptData.load(PromptDataConfig(train=str(tmp_path / "data" / "p.jsonl"), image_field=None))
+    assert all(r.images == () for r in no_images.train) and no_images.train[0].metadata["image"] == "img/red.png"
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ([{"prompt": "a", "image": "missing.png"}], "does not exist"),
+        ([{"prompt": "a", "image": 3}], "expected an image path or a list of paths"),
+        ([{"prompt": 1, "image": "x.png"}], "images come with text prompts"),
+    ],
+)
+def test_bad_images_name_the_image_field(tmp_path, rows, message):
+    pytest.importorskip("PIL")
+    write_png(tmp_path / "x.png", (1, 2, 3))
+    with pytest.raises(ConfigError, match=rf"sampler\.data\.image_field.*{message}"):
+        PromptData.load(PromptDataConfig(train=write_jsonl(tmp_path / "p.jsonl", rows)), "sampler.data")

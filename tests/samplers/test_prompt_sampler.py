@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -415,3 +416,26 @@ def test_text_rollouts_report_completion_length_and_truncated_rate(tmp_path):
     assert torch.equal(metrics["completion_length"], lengths) and lengths.mean() == 2.5
     assert torch.equal(metrics["truncated_rate"], (lengths == 4).float()) and metrics["truncated_rate"].mean() == 0.25
     assert "completion_length" not in sampler.metrics(sampler.collect(RecordingPolicy(), 4, 4, step=0))
+
+
+def test_prompts_with_images_reach_the_policy_as_image_prompts(tmp_path):
+    pytest.importorskip("PIL")
+    from PIL import Image
+
+    from mmrl.data.prompts import ImagePrompt
+
+    for name, value in [("a.png", 10), ("b.png", 90)]:
+        Image.fromarray(np.full((8, 8, 3), value, dtype=np.uint8)).save(tmp_path / name)
+    rows = [{"prompt": "first", "image": "a.png"}, {"prompt": "second", "image": "b.png"}, {"prompt": "plain"}]
+    sampler = sampler_only(groups_per_step=3, batch_groups=3, data={"train": write_jsonl(tmp_path / "p.jsonl", rows)})
+    policy = RecordingPolicy()
+    rollout = sampler.collect(policy, 3, 2, step=0)
+    (call,) = policy.calls
+    assert call["inputs"] is rollout.info["prompt"]
+    for prompt, record_id in zip(call["inputs"], rollout.info["record_id"].tolist()):
+        row = rows[record_id]
+        if "image" in row:
+            assert isinstance(prompt, ImagePrompt) and prompt.text == row["prompt"]
+            assert len(prompt.images) == 1 and int(prompt.images[0][0, 0, 0]) == (10 if row["image"] == "a.png" else 90)
+        else:
+            assert prompt == row["prompt"]

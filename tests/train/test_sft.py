@@ -110,3 +110,25 @@ def test_a_completions_source_without_the_completion_field_names_it(tmp_path):
                                   "data": {"type": "completions", "path": str(path)}, "log": {"progress": False, "tensorboard": False}})
     with pytest.raises(ConfigError, match="data.completion_field"):
         Trainer(cfg, tmp_path / "run")
+
+
+def test_a_completions_source_with_images_gives_image_prompts(tmp_path):
+    pytest.importorskip("PIL")
+    import json
+
+    from PIL import Image
+
+    from mmrl.data.prompts import ImagePrompt
+    from mmrl.train.sft import Completions, CompletionsConfig
+
+    Image.fromarray(np.full((8, 8, 3), 7, dtype=np.uint8)).save(tmp_path / "a.png")
+    path = tmp_path / "qa.jsonl"
+    path.write_text(json.dumps({"prompt": "Grey level?", "completion": "7", "image": "a.png"}) + "\n" + json.dumps({"prompt": 12, "completion": "no image"}) + "\n")
+    source = Completions(CompletionsConfig(path=str(path), batch_size=8), policy=None, seed=0, world=1, rank=0)
+    batch = source.batch(0, "cpu")
+    for prompt, completion in zip(batch["prompt"], batch["completion"]):
+        if completion == "7":
+            assert isinstance(prompt, ImagePrompt) and prompt.text == "Grey level?" and int(prompt.images[0][0, 0, 0]) == 7
+        else:
+            assert prompt == "12"
+    assert {c for c in batch["completion"]} == {"7", "no image"}
