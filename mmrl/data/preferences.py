@@ -104,7 +104,11 @@ def read_pairs(directory: str | Path, split: str, field: str = "data.path") -> P
     return PreferencePairs(kind, prompts, chosen, rejected, metadata)
 
 
-def _write(out: Path, kind: str, splits: dict[str, list[dict]], images: list[np.ndarray] | None, extra: dict) -> dict:
+def write_preferences(out: str | Path, kind: str, splits: dict[str, list[dict]], images: list[np.ndarray] | None = None, **extra) -> dict:
+    """Write a preference directory: ``splits`` maps train / held_out to rows {"prompt",
+    "chosen", "rejected", "metadata"}; ``images`` are the rows image items index; ``extra``
+    goes into info.json. Returns the info."""
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for split, rows in splits.items():
         (out / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -182,7 +186,7 @@ def write_shapes_pairs(
     _flip(splits["train"], flip, np.random.RandomState(seed + 11))
     kind = "image_set" if set_size else "image"
     extra = {"source": "shapes", "size": size, "pairs_per_prompt": pairs_per_prompt, "set_size": set_size, "flip": flip, "pixel_noise": pixel_noise, "seed": seed}
-    return _write(Path(out), kind, splits, images, extra)
+    return write_preferences(out, kind, splits, images, **extra)
 
 
 # ---------------------------------------------------------------- arithmetic
@@ -245,7 +249,7 @@ def write_arithmetic_pairs(out: str | Path, prompts: str | Path, *, flip: float 
             rows.append({"prompt": record["prompt"], "chosen": chosen, "rejected": rejected, "metadata": {"category": record.get("category"), "question_id": record.get("question_id")}})
         splits[split] = rows
     _flip(splits["train"], flip, np.random.RandomState(seed + 11))
-    return _write(Path(out), "text", splits, None, {"source": "arithmetic", "prompts": str(prompts), "flip": flip, "seed": seed})
+    return write_preferences(out, "text", splits, source="arithmetic", prompts=str(prompts), flip=flip, seed=seed)
 
 
 def main(argv: list[str] | None = None) -> int:
