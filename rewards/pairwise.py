@@ -173,7 +173,8 @@ def intersection(a: Tensor) -> Tensor:
 
 @REWARDS.register("visual_consistency", config=VisualConsistencyConfig)
 def visual_consistency(rollout: Rollout, cfg: VisualConsistencyConfig) -> Tensor:
-    """r_i = mean_{j in group(i), j != i} [(1 − w)·∩(hue_i, hue_j) + w·∩(layout_i, layout_j)]."""
+    """Each image's mean colour-histogram similarity to its group peers:
+    r_i = mean_{j in group(i), j != i} [(1 − w)·∩(hue_i, hue_j) + w·∩(layout_i, layout_j)]."""
     images = rollout_images(rollout, "visual_consistency")
     hue, layout = colour_features(images, cfg.bins, cfg.min_chroma, cfg.grid)
     similarity = (1 - cfg.layout_weight) * intersection(hue) + cfg.layout_weight * intersection(layout)

@@ -76,3 +76,12 @@ def test_bad_train_reward_input_exits_2_with_one_line(tmp_path, pairs, write_con
     line = _error_line(capsys)
     for part in expected:
         assert part in line, line
+
+
+def test_train_reward_help_documents_the_reward_model_fields(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train-reward", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for text in ("policy with type: bt_image", "policy with type: bt_text", "data with type: preferences", "rewards[i] with type: pairwise_preference", "policy.prompt"):
+        assert text in out
