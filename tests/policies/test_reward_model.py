@@ -87,7 +87,7 @@ def test_a_set_scores_the_mean_of_its_pairs_and_group_scores_average_to_it():
     assert torch.allclose(shuffled, set_scores, atol=1e-5)  # a set, not a sequence
 
 
-def test_text_reward_model_scores_prompt_and_completion_and_learns_a_preference():
+def test_text_reward_model_scores_prompt_and_completion_learns_a_preference_and_round_trips(tmp_path):
     pytest.importorskip("transformers")
     from mmrl.policies.reward_model import BTTextConfig, BTTextModel
 
@@ -109,6 +109,13 @@ def test_text_reward_model_scores_prompt_and_completion_and_learns_a_preference(
         assert (model.score(prompts, chosen) > model.score(prompts, rejected)).all()
         ids, mask = model.encode(["p" * 100], ["c"])
     assert ids.shape[1] == 64 and mask.sum() == 64  # cut from the left to max_length
+    from mmrl.core.weights import load_pretrained, save_pretrained
+
+    save_pretrained(model, tmp_path / "rm")
+    loaded = load_pretrained(tmp_path / "rm").eval()
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(loaded.score(prompts, chosen), model.score(prompts, chosen))
 
 
 def test_a_reward_model_generates_nothing_and_says_so():
