@@ -192,10 +192,11 @@ def write_shapes_pairs(
 # ---------------------------------------------------------------- arithmetic
 
 
-def wrong_completion(a: int, b: int, rng: np.random.RandomState) -> str:
-    """An incorrect worked completion of ``a + b``: the right steps and a wrong stated answer,
-    one column's sum off by 1–3 with the answer following from the wrong steps, or (when a
-    column carries) the carry dropped."""
+def wrong_completion(a: int, b: int, rng: np.random.RandomState) -> tuple[str, str]:
+    """An incorrect worked completion of ``a + b`` and its mistake: the right steps and a
+    wrong stated answer (``wrong answer``), one column's sum off by 1–3 with the answer
+    following from the wrong steps (``wrong step``), or, when a column carries, the carry
+    dropped (``dropped carry``)."""
     from mmrl.data.arithmetic import steps
 
     right = steps(a, b)
@@ -203,7 +204,7 @@ def wrong_completion(a: int, b: int, rng: np.random.RandomState) -> str:
     kind = kinds[rng.randint(len(kinds))]
     if kind == "wrong answer":
         answer = a + b + int(rng.choice([-1, 1])) * int(rng.randint(1, 11))
-        return f"<think>{' '.join(right)}</think><answer>{max(answer, 0) if answer != a + b else a + b + 1}</answer>"
+        return f"<think>{' '.join(right)}</think><answer>{max(answer, 0) if answer != a + b else a + b + 1}</answer>", kind
     da, db = str(a)[::-1], str(b)[::-1]
     broken = int(rng.randint(len(right))) if kind == "wrong step" else None
     out, digits, carry = [], [], 0
@@ -219,7 +220,7 @@ def wrong_completion(a: int, b: int, rng: np.random.RandomState) -> str:
     answer = int(f"{carry}{''.join(reversed(digits))}")
     if answer == a + b:  # the error cancelled out: state a wrong answer instead
         answer += 1
-    return f"<think>{' '.join(out)}</think><answer>{answer}</answer>"
+    return f"<think>{' '.join(out)}</think><answer>{answer}</answer>", kind
 
 
 def write_arithmetic_pairs(out: str | Path, prompts: str | Path, *, flip: float = 0.0, seed: int = 0) -> dict:
@@ -241,12 +242,12 @@ def write_arithmetic_pairs(out: str | Path, prompts: str | Path, *, flip: float 
                 continue
             record = json.loads(line)
             a, b, answer = int(record["a"]), int(record["b"]), str(record["answer"])
-            first, second = completion(a, b), wrong_completion(a, b, rng)
+            (second, mistake), first = wrong_completion(a, b, rng), completion(a, b)
             correct = [str(stated_answer(t)) == answer for t in (first, second)]
             if correct[0] == correct[1]:
                 continue  # exact match cannot tell them apart
             chosen, rejected = (first, second) if correct[0] else (second, first)
-            rows.append({"prompt": record["prompt"], "chosen": chosen, "rejected": rejected, "metadata": {"category": record.get("category"), "question_id": record.get("question_id")}})
+            rows.append({"prompt": record["prompt"], "chosen": chosen, "rejected": rejected, "metadata": {"category": record.get("category"), "question_id": record.get("question_id"), "mistake": mistake}})
         splits[split] = rows
     _flip(splits["train"], flip, np.random.RandomState(seed + 11))
     return write_preferences(out, "text", splits, source="arithmetic", prompts=str(prompts), flip=flip, seed=seed)

@@ -130,6 +130,7 @@ class PreferencesConfig(DataSourceConfig):
     type: str = option("preferences", "data source (mmrl list data)")
     path: str | None = option(None, "a preference directory (info.json, train.jsonl, held_out.jsonl, images.npz) written by python -m mmrl.data.preferences")
     eval_batch_size: int = option(256, "held-out pairs scored per forward pass at evaluation", ge=1)
+    category_key: str | None = option("category", "metadata key whose values get their own held-out accuracy pairwise_accuracy/<value> (null = none)")
 
 
 @DATA_SOURCES.register("preferences", config=PreferencesConfig)
@@ -158,7 +159,9 @@ class Preferences(DataSource):
     def evaluate(self, policy) -> dict[str, float]:
         """Held-out pairwise accuracy: the fraction of held-out pairs whose chosen item scores
         higher (s_w > s_l; a tie counts as wrong), with its 95% Wilson interval (pairs taken
-        as independent), and the mean Bradley–Terry loss."""
+        as independent), and the mean Bradley–Terry loss; per value of the metadata key
+        ``category_key``, its accuracy, interval and count (``pairwise_accuracy/<value>``,
+        ``/ci_low``, ``/ci_high``, ``/n``)."""
         from mmrl.core.statistics import wilson_interval
         from mmrl.policies.reward_model import bradley_terry_loss
 
@@ -168,14 +171,25 @@ class Preferences(DataSource):
         samples = self._samples(self.held_out)
         was_training = policy.training
         policy.eval()
-        correct, loss = 0, 0.0
+        correct, loss = [], 0.0
         for start in range(0, n, self.config.eval_batch_size):
             rows = slice(start, min(n, start + self.config.eval_batch_size))
             prompts = samples["prompt"][rows]
             s_w = policy.score(prompts, samples["chosen"][rows])
             s_l = policy.score(prompts, samples["rejected"][rows])
-            correct += int((s_w > s_l).sum())
+            correct += (s_w > s_l).tolist()
             loss += float(bradley_terry_loss(s_w, s_l)) * len(prompts)
         policy.train(was_training)
-        low, high = wilson_interval(correct, n)
-        return {"pairwise_accuracy": correct / n, "pairwise_accuracy_ci_low": low, "pairwise_accuracy_ci_high": high, "pairs": n, "loss/bt": loss / n}
+        low, high = wilson_interval(sum(correct), n)
+        out = {"pairwise_accuracy": sum(correct) / n, "pairwise_accuracy_ci_low": low, "pairwise_accuracy_ci_high": high, "pairs": n, "loss/bt": loss / n}
+        key = self.config.category_key
+        if key is not None:
+            categories: dict[str, list[bool]] = {}
+            for hit, metadata in zip(correct, self.held_out.metadata):
+                if metadata.get(key) is not None:
+                    categories.setdefault(str(metadata[key]), []).append(hit)
+            for category, hits in sorted(categories.items()):
+                low, high = wilson_interval(sum(hits), len(hits))
+                name = f"pairwise_accuracy/{category}"
+                out.update({name: sum(hits) / len(hits), f"{name}/ci_low": low, f"{name}/ci_high": high, f"{name}/n": len(hits)})
+        return out

@@ -21,7 +21,7 @@ def pairs(tmp_path_factory):
     images, rows = [], {"train": [], "held_out": []}
     for i, (colour, other) in enumerate([("red", "blue"), ("blue", "green"), ("green", "red"), ("yellow", "cyan")] * 3):
         images += [render_scene(Scene((ObjectGroup(1, colour, "square"),)), 16, 2 * i), render_scene(Scene((ObjectGroup(1, other, "square"),)), 16, 2 * i + 1)]
-        rows["train" if i < 8 else "held_out"].append({"prompt": f"a {colour} square", "chosen": 2 * i, "rejected": 2 * i + 1, "metadata": {}})
+        rows["train" if i < 8 else "held_out"].append({"prompt": f"a {colour} square", "chosen": 2 * i, "rejected": 2 * i + 1, "metadata": {"category": colour}})
     write_preferences(root, "image", rows, images)
     return root
 
@@ -51,6 +51,7 @@ def test_train_reward_runs_resumes_and_evaluates_through_the_command_line(tmp_pa
     assert evaluated.returncode == 0, evaluated.stderr[-2000:]
     result = json.loads(evaluated.stdout)
     assert result["pairs"] == 4 and result["pairwise_accuracy"] == evals[-1]["eval/pairwise_accuracy"]
+    assert [result[f"pairwise_accuracy/{c}/n"] for c in ("blue", "green", "red", "yellow")] == [1, 1, 1, 1]  # per metadata category
 
 
 def _error_line(capsys):
