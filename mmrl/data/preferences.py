@@ -133,8 +133,12 @@ def _flip(rows: list[dict], fraction: float, rng: np.random.RandomState) -> None
 def write_shapes_pairs(
     out: str | Path, *, size: int = 32, num_train: int = 2000, num_held_out: int = 500, set_size: int = 0,
     flip: float = 0.0, pixel_noise: float = 0.0, seed: int = 0, held_out_fraction: float = 0.2, pairs_per_prompt: int = 1,
+    held_out_prompts: str = "held_out", render_seed: int | None = None,
 ) -> dict:
-    """Write shapes preference pairs (see the module docstring); returns ``info``."""
+    """Write shapes preference pairs (see the module docstring); returns ``info``.
+    ``held_out_prompts: train`` draws the held-out pairs from the *train* prompts instead
+    (new images of seen prompts: in-distribution accuracy); ``render_seed`` (default
+    seed + 7) seeds the renders and candidates apart from the split."""
     from mmrl.data.shapes import MISTAKES, balanced, mistaken_scene, render_scene, split_scenes
     from mmrl.rewards.shapes import check_criteria, detect_shapes
 
@@ -142,8 +146,12 @@ def write_shapes_pairs(
         raise ValueError(f"set size must be 0 (single images) or at least 2, not {set_size}")
     if not 0 <= flip < 0.5:
         raise ValueError(f"flip must lie in [0, 0.5), not {flip}")
+    if held_out_prompts not in ("held_out", "train"):
+        raise ValueError(f"held-out prompts come from the held_out or the train split, not {held_out_prompts!r}")
     train_scenes, held_scenes = split_scenes(held_out_fraction, seed)
-    rng = np.random.RandomState(seed + 7)
+    if held_out_prompts == "train":
+        held_scenes = train_scenes
+    rng = np.random.RandomState(seed + 7 if render_seed is None else render_seed)
     images: list[np.ndarray] = []
 
     def render(scene, correct: bool) -> tuple[int, float]:
@@ -185,7 +193,7 @@ def write_shapes_pairs(
     splits = {"train": pairs(train_scenes, num_train, pairs_per_prompt), "held_out": pairs(held_scenes, num_held_out, 1)}
     _flip(splits["train"], flip, np.random.RandomState(seed + 11))
     kind = "image_set" if set_size else "image"
-    extra = {"source": "shapes", "size": size, "pairs_per_prompt": pairs_per_prompt, "set_size": set_size, "flip": flip, "pixel_noise": pixel_noise, "seed": seed}
+    extra = {"source": "shapes", "size": size, "pairs_per_prompt": pairs_per_prompt, "held_out_prompts": held_out_prompts, "render_seed": render_seed, "set_size": set_size, "flip": flip, "pixel_noise": pixel_noise, "seed": seed}
     return write_preferences(out, kind, splits, images, **extra)
 
 
@@ -266,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pixel-noise", type=float, default=0.0, help="std of Gaussian noise added to every image (grey levels)")
     p.add_argument("--flip", type=float, default=0.0, help="fraction of train labels flipped (label noise; held-out labels stay clean)")
     p.add_argument("--seed", type=int, default=0, help="seed of the split, the renders and the flips")
+    p.add_argument("--held-out-prompts", choices=("held_out", "train"), default="held_out", help="draw the held-out pairs from the held-out prompts (compositional) or from the train prompts (new images of seen prompts)")
+    p.add_argument("--render-seed", type=int, default=None, help="seed of the renders and candidates (default: seed + 7)")
     p = sub.add_parser("arithmetic", help="a correct and an incorrect worked completion of each arithmetic prompt")
     p.add_argument("--prompts", required=True, help="directory with train.jsonl and held_out.jsonl (python -m mmrl.data.arithmetic)")
     p.add_argument("--out", required=True, help="output directory")
@@ -274,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.source == "shapes":
-            info = write_shapes_pairs(args.out, size=args.size, num_train=args.num_train, num_held_out=args.num_held_out, set_size=args.set_size, pairs_per_prompt=args.pairs_per_prompt,
+            info = write_shapes_pairs(args.out, size=args.size, num_train=args.num_train, num_held_out=args.num_held_out, set_size=args.set_size, pairs_per_prompt=args.pairs_per_prompt, held_out_prompts=args.held_out_prompts, render_seed=args.render_seed,
                                       flip=args.flip, pixel_noise=args.pixel_noise, seed=args.seed)
         else:
             info = write_arithmetic_pairs(args.out, args.prompts, flip=args.flip, seed=args.seed)

@@ -63,3 +63,15 @@ def test_the_command_writes_pairs_and_refuses_bad_input(tmp_path, capsys):
     assert "2000 train and 200 held-out text pairs" in capsys.readouterr().out
     assert main(["arithmetic", "--prompts", str(tmp_path / "none"), "--out", str(tmp_path / "b")]) == 2
     assert main(["arithmetic", "--prompts", str(ROOT / "examples" / "arithmetic"), "--out", str(tmp_path / "c"), "--flip", "0.7"]) == 2
+
+
+def test_held_out_pairs_may_come_from_the_train_prompts_with_new_images(tmp_path):
+    pytest.importorskip("cv2")
+    from mmrl.data.shapes import split_scenes
+
+    write_shapes_pairs(tmp_path, num_train=4, num_held_out=6, held_out_prompts="train", render_seed=1000)
+    train_prompts = {s.text() for s in split_scenes(0.2, 0)[0]}
+    held = read_pairs(tmp_path, "held_out")
+    assert set(held.prompts) <= train_prompts
+    with pytest.raises(ValueError, match="held_out or the train"):
+        write_shapes_pairs(tmp_path / "x", num_train=1, num_held_out=1, held_out_prompts="test")
