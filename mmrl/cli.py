@@ -1,4 +1,4 @@
-"""The ``mmrl`` command: train, eval, list, doctor, plot, collect.
+"""The ``mmrl`` command: train, train-reward, eval, list, doctor, plot, collect.
 
 Bad input (config keys, values, types, files, ids) ends with one line naming the field, the
 value and what is allowed, and exit code 2 — never a traceback.
@@ -57,6 +57,43 @@ def cmd_train(args) -> int:
     line = f"mmrl: finished {summary['step']} steps in {summary['wall_clock']:.0f} s; run directory {summary['run_dir']}"
     if "success_rate" in evaluation:
         line += f"; eval success {evaluation['success_rate']:.3f} over {evaluation.get('episodes', '?')} episodes"
+    if trainer.rank == 0:
+        print(line)
+    return 0
+
+
+def cmd_train_reward(args) -> int:
+    """``mmrl train`` of a pairwise reward model: the same loop, configs, checkpoints and
+    metrics, after checking that the config is one (algo.type sft on a preferences source,
+    a reward-model policy); ends with the held-out pairwise accuracy."""
+    from mmrl import registry
+    from mmrl.policies.reward_model import RewardModel
+    from mmrl.train.trainer import Trainer
+
+    cfg, run_dir = _config_and_dir(args.config, args.overrides)
+    if run_dir is not None and not args.resume:
+        raise ConfigError("config", args.config, "is a run directory; pass --resume to continue it")
+    if cfg.algo.type != "sft":
+        raise ConfigError("algo.type", cfg.algo.type, "train-reward fits a reward model to preference pairs: set algo.type: sft")
+    model = registry.POLICIES.get(cfg.policy.type, "policy.type")
+    if not (isinstance(model, type) and issubclass(model, RewardModel)):
+        reward_models = [e.name for e in registry.POLICIES.entries() if isinstance(e.obj, type) and issubclass(e.obj, RewardModel)]
+        raise ConfigError("policy.type", cfg.policy.type, f"train-reward trains a reward model: {', '.join(reward_models)}")
+    if cfg.data.type != "preferences":
+        raise ConfigError("data.type", cfg.data.type, "train-reward reads preference pairs: data.type: preferences")
+    if args.run_dir:
+        run_dir = Path(args.run_dir)
+    trainer = Trainer(cfg, run_dir, resume=args.resume)
+    try:
+        summary = trainer.train()
+    except KeyboardInterrupt:
+        print(f"mmrl: interrupted; checkpoint {trainer.checkpointer.latest()} written; continue with `mmrl train-reward {trainer.run_dir} --resume`", file=sys.stderr)
+        return 128 + int(trainer.stop.signum or signal.SIGINT)
+    evaluation = summary["eval"]
+    line = f"mmrl: finished {summary['step']} steps in {summary['wall_clock']:.0f} s; run directory {summary['run_dir']}"
+    if "pairwise_accuracy" in evaluation:
+        line += (f"; held-out pairwise accuracy {evaluation['pairwise_accuracy']:.3f} "
+                 f"[{evaluation['pairwise_accuracy_ci_low']:.3f}, {evaluation['pairwise_accuracy_ci_high']:.3f}] over {evaluation['pairs']} pairs")
     if trainer.rank == 0:
         print(line)
     return 0
@@ -265,6 +302,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
     p.add_argument("--run-dir", help="output directory (default: run_dir from the config, else runs/<name>)")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser(
+        "train-reward", help="train a pairwise (Bradley-Terry) reward model on preference pairs", add_help=False,
+        description="Train a pairwise reward model (policy.type bt_image, bt_image_set or bt_text; algo.type sft; data.type preferences) "
+        "through the training loop; evaluation reports held-out pairwise accuracy. Write pairs with `python -m mmrl.data.preferences`.",
+    )
+    p.add_argument("-h", "--help", action=_TrainHelp, nargs=0, help="show this help and every config field")
+    p.add_argument("config", help="YAML config, or a run directory with --resume")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=0.001")
+    p.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
+    p.add_argument("--run-dir", help="output directory (default: run_dir from the config, else runs/<name>)")
+    p.set_defaults(func=cmd_train_reward)
 
     p = sub.add_parser("eval", help="evaluate a run directory or a config")
     p.add_argument("target", help="run directory (latest checkpoint) or YAML config (initial/pretrained weights)")

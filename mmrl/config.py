@@ -166,6 +166,10 @@ def from_dict(cls, data: dict, path: str = "", resolve_component=None):
     for name, f in known.items():
         if name in data:
             raw = data[name]
+            if raw == {"type": ""} and f.default_factory is not MISSING and getattr(f.default_factory(), "type", None) == "":
+                # a section left out, as a resolved config writes it back (sft runs without a sampler)
+                kwargs[name] = f.default_factory()
+                continue
             if isinstance(raw, dict) and "type" not in raw and f.default_factory is not MISSING:
                 # a component section without a type keeps the type of the field's default
                 default_type = getattr(f.default_factory(), "type", None)

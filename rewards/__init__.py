@@ -7,6 +7,7 @@ below.
 from mmrl.rewards import consistency  # noqa: F401  (registration)
 from mmrl.rewards import env  # noqa: F401  (registration)
 from mmrl.rewards import images  # noqa: F401  (registration)
+from mmrl.rewards import pairwise  # noqa: F401  (registration)
 from mmrl.rewards import shapes  # noqa: F401  (registration)
 from mmrl.rewards import text  # noqa: F401  (registration)
 from mmrl.rewards import toy  # noqa: F401  (registration)

@@ -26,6 +26,13 @@ def _train(workdir, name: str):
     overrides = list(SHORT)
     if name.startswith("tabletop_"):
         overrides += ["env.num_envs=8", "algo.groups_per_step=1"] if name.endswith("_grpo") else [f"data.path={workdir / 'demos'}", "data.batch_size=8"]
+    if name.startswith("reward_shapes"):  # pairs written by their documented command, smaller
+        pairs = workdir / f"{name}_pairs"
+        if not pairs.exists():
+            from mmrl.data.preferences import write_shapes_pairs
+
+            write_shapes_pairs(pairs, num_train=8, num_held_out=4, set_size=4 if "_set_" in name else 0)
+        overrides += [f"data.path={pairs}", "data.batch_size=4"]
     if name in SFT_OF:
         sft = workdir / SFT_OF[name]
         if not sft.exists():

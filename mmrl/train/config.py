@@ -107,10 +107,10 @@ class TrainConfig:
     mixed_precision: Literal["no", "fp16", "bf16"] = option("no", "accelerate mixed precision")
     env: EnvConfig | None = option(None, "environment section (env samplers)")
     policy: PolicyConfig = option(factory=lambda: PolicyConfig(type=""), doc="policy section")
-    sampler: SamplerConfig = option(factory=lambda: SamplerConfig(type=""), doc="sampler section")
+    sampler: SamplerConfig = option(factory=lambda: SamplerConfig(type=""), doc="sampler section (algo.type sft may leave it out: no rollouts, evaluation by the data source)")
     rewards: list[RewardConfig] = option(factory=list, doc="reward components, each with a type and a weight")
     algo: AlgoConfig = option(factory=AlgoConfig, doc="the group-relative core: advantage, filters, objective, aggregation, KL")
-    data: DataSourceConfig = option(factory=DemonstrationsConfig, doc="where algo.type: sft takes its batches (data.type: demonstrations, completions)")
+    data: DataSourceConfig = option(factory=DemonstrationsConfig, doc="where algo.type: sft takes its batches (data.type: demonstrations, completions, preferences)")
     optim: OptimConfig = option(factory=OptimConfig, doc="optimizer")
     eval: EvalConfig = option(factory=EvalConfig, doc="evaluation")
     log: LogConfig = option(factory=LogConfig, doc="logging")
@@ -119,8 +119,8 @@ class TrainConfig:
     def validate(self, path: str) -> None:
         if not self.policy.type:
             raise ConfigError("policy.type", None, "required; see `mmrl list policies`")
-        if not self.sampler.type:
-            raise ConfigError("sampler.type", None, "required; env or prompt")
+        if not self.sampler.type and self.algo.type == "rl":
+            raise ConfigError("sampler.type", None, "required; env or prompt (only algo.type sft may go without: its evaluation is then the data source's)")
         if self.algo.type == "sft":
             if not self.data.path:
                 raise ConfigError("data.path", None, f"algo.type sft needs data: the {self.data.type} source reads data.path")

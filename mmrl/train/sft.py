@@ -10,6 +10,12 @@ it: one process and N train on the same samples.
 - ``completions``: (prompt, completion) text pairs from a JSONL or CSV file or a saved
   ``datasets`` directory; a batch is ``{"prompt": [...], "completion": [...]}``. A record with
   images (``image_field``) gives an :class:`~mmrl.data.prompts.ImagePrompt` as its prompt.
+- ``preferences``: preference pairs (:mod:`mmrl.data.preferences`) for pairwise reward
+  models; a batch is ``{"prompt": [...], "chosen": ..., "rejected": ...}``.
+
+A source may also hold out data of its own: ``evaluate(policy)`` returns metrics on it
+(the ``preferences`` source: held-out pairwise accuracy), which the trainer adds to each
+evaluation and ``mmrl eval`` reports.
 """
 
 from __future__ import annotations
@@ -58,6 +64,10 @@ class DataSource:
         gen = torch.Generator().manual_seed(group_seed(self.seed, step, _SFT_STREAM))
         idx = torch.randint(self.num_samples, (self.config.batch_size,), generator=gen).chunk(self.world)[self.rank]
         return {k: ([v[i] for i in idx.tolist()] if isinstance(v, list) else v[idx].to(device)) for k, v in self.samples.items()}
+
+    def evaluate(self, policy) -> dict[str, float]:
+        """Metrics of ``policy`` on the source's held-out data; none by default."""
+        return {}
 
 
 @dataclass
@@ -115,3 +125,73 @@ class Completions(DataSource):
             raise ConfigError("data.completion_field", cfg.completion_field, f"missing in {len(missing)} records (first: record {missing[0]})")
         self.samples = {"prompt": [prompt_input(replace(r, prompt=str(r.prompt))) for r in records], "completion": [str(r.answer) for r in records]}
         self.info = {"samples": self.num_samples}
+
+
+@dataclass
+class PreferencesConfig(DataSourceConfig):
+    type: str = option("preferences", "data source (mmrl list data)")
+    path: str | None = option(None, "a preference directory (info.json, train.jsonl, held_out.jsonl, images.npz) written by python -m mmrl.data.preferences")
+    eval_batch_size: int = option(256, "held-out pairs scored per forward pass at evaluation", ge=1)
+    category_key: str | None = option("category", "metadata key whose values get their own held-out accuracy pairwise_accuracy/<value> (null = none)")
+
+
+@DATA_SOURCES.register("preferences", config=PreferencesConfig)
+class Preferences(DataSource):
+    """Preference pairs (prompt, chosen, rejected): Bradley–Terry reward models (mmrl train-reward)."""
+
+    def __init__(self, cfg: PreferencesConfig, policy, seed: int, world: int, rank: int):
+        from mmrl.data.preferences import read_info, read_pairs
+
+        super().__init__(cfg, seed, world, rank)
+        kind = read_info(cfg.path)["kind"]
+        wanted = getattr(policy, "input_kind", None)
+        if wanted != kind:
+            what = f"scores {wanted} items" if wanted else "is not a pairwise reward model (bt_image, bt_image_set, bt_text)"
+            raise ConfigError("data.path", cfg.path, f"holds {kind} pairs, but policy {policy.config.type!r} {what}")
+        self.samples = self._samples(read_pairs(cfg.path, "train"))
+        self.held_out = read_pairs(cfg.path, "held_out")
+        self.info = {"samples": self.num_samples, "held_out": len(self.held_out)}
+
+    @staticmethod
+    def _samples(pairs) -> dict[str, Any]:
+        as_items = (lambda v: list(v)) if pairs.kind == "text" else torch.from_numpy
+        return {"prompt": pairs.prompts, "chosen": as_items(pairs.chosen), "rejected": as_items(pairs.rejected)}
+
+    @torch.no_grad()
+    def evaluate(self, policy) -> dict[str, float]:
+        """Held-out pairwise accuracy: the fraction of held-out pairs whose chosen item scores
+        higher (s_w > s_l; a tie counts as wrong), with its 95% Wilson interval (pairs taken
+        as independent), and the mean Bradley–Terry loss; per value of the metadata key
+        ``category_key``, its accuracy, interval and count (``pairwise_accuracy/<value>``,
+        ``/ci_low``, ``/ci_high``, ``/n``)."""
+        from mmrl.core.statistics import wilson_interval
+        from mmrl.policies.reward_model import bradley_terry_loss
+
+        n = len(self.held_out)
+        if n == 0:
+            return {}
+        samples = self._samples(self.held_out)
+        was_training = policy.training
+        policy.eval()
+        correct, loss = [], 0.0
+        for start in range(0, n, self.config.eval_batch_size):
+            rows = slice(start, min(n, start + self.config.eval_batch_size))
+            prompts = samples["prompt"][rows]
+            s_w = policy.score(prompts, samples["chosen"][rows])
+            s_l = policy.score(prompts, samples["rejected"][rows])
+            correct += (s_w > s_l).tolist()
+            loss += float(bradley_terry_loss(s_w, s_l)) * len(prompts)
+        policy.train(was_training)
+        low, high = wilson_interval(sum(correct), n)
+        out = {"pairwise_accuracy": sum(correct) / n, "pairwise_accuracy_ci_low": low, "pairwise_accuracy_ci_high": high, "pairs": n, "loss/bt": loss / n}
+        key = self.config.category_key
+        if key is not None:
+            categories: dict[str, list[bool]] = {}
+            for hit, metadata in zip(correct, self.held_out.metadata):
+                if metadata.get(key) is not None:
+                    categories.setdefault(str(metadata[key]), []).append(hit)
+            for category, hits in sorted(categories.items()):
+                low, high = wilson_interval(sum(hits), len(hits))
+                name = f"pairwise_accuracy/{category}"
+                out.update({name: sum(hits) / len(hits), f"{name}/ci_low": low, f"{name}/ci_high": high, f"{name}/n": len(hits)})
+        return out

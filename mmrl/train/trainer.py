@@ -43,7 +43,7 @@ from mmrl.algo.objective import ObjectiveConfig
 from mmrl.config import own_options, to_dict
 from mmrl.core.reward import RewardContext, RewardSet
 from mmrl.core.rollout import Rollout
-from mmrl.core.sampler import group_seed
+from mmrl.core.sampler import Sampler, group_seed
 from mmrl.core.statistics import commit_statistics
 from mmrl.core.weights import build_policy
 from mmrl.errors import ConfigError, NonFiniteError
@@ -134,7 +134,8 @@ class Trainer:
             raise ConfigError("run_dir", str(self.run_dir), "already holds a run; pass --resume to continue it or choose another run_dir")
 
         torch.manual_seed(cfg.seed)  # identical initial weights in every process and on resume
-        self.sampler = registry.SAMPLERS.get(cfg.sampler.type, "sampler.type")(cfg.sampler, cfg)
+        # supervised runs may have no sampler: no rollouts, evaluation by the data source alone
+        self.sampler = registry.SAMPLERS.get(cfg.sampler.type, "sampler.type")(cfg.sampler, cfg) if cfg.sampler.type else Sampler()
         self.spec = self.sampler.policy_spec()
         policy = build_policy(cfg.policy, self.spec)
         self.reference = None
@@ -547,7 +548,9 @@ class Trainer:
         if self.rank == 0:
             self.policy.eval()
             with torch.no_grad():
-                result = self.sampler.evaluate(self.policy, self.cfg.eval.episodes, seed=self.cfg.seed + 1_000_003, rewards=self.rewards)
+                result = self.sampler.evaluate(self.policy, self.cfg.eval.episodes, seed=self.cfg.seed + 1_000_003, rewards=self.rewards) if self.cfg.sampler.type else {}
+                if self.data is not None:  # the data source's held-out metrics (e.g. pairwise accuracy)
+                    result.update(self.data.evaluate(self.policy))
                 media = result.pop("media", None)
                 if media:  # sample images / videos the policy asks to keep (mmrl.media)
                     write_media(self.run_dir / "samples" / f"step_{step:06d}", media)

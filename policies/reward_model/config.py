@@ -1,0 +1,57 @@
+"""Configs of the pairwise reward models."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mmrl.config import option
+from mmrl.core.config import PolicyConfig
+from mmrl.errors import ConfigError
+from mmrl.policies.text_lm.config import TinyLMConfig
+
+
+@dataclass
+class PromptEncoderConfig:
+    """The ``prompt:`` section: words of the prompt → one vector that conditions the image scorer."""
+
+    buckets: int = option(1024, "lower-cased words are hashed (CRC-32) into this many embedding rows: no vocabulary to store, any text encodes", ge=2)
+    dim: int = option(32, "width of the word embeddings and of the GRU reading them", ge=1)
+    max_words: int = option(16, "words kept per prompt (longer prompts are cut)", ge=1)
+
+
+@dataclass
+class BTImageConfig(PolicyConfig):
+    """A small CNN scoring one uint8 RGB image given its prompt (Bradley–Terry reward model)."""
+
+    type: str = option("bt_image", "registered name of this component (see `mmrl list`)")
+    image_size: int = option(32, "side of the square images scored (others are an error)", ge=4)
+    channels: list[int] = option(factory=lambda: [16, 32, 64], doc="output channels of the stride-2 3x3 convs, each FiLM-conditioned on the prompt")
+    hidden: int = option(64, "width of the score head's hidden layer", ge=1)
+    prompt: PromptEncoderConfig = option(factory=PromptEncoderConfig, doc="how the prompt is read")
+
+    def validate(self, path: str) -> None:
+        if not self.channels or any(c < 1 for c in self.channels):
+            raise ConfigError(f"{path}.channels" if path else "channels", self.channels, "expected a non-empty list of positive channel counts")
+
+
+@dataclass
+class BTImageSetConfig(BTImageConfig):
+    """Scores a set of images for one prompt as the mean of a pairwise scorer over its pairs (PaCo-style)."""
+
+    type: str = option("bt_image_set", "registered name of this component (see `mmrl list`)")
+
+
+@dataclass
+class BTTextConfig(PolicyConfig):
+    """A tiny transformers decoder with a scalar head over prompt + completion (Bradley–Terry reward model)."""
+
+    type: str = option("bt_text", "registered name of this component (see `mmrl list`)")
+    tiny: TinyLMConfig = option(factory=lambda: TinyLMConfig(max_position_embeddings=256), doc="the decoder, built from a transformers config with random weights and mmrl's byte-level tokenizer")
+    max_length: int = option(160, "tokens of prompt + separator + completion kept (the prompt is cut from the left when longer)", ge=2)
+    separator: str = option("\n", "text between the prompt and the completion")
+    attn_implementation: str = option("sdpa", "transformers attention kernel", choices=("sdpa", "eager"))
+
+    def validate(self, path: str) -> None:
+        self.tiny.validate(f"{path}.tiny" if path else "tiny")
+        if self.max_length > self.tiny.max_position_embeddings:
+            raise ConfigError(f"{path}.max_length" if path else "max_length", self.max_length, f"must be <= tiny.max_position_embeddings ({self.tiny.max_position_embeddings})")

@@ -1,0 +1,77 @@
+"""Verifier-labelled preference pairs: the chosen item scores better, held-out prompts are
+new, label noise flips exactly the asked fraction of train pairs."""
+
+import json
+
+import numpy as np
+import pytest
+
+from mmrl.data.preferences import main, read_info, read_pairs, write_arithmetic_pairs, write_shapes_pairs
+from tests.conftest import ROOT
+
+
+def _partial(scene_text, image):
+    from mmrl.data.shapes import parse_prompt
+    from mmrl.rewards.shapes import check_criteria, detect_shapes
+
+    met = check_criteria(parse_prompt(scene_text), detect_shapes(image, min_chroma=60, min_area=0.01, min_fill=0.8)).values()
+    return sum(met) / len(met)
+
+
+def test_shapes_pairs_choose_the_image_the_verifier_scores_higher_on_new_held_out_prompts(tmp_path):
+    pytest.importorskip("cv2")
+    info = write_shapes_pairs(tmp_path, num_train=12, num_held_out=8, seed=0)
+    assert info == {**info, "kind": "image", "train": 12, "held_out": 8}
+    train, held = read_pairs(tmp_path, "train"), read_pairs(tmp_path, "held_out")
+    assert train.chosen.shape == (12, 32, 32, 3) and train.chosen.dtype == np.uint8
+    for pairs in (train, held):
+        for prompt, chosen, rejected in zip(pairs.prompts, pairs.chosen, pairs.rejected):
+            assert _partial(prompt, chosen) > _partial(prompt, rejected)
+    assert not set(train.prompts) & set(held.prompts)
+
+
+def test_image_sets_and_label_noise(tmp_path):
+    pytest.importorskip("cv2")
+    write_shapes_pairs(tmp_path, num_train=10, num_held_out=4, set_size=3, flip=0.2, seed=1)
+    train = read_pairs(tmp_path, "train")
+    assert read_info(tmp_path)["kind"] == "image_set" and train.chosen.shape == (10, 3, 32, 32, 3)
+    assert sum(m.get("flipped", False) for m in train.metadata) == 2
+    assert not any(m.get("flipped", False) for m in read_pairs(tmp_path, "held_out").metadata)
+    for prompt, chosen, rejected, meta in zip(train.prompts, train.chosen, train.rejected, train.metadata):
+        better = np.mean([_partial(prompt, x) for x in chosen]) > np.mean([_partial(prompt, x) for x in rejected])
+        assert better != meta.get("flipped", False)
+
+
+def test_arithmetic_pairs_choose_the_exactly_correct_completion(tmp_path):
+    from mmrl.data.arithmetic import implied_answer, stated_answer
+
+    info = write_arithmetic_pairs(tmp_path, ROOT / "examples" / "arithmetic", flip=0.1, seed=0)
+    assert info["train"] == 2000 and info["held_out"] == 200
+    rows = [json.loads(line) for line in (tmp_path / "held_out.jsonl").read_text().splitlines()]
+    kinds = set()
+    for row in rows:
+        a, b = (int(x) for x in row["metadata"]["question_id"].split("+"))
+        assert stated_answer(row["chosen"]) == a + b != stated_answer(row["rejected"])
+        kinds.add("inconsistent" if implied_answer(row["rejected"]) != stated_answer(row["rejected"]) else "consistent")
+    assert kinds == {"inconsistent", "consistent"}  # wrong answers and wrong reasoning both occur
+    train = read_pairs(tmp_path, "train")
+    assert sum(m.get("flipped", False) for m in train.metadata) == 200
+
+
+def test_the_command_writes_pairs_and_refuses_bad_input(tmp_path, capsys):
+    assert main(["arithmetic", "--prompts", str(ROOT / "examples" / "arithmetic"), "--out", str(tmp_path / "a")]) == 0
+    assert "2000 train and 200 held-out text pairs" in capsys.readouterr().out
+    assert main(["arithmetic", "--prompts", str(tmp_path / "none"), "--out", str(tmp_path / "b")]) == 2
+    assert main(["arithmetic", "--prompts", str(ROOT / "examples" / "arithmetic"), "--out", str(tmp_path / "c"), "--flip", "0.7"]) == 2
+
+
+def test_held_out_pairs_may_come_from_the_train_prompts_with_new_images(tmp_path):
+    pytest.importorskip("cv2")
+    from mmrl.data.shapes import split_scenes
+
+    write_shapes_pairs(tmp_path, num_train=4, num_held_out=6, held_out_prompts="train", render_seed=1000)
+    train_prompts = {s.text() for s in split_scenes(0.2, 0)[0]}
+    held = read_pairs(tmp_path, "held_out")
+    assert set(held.prompts) <= train_prompts
+    with pytest.raises(ValueError, match="held_out or the train"):
+        write_shapes_pairs(tmp_path / "x", num_train=1, num_held_out=1, held_out_prompts="test")
