@@ -311,10 +311,10 @@ def test_grpo_trains_through_mmrl_train_and_evaluation_reports_accuracy_per_ques
 
 @dataclass
 class _VowelFractionConfig(RewardConfig):
-    type: str = option("_test_vowel_fraction", "registered name of this component (see `mmrl list`)")
+    type: str = option("_test_vlm_vowel_fraction", "registered name of this component (see `mmrl list`)")
 
 
-@REWARDS.register("_test_vowel_fraction", config=_VowelFractionConfig)
+@REWARDS.register("_test_vlm_vowel_fraction", config=_VowelFractionConfig)
 def _vowel_fraction(rollout, cfg):
     """Test-only: the fraction of a completion's characters that are vowels (a graded signal a random model gets)."""
     return torch.tensor([sum(c in "aeiou" for c in text) / max(len(text), 1) for text in rollout.info["completions"]])
@@ -330,7 +330,7 @@ def test_lora_grpo_with_a_kl_to_the_adapter_disabled_model_trains_through_the_tr
         "name": "vlm_lora", "seed": 0, "total_steps": 2,
         "policy": {"type": "text_vlm", "tiny": TINY, "lora": {"r": 4, "alpha": 8}, "generation": {"max_new_tokens": 4, "chat_template": True}},
         "sampler": {"type": "prompt", "data": {"train": str(shapes_qa / "train.jsonl"), "eval": str(shapes_qa / "held_out.jsonl")}, "batch_groups": 4},
-        "rewards": [{"type": "exact_match", "ignore_case": True}, {"type": "_test_vowel_fraction"}],
+        "rewards": [{"type": "exact_match", "ignore_case": True}, {"type": "_test_vlm_vowel_fraction"}],
         "algo": {"group_size": 4, "groups_per_step": 4, "num_minibatches": 2, "kl": {"type": "k3", "coef": 0.05}},
         "optim": {"lr": 1e-2}, "eval": {"episodes": 4, "at_end": False}, "log": {"progress": False, "tensorboard": False},
     })
