@@ -88,11 +88,19 @@ def reward_function(rewards):
     return score
 
 
-def run_mmrl(cfg: TrainConfig, run_dir: Path) -> tuple[float, object]:
-    """Train with mmrl; seconds per update after the first, and the trainer."""
+def new_trainer(cfg: TrainConfig, run_dir: Path):
+    """An mmrl Trainer, after forgetting the accelerate state a TRL run left in this process."""
+    from accelerate.state import AcceleratorState
+
     from mmrl.train.trainer import Trainer
 
-    trainer = Trainer(cfg, run_dir)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    return Trainer(cfg, run_dir)
+
+
+def run_mmrl(cfg: TrainConfig, run_dir: Path) -> tuple[float, object]:
+    """Train with mmrl; seconds per update after the first, and the trainer."""
+    trainer = new_trainer(cfg, run_dir)
     stamps = []
     original = trainer.rl_step
 
@@ -164,9 +172,7 @@ def main() -> int:
         cfg = load_config(TrainConfig, args.config, overrides + [f"seed={seed}"])
         trl_arguments(cfg, "-", args.updates, seed)  # refuse what TRL cannot express before training
         with tempfile.TemporaryDirectory() as tmp:
-            from mmrl.train.trainer import Trainer
-
-            probe = Trainer(cfg, Path(tmp) / "initial")
+            probe = new_trainer(cfg, Path(tmp) / "initial")
             probe.initial_language_model = copy.deepcopy(probe.policy.language_model)
             before = held_out_accuracy(probe, probe.initial_language_model)
             # alternate which trainer runs first, so a change in the machine's load between
