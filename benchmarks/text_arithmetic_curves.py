@@ -1,12 +1,18 @@
 """Curves and the table of the text demo (SFT → GRPO on 2-digit addition) from its runs.
 
-For each variant (a run-directory prefix, e.g. runs/text_arithmetic_grpo_s → seeds _s0, _s1 …)
-plots the training reward (exact match of sampled completions) and the held-out greedy
-accuracy against the update, one line per seed, into one PNG; prints a markdown table of the
-held-out accuracy and reasoning → answer consistency at the last evaluation of each run, with
-the SFT start as the first row.
+Run directories are named by a prefix and the seed: ``--sft runs/text_arithmetic_sft_s`` finds
+``runs/text_arithmetic_sft_s0``, ``_s1`` …, and ``--variant GRPO=runs/text_arithmetic_grpo_s``
+the stage-2 runs of each seed; stage-2 seed s is compared with SFT seed s (an ``--sft`` that
+is itself a run directory is the shared start of every seed). For each run the held-out
+greedy evaluation is read from its metrics (the last one logged, which is what
+``mmrl eval RUN`` reproduces).
 
-    .venv/bin/python benchmarks/text_arithmetic_curves.py --sft runs/text_arithmetic_sft \\
+Plots, one line per seed, the training reward (exact match of the sampled completions), the
+held-out accuracy and the held-out reasoning → answer consistency against the update, with
+each seed's SFT model at update 0, into one PNG; prints a markdown table per seed and the
+mean: held-out accuracy and consistency of the SFT model and after stage 2, and their change.
+
+    .venv/bin/python benchmarks/text_arithmetic_curves.py --sft runs/text_arithmetic_sft_s \\
         --variant GRPO=runs/text_arithmetic_grpo_s --variant GRPO-CARE=runs/text_arithmetic_grpo_care_s \\
         --out benchmarks/text_arithmetic.png
 """
@@ -19,16 +25,23 @@ from pathlib import Path
 
 from mmrl.train.metrics import read_metrics
 
+ACC, CONS = "eval/accuracy", "eval/reward/arithmetic_consistency"
 
-def last_eval(run: Path) -> dict:
-    evals = [m for m in read_metrics(run) if "eval/accuracy" in m]
-    return evals[-1] if evals else {}
+
+def evals(run: Path) -> list[dict]:
+    return [m for m in read_metrics(run) if ACC in m] if (run / "metrics.jsonl").is_file() else []
+
+
+def seeds_of(prefix: str) -> dict[str, Path]:
+    """Seed → run directory for the runs named prefix0, prefix1, … that have an evaluation."""
+    base = Path(prefix)
+    runs = {p.name[len(base.name):]: p for p in base.parent.glob(base.name + "[0-9]*") if p.name[len(base.name):].isdigit()}
+    return {s: runs[s] for s in sorted(runs, key=int) if evals(runs[s])}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sft", required=True, help="the SFT run the variants start from")
-    parser.add_argument("--sft-eval", type=float, nargs=2, metavar=("ACCURACY", "CONSISTENCY"), help="the SFT model's held-out accuracy and consistency (from mmrl eval), if its run did not log the consistency")
+    parser.add_argument("--sft", required=True, help="the SFT runs: a prefix (seed s of a variant starts from prefix+s) or one run directory shared by every seed")
     parser.add_argument("--variant", action="append", required=True, help="NAME=run-directory prefix (seeds are prefix0, prefix1, ...)")
     parser.add_argument("--out", default="benchmarks/text_arithmetic.png")
     args = parser.parse_args()
@@ -38,43 +51,51 @@ def main() -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sft = last_eval(Path(args.sft))
-    start_acc, start_cons = args.sft_eval if args.sft_eval else (sft.get("eval/accuracy"), sft.get("eval/reward/arithmetic_consistency"))
-    fig, (ax_train, ax_eval) = plt.subplots(1, 2, figsize=(10, 3.6))
-    print("| model | seed | held-out accuracy | consistency | Δ accuracy vs SFT |")
-    print("|---|---|---|---|---|")
-    print(f"| SFT (start) | 0 | {start_acc:.3f} | {start_cons:.3f} | — |")
+    shared = Path(args.sft) if evals(Path(args.sft)) else None
+    sft = {} if shared else {s: evals(run)[-1] for s, run in seeds_of(args.sft).items()}
+
+    def start(seed: str) -> dict:
+        return evals(shared)[-1] if shared else sft[seed]
+
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    ax_train, ax_acc, ax_cons = axes
+    print("| model | seed | held-out accuracy (SFT → after) | Δ accuracy | consistency (SFT → after) | Δ consistency |")
+    print("|---|---|---|---|---|---|")
+    if not shared:
+        for s, m in sft.items():
+            print(f"| SFT (start) | {s} | {m[ACC]:.3f} | — | {m[CONS]:.3f} | — |")
+        print(f"| SFT (start) | mean of {len(sft)} | {statistics.mean(m[ACC] for m in sft.values()):.3f} | — | {statistics.mean(m[CONS] for m in sft.values()):.3f} | — |")
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for v, spec in enumerate(args.variant):
         name, prefix = spec.split("=", 1)
-        runs = sorted(Path(prefix).parent.glob(Path(prefix).name + "[0-9]*"))
-        accs, conss = [], []
-        for run in runs:
-            if not last_eval(run):
-                continue  # still running
+        rows = []
+        for s, run in seeds_of(prefix).items():
+            if not shared and s not in sft:
+                continue
             metrics = read_metrics(run)
-            train = [(m["step"], m["reward/exact_match"]) for m in metrics if "reward/exact_match" in m and "eval/accuracy" not in m]
-            evals = [(0, start_acc)] + [(m["step"], m["eval/accuracy"]) for m in metrics if "eval/accuracy" in m]
-            seed = run.name[len(Path(prefix).name):]
-            ax_train.plot(*zip(*train), color=colors[v], alpha=0.6, label=f"{name}" if seed == "0" else None)
-            ax_eval.plot(*zip(*evals), color=colors[v], marker="o", alpha=0.8, label=f"{name}" if seed == "0" else None)
-            final = last_eval(run)
-            acc, cons = final["eval/accuracy"], final.get("eval/reward/arithmetic_consistency", float("nan"))
-            accs.append(acc)
-            conss.append(cons)
-            print(f"| {name} | {seed} | {acc:.3f} | {cons:.3f} | {acc - start_acc:+.3f} |")
-        if runs:
-            print(f"| {name} | mean of {len(accs)} | {statistics.mean(accs):.3f} | {statistics.mean(conss):.3f} | {statistics.mean(accs) - start_acc:+.3f} |")
-    ax_train.set(xlabel="update", ylabel="training reward (exact match, sampled)", title="training")
-    ax_eval.set(xlabel="update", ylabel="held-out accuracy (greedy)", title="held-out", ylim=(0, 1))
-    ax_eval.axhline(start_acc, color="gray", linestyle=":", label="SFT start")
-    for ax in (ax_train, ax_eval):
+            s0 = start(s)
+            train = [(m["step"], m["reward/exact_match"]) for m in metrics if "reward/exact_match" in m]
+            ev = [(0, s0)] + [(m["step"], m) for m in metrics if ACC in m]
+            label = name if not rows else None
+            ax_train.plot(*zip(*train), color=colors[v], alpha=0.5, linewidth=1, label=label)
+            ax_acc.plot([t for t, _ in ev], [m[ACC] for _, m in ev], color=colors[v], marker="o", markersize=3, alpha=0.8, label=label)
+            ax_cons.plot([t for t, _ in ev], [m[CONS] for _, m in ev], color=colors[v], marker="o", markersize=3, alpha=0.8, label=label)
+            end = ev[-1][1]
+            rows.append((s0[ACC], end[ACC], s0[CONS], end[CONS]))
+            print(f"| {name} | {s} | {s0[ACC]:.3f} → {end[ACC]:.3f} | {end[ACC] - s0[ACC]:+.3f} | {s0[CONS]:.3f} → {end[CONS]:.3f} | {end[CONS] - s0[CONS]:+.3f} |")
+        if rows:
+            mean = [statistics.mean(r[k] for r in rows) for k in range(4)]
+            print(f"| **{name}** | **mean of {len(rows)}** | {mean[0]:.3f} → {mean[1]:.3f} | **{mean[1] - mean[0]:+.3f}** | {mean[2]:.3f} → {mean[3]:.3f} | {mean[3] - mean[2]:+.3f} |")
+    ax_train.set(xlabel="update", ylabel="exact match of sampled completions", title="training reward")
+    ax_acc.set(xlabel="update (0 = SFT model)", ylabel="held-out accuracy (greedy)", title="held-out accuracy", ylim=(0, 1))
+    ax_cons.set(xlabel="update (0 = SFT model)", ylabel="answer = what the reasoning computes", title="held-out consistency", ylim=(0, 1))
+    for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=8)
     fig.tight_layout()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.out, dpi=110)
-    print(f"wrote {args.out}")
+    fig.savefig(args.out, dpi=80)
+    print(f"wrote {args.out} ({Path(args.out).stat().st_size // 1024} kB)")
     return 0
 
 

@@ -88,11 +88,19 @@ def reward_function(rewards):
     return score
 
 
-def run_mmrl(cfg: TrainConfig, run_dir: Path) -> tuple[float, object]:
-    """Train with mmrl; seconds per update after the first, and the trainer."""
+def new_trainer(cfg: TrainConfig, run_dir: Path):
+    """An mmrl Trainer, after forgetting the accelerate state a TRL run left in this process."""
+    from accelerate.state import AcceleratorState
+
     from mmrl.train.trainer import Trainer
 
-    trainer = Trainer(cfg, run_dir)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    return Trainer(cfg, run_dir)
+
+
+def run_mmrl(cfg: TrainConfig, run_dir: Path) -> tuple[float, object]:
+    """Train with mmrl; seconds per update after the first, and the trainer."""
+    trainer = new_trainer(cfg, run_dir)
     stamps = []
     original = trainer.rl_step
 
@@ -102,11 +110,8 @@ def run_mmrl(cfg: TrainConfig, run_dir: Path) -> tuple[float, object]:
         return out
 
     trainer.rl_step = timed_step
-    start = time.perf_counter()
     trainer.train()
-    stamps.insert(0, start)
-    per_update = [b - a for a, b in zip(stamps[1:], stamps[2:])]
-    return statistics.mean(per_update), trainer
+    return (stamps[-1] - stamps[0]) / (len(stamps) - 1), trainer
 
 
 def run_trl(cfg: TrainConfig, trainer, updates: int, seed: int, out: Path) -> tuple[float, torch.nn.Module]:
@@ -128,9 +133,10 @@ def run_trl(cfg: TrainConfig, trainer, updates: int, seed: int, out: Path) -> tu
     grpo = GRPOTrainer(model=model, reward_funcs=[reward_function(trainer.rewards)], args=args, train_dataset=dataset,
                        processing_class=trainer.policy.tokenizer, callbacks=[Stamp()])
     grpo.train()
-    per_step = [b - a for a, b in zip(stamps, stamps[1:])]
+    # an update is num_minibatches * ppo_epochs optimizer steps, the first of which generates:
+    # time whole updates, from the end of the first to the end of the last
     steps_per_update = cfg.algo.num_minibatches * cfg.algo.ppo_epochs
-    return statistics.mean(per_step) * steps_per_update, grpo.model
+    return (stamps[-1] - stamps[steps_per_update - 1]) / (updates - 1), grpo.model
 
 
 def held_out_accuracy(trainer, language_model: torch.nn.Module) -> float:
@@ -155,25 +161,30 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--init", help="pretrained weights (a run or weights directory); default: the config's policy.pretrained")
     args = parser.parse_args()
+    if args.updates < 2:
+        parser.error("--updates must be >= 2 (the first update is a warm-up, not timed)")
 
     overrides = list(args.overrides) + [f"total_steps={args.updates}", "log.progress=false", "log.tensorboard=false", "eval.every=0", "eval.at_end=false", "checkpoint.every=0"]
     if args.init:
         overrides.append(f"policy.pretrained={args.init}")
     rows = []
-    for seed in args.seeds:
+    for k, seed in enumerate(args.seeds):
         cfg = load_config(TrainConfig, args.config, overrides + [f"seed={seed}"])
         trl_arguments(cfg, "-", args.updates, seed)  # refuse what TRL cannot express before training
         with tempfile.TemporaryDirectory() as tmp:
-            from mmrl.train.trainer import Trainer
-
-            probe = Trainer(cfg, Path(tmp) / "initial")
-            initial = copy.deepcopy(probe.policy.language_model)
-            before = held_out_accuracy(probe, initial)
-            mmrl_seconds, trainer = run_mmrl(cfg, Path(tmp) / "mmrl")
-            trainer.initial_language_model = initial
-            mmrl_accuracy = held_out_accuracy(trainer, trainer.policy.language_model)
-            trl_seconds, trl_model = run_trl(cfg, trainer, args.updates, seed, Path(tmp) / "trl")
-            trl_accuracy = held_out_accuracy(trainer, trl_model)
+            probe = new_trainer(cfg, Path(tmp) / "initial")
+            probe.initial_language_model = copy.deepcopy(probe.policy.language_model)
+            before = held_out_accuracy(probe, probe.initial_language_model)
+            # alternate which trainer runs first, so a change in the machine's load between
+            # the two halves does not always favour the same one
+            order = ("mmrl", "trl") if k % 2 == 0 else ("trl", "mmrl")
+            for which in order:
+                if which == "mmrl":
+                    mmrl_seconds, trainer = run_mmrl(cfg, Path(tmp) / "mmrl")
+                    mmrl_accuracy = held_out_accuracy(probe, trainer.policy.language_model)
+                else:
+                    trl_seconds, trl_model = run_trl(cfg, probe, args.updates, seed, Path(tmp) / "trl")
+                    trl_accuracy = held_out_accuracy(probe, trl_model)
         rows.append((seed, before, mmrl_seconds, mmrl_accuracy, trl_seconds, trl_accuracy))
         print(f"seed {seed}: start {before:.3f} | mmrl {mmrl_seconds:.2f} s/update, held-out {mmrl_accuracy:.3f} | "
               f"TRL {trl_seconds:.2f} s/update, held-out {trl_accuracy:.3f} | speed-up {trl_seconds / mmrl_seconds:.2f}x", flush=True)

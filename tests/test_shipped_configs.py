@@ -10,7 +10,8 @@ from tests.conftest import ROOT, run_mmrl
 CONFIGS = sorted(p.stem for p in (ROOT / "configs").glob("*.yaml"))
 SHORT = ["total_steps=1", "log.progress=false", "log.tensorboard=false", "eval.at_end=false"]
 # the SFT run each RL config starts from (policy.pretrained), by config name
-SFT_OF = {name: name.replace("_grpo", "_sft") for name in CONFIGS if name.endswith("_grpo") and name.replace("_grpo", "_sft") in CONFIGS}
+# (a stage-2 variant such as text_arithmetic_grpo_care starts from the family's SFT run too)
+SFT_OF = {name: name.split("_grpo")[0] + "_sft" for name in CONFIGS if "_grpo" in name and name.split("_grpo")[0] + "_sft" in CONFIGS}
 
 
 @pytest.fixture(scope="module")

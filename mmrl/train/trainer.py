@@ -203,10 +203,11 @@ class Trainer:
                 metrics = self.sft_step(step) if self.data is not None else self.rl_step(step)
                 metrics["optim/lr"] = lr
                 done = step + 1
-                if cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.total_steps:
+                evaluated = bool(cfg.eval.every) and done % cfg.eval.every == 0 and done < cfg.total_steps
+                if evaluated:
                     last_eval = self.evaluate(done)
                     metrics.update({f"eval/{k}": v for k, v in last_eval.items()})
-                if done % cfg.log.every == 0 or done == cfg.total_steps:
+                if evaluated or done % cfg.log.every == 0 or done == cfg.total_steps:  # an evaluation is always logged
                     self.metrics.write(done, metrics)
                 if progress is not None:
                     progress.update(1)

@@ -323,3 +323,10 @@ def test_a_minibatch_whose_decisions_are_all_masked_gives_a_zero_loss_not_nan(tm
     masked = rollout.with_(mask=torch.zeros_like(rollout.mask))
     loss, *_ = trainer.policy_loss(masked, torch.ones(rollout.batch_size, 1), trainer.normalizers(masked))
     assert loss.item() == 0.0
+
+
+def test_every_evaluation_is_logged_even_between_log_steps(tmp_path):
+    train(env_config(total_steps=4, log={"every": 3}, eval={"every": 2, "episodes": 4}), tmp_path / "run")
+    records = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in records if "eval/success_rate" in r] == [2, 4]
+    assert [r["step"] for r in records if "loss/policy" in r] == [2, 3, 4]
