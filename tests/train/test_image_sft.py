@@ -54,20 +54,20 @@ def test_the_categories_option_keeps_only_those_scenes_and_the_same_split(prompt
 
 def test_shapes_source_renders_every_prompt_as_ground_truth_the_verifier_accepts(prompt_sets):
     policy = _policy(32)
-    source = _source("shapes", policy, path=str(prompt_sets / "train.jsonl"), images_per_prompt=3, batch_size=8)
-    assert source.num_samples == 43 * 3 and source.samples["images"].shape == (129, 32, 32, 3)
+    source = _source("shapes", policy, path=str(prompt_sets / "train.jsonl"), images_per_prompt=2, batch_size=8)
+    assert source.num_samples == 43 * 2 and source.samples["images"].shape == (86, 32, 32, 3)
     images, prompts = source.samples["images"].numpy(), source.samples["prompt"]
     for image, prompt in zip(images, prompts):
         detections = detect_shapes(image, min_chroma=60, min_area=0.01, min_fill=0.8)
         assert all(check_criteria(parse_prompt(prompt), detections).values()), prompt
     # the copies of one prompt are different renderings; a second source draws the same ones
     assert not np.array_equal(images[0], images[1])
-    again = _source("shapes", policy, path=str(prompt_sets / "train.jsonl"), images_per_prompt=3, batch_size=8)
+    again = _source("shapes", policy, path=str(prompt_sets / "train.jsonl"), images_per_prompt=2, batch_size=8)
     assert torch.equal(again.samples["images"], source.samples["images"])
     batch = source.batch(0, torch.device("cpu"))
     assert batch["images"].dtype == torch.uint8 and batch["images"].shape == (8, 32, 32, 3) and len(batch["prompt"]) == 8
     # two processes take the halves of the one-process batch
-    halves = [_source("shapes", policy, world=2, rank=r, path=str(prompt_sets / "train.jsonl"), images_per_prompt=3, batch_size=8).batch(0, torch.device("cpu")) for r in (0, 1)]
+    halves = [_source("shapes", policy, world=2, rank=r, path=str(prompt_sets / "train.jsonl"), images_per_prompt=2, batch_size=8).batch(0, torch.device("cpu")) for r in (0, 1)]
     assert torch.equal(torch.cat([h["images"] for h in halves]), batch["images"])
     assert policy.sft_loss(batch).isfinite()
 
