@@ -9,7 +9,7 @@ the run's own evaluation at step 0 when it has one) and after, with 95% Wilson i
 steps and the wall-clock time of the run.
 
     .venv/bin/python benchmarks/image_shapes_curves.py --sft runs/image_shapes_flow_sft \\
-        --variant Flow-GRPO=runs/image_shapes_flow_grpo_s --out benchmarks/image_shapes.png
+        --variant Flow-GRPO=runs/image_shapes_flow_grpo_s --start Flow-GRPO=0.193,0.114,0.2 --out benchmarks/image_shapes.png
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sft", action="append", default=[], help="NAME=pretraining run directory (its held-out accuracy over its steps)")
     parser.add_argument("--variant", action="append", default=[], help="NAME=run-directory prefix (seeds are prefix0, prefix1, ...)")
-    parser.add_argument("--start", action="append", default=[], help="NAME=held-out accuracy of the variant's starting model (from mmrl eval of its config)")
+    parser.add_argument("--start", action="append", default=[], help="NAME=A0,A1,...: held-out accuracy of the starting model evaluated with seed 0, 1, ... (mmrl eval CONFIG seed=S: the evaluation noise follows the seed)")
     parser.add_argument("--out", default="benchmarks/image_shapes.png")
     args = parser.parse_args()
-    starts = {k: float(v) for k, v in (s.split("=", 1) for s in args.start)}
+    starts = {k: [float(a) for a in v.split(",")] for k, v in (s.split("=", 1) for s in args.start)}
 
     import matplotlib
 
@@ -54,8 +54,8 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|")
     for v, spec in enumerate(args.variant):
         name, prefix = spec.split("=", 1)
-        runs = sorted(Path(prefix).parent.glob(Path(prefix).name + "[0-9]*"))
-        afters, deltas = [], []
+        runs = sorted(p for p in Path(prefix).parent.glob(Path(prefix).name + "[0-9]*") if p.is_dir())
+        afters, deltas, befores = [], [], []
         for run in runs:
             metrics = read_metrics(run)
             done = evals(run)
@@ -63,7 +63,7 @@ def main() -> int:
                 continue
             seed = run.name[len(Path(prefix).name):]
             train = [(m["step"], m["reward/total"]) for m in metrics if "reward/total" in m and "eval/accuracy" not in m]
-            start = starts.get(name)
+            start = starts[name][int(seed)] if name in starts and seed.isdigit() and int(seed) < len(starts[name]) else None
             points = ([(0, start)] if start is not None else []) + [(m["step"], m["eval/accuracy"]) for m in done]
             ax_train.plot(*zip(*train), color=colors[v], alpha=0.5, label=name if seed == "0" else None)
             ax_eval.plot(*zip(*points), color=colors[v], marker="o", alpha=0.8, label=name if seed == "0" else None)
@@ -72,10 +72,11 @@ def main() -> int:
             delta = final["eval/accuracy"] - start if start is not None else float("nan")
             afters.append(final["eval/accuracy"])
             deltas.append(delta)
+            befores.append(start if start is not None else float("nan"))
             before = f"{start:.3f}" if start is not None else "—"
             print(f"| {name} | {seed} | {before} | {interval(final)} | {delta:+.3f} | {final['step']} | {seconds / 60:.0f} min |")
         if afters:
-            print(f"| {name} | mean of {len(afters)} | {starts.get(name, float('nan')):.3f} | {statistics.mean(afters):.3f} | {statistics.mean(deltas):+.3f} | | |")
+            print(f"| {name} | mean of {len(afters)} | {statistics.mean(befores):.3f} | {statistics.mean(afters):.3f} | {statistics.mean(deltas):+.3f} | | |")
     ax_sft.set(xlabel="pretraining step", ylabel="held-out accuracy (deterministic)", title="pretraining", ylim=(0, 1))
     ax_train.set(xlabel="update", ylabel="training reward (strict verifier, sampled)", title="RL: training prompts", ylim=(0, 1))
     ax_eval.set(xlabel="update", ylabel="held-out accuracy (deterministic)", title="RL: held-out prompts", ylim=(0, 1))
