@@ -237,7 +237,7 @@ class Images(DataSource):
 
             raise MissingExtraError("opencv-python", "image", "the images data source") from None
         super().__init__(cfg, seed, world, rank)
-        source = PromptDataConfig(train=cfg.path, prompt_field=cfg.prompt_field, answer_field=cfg.image_field)
+        source = PromptDataConfig(train=cfg.path, prompt_field=cfg.prompt_field, answer_field=cfg.image_field, image_field=None)
         records = read_records(source, "train", "data")
         if not records:
             raise ConfigError("data.path", cfg.path, "holds no records")
@@ -285,7 +285,7 @@ class Shapes(DataSource):
         from mmrl.data.shapes import Scene, parse_prompt, render_scene
 
         super().__init__(cfg, seed, world, rank)
-        records = read_records(PromptDataConfig(train=cfg.path, prompt_kind="text"), "train", "data")
+        records = read_records(PromptDataConfig(train=cfg.path, prompt_kind="text", image_field=None), "train", "data")
         if not records:
             raise ConfigError("data.path", cfg.path, "holds no records")
         size = cfg.resolution

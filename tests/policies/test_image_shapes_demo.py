@@ -51,7 +51,7 @@ def test_a_short_pretraining_on_rendered_shapes_lowers_the_loss_and_draws_the_pr
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     cfg = {
-        "name": "shapes_sft", "seed": 0, "total_steps": 80,
+        "name": "shapes_sft", "seed": 0, "total_steps": 160,
         "policy": {"type": "image_diffusion", "train_text_encoder": True, "denoising": {"transition": "flow_sde", "num_inference_steps": 6},
                    "tiny": {"conditioning": "text", "text_injection": "pooled", "resolution": 16, "block_out_channels": [16, 32], "norm_num_groups": 8, "max_prompt_tokens": 16}},
         "sampler": {"type": "prompt", "data": {"train": str(path)}}, "rewards": [{"type": "shapes_geneval"}],
