@@ -110,7 +110,12 @@ class RewardSet:
     def __init__(self, cfgs: list[RewardConfig], aggregation: str, context: RewardContext, log_tamed_threshold: str = "mean"):
         self.configs = list(cfgs)
         self.components = [build_reward(cfg, context, f"rewards[{i}]") for i, cfg in enumerate(self.configs)]
-        self.names = [cfg.type for cfg in self.configs]
+        # metric names: the component's type, numbered from the second of one type on
+        # (``shapes_geneval``, ``shapes_geneval_2``), so that no column hides another
+        self.names = []
+        for cfg in self.configs:
+            n = sum(1 for c in self.configs[: len(self.names)] if c.type == cfg.type)
+            self.names.append(cfg.type if n == 0 else f"{cfg.type}_{n + 1}")
         self.weights = [cfg.weight for cfg in self.configs]
         self.aggregation = aggregation
         self.log_tamed_threshold = log_tamed_threshold

@@ -106,3 +106,12 @@ def test_reward_set_scores_columns_combines_them_and_names_a_non_finite_componen
     bad = Rollout(group_id=torch.zeros(2, dtype=torch.long), old_logp=torch.zeros(2, 1), mask=torch.ones(2, 1), replay={}, info={"success": torch.tensor([1.0, float("nan")]), "return": torch.zeros(2)})
     with pytest.raises(NonFiniteError, match="step 5: reward 'success' is nan"):
         rewards.score(bad, step=4)
+
+
+def test_two_components_of_one_type_get_their_own_metric_names():
+    """A weight-0 monitor beside a trained reward of the same type (strict beside partial
+    verifier) must not hide it: the second of a type is numbered."""
+    cfgs = [from_dict(REWARDS.entry(t).config, {"type": t}) for t in ("success", "return", "success", "success")]
+    rewards = RewardSet(cfgs, "weighted_sum", RewardContext())
+    assert rewards.names == ["success", "return", "success_2", "success_3"]
+    assert len(set(rewards.state_dict())) == 4
