@@ -37,11 +37,50 @@ def byte_id(policy, char: str) -> list[int]:
     return policy.tokenizer(char, add_special_tokens=False)["input_ids"]
 
 
+class _RowBias:
+    """Adds a bias to the output head's logits; a per-row bias [B, 1, V] follows its rows
+    when the decoding loop drops ended completions from the batch (``cache.reorder_cache``)."""
+
+    def __init__(self, policy, bias: torch.Tensor):
+        self.policy, self.bias, self.current = policy, bias, bias
+        self.hook = policy.language_model.get_output_embeddings().register_forward_hook(lambda module, args, out: out + self.current.to(out.dtype))
+        if bias.dim() == 3:
+            new_cache = policy.new_cache
+
+            def tracked_cache():
+                self.current = self.bias  # a new generation starts from the whole batch
+                cache = new_cache()
+                reorder = cache.reorder_cache
+
+                def reorder_rows(index):
+                    self.current = self.current[index]
+                    reorder(index)
+
+                cache.reorder_cache = reorder_rows
+                return cache
+
+            policy.new_cache = tracked_cache
+            generate = policy.backend.generate
+
+            def whole_batch_after(*args, **kwargs):
+                try:
+                    return generate(*args, **kwargs)
+                finally:
+                    self.current = self.bias  # teacher-forced passes see every row
+
+            policy.backend.generate = whole_batch_after
+
+    def remove(self):
+        self.hook.remove()
+        for name in ("new_cache",):
+            self.policy.__dict__.pop(name, None)
+        self.policy.backend.__dict__.pop("generate", None)
+
+
 def bias_logits(policy, bias: torch.Tensor):
     """Add ``bias`` ([V], or [B, 1, V] per row) to the model's logits in every pass (a
     handle to remove it): a way to make chosen tokens likely in a random model."""
-    head = policy.language_model.get_output_embeddings()
-    return head.register_forward_hook(lambda module, args, out: out + bias.to(out.dtype))
+    return _RowBias(policy, bias)
 
 
 def test_registered_and_built_from_a_yaml_style_mapping():
