@@ -161,18 +161,22 @@ class BuiltinBackend:
         reasons = ["length"] * n
         rows = torch.arange(n, device=device)  # the original row of each row still in the batch
         probs = None  # [N, V] sampling distributions of every row (placeholder rows for the ended ones)
+        whole = True  # no row has left the batch yet
         for t in range(budget):
             log_q = sampling_log_probs(logits, options.temperature, options.top_p)
             if deterministic:
                 token = log_q.argmax(-1)
             else:
                 on = generator.device if generator is not None else log_q.device
-                if probs is None or probs.device != on:
-                    probs = torch.ones((n, log_q.shape[-1]), device=on)
-                probs[rows.to(on)] = log_q.exp().to(on)
-                token = torch.multinomial(probs, 1, generator=generator).squeeze(1).to(device)[rows]
-            out_tokens[rows, t] = token
-            out_logp[rows, t] = log_q.gather(-1, token[:, None]).squeeze(1)
+                if whole:
+                    token = torch.multinomial(log_q.exp().to(on), 1, generator=generator).squeeze(1).to(device)
+                else:
+                    if probs is None:
+                        probs = torch.ones((n, log_q.shape[-1]), device=on)
+                    probs[rows.to(on)] = log_q.exp().to(on)
+                    token = torch.multinomial(probs, 1, generator=generator).squeeze(1).to(device)[rows]
+            out_tokens[rows if not whole else slice(None), t] = token
+            out_logp[rows if not whole else slice(None), t] = log_q.gather(-1, token[:, None]).squeeze(1)
             ended = torch.isin(token, eos)
             for i in ended.nonzero().flatten().tolist():
                 reasons[rows[i]] = "eos"
@@ -194,7 +198,7 @@ class BuiltinBackend:
                 keep = (~ended).nonzero().flatten()
                 if keep.numel() == 0:
                     break
-                rows, token, mask = rows[keep], token[keep], mask[keep]
+                rows, token, mask, whole = rows[keep], token[keep], mask[keep], False
                 cache.reorder_cache(keep)
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
             logits = self.policy.forward_logits(token[:, None], mask, cache=cache, logits_to_keep=1)[:, -1]
