@@ -213,6 +213,29 @@ def test_eos_ends_a_sample_masks_the_rest_and_only_samples_without_it_are_trunca
     assert mask[[1, 3]].all() and mask.shape[1] == 12
 
 
+def test_ended_completions_leave_the_batch_and_the_others_are_drawn_as_before():
+    policy = make(generation={"max_new_tokens": 12})
+    eos = policy.sampling.eos_token_ids[0]
+    rows_seen = []
+    head = policy.language_model.get_output_embeddings()
+    counter = head.register_forward_hook(lambda module, args, out: rows_seen.append(out.shape[0]))
+    samples = {}
+    for ending in ([0, 2], []):
+        bias = torch.zeros(4, 1, len(policy.tokenizer))
+        bias[:, :, eos] = -1e4
+        bias[ending, :, eos] = 5.0  # these rows end after a few tokens
+        handle = bias_logits(policy, bias)
+        rows_seen.clear()
+        samples[tuple(ending)] = (policy.backend.generate(policy.encode_prompts(PROMPTS), policy.sampling, generator(3), False), list(rows_seen))
+        handle.remove()
+    counter.remove()
+    (early, early_rows), (full, full_rows) = samples[(0, 2)], samples[()]
+    assert early.finish_reason == ["eos", "length", "eos", "length"] and full.finish_reason == ["length"] * 4
+    assert early_rows[0] == 4 and early_rows[-1] == 2 and set(full_rows) == {4}  # the last steps ran on rows 1 and 3 only
+    # the generator advanced as if every row had stayed: the long rows drew the same tokens
+    assert early.token_ids[1] == full.token_ids[1] and early.token_ids[3] == full.token_ids[3]
+
+
 def test_stop_strings_end_a_completion_at_the_token_that_completes_them():
     stops = ["ab", "é"]  # é is two byte tokens
     policy = make(generation={"max_new_tokens": 40, "stop_strings": stops})
