@@ -136,10 +136,14 @@ class GenerationBackend(Protocol):
 
 class BuiltinBackend:
     """mmrl's own decoding loop: one batched pass over the left-padded prompts, then one token
-    per step for every completion with the model's key/value cache, until every completion
-    has ended or the budget is spent. Tokens are drawn with ``torch.multinomial`` from the
-    caller's generator (greedy with ``deterministic``), so the same seed gives the same
-    completions. Position ids count each row's own tokens, so left padding changes nothing."""
+    per step for every unfinished completion with the model's key/value cache, until every
+    completion has ended or the budget is spent. A completion that ends leaves the batch (its
+    rows of the cache and mask are dropped), so the last steps run on the few long
+    completions only. Tokens are drawn with ``torch.multinomial`` from the caller's generator
+    (greedy with ``deterministic``) over the distributions of all N rows — an ended row draws
+    from a placeholder — so the generator advances the same way whichever rows have ended and
+    the same seed gives the same completions. Position ids count each row's own tokens, so
+    left padding changes nothing."""
 
     def __init__(self, policy):
         self.policy = policy
@@ -150,44 +154,60 @@ class BuiltinBackend:
     ) -> Generation:
         device = self.policy.device
         ids, mask = (t.to(device) for t in left_pad(prompt_ids, options.pad_token_id))
-        n = ids.shape[0]
+        n, budget = ids.shape[0], options.max_new_tokens
         cache = self.policy.new_cache()
         # the extra inputs (images) enter with the prompts; the cache holds them from then on
         logits = self.policy.forward_logits(ids, mask, cache=cache, logits_to_keep=1, **{k: v.to(device) for k, v in (model_inputs or {}).items()})[:, -1]
         eos = torch.tensor(options.eos_token_ids, dtype=torch.long, device=device)
         stop_window = max((len(s.encode("utf-8")) for s in options.stop_strings), default=0) + 1
-        running = torch.ones(n, dtype=torch.bool, device=device)
+        out_tokens = torch.full((n, budget), options.pad_token_id, dtype=torch.long, device=device)
+        out_logp = torch.zeros((n, budget), device=device)
+        lengths = [budget] * n
         reasons = ["length"] * n
-        tokens, logps = [], []
-        for _ in range(options.max_new_tokens):
+        rows = torch.arange(n, device=device)  # the original row of each row still in the batch
+        probs = None  # [N, V] sampling distributions of every row (placeholder rows for the ended ones)
+        whole = True  # no row has left the batch yet
+        for t in range(budget):
             log_q = sampling_log_probs(logits, options.temperature, options.top_p)
             if deterministic:
                 token = log_q.argmax(-1)
             else:
                 on = generator.device if generator is not None else log_q.device
-                token = torch.multinomial(log_q.exp().to(on), 1, generator=generator).squeeze(1).to(device)
-            token = torch.where(running, token, options.pad_token_id)
-            tokens.append(token)
-            logps.append(log_q.gather(-1, token[:, None]).squeeze(1))
-            ended_eos = running & torch.isin(token, eos)
-            for row in ended_eos.nonzero().flatten().tolist():
-                reasons[row] = "eos"
+                if whole:
+                    token = torch.multinomial(log_q.exp().to(on), 1, generator=generator).squeeze(1).to(device)
+                else:
+                    if probs is None:
+                        probs = torch.ones((n, log_q.shape[-1]), device=on)
+                    probs[rows.to(on)] = log_q.exp().to(on)
+                    token = torch.multinomial(probs, 1, generator=generator).squeeze(1).to(device)[rows]
+            out_tokens[rows if not whole else slice(None), t] = token
+            out_logp[rows if not whole else slice(None), t] = log_q.gather(-1, token[:, None]).squeeze(1)
+            ended = torch.isin(token, eos)
+            for i in ended.nonzero().flatten().tolist():
+                reasons[rows[i]] = "eos"
             if options.stop_strings:
-                rows = (running & ~ended_eos).nonzero().flatten().tolist()
                 # a stop string of b bytes spans at most b tokens: decode one more than the longest
-                tails = torch.stack(tokens[-stop_window:], 1)[rows].tolist()
-                for row, text in zip(rows, self.policy.tokenizer.batch_decode(tails)):
+                live = (~ended).nonzero().flatten()
+                tails = out_tokens[rows[live], max(0, t + 1 - stop_window) : t + 1].tolist()
+                for i, text in zip(live.tolist(), self.policy.tokenizer.batch_decode(tails)):
                     if any(s in text for s in options.stop_strings):
-                        reasons[row] = "stop"
-            # a finished row keeps feeding padding, masked out of every later token's attention
-            mask = torch.cat([mask, running.long()[:, None]], dim=1)
-            running = running & torch.tensor([r == "length" for r in reasons], device=device)
-            if not running.any() or len(tokens) == options.max_new_tokens:
+                        reasons[rows[i]] = "stop"
+                        ended[i] = True
+            if t + 1 == budget:
                 break
+            if ended.any():
+                for i in ended.nonzero().flatten().tolist():
+                    lengths[rows[i]] = t + 1
+                if probs is not None:
+                    probs[rows[ended].to(probs.device)] = 1.0
+                keep = (~ended).nonzero().flatten()
+                if keep.numel() == 0:
+                    break
+                rows, token, mask, whole = rows[keep], token[keep], mask[keep], False
+                cache.reorder_cache(keep)
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
             logits = self.policy.forward_logits(token[:, None], mask, cache=cache, logits_to_keep=1)[:, -1]
-        steps = torch.stack(tokens, 1).tolist()
-        step_logp = torch.stack(logps, 1).tolist()
-        lengths = mask[:, ids.shape[1] :].sum(1).tolist()
+        steps, step_logp = out_tokens.tolist(), out_logp.tolist()
         return Generation(
             token_ids=[row[:k] for row, k in zip(steps, lengths)],
             logp=[row[:k] for row, k in zip(step_logp, lengths)],

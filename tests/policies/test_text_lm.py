@@ -37,11 +37,50 @@ def byte_id(policy, char: str) -> list[int]:
     return policy.tokenizer(char, add_special_tokens=False)["input_ids"]
 
 
+class _RowBias:
+    """Adds a bias to the output head's logits; a per-row bias [B, 1, V] follows its rows
+    when the decoding loop drops ended completions from the batch (``cache.reorder_cache``)."""
+
+    def __init__(self, policy, bias: torch.Tensor):
+        self.policy, self.bias, self.current = policy, bias, bias
+        self.hook = policy.language_model.get_output_embeddings().register_forward_hook(lambda module, args, out: out + self.current.to(out.dtype))
+        if bias.dim() == 3:
+            new_cache = policy.new_cache
+
+            def tracked_cache():
+                self.current = self.bias  # a new generation starts from the whole batch
+                cache = new_cache()
+                reorder = cache.reorder_cache
+
+                def reorder_rows(index):
+                    self.current = self.current[index]
+                    reorder(index)
+
+                cache.reorder_cache = reorder_rows
+                return cache
+
+            policy.new_cache = tracked_cache
+            generate = policy.backend.generate
+
+            def whole_batch_after(*args, **kwargs):
+                try:
+                    return generate(*args, **kwargs)
+                finally:
+                    self.current = self.bias  # teacher-forced passes see every row
+
+            policy.backend.generate = whole_batch_after
+
+    def remove(self):
+        self.hook.remove()
+        for name in ("new_cache",):
+            self.policy.__dict__.pop(name, None)
+        self.policy.backend.__dict__.pop("generate", None)
+
+
 def bias_logits(policy, bias: torch.Tensor):
     """Add ``bias`` ([V], or [B, 1, V] per row) to the model's logits in every pass (a
     handle to remove it): a way to make chosen tokens likely in a random model."""
-    head = policy.language_model.get_output_embeddings()
-    return head.register_forward_hook(lambda module, args, out: out + bias.to(out.dtype))
+    return _RowBias(policy, bias)
 
 
 def test_registered_and_built_from_a_yaml_style_mapping():
@@ -172,6 +211,29 @@ def test_eos_ends_a_sample_masks_the_rest_and_only_samples_without_it_are_trunca
         assert (sample.logp[row, length:] == 0).all() and sample.logp[row, length - 1] < 0
         assert sample.output[row] == policy.tokenizer.decode(ids[row, : length - 1].tolist())  # the EOS is not in the text
     assert mask[[1, 3]].all() and mask.shape[1] == 12
+
+
+def test_ended_completions_leave_the_batch_and_the_others_are_drawn_as_before():
+    policy = make(generation={"max_new_tokens": 12})
+    eos = policy.sampling.eos_token_ids[0]
+    rows_seen = []
+    head = policy.language_model.get_output_embeddings()
+    counter = head.register_forward_hook(lambda module, args, out: rows_seen.append(out.shape[0]))
+    samples = {}
+    for ending in ([0, 2], []):
+        bias = torch.zeros(4, 1, len(policy.tokenizer))
+        bias[:, :, eos] = -1e4
+        bias[ending, :, eos] = 5.0  # these rows end after a few tokens
+        handle = bias_logits(policy, bias)
+        rows_seen.clear()
+        samples[tuple(ending)] = (policy.backend.generate(policy.encode_prompts(PROMPTS), policy.sampling, generator(3), False), list(rows_seen))
+        handle.remove()
+    counter.remove()
+    (early, early_rows), (full, full_rows) = samples[(0, 2)], samples[()]
+    assert early.finish_reason == ["eos", "length", "eos", "length"] and full.finish_reason == ["length"] * 4
+    assert early_rows[0] == 4 and early_rows[-1] == 2 and set(full_rows) == {4}  # the last steps ran on rows 1 and 3 only
+    # the generator advanced as if every row had stayed: the long rows drew the same tokens
+    assert early.token_ids[1] == full.token_ids[1] and early.token_ids[3] == full.token_ids[3]
 
 
 def test_stop_strings_end_a_completion_at_the_token_that_completes_them():
