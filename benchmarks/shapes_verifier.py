@@ -57,9 +57,9 @@ def verify(reward, scenes, images) -> np.ndarray:
     return reward(rollout).numpy()
 
 
-def measure(size: int, n: int, seed: int, noise: list[float]) -> list[tuple[str, int, int]]:
+def measure(size: int, n: int, seed: int, noise: list[float], min_fill: float = 0.8) -> list[tuple[str, int, int]]:
     """(row name, accepted, total) rows for one image size."""
-    reward = build_reward(from_dict(REWARDS.entry("shapes_geneval").config, {"type": "shapes_geneval"}), RewardContext())
+    reward = build_reward(from_dict(REWARDS.entry("shapes_geneval").config, {"type": "shapes_geneval", "min_fill": min_fill}), RewardContext())
     scenes = sample_scenes(n, seed)
     truth = [render_scene(s, size, seed + k) for k, s in enumerate(scenes)]
     t0 = time.perf_counter()
@@ -89,10 +89,11 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[32, 64])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--noise", type=float, nargs="*", default=[], help="pixel-noise stds for extra ground-truth rows")
+    parser.add_argument("--min-fill", type=float, default=0.8, help="the verifier's min_fill (below it for every outline, an object is unrecognised)")
     args = parser.parse_args()
     for size in args.sizes:
         print(f"\n{size}x{size}, {args.scenes} scenes\n\n| images | accepted | of | rate |\n|---|---|---|---|")
-        for name, accepted, total in measure(size, args.scenes, args.seed, args.noise):
+        for name, accepted, total in measure(size, args.scenes, args.seed, args.noise, args.min_fill):
             print(f"| {name} | | | |" if total == 0 else f"| {name} | {accepted} | {total} | {accepted / total:.4f} |")
 
 

@@ -247,12 +247,29 @@ def record(scene: Scene) -> dict[str, Any]:
     return {"prompt": scene.text(), "metadata": {"category": scene.category, "scene": scene.to_dict()}}
 
 
-def write_prompt_sets(out_dir: str | Path, *, held_out_fraction: float = 0.2, seed: int = 0, num_train: int | None = None, num_eval: int | None = None) -> dict[str, int]:
+def write_prompt_sets(
+    out_dir: str | Path,
+    *,
+    held_out_fraction: float = 0.2,
+    seed: int = 0,
+    num_train: int | None = None,
+    num_eval: int | None = None,
+    categories: tuple[str, ...] | list[str] | None = None,
+) -> dict[str, int]:
     """Write ``train.jsonl`` and ``eval.jsonl`` (:func:`split_scenes`, capped per split by
-    :func:`balanced`) into ``out_dir``; returns the number of records of each."""
+    :func:`balanced`) into ``out_dir``; returns the number of records of each. ``categories``
+    keeps only the scenes of those categories (the split itself is unchanged: the same
+    combinations are held out)."""
+    if categories is not None:
+        unknown = [c for c in categories if c not in CATEGORIES]
+        if unknown or not categories:
+            raise ValueError(f"categories must be a non-empty subset of {list(CATEGORIES)}, got {list(categories)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     train, held_out = split_scenes(held_out_fraction, seed)
+    if categories is not None:
+        train = [s for s in train if s.category in categories]
+        held_out = [s for s in held_out if s.category in categories]
     counts = {}
     for name, scenes in (("train", balanced(train, num_train)), ("eval", balanced(held_out, num_eval))):
         with (out / f"{name}.jsonl").open("w", encoding="utf-8") as f:
@@ -440,9 +457,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the split and the record order")
     parser.add_argument("--num-train", type=int, default=None, help="at most this many train records, balanced over categories (default: all)")
     parser.add_argument("--num-eval", type=int, default=None, help="at most this many held-out records, balanced over categories (default: all)")
+    parser.add_argument("--categories", default=None, help=f"comma-separated categories to keep, of {','.join(CATEGORIES)} (default: all)")
     args = parser.parse_args(argv)
+    categories = [c.strip() for c in args.categories.split(",")] if args.categories else None
     try:
-        counts = write_prompt_sets(args.out, held_out_fraction=args.held_out_fraction, seed=args.seed, num_train=args.num_train, num_eval=args.num_eval)
+        counts = write_prompt_sets(args.out, held_out_fraction=args.held_out_fraction, seed=args.seed, num_train=args.num_train, num_eval=args.num_eval, categories=categories)
     except ValueError as e:
         parser.error(str(e))
     print(f"wrote {counts['train']} train and {counts['eval']} held-out prompts to {args.out}")

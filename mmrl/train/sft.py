@@ -13,6 +13,12 @@ it: one process and N train on the same samples.
 - ``preferences``: preference pairs (:mod:`mmrl.data.preferences`) for pairwise reward
   models; a batch is ``{"prompt": [...], "chosen": ..., "rejected": ...}``.
 
+- ``images``: (image file, prompt) pairs from a JSONL or CSV file; a batch is
+  ``{"images": uint8 [B, H, W, 3], "prompt": [...]}`` (or ``"condition"``: LongTensor [B]
+  when every prompt is an integer class id), what image generators' ``sft_loss`` takes.
+- ``shapes``: the same batches, rendered from a shapes prompt set (:mod:`mmrl.data.shapes`):
+  ``images_per_prompt`` seeded renderings of every record, drawn once when the run starts.
+
 A source may also hold out data of its own: ``evaluate(policy)`` returns metrics on it
 (the ``preferences`` source: held-out pairwise accuracy), which the trainer adds to each
 evaluation and ``mmrl eval`` reports.
@@ -195,3 +201,115 @@ class Preferences(DataSource):
                 name = f"pairwise_accuracy/{category}"
                 out.update({name: sum(hits) / len(hits), f"{name}/ci_low": low, f"{name}/ci_high": high, f"{name}/n": len(hits)})
         return out
+
+def _policy_resolution(policy, field: str, value) -> tuple[int, int] | None:
+    res = getattr(policy, "resolution", None)
+    if res is None:
+        return None
+    res = tuple(int(r) for r in res) if isinstance(res, (list, tuple)) else (int(res), int(res))
+    if len(res) != 2:
+        raise ConfigError(field, value, f"the policy's resolution {res} is not an image's (H, W)")
+    return res
+
+
+@dataclass
+class ImagesConfig(DataSourceConfig):
+    type: str = option("images", "data source (mmrl list data)")
+    path: str | None = option(None, "a .jsonl or .csv file of records naming an image file (relative to the file's directory) and its prompt")
+    image_field: str = option("image", "field holding each record's image file (PNG or JPEG, RGB)")
+    prompt_field: str = option("prompt", "field holding each record's prompt (a text, or an integer class id)")
+
+
+@DATA_SOURCES.register("images", config=ImagesConfig)
+class Images(DataSource):
+    """(image, prompt) pairs from files: supervised pretraining of an image generator. Every
+    image must have the policy's resolution (when the policy has one)."""
+
+    def __init__(self, cfg: ImagesConfig, policy, seed: int, world: int, rank: int):
+        from pathlib import Path
+
+        from mmrl.data.prompts import PromptDataConfig, read_records
+
+        try:
+            import cv2
+        except ImportError:
+            from mmrl.errors import MissingExtraError
+
+            raise MissingExtraError("opencv-python", "image", "the images data source") from None
+        super().__init__(cfg, seed, world, rank)
+        source = PromptDataConfig(train=cfg.path, prompt_field=cfg.prompt_field, answer_field=cfg.image_field)
+        records = read_records(source, "train", "data")
+        if not records:
+            raise ConfigError("data.path", cfg.path, "holds no records")
+        root = Path(cfg.path).parent
+        size = _policy_resolution(policy, "data.path", cfg.path)
+        images = []
+        for r in records:
+            if r.answer is None:
+                raise ConfigError("data.image_field", cfg.image_field, f"missing in record {r.record_id}")
+            file = root / str(r.answer)
+            bgr = cv2.imread(str(file), cv2.IMREAD_COLOR)
+            if bgr is None:
+                raise ConfigError("data.path", cfg.path, f"record {r.record_id}: cannot read the image {file}")
+            if size is not None and bgr.shape[:2] != size:
+                raise ConfigError("data.path", cfg.path, f"record {r.record_id}: image {file} is {bgr.shape[0]}x{bgr.shape[1]}, the policy generates {size[0]}x{size[1]}")
+            images.append(cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB))
+        shapes = {im.shape for im in images}
+        if len(shapes) > 1:
+            raise ConfigError("data.path", cfg.path, f"the images differ in size: {sorted(shapes)}")
+        self.samples = {"images": torch.from_numpy(np.stack(images))}
+        prompts = [r.prompt for r in records]
+        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+            self.samples["condition"] = torch.tensor(prompts, dtype=torch.long)
+        else:
+            self.samples["prompt"] = [str(p) for p in prompts]
+        self.info = {"samples": self.num_samples}
+
+
+@dataclass
+class ShapesConfig(DataSourceConfig):
+    type: str = option("shapes", "data source (mmrl list data)")
+    path: str | None = option(None, "a shapes prompt set (.jsonl written by `python -m mmrl.data.shapes`): each record's metadata scene, else its parsed prompt")
+    images_per_prompt: int = option(64, "seeded renderings of each record, drawn once when the run starts (the layouts, colours and backgrounds vary)", ge=1)
+    resolution: int | None = option(None, "side of the rendered images in pixels (null = the policy's resolution)", ge=4)
+    render_seed: int = option(0, "seed of the renderings (not the run seed: every run trains on the same images)", ge=0)
+
+
+@DATA_SOURCES.register("shapes", config=ShapesConfig)
+class Shapes(DataSource):
+    """Ground-truth images of the shapes world rendered from a prompt set: supervised
+    pretraining of an image generator that the ``shapes_geneval`` verifier then scores."""
+
+    def __init__(self, cfg: ShapesConfig, policy, seed: int, world: int, rank: int):
+        from mmrl.data.prompts import PromptDataConfig, read_records
+        from mmrl.data.shapes import Scene, parse_prompt, render_scene
+
+        super().__init__(cfg, seed, world, rank)
+        records = read_records(PromptDataConfig(train=cfg.path, prompt_kind="text"), "train", "data")
+        if not records:
+            raise ConfigError("data.path", cfg.path, "holds no records")
+        size = cfg.resolution
+        policy_size = _policy_resolution(policy, "data.resolution", cfg.resolution)
+        if size is None:
+            if policy_size is None:
+                raise ConfigError("data.resolution", None, f"policy {type(policy).__name__} has no resolution; set one")
+            if policy_size[0] != policy_size[1]:
+                raise ConfigError("data.resolution", None, f"the shapes renderer draws square images; the policy generates {policy_size}")
+            size = policy_size[0]
+        elif policy_size is not None and policy_size != (size, size):
+            raise ConfigError("data.resolution", size, f"the policy generates {policy_size[0]}x{policy_size[1]} images")
+        n = cfg.images_per_prompt
+        images = np.empty((len(records) * n, size, size, 3), dtype=np.uint8)
+        prompts: list[str] = []
+        for i, r in enumerate(records):
+            spec = r.metadata.get("scene")
+            try:
+                scene = Scene.from_dict(spec) if spec is not None else parse_prompt(str(r.prompt))
+            except ValueError as e:
+                raise ConfigError("data.path", cfg.path, f"record {r.record_id}: {e}") from None
+            for k in range(n):
+                # one seed per (render_seed, record, copy), within numpy's 32-bit seeds
+                images[i * n + k] = render_scene(scene, size, seed=(cfg.render_seed * 1_000_003 + i * n + k) % 2**32)
+            prompts.extend([str(r.prompt)] * n)
+        self.samples = {"images": torch.from_numpy(images), "prompt": prompts}
+        self.info = {"prompts": len(records), "samples": self.num_samples}

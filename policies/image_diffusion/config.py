@@ -50,6 +50,11 @@ class TinyDenoiserConfig:
     text_layers: int = option(1, "text: transformer layers of the text encoder", ge=1)
     text_heads: int = option(2, "text: attention heads of the text encoder (must divide text_hidden_size)", ge=1)
     max_prompt_tokens: int = option(16, "text: the tokenizer's model_max_length and the text encoder's positions", ge=1)
+    text_injection: Literal["cross_attention", "pooled"] = option(
+        "cross_attention",
+        "text: how the UNet reads the prompt: cross_attention (cross-attention blocks at the first level) or pooled (the text states attention-pooled and added to the timestep embedding, diffusers' addition_embed_type text; no attention blocks, several times cheaper)",
+    )
+    pooling_heads: int = option(4, "text, pooled: heads of the attention pooling (must divide text_hidden_size)", ge=1)
 
     def validate(self, path: str) -> None:
         p = f"{path}." if path else ""
@@ -71,6 +76,8 @@ class TinyDenoiserConfig:
             raise ConfigError(p + "conditioning", self.conditioning, f"tiny.denoiser {self.denoiser} takes {needs} conditioning")
         if self.text_hidden_size % self.text_heads:
             raise ConfigError(p + "text_heads", self.text_heads, f"must divide text_hidden_size ({self.text_hidden_size})")
+        if self.text_injection == "pooled" and self.text_hidden_size % self.pooling_heads:
+            raise ConfigError(p + "pooling_heads", self.pooling_heads, f"must divide text_hidden_size ({self.text_hidden_size})")
 
     @property
     def latent_resolution(self) -> int:

@@ -225,13 +225,21 @@ def _tiny_parts(config: ImageDiffusionConfig, spec: dict) -> _Parts:
     )
     if tiny.conditioning == "text":
         text_encoder, tokenizer = _tiny_text(tiny, with_projection=False)
-        unet = diffusers.UNet2DConditionModel(
-            **common,
-            down_block_types=("CrossAttnDownBlock2D",) + ("DownBlock2D",) * (levels - 1),
-            up_block_types=("UpBlock2D",) * (levels - 1) + ("CrossAttnUpBlock2D",),
-            cross_attention_dim=tiny.text_hidden_size,
-            attention_head_dim=tiny.attention_head_dim,
-        )
+        if tiny.text_injection == "pooled":
+            # global conditioning: the prompt's states, attention-pooled, join the timestep embedding
+            blocks = dict(
+                down_block_types=("DownBlock2D",) * levels,
+                up_block_types=("UpBlock2D",) * levels,
+                mid_block_type="UNetMidBlock2D",
+                addition_embed_type="text",
+                addition_embed_type_num_heads=tiny.pooling_heads,
+            )
+        else:
+            blocks = dict(
+                down_block_types=("CrossAttnDownBlock2D",) + ("DownBlock2D",) * (levels - 1),
+                up_block_types=("UpBlock2D",) * (levels - 1) + ("CrossAttnUpBlock2D",),
+            )
+        unet = diffusers.UNet2DConditionModel(**common, **blocks, cross_attention_dim=tiny.text_hidden_size, attention_head_dim=tiny.attention_head_dim)
         return _Parts(unet, "unet", "text", [text_encoder], [tokenizer], vae)
     blocks = dict(down_block_types=("DownBlock2D",) * levels, up_block_types=("UpBlock2D",) * levels)
     if tiny.conditioning == "none":

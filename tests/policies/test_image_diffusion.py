@@ -65,6 +65,28 @@ def test_text_prompts_with_guidance_give_ratio_one_and_the_gradient_reaches_the_
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.unet.parameters())
 
 
+def test_pooled_text_conditioning_reads_the_prompt_without_attention_blocks(tmp_path):
+    # the prompt's states, attention-pooled into the timestep embedding: a cheap global condition
+    tiny = {"conditioning": "text", "text_injection": "pooled", "pooling_heads": 4}
+    policy = make(spec={}, tiny=tiny, guidance_scale=2.0, train_text_encoder=True, denoising=TRANSITIONS["flow_sde"])
+    assert policy.unet.config.addition_embed_type == "text"
+    assert not any("attentions" in name for name, _ in policy.unet.named_parameters())
+    sample = policy.sample(PROMPTS, torch.Generator().manual_seed(0))
+    logp = policy.log_prob(sample.replay)
+    torch.testing.assert_close(torch.exp(logp - sample.logp), torch.ones_like(logp), atol=RATIO_ATOL, rtol=0)
+    # from the same noise, another prompt gives another image and the same prompt the same one
+    first = policy.sample(["a red circle", "two blue squares"], torch.Generator().manual_seed(0), deterministic=True).output
+    second = policy.sample(["a red circle", "a red circle"], torch.Generator().manual_seed(0), deterministic=True).output
+    assert torch.equal(first[0], second[0]) and not torch.allclose(first[1], second[1])
+    policy.sft_loss({"images": torch.zeros(4, 16, 16, 3, dtype=torch.uint8), "prompt": PROMPTS}).backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.text_encoder.parameters())
+    save_pretrained(policy, tmp_path / "saved")
+    again = load_pretrained(tmp_path / "saved").sample(PROMPTS, torch.Generator().manual_seed(0))
+    assert torch.equal(again.output, sample.output)
+    with pytest.raises(ConfigError, match=r"policy\.tiny\.pooling_heads"):
+        make(spec={}, tiny={**tiny, "pooling_heads": 3})
+
+
 def test_guidance_changes_the_samples_and_a_detached_unconditional_branch_changes_only_the_gradient():
     plain = make(guidance_scale=1.0).sample(CONDITIONS, torch.Generator().manual_seed(0))
     guided = make(guidance_scale=4.0).sample(CONDITIONS, torch.Generator().manual_seed(0))
