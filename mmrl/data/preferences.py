@@ -18,7 +18,8 @@ held-out accuracy measures agreement with the verifier.
         --num-held-out 500 --set-size 0 --flip 0.0 --pixel-noise 0 --seed 0]
     python -m mmrl.data.preferences arithmetic --prompts examples/arithmetic --out DIR [--flip 0.0 --seed 0]
     python -m mmrl.data.preferences policy CONFIG [overrides ...] --out DIR [--group-size 16 --rounds 1
-        --pairs-per-prompt 8 --flip 0.0 --seed 0]
+        --pairs-per-prompt 8 --flip 0.0 --seed 0 --held-out-seed SEED]
+    python -m mmrl.data.preferences merge --out DIR A B ...
 
 **Shapes** (:mod:`mmrl.data.shapes`). Prompts are the scenes of the compositional split
 (held-out pairs use only held-out prompts: unseen colour–shape–count combinations). For each
@@ -42,6 +43,11 @@ of ``sampler.data.eval`` (held-out pairs), ``rounds`` times each; the config's `
 combined as in training, score them, and up to ``pairs_per_prompt`` pairs of one group whose
 rewards differ are drawn, the higher-rewarded image chosen. These are the images a reward
 model meets when it scores that policy's samples in RL.
+
+**Merge** (:func:`merge_preferences`): one directory whose train pairs are those of all the
+given directories (of one kind; ``metadata.source`` names the directory each came from) and
+whose held-out pairs are those of the first — e.g. rendered shapes pairs added to a
+policy's own pairs, evaluated on the policy's held-out pairs.
 """
 
 from __future__ import annotations
@@ -212,12 +218,14 @@ def write_shapes_pairs(
 
 def write_policy_pairs(
     out: str | Path, config: str | Path, overrides: list[str] = (), *, group_size: int = 16, rounds: int = 1,
-    pairs_per_prompt: int = 8, flip: float = 0.0, seed: int = 0,
+    pairs_per_prompt: int = 8, flip: float = 0.0, seed: int = 0, held_out_seed: int | None = None,
 ) -> dict:
     """Write image pairs sampled from the policy of run config ``config`` (+ dotted
     ``overrides``) and labelled by its rewards (see the module docstring); returns ``info``.
     Round k of a split samples every record once with the sampler's stream at step k (noise
-    seeded by ``seed``); a pair is two images of one group with different combined rewards,
+    seeded by ``seed``, the held-out split's by ``held_out_seed``, default ``seed``: set it
+    apart when the held-out prompts are the train prompts, else both splits draw the same
+    images); a pair is two images of one group with different combined rewards,
     drawn without replacement, the higher one chosen. ``metadata`` holds the record's
     ``category`` (if any), the two ``scores`` and the round."""
     import dataclasses
@@ -243,8 +251,9 @@ def write_policy_pairs(
     cfg = dataclasses.replace(cfg, seed=seed)
     torch.manual_seed(seed)
     data = cfg.sampler.data
-    samplers = {split: registry.SAMPLERS.get("prompt")(dataclasses.replace(cfg.sampler, data=dataclasses.replace(data, train=source, eval=None, eval_fraction=0.0)), cfg)
-                for split, source in (("train", data.train), ("held_out", data.eval))}
+    held_out_seed = seed if held_out_seed is None else held_out_seed
+    samplers = {split: registry.SAMPLERS.get("prompt")(dataclasses.replace(cfg.sampler, data=dataclasses.replace(data, train=source, eval=None, eval_fraction=0.0)), dataclasses.replace(cfg, seed=split_seed))
+                for split, source, split_seed in (("train", data.train, seed), ("held_out", data.eval, held_out_seed))}
     policy = build_policy(cfg.policy, samplers["train"].policy_spec()).eval()
     rewards = RewardSet(cfg.rewards, cfg.algo.reward_aggregation, RewardContext(device=torch.device("cpu"), run_dir=Path(out), seed=seed), cfg.algo.log_tamed_threshold)
     rng = np.random.RandomState(seed + 7)
@@ -275,8 +284,34 @@ def write_policy_pairs(
     if not images:
         raise ValueError("every group's samples scored alike: no pairs (more samples per group, or a finer reward such as shapes_geneval mode partial)")
     _flip(splits["train"], flip, np.random.RandomState(seed + 11))
-    extra = {"source": "policy", "config": str(config), "overrides": list(overrides), "group_size": group_size, "rounds": rounds, "pairs_per_prompt": pairs_per_prompt, "flip": flip, "seed": seed}
+    extra = {"source": "policy", "config": str(config), "overrides": list(overrides), "group_size": group_size, "rounds": rounds, "pairs_per_prompt": pairs_per_prompt, "flip": flip, "seed": seed, "held_out_seed": held_out_seed}
     return write_preferences(out, "image", splits, images, **extra)
+
+
+def merge_preferences(out: str | Path, sources: list[str | Path]) -> dict:
+    """Write to ``out`` the train pairs of every directory of ``sources`` and the held-out
+    pairs of the first (see the module docstring); returns ``info``."""
+    if not sources:
+        raise ValueError("nothing to merge: name at least one preference directory")
+    kinds = {read_info(d, "sources")["kind"] for d in sources}
+    if len(kinds) > 1:
+        raise ValueError(f"cannot merge pairs of different kinds: {sorted(kinds)}")
+    kind = kinds.pop()
+    splits: dict[str, list[dict]] = {"train": [], "held_out": []}
+    images: list[np.ndarray] = []
+    for k, d in enumerate(sources):
+        d = Path(d)
+        shift = len(images)
+        if kind != "text":
+            with np.load(d / "images.npz") as f:
+                images.extend(f["images"])
+        move = (lambda item: item) if kind == "text" else (lambda item: [i + shift for i in item] if isinstance(item, list) else item + shift)
+        for split in SPLITS if k == 0 else ("train",):
+            for line in (d / f"{split}.jsonl").read_text().splitlines():
+                if line.strip():
+                    row = json.loads(line)
+                    splits[split].append({**row, "chosen": move(row["chosen"]), "rejected": move(row["rejected"]), "metadata": {**(row.get("metadata") or {}), "source": str(d)}})
+    return write_preferences(out, kind, splits, images if kind != "text" else None, source="merge", sources=[str(d) for d in sources])
 
 
 # ---------------------------------------------------------------- arithmetic
@@ -372,10 +407,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pairs-per-prompt", type=int, default=8, help="pairs drawn per group (of those whose rewards differ)")
     p.add_argument("--flip", type=float, default=0.0, help="fraction of train labels flipped (label noise; held-out labels stay clean)")
     p.add_argument("--seed", type=int, default=0, help="seed of the samples, the pairs and the flips")
+    p.add_argument("--held-out-seed", type=int, default=None, help="seed of the held-out samples (default: --seed; set it apart when sampler.data.eval is the train prompts, else both splits draw the same images)")
+    p = sub.add_parser("merge", help="train pairs of several directories, held-out pairs of the first")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("sources", nargs="+", help="preference directories (one kind); the first gives the held-out pairs")
     args = parser.parse_args(argv)
     try:
-        if args.source == "policy":
-            info = write_policy_pairs(args.out, args.config, args.overrides, group_size=args.group_size, rounds=args.rounds, pairs_per_prompt=args.pairs_per_prompt, flip=args.flip, seed=args.seed)
+        if args.source == "merge":
+            info = merge_preferences(args.out, args.sources)
+        elif args.source == "policy":
+            info = write_policy_pairs(args.out, args.config, args.overrides, group_size=args.group_size, rounds=args.rounds, pairs_per_prompt=args.pairs_per_prompt, flip=args.flip, seed=args.seed, held_out_seed=args.held_out_seed)
         elif args.source == "shapes":
             info = write_shapes_pairs(args.out, size=args.size, num_train=args.num_train, num_held_out=args.num_held_out, set_size=args.set_size, pairs_per_prompt=args.pairs_per_prompt, held_out_prompts=args.held_out_prompts, render_seed=args.render_seed,
                                       flip=args.flip, pixel_noise=args.pixel_noise, seed=args.seed)

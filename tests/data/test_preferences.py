@@ -109,3 +109,22 @@ def test_policy_pairs_label_a_generators_own_samples_by_the_config_rewards(tmp_p
     # the held-out samples are new images of the held-out prompt, not copies of train images
     assert not any((h == t).all() for h in held.chosen for t in train.chosen)
     assert main(["policy", str(config), "--out", str(tmp_path / "bad"), "--group-size", "1"]) == 2
+    # held-out prompts = train prompts: a held-out seed apart from the train seed draws new images
+    config.write_text(config.read_text().replace("eval.jsonl", "train.jsonl"))
+    assert main(["policy", str(config), "--out", str(tmp_path / "seen"), "--group-size", "2", "--pairs-per-prompt", "1", "--held-out-seed", "5"]) == 0
+    seen_train, seen_held = read_pairs(tmp_path / "seen", "train"), read_pairs(tmp_path / "seen", "held_out")
+    assert set(seen_held.prompts) == set(seen_train.prompts) and not any((h == t).all() for h in seen_held.chosen for t in seen_train.chosen)
+
+
+def test_merge_keeps_every_train_pair_and_the_first_directorys_held_out_pairs(tmp_path):
+    pytest.importorskip("cv2")
+    write_shapes_pairs(tmp_path / "a", num_train=6, num_held_out=3, size=16, seed=0)
+    write_shapes_pairs(tmp_path / "b", num_train=5, num_held_out=4, size=16, seed=1)
+    assert main(["merge", "--out", str(tmp_path / "m"), str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    merged, a, b = (read_pairs(tmp_path / d, "train") for d in ("m", "a", "b"))
+    assert len(merged) == 11 and (merged.chosen == np.concatenate([a.chosen, b.chosen])).all() and (merged.rejected == np.concatenate([a.rejected, b.rejected])).all()
+    assert [m["source"] for m in merged.metadata] == [str(tmp_path / "a")] * 6 + [str(tmp_path / "b")] * 5
+    held = read_pairs(tmp_path / "m", "held_out")
+    assert held.prompts == read_pairs(tmp_path / "a", "held_out").prompts and (held.chosen == read_pairs(tmp_path / "a", "held_out").chosen).all()
+    write_shapes_pairs(tmp_path / "s", num_train=2, num_held_out=1, size=16, set_size=2)
+    assert main(["merge", "--out", str(tmp_path / "bad"), str(tmp_path / "a"), str(tmp_path / "s")]) == 2
