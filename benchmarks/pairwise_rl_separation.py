@@ -9,25 +9,44 @@ the AUC (the probability that a correct image outscores a wrong one).
 
     .venv/bin/python benchmarks/pairwise_rl_separation.py assets/shapes_flow_sft runs/image_shapes_flow_grpo_pairwise
 """
-import dataclasses, sys, torch, numpy as np
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import torch
+
 from mmrl import registry
 from mmrl.config import load_config
 from mmrl.core.reward import RewardContext, RewardSet
 from mmrl.core.weights import build_policy
 from mmrl.train.config import TrainConfig
-from pathlib import Path
-for weights in sys.argv[1:]:
-    cfg = load_config(TrainConfig, 'configs/image_shapes_flow_grpo_pairwise.yaml', [f'policy.pretrained={weights}'])
-    res = {}
-    for split, src in (('train', cfg.sampler.data.train), ('held_out', cfg.sampler.data.eval)):
-        s = registry.SAMPLERS.get('prompt')(dataclasses.replace(cfg.sampler, data=dataclasses.replace(cfg.sampler.data, train=src, eval=None)), cfg)
-        torch.manual_seed(0)
-        pol = build_policy(cfg.policy, s.policy_spec()).eval()
-        rs = RewardSet(cfg.rewards, 'weighted_sum', RewardContext(device=torch.device('cpu'), run_dir=Path('.'), seed=0))
-        with torch.no_grad():
-            ro = s.collect(pol, len(s.data.train), 16, 100)
-            sc = rs.score(ro).numpy()
-        pw, ver = sc[:, 0], sc[:, 1]
-        ok, bad = pw[ver == 1], pw[ver == 0]
-        auc = float((ok[:, None] > bad[None, :]).mean()) if len(ok) and len(bad) else float('nan')
-        print(weights, split, f"n={len(pw)} verifier={ver.mean():.3f} score={pw.mean():.3f} (sd {pw.std():.2f}) score|correct={ok.mean():.3f} score|wrong={bad.mean():.3f} AUC={auc:.3f}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("weights", nargs="+", help="asset, run or checkpoint directories to load as policy.pretrained")
+    parser.add_argument("--config", default="configs/image_shapes_flow_grpo_pairwise.yaml", help="run config: policy, prompts, and the rewards [learned, verifier]")
+    parser.add_argument("--samples", type=int, default=16, help="images per prompt")
+    args = parser.parse_args()
+    for weights in args.weights:
+        cfg = load_config(TrainConfig, args.config, [f"policy.pretrained={weights}"])
+        rewards = RewardSet(cfg.rewards, "weighted_sum", RewardContext(device=torch.device("cpu"), run_dir=Path("."), seed=0))
+        for split, source in (("train", cfg.sampler.data.train), ("held_out", cfg.sampler.data.eval)):
+            sampler = registry.SAMPLERS.get("prompt")(dataclasses.replace(cfg.sampler, data=dataclasses.replace(cfg.sampler.data, train=source, eval=None)), cfg)
+            torch.manual_seed(0)
+            policy = build_policy(cfg.policy, sampler.policy_spec()).eval()
+            with torch.no_grad():
+                rollout = sampler.collect(policy, len(sampler.data.train), args.samples, 100)
+                scores = rewards.score(rollout).numpy()
+            learned, verifier = scores[:, 0], scores[:, 1]
+            ok, bad = learned[verifier == 1], learned[verifier == 0]
+            auc = float((ok[:, None] > bad[None, :]).mean()) if len(ok) and len(bad) else float("nan")
+            print(f"{weights} {split}: n={len(learned)} verifier={verifier.mean():.3f} score={learned.mean():.3f} (sd {learned.std():.2f}) "
+                  f"score|correct={ok.mean():.3f} score|wrong={bad.mean():.3f} AUC={auc:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
