@@ -12,6 +12,8 @@ SHORT = ["total_steps=1", "log.progress=false", "log.tensorboard=false", "eval.a
 # the SFT run each RL config starts from (policy.pretrained), by config name
 # (a stage-2 variant such as text_arithmetic_grpo_care starts from the family's SFT run too)
 SFT_OF = {name: name.split("_grpo")[0] + "_sft" for name in CONFIGS if "_grpo" in name and name.split("_grpo")[0] + "_sft" in CONFIGS}
+# RL configs rewarded by a learned reward model: the reward-model config whose smoke run they score with
+REWARD_MODEL_OF = {"image_shapes_flow_grpo_pairwise": "reward_shapes_single_count_pairwise"}
 
 
 @pytest.fixture(scope="module")
@@ -32,13 +34,21 @@ def _train(workdir, name: str):
         if not pairs.exists():
             from mmrl.data.preferences import write_shapes_pairs
 
-            write_shapes_pairs(pairs, num_train=8, num_held_out=4, set_size=4 if "_set_" in name else 0)
+            import yaml
+
+            size = yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text())["policy"]["image_size"]
+            write_shapes_pairs(pairs, size=size, num_train=8, num_held_out=4, set_size=4 if "_set_" in name else 0)
         overrides += [f"data.path={pairs}", "data.batch_size=4"]
     if name in SFT_OF:
         sft = workdir / SFT_OF[name]
         if not sft.exists():
             _train(workdir, SFT_OF[name])
         overrides.append(f"policy.pretrained={sft}")
+    if name in REWARD_MODEL_OF:
+        model = workdir / REWARD_MODEL_OF[name]
+        if not model.exists():
+            _train(workdir, REWARD_MODEL_OF[name])
+        overrides.append(f"rewards=[{{type: pairwise_preference, model: {model}, mode: pointwise}}, {{type: shapes_geneval, mode: strict, min_fill: 0.6, weight: 0.0}}]")
     proc = run_mmrl("train", ROOT / "configs" / f"{name}.yaml", "--run-dir", workdir / name, *overrides, timeout=1800)
     assert proc.returncode == 0, (name, proc.stderr[-3000:])
     assert (workdir / name / "checkpoints" / "latest").is_file()

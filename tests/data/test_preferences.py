@@ -75,3 +75,56 @@ def test_held_out_pairs_may_come_from_the_train_prompts_with_new_images(tmp_path
     assert set(held.prompts) <= train_prompts
     with pytest.raises(ValueError, match="held_out or the train"):
         write_shapes_pairs(tmp_path / "x", num_train=1, num_held_out=1, held_out_prompts="test")
+
+
+def test_policy_pairs_label_a_generators_own_samples_by_the_config_rewards(tmp_path):
+    pytest.importorskip("cv2")
+    pytest.importorskip("diffusers")
+    from mmrl.rewards.images import jpeg_kilobytes
+
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    (prompts / "train.jsonl").write_text("".join(json.dumps({"prompt": p, "metadata": {"category": "single"}}) + "\n" for p in ("a red circle", "a blue square", "two green triangles")))
+    (prompts / "eval.jsonl").write_text(json.dumps({"prompt": "a cyan circle", "metadata": {"category": "single"}}) + "\n")
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "policy:\n  type: image_diffusion\n  tiny: {conditioning: text, resolution: 8, block_out_channels: [8, 16], text_hidden_size: 16, text_layers: 1, text_heads: 2}\n"
+        "  denoising: {transition: flow_sde, num_inference_steps: 2, noise_level: 0.7}\n"
+        f"sampler: {{type: prompt, data: {{train: {prompts / 'train.jsonl'}, eval: {prompts / 'eval.jsonl'}}}}}\n"
+        "rewards:\n  - {type: jpeg_incompressibility, quality: 95}\n"
+    )
+    out = tmp_path / "pairs"
+    assert main(["policy", str(config), "--out", str(out), "--group-size", "4", "--rounds", "2", "--pairs-per-prompt", "3", "--flip", "0.25"]) == 0
+    info = read_info(out)
+    # 3 of the 6 pairs of each group of 4 (JPEG sizes of noisy images differ), per record and round
+    assert info["kind"] == "image" and info["source"] == "policy" and (info["train"], info["held_out"]) == (3 * 3 * 2, 1 * 3 * 2)
+    train, held = read_pairs(out, "train"), read_pairs(out, "held_out")
+    assert train.chosen.shape == (18, 8, 8, 3) and set(held.prompts) == {"a cyan circle"} and set(train.prompts) <= {"a red circle", "a blue square", "two green triangles"}
+    assert sum(m.get("flipped", False) for m in train.metadata) == round(0.25 * 18)
+    for pairs in (train, held):
+        for chosen, rejected, meta in zip(pairs.chosen, pairs.rejected, pairs.metadata):
+            high, low = jpeg_kilobytes(np.stack([chosen, rejected]), 95)
+            assert meta["scores"][0] > meta["scores"][1] and meta["category"] == "single"
+            assert (high < low) if meta.get("flipped") else (high > low)  # the larger JPEG is chosen unless flipped
+    # the held-out samples are new images of the held-out prompt, not copies of train images
+    assert not any((h == t).all() for h in held.chosen for t in train.chosen)
+    assert main(["policy", str(config), "--out", str(tmp_path / "bad"), "--group-size", "1"]) == 2
+    # held-out prompts = train prompts: a held-out seed apart from the train seed draws new images
+    config.write_text(config.read_text().replace("eval.jsonl", "train.jsonl"))
+    assert main(["policy", str(config), "--out", str(tmp_path / "seen"), "--group-size", "2", "--pairs-per-prompt", "1", "--held-out-seed", "5"]) == 0
+    seen_train, seen_held = read_pairs(tmp_path / "seen", "train"), read_pairs(tmp_path / "seen", "held_out")
+    assert set(seen_held.prompts) == set(seen_train.prompts) and not any((h == t).all() for h in seen_held.chosen for t in seen_train.chosen)
+
+
+def test_merge_keeps_every_train_pair_and_the_first_directorys_held_out_pairs(tmp_path):
+    pytest.importorskip("cv2")
+    write_shapes_pairs(tmp_path / "a", num_train=6, num_held_out=3, size=16, seed=0)
+    write_shapes_pairs(tmp_path / "b", num_train=5, num_held_out=4, size=16, seed=1)
+    assert main(["merge", "--out", str(tmp_path / "m"), str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    merged, a, b = (read_pairs(tmp_path / d, "train") for d in ("m", "a", "b"))
+    assert len(merged) == 11 and (merged.chosen == np.concatenate([a.chosen, b.chosen])).all() and (merged.rejected == np.concatenate([a.rejected, b.rejected])).all()
+    assert [m["source"] for m in merged.metadata] == [str(tmp_path / "a")] * 6 + [str(tmp_path / "b")] * 5
+    held = read_pairs(tmp_path / "m", "held_out")
+    assert held.prompts == read_pairs(tmp_path / "a", "held_out").prompts and (held.chosen == read_pairs(tmp_path / "a", "held_out").chosen).all()
+    write_shapes_pairs(tmp_path / "s", num_train=2, num_held_out=1, size=16, set_size=2)
+    assert main(["merge", "--out", str(tmp_path / "bad"), str(tmp_path / "a"), str(tmp_path / "s")]) == 2
