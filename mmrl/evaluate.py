@@ -20,11 +20,11 @@ from mmrl.core.weights import latest_checkpoint
 def evaluate_run(cfg, run_dir: Path | None, episodes: int | None = None, checkpoint: str | None = None, out_dir: str | None = None) -> dict[str, Any]:
     """The run's sampler's evaluation and, for a supervised run whose data source holds out
     data of its own (``preferences``), that source's held-out metrics."""
-    from mmrl.core.sampler import Sampler
+    from mmrl.core.sampler import build_sampler
     from mmrl.train.sft import DataSource
 
     torch.manual_seed(cfg.seed)
-    sampler = registry.SAMPLERS.get(cfg.sampler.type, "sampler.type")(cfg.sampler, cfg) if cfg.sampler.type else Sampler()
+    sampler = build_sampler(cfg)
     try:
         policy = build_policy(cfg.policy, sampler.policy_spec())
         source = "config"
@@ -40,7 +40,7 @@ def evaluate_run(cfg, run_dir: Path | None, episodes: int | None = None, checkpo
         n = episodes or cfg.eval.episodes
         rewards = RewardSet(cfg.rewards, cfg.algo.reward_aggregation, RewardContext(run_dir=run_dir, seed=cfg.seed), cfg.algo.log_tamed_threshold)
         with torch.no_grad():
-            result = sampler.evaluate(policy, n, seed=cfg.seed + 1_000_003, rewards=rewards) if cfg.sampler.type else {}
+            result = sampler.evaluate(policy, n, seed=cfg.seed + 1_000_003, rewards=rewards)
         source_cls = registry.DATA_SOURCES.get(cfg.data.type, "data.type") if cfg.algo.type == "sft" else None
         if source_cls is not None and source_cls.evaluate is not DataSource.evaluate:
             result.update(source_cls(cfg.data, policy, cfg.seed, 1, 0).evaluate(policy))

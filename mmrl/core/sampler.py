@@ -57,6 +57,23 @@ class Sampler:
         pass
 
 
+class NoRollouts(Sampler):
+    """The sampler of a supervised run without a ``sampler`` section (a reward model on
+    preference pairs): it collects nothing and its evaluation is empty, so the data
+    source's held-out metrics are the evaluation."""
+
+    def evaluate(self, policy: Policy, episodes: int, seed: int, rewards: RewardSet | None = None) -> dict[str, Any]:
+        return {}
+
+
+def build_sampler(cfg) -> Sampler:
+    """The sampler named by ``cfg.sampler.type`` (a train config), or :class:`NoRollouts`
+    when the type is empty."""
+    from mmrl.registry import SAMPLERS
+
+    return SAMPLERS.get(cfg.sampler.type, "sampler.type")(cfg.sampler, cfg) if cfg.sampler.type else NoRollouts()
+
+
 def group_seed(seed: int, step: int, group: int) -> int:
     """A 63-bit seed that depends only on (run seed, step, global group index)."""
     x = (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + group * 0x94D049BB133111EB) & ((1 << 64) - 1)

@@ -43,7 +43,7 @@ from mmrl.algo.objective import ObjectiveConfig
 from mmrl.config import own_options, to_dict
 from mmrl.core.reward import RewardContext, RewardSet
 from mmrl.core.rollout import Rollout
-from mmrl.core.sampler import Sampler, group_seed
+from mmrl.core.sampler import build_sampler, group_seed
 from mmrl.core.statistics import commit_statistics
 from mmrl.core.weights import build_policy
 from mmrl.errors import ConfigError, NonFiniteError
@@ -135,7 +135,7 @@ class Trainer:
 
         torch.manual_seed(cfg.seed)  # identical initial weights in every process and on resume
         # supervised runs may have no sampler: no rollouts, evaluation by the data source alone
-        self.sampler = registry.SAMPLERS.get(cfg.sampler.type, "sampler.type")(cfg.sampler, cfg) if cfg.sampler.type else Sampler()
+        self.sampler = build_sampler(cfg)
         self.spec = self.sampler.policy_spec()
         policy = build_policy(cfg.policy, self.spec)
         self.reference = None
@@ -549,7 +549,7 @@ class Trainer:
         if self.rank == 0:
             self.policy.eval()
             with torch.no_grad():
-                result = self.sampler.evaluate(self.policy, self.cfg.eval.episodes, seed=self.cfg.seed + 1_000_003, rewards=self.rewards) if self.cfg.sampler.type else {}
+                result = self.sampler.evaluate(self.policy, self.cfg.eval.episodes, seed=self.cfg.seed + 1_000_003, rewards=self.rewards)
                 if self.data is not None:  # the data source's held-out metrics (e.g. pairwise accuracy)
                     result.update(self.data.evaluate(self.policy))
                 media = result.pop("media", None)
