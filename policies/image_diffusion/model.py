@@ -129,27 +129,37 @@ def _kind(denoiser: nn.Module) -> str:
     return {"SD3Transformer2DModel": "sd3", "DiTTransformer2DModel": "dit"}.get(type(denoiser).__name__, "unet")
 
 
-def _tiny_text(tiny, with_projection: bool):
-    tf = _transformers()
+def tiny_text_encoder(width: int, layers: int, heads: int, max_tokens: int, with_projection: bool = False, user: str = "image_diffusion"):
+    """A small random CLIP text encoder over mmrl's byte-level tokenizer (right padding, at
+    most ``max_tokens``), and the tokenizer: the text conditioning of the tiny image and
+    video denoisers."""
+    try:
+        import transformers as tf
+    except ImportError:
+        raise MissingExtraError("transformers", "text", f"text prompts of the {user} policy (a CLIP text encoder)") from None
     from mmrl.policies.text_lm.tokenizer import byte_tokenizer
 
     tokenizer = byte_tokenizer()
     tokenizer.padding_side = "right"
-    tokenizer.model_max_length = tiny.max_prompt_tokens
+    tokenizer.model_max_length = max_tokens
     text_config = tf.CLIPTextConfig(
         vocab_size=len(tokenizer),
-        hidden_size=tiny.text_hidden_size,
-        intermediate_size=2 * tiny.text_hidden_size,
-        num_hidden_layers=tiny.text_layers,
-        num_attention_heads=tiny.text_heads,
-        max_position_embeddings=tiny.max_prompt_tokens,
-        projection_dim=tiny.text_hidden_size,
+        hidden_size=width,
+        intermediate_size=2 * width,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        max_position_embeddings=max_tokens,
+        projection_dim=width,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.pad_token_id,
     )
     model = tf.CLIPTextModelWithProjection(text_config) if with_projection else tf.CLIPTextModel(text_config)
     return model, tokenizer
+
+
+def _tiny_text(tiny, with_projection: bool):
+    return tiny_text_encoder(tiny.text_hidden_size, tiny.text_layers, tiny.text_heads, tiny.max_prompt_tokens, with_projection)
 
 
 def _tiny_vae(tiny):

@@ -30,7 +30,7 @@ from mmrl.core.policy import Sample
 from mmrl.core.rollout import Rollout
 from mmrl.denoising import DenoisingPolicy, alphas_cumprod, ddpm_betas
 from mmrl.errors import ConfigError, MissingExtraError
-from mmrl.policies.image_diffusion.model import diffusion_target, epsilon_from_prediction, pixels_to_uint8, uint8_to_pixels
+from mmrl.policies.image_diffusion.model import diffusion_target, epsilon_from_prediction, pixels_to_uint8, tiny_text_encoder, uint8_to_pixels
 from mmrl.policies.video_diffusion.config import VideoDiffusionConfig
 from mmrl.registry import POLICIES
 
@@ -56,28 +56,8 @@ def uint8_to_videos(videos: Tensor) -> Tensor:
 
 
 def _tiny_text_encoder(config: VideoDiffusionConfig):
-    """A small random CLIP text encoder over mmrl's byte-level tokenizer, and the tokenizer."""
-    try:
-        import transformers
-    except ImportError:
-        raise MissingExtraError("transformers", "text", "text prompts of the video_diffusion policy (a CLIP text encoder)") from None
-    from mmrl.policies.text_lm.tokenizer import byte_tokenizer
-
     tiny = config.tiny
-    tokenizer = byte_tokenizer()
-    tokenizer.padding_side = "right"
-    text_config = transformers.CLIPTextConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=tiny.condition_dim,
-        intermediate_size=2 * tiny.condition_dim,
-        num_hidden_layers=tiny.text_layers,
-        num_attention_heads=tiny.text_heads,
-        max_position_embeddings=tiny.max_prompt_tokens,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.pad_token_id,
-    )
-    return transformers.CLIPTextModel(text_config), tokenizer
+    return tiny_text_encoder(tiny.condition_dim, tiny.text_layers, tiny.text_heads, tiny.max_prompt_tokens, user="video_diffusion")
 
 
 def _tiny_unet(config: VideoDiffusionConfig) -> nn.Module:
