@@ -19,6 +19,10 @@ class Sample:
     mask: Tensor | None = None  # [N, T] valid decisions (None = all valid)
     entropy: Tensor | None = None  # [N, T] per-decision entropy, if the policy can tell
     info: dict[str, Any] = field(default_factory=dict)
+    # ``logp`` is provisional (e.g. the decoding loop's own numbers): the exact values are
+    # ``log_prob(replay)`` at the sampling parameters, which the trainer computes when it
+    # first needs them (docs/architecture.md, "Deferred old log-probs")
+    logp_deferred: bool = False
 
 
 @runtime_checkable

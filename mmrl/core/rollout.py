@@ -64,6 +64,9 @@ class Rollout:
     step_rewards: Tensor | None = None  # [B, T]
     entropy: Tensor | None = None  # [B, T]
     info: dict[str, Any] = field(default_factory=dict)
+    # old_logp is provisional; the exact values are the policy's log_prob(replay) at the
+    # sampling parameters, computed by the trainer (docs/architecture.md)
+    old_logp_deferred: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -108,6 +111,8 @@ class Rollout:
             values = [getattr(r, f.name) for r in rollouts]
             if f.name == "reward_names":
                 out[f.name] = values[0]
+            elif f.name == "old_logp_deferred":
+                out[f.name] = any(values)
             elif values[0] is None:
                 out[f.name] = None
             else:

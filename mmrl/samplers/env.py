@@ -294,6 +294,7 @@ class EnvSampler(Sampler):
             replay=_cat_replay([s.replay for s in samples], n),
             step_rewards=step_rewards.view(n, -1),
             entropy=entropy,
+            old_logp_deferred=any(s.logp_deferred for s in samples),
             info={
                 "success": torch.as_tensor(episode_success, dtype=torch.float32),
                 "return": torch.as_tensor(reward.sum(0), dtype=torch.float32),

@@ -116,6 +116,7 @@ class PromptSampler(Sampler):
             mask=mask,
             replay=sample.replay,
             entropy=sample.entropy,
+            old_logp_deferred=sample.logp_deferred,
             info={
                 **sample.info,
                 "prompt": inputs,

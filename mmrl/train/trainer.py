@@ -235,6 +235,8 @@ class Trainer:
         commit_statistics(self.policy, self.dist.sum)  # what the step's samples taught running statistics
         t_sample = time.time() - t0
         rollout = collected.rollout
+        if rollout.old_logp_deferred and self.cfg.algo.kl.coef > 0 and self.cfg.algo.kl.in_reward:
+            rollout = self.exact_old_logp(rollout)  # the KL penalty in the reward reads them now
         adv, keep = self.advantages(rollout)
         rollout = rollout.with_(mask=self.train_mask(rollout, keep))
         stats = self.update(rollout, adv, collected.spare, step) if self.dist.sum(rollout.mask.sum()) > 0 else {}
@@ -383,15 +385,23 @@ class Trainer:
     def update(self, rollout: Rollout, adv: torch.Tensor, spare: Rollout, step: int) -> dict[str, float]:
         """``ppo_epochs`` passes of ``num_minibatches`` optimizer steps. Each minibatch is a
         slice of one permutation (seeded by the step) of the global batch in group order, so
-        N processes take the same minibatches one process would, each its own rows of them."""
+        N processes take the same minibatches one process would, each its own rows of them.
+
+        A rollout with deferred old log-probs (``old_logp_deferred``) gets its exact ones
+        here, written back into ``rollout.old_logp``: the first minibatch runs at the sampling
+        weights, so its own forward gives its rows' (every ratio 1); the other rows' come from
+        one no-grad pass before the first optimizer step (none with a single step)."""
         cfg = self.cfg.algo
         device = self.accelerator.device
-        rollout = rollout.to(device)
+        source, rollout = rollout, rollout.to(device)
         adv = adv.to(device)
         adv = adv[:, None] if adv.dim() == 1 else adv  # [B, 1] broadcasts over decisions for free
+        deferred = rollout.old_logp_deferred
         if getattr(self.objective_fn, "needs_proximal", False):
             with torch.no_grad():
                 rollout.info["_prox_logp"] = self.model(rollout.replay).detach()
+            if deferred:  # that pass ran at the sampling weights: it is the old log-probs too
+                rollout, deferred = rollout.with_(old_logp=rollout.info["_prox_logp"], old_logp_deferred=False), False
         sizes = self.dist.sizes(rollout.batch_size)
         start, total = self.dist.offset(sizes), sum(sizes)
         # the batch in the order one process holds it (by global group index), as rows of
@@ -404,10 +414,38 @@ class Trainer:
             order = torch.randperm(total, generator=gen) if cfg.num_minibatches > 1 else torch.arange(total)
             for positions in order.chunk(cfg.num_minibatches):
                 idx = local_rows(canonical[positions], start, rollout.batch_size)
-                for k, v in self._minibatch_step(rollout[idx], adv[idx.to(device)], spare.to(device), step).items():
+                first = deferred and steps == 0
+                if first and cfg.ppo_epochs * cfg.num_minibatches > 1:
+                    # the rows of later minibatches, at the sampling weights, before they change
+                    rest = torch.ones(rollout.batch_size, dtype=torch.bool)
+                    rest[idx] = False
+                    rollout = self.exact_old_logp(rollout, rest.nonzero().flatten(), spare.to(device))
+                stats, first_logp = self._minibatch_step(rollout[idx], adv[idx.to(device)], spare.to(device), step, at_sampling_weights=first)
+                if first:
+                    old = rollout.old_logp.clone()
+                    old[idx.to(old.device)] = first_logp.to(old)
+                    rollout = rollout.with_(old_logp=old, old_logp_deferred=False)
+                for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + v
                 steps += 1
+        if source.old_logp_deferred:  # hand the exact old log-probs on (self-imitation memory)
+            source.old_logp, source.old_logp_deferred = rollout.old_logp.to(source.old_logp.device), False
         return {k: float(v) / steps for k, v in sums.items()}
+
+    def exact_old_logp(self, rollout: Rollout, rows: torch.Tensor | None = None, spare: Rollout | None = None) -> Rollout:
+        """``rollout`` with the exact old log-probs of ``rows`` (all by default): one no-grad
+        pass of the policy's ``log_prob`` at the current (= sampling) weights. A process
+        without such rows runs ``spare`` instead, so that every process makes the same calls."""
+        with torch.no_grad():
+            if rows is None:
+                return rollout.with_(old_logp=self.model(rollout.replay).detach(), old_logp_deferred=False)
+            if rows.numel() == 0:
+                self.model(spare.replay)
+                return rollout
+            part = rollout[rows]
+            old = rollout.old_logp.clone()
+            old[rows.to(old.device)] = self.model(part.replay).detach().to(old)
+        return rollout.with_(old_logp=old)
 
     def normalizers(self, mb: Rollout) -> dict[str, Any]:
         """The aggregation's normalizers for minibatch ``mb``: token count, sequence count and
@@ -449,23 +487,31 @@ class Trainer:
             parts["kl/ref"] = kl_loss.detach()
         return loss, logp, stats, parts
 
-    def _minibatch_step(self, mb: Rollout, adv: torch.Tensor, spare: Rollout, step: int) -> dict[str, torch.Tensor]:
+    def _minibatch_step(self, mb: Rollout, adv: torch.Tensor, spare: Rollout, step: int, at_sampling_weights: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
         """One optimizer step on this process's rows ``mb`` of a global minibatch; with
         ``micro_batches`` > 1 the forward/backward runs in pieces whose losses use the whole
         minibatch's normalizers. A process without rows runs a no-op piece so that every
-        process takes part in the gradient all-reduce."""
+        process takes part in the gradient all-reduce. Returns the metrics and, with
+        ``at_sampling_weights`` (old log-probs = the forward's own, see ``policy_loss``),
+        the detached log-probs of ``mb``'s rows."""
         cfg = self.cfg.algo
         agg = self.normalizers(mb)
         pieces = [(mb[i], adv[i.to(adv.device)]) for i in _pieces(mb.batch_size, cfg.micro_batches)]
         pieces = [p if p[0].batch_size else (spare, torch.zeros_like(spare.mask)) for p in pieces]
         sums: dict[str, torch.Tensor] = {}
+        forward_logp: list[torch.Tensor] = []
 
         def loss_of(piece):
             batch, piece_adv = piece
-            loss, logp, stats, parts = self.policy_loss(batch, piece_adv, agg)
+            loss, logp, stats, parts = self.policy_loss(batch, piece_adv, agg, at_sampling_weights=at_sampling_weights)
             with torch.no_grad():
                 m = batch.mask
-                log_ratio = (logp.detach() - batch.old_logp) * m
+                if at_sampling_weights:
+                    if batch is not spare:
+                        forward_logp.append(logp.detach())
+                    log_ratio = torch.zeros_like(m)
+                else:
+                    log_ratio = (logp.detach() - batch.old_logp) * m
                 parts["_approx_kl"] = ((torch.exp(log_ratio) - 1 - log_ratio) * m).sum()
                 parts["_count"] = m.sum()
                 for k, v in stats.items():
@@ -484,7 +530,9 @@ class Trainer:
         for k, v in sums.items():
             if k.startswith("_objective/"):
                 out[k[1:]] = self.dist.sum(v) / count
-        return out
+        if not at_sampling_weights:
+            return out, None
+        return out, torch.cat(forward_logp) if forward_logp else mb.old_logp.new_zeros(mb.old_logp.shape)
 
     def self_imitation(self, step: int, spare: Rollout | None = None) -> dict[str, float]:
         """``self_imitation.steps`` optimizer steps of the self-imitation loss on

@@ -1,0 +1,115 @@
+"""Deferred old log-probs: a policy may hand its rollout over without the exact log-probs of
+the sampling parameters (``Sample.logp_deferred``); the trainer then takes them from the first
+minibatch's own forward and one no-grad pass over the other rows before its first optimizer
+step. The update must be the one an eager recompute gives."""
+
+import dataclasses
+import string
+
+import pytest
+import torch
+
+from mmrl.config import from_dict
+from mmrl.core.config import RewardConfig
+from mmrl.registry import REWARDS
+from mmrl.train.config import TrainConfig
+from mmrl.train.trainer import Trainer
+from tests.conftest import ROOT
+
+pytest.importorskip("transformers")
+
+
+def _toy(**algo) -> TrainConfig:
+    return from_dict(TrainConfig, {
+        "name": "toy", "seed": 0, "total_steps": 2, "sampler": {"type": "prompt"},
+        "policy": {"type": "categorical_sequence"}, "rewards": [{"type": "token_fraction", "token": 3}],
+        "algo": {"group_size": 8, "groups_per_step": 4, **algo}, "optim": {"lr": 0.05},
+        "log": {"progress": False, "tensorboard": False},
+    })
+
+
+def _train(cfg: TrainConfig, run_dir, defer: bool):
+    """Weights after training, the logged metrics, forward calls per step, and each step's
+    rollout old_logp as the self-imitation memory would see it after the update."""
+    trainer = Trainer(cfg, run_dir)
+    policy = trainer.policy
+    if defer:  # the policy reports wrong numbers and says so: the trainer must not use them
+        sample = policy.sample
+        policy.sample = lambda *a, **kw: dataclasses.replace(s := sample(*a, **kw), logp=s.logp - 1.0, logp_deferred=True)
+    calls = []
+    forward = trainer.model.forward
+    trainer.model.forward = lambda *a, **kw: calls.append(1) or forward(*a, **kw)
+    handed_on = []
+    update = trainer.update
+    trainer.update = lambda rollout, *a: (out := update(rollout, *a), handed_on.append((rollout.old_logp_deferred, rollout.old_logp.clone())))[0]
+    metrics = [trainer.rl_step(step) for step in range(cfg.total_steps)]
+    weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    return weights, metrics, len(calls) // cfg.total_steps, handed_on
+
+
+@pytest.mark.parametrize(
+    ("algo", "passes"),
+    [
+        ({"num_minibatches": 1, "ppo_epochs": 1}, 1),  # the forward of the one step: no extra pass
+        ({"num_minibatches": 2, "ppo_epochs": 1}, 3),  # + one pass over the second minibatch's rows
+        ({"num_minibatches": 2, "ppo_epochs": 2, "micro_batches": 2}, 1 + 2 * 2 * 2),
+        ({"num_minibatches": 2, "kl": {"coef": 0.1, "in_reward": True}}, 1 + 2),  # the reward's KL reads them first: one whole pass
+        ({"num_minibatches": 2, "objective": {"type": "decoupled_ppo"}}, 1 + 2),  # the proximal pass is the old one
+    ],
+)
+def test_deferred_old_logp_give_the_update_of_exact_ones(tmp_path, algo, passes):
+    cfg = _toy(**algo)
+    eager_weights, eager_metrics, _, eager_old = _train(cfg, tmp_path / "eager", defer=False)
+    weights, metrics, calls, handed_on = _train(cfg, tmp_path / "deferred", defer=True)
+    for name, value in eager_weights.items():
+        torch.testing.assert_close(weights[name], value, atol=1e-6, rtol=1e-5)
+    assert calls == passes
+    for (deferred, old), (_, eager) in zip(handed_on, eager_old):
+        assert not deferred  # the exact numbers are handed on (e.g. to the self-imitation memory)
+        torch.testing.assert_close(old, eager, atol=1e-6, rtol=1e-5)
+    for a, b in zip(eager_metrics, metrics):
+        for key in ("loss/policy", "approx_kl", "objective/clipped", "grad_norm", "reward/total"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+
+
+@REWARDS.register("_test_alphanumeric_fraction", config=RewardConfig)
+def _alphanumeric_fraction(rollout, cfg):
+    """Test-only: the fraction of a completion's characters that are letters or digits (a
+    random byte-level model's completions differ in it, so the advantages are not all 0)."""
+    texts = rollout.info["completions"]
+    return torch.tensor([sum(c in string.ascii_letters + string.digits for c in t) / max(len(t), 1) for t in texts])
+
+
+def _text(tmp_path, **algo) -> TrainConfig:
+    return from_dict(TrainConfig, {
+        "name": "text", "seed": 0, "total_steps": 2,
+        "policy": {"type": "text_lm", "tiny": {"hidden_size": 32, "num_heads": 2, "intermediate_size": 64}, "generation": {"max_new_tokens": 12}},
+        "sampler": {"type": "prompt", "data": {"train": str(ROOT / "examples/arithmetic/train.jsonl")}},
+        "rewards": [{"type": "_test_alphanumeric_fraction"}],
+        "algo": {"group_size": 4, "groups_per_step": 4, **algo}, "optim": {"lr": 0.01},
+        "log": {"progress": False, "tensorboard": False},
+    })
+
+
+@pytest.mark.parametrize("num_minibatches", [1, 2])
+def test_the_text_policys_default_deferred_old_logp_train_as_the_eager_recompute(tmp_path, num_minibatches):
+    """text_lm's default (``old_logp: deferred``) against ``recompute`` (the log-probs of one
+    teacher-forced pass inside ``sample``): the same weights after two updates."""
+    results = {}
+    for source in ("recompute", "deferred"):
+        cfg = _text(tmp_path, num_minibatches=num_minibatches)
+        cfg.policy.generation.old_logp = source
+        trainer = Trainer(cfg, tmp_path / source)
+        metrics = [trainer.rl_step(step) for step in range(2)]
+        results[source] = ({n: p.detach().clone() for n, p in trainer.model.named_parameters()}, metrics)
+    (w_eager, m_eager), (w_deferred, m_deferred) = results["recompute"], results["deferred"]
+    moved = False
+    initial = Trainer(_text(tmp_path), tmp_path / "initial").model.state_dict()
+    for name, value in w_eager.items():
+        torch.testing.assert_close(w_deferred[name], value, atol=1e-5, rtol=1e-4)
+        moved |= not torch.equal(value, initial[name])
+    assert moved
+    for a, b in zip(m_eager, m_deferred):
+        assert b["completion_length"] == a["completion_length"]  # the same samples
+        assert b["entropy"] == pytest.approx(a["entropy"], abs=1e-5)  # the decoding loop's entropies of q
+        assert b["loss/policy"] == pytest.approx(a["loss/policy"], abs=1e-5)
