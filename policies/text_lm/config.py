@@ -44,9 +44,9 @@ class GenerationOptions:
     chat_template: bool = option(False, "send each prompt as a user message through the tokenizer's chat template, with the assistant's generation prompt")
     system_prompt: str | None = option(None, "system message before each prompt (chat_template only; null = none)")
     backend: str = option("builtin", "generation backend: builtin (mmrl's key/value-cache decoding loop, seeded by the sampler's generator) or 'package.module:factory', a callable (policy) -> GenerationBackend (docs/text.md)")
-    old_logp: Literal["recompute", "backend"] = option(
-        "recompute",
-        "where old_logp comes from: recompute = one pass of log_prob over the sampled replay (ratio exactly 1 before an update); backend = the log-probs the generation backend reports (saves that pass; a serving engine's numerics differ slightly)",
+    old_logp: Literal["deferred", "recompute", "backend"] = option(
+        "deferred",
+        "where old_logp comes from: deferred = the trainer's exact log_prob at the sampling weights, taken from the first minibatch's own forward and one no-grad pass over the other rows before the first optimizer step (sample() reports the backend's numbers meanwhile); recompute = one pass of log_prob over the sampled replay inside sample(); both give ratios of exactly 1 before an update; backend = the log-probs the generation backend reports (no pass; a serving engine's numerics differ slightly)",
     )
 
     def validate(self, path: str) -> None:

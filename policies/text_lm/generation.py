@@ -116,11 +116,13 @@ class Generation:
     """Completions of N prompts. ``token_ids[i]`` are the generated tokens of prompt i, up to
     and including the EOS token or the token that completes a stop string, at most
     ``max_new_tokens``; ``logp[i]`` their log-probs under the sampling distribution q;
-    ``finish_reason[i]`` is "eos", "stop" or "length" (the budget ran out: truncated)."""
+    ``finish_reason[i]`` is "eos", "stop" or "length" (the budget ran out: truncated);
+    ``entropy[i]``, if the backend reports it, the entropy of q at each of those tokens."""
 
     token_ids: list[list[int]]
     logp: list[list[float]]
     finish_reason: list[str]
+    entropy: list[list[float]] | None = None
 
 
 @runtime_checkable
@@ -162,6 +164,7 @@ class BuiltinBackend:
         stop_window = max((len(s.encode("utf-8")) for s in options.stop_strings), default=0) + 1
         out_tokens = torch.full((n, budget), options.pad_token_id, dtype=torch.long, device=device)
         out_logp = torch.zeros((n, budget), device=device)
+        out_entropy = torch.zeros((n, budget), device=device)
         lengths = [budget] * n
         reasons = ["length"] * n
         rows = torch.arange(n, device=device)  # the original row of each row still in the batch
@@ -169,19 +172,22 @@ class BuiltinBackend:
         whole = True  # no row has left the batch yet
         for t in range(budget):
             log_q = sampling_log_probs(logits, options.temperature, options.top_p)
+            q = log_q.exp()
             if deterministic:
                 token = log_q.argmax(-1)
             else:
                 on = generator.device if generator is not None else log_q.device
                 if whole:
-                    token = torch.multinomial(log_q.exp().to(on), 1, generator=generator).squeeze(1).to(device)
+                    token = torch.multinomial(q.to(on), 1, generator=generator).squeeze(1).to(device)
                 else:
                     if probs is None:
                         probs = torch.ones((n, log_q.shape[-1]), device=on)
-                    probs[rows.to(on)] = log_q.exp().to(on)
+                    probs[rows.to(on)] = q.to(on)
                     token = torch.multinomial(probs, 1, generator=generator).squeeze(1).to(device)[rows]
-            out_tokens[rows if not whole else slice(None), t] = token
-            out_logp[rows if not whole else slice(None), t] = log_q.gather(-1, token[:, None]).squeeze(1)
+            at = rows if not whole else slice(None)
+            out_tokens[at, t] = token
+            out_logp[at, t] = log_q.gather(-1, token[:, None]).squeeze(1)
+            out_entropy[at, t] = -(q * log_q.masked_fill(q == 0, 0.0)).sum(-1)
             ended = torch.isin(token, eos)
             for i in ended.nonzero().flatten().tolist():
                 reasons[rows[i]] = "eos"
@@ -207,9 +213,10 @@ class BuiltinBackend:
                 cache.reorder_cache(keep)
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
             logits = self.policy.forward_logits(token[:, None], mask, cache=cache, logits_to_keep=1)[:, -1]
-        steps, step_logp = out_tokens.tolist(), out_logp.tolist()
+        steps, step_logp, step_entropy = out_tokens.tolist(), out_logp.tolist(), out_entropy.tolist()
         return Generation(
             token_ids=[row[:k] for row, k in zip(steps, lengths)],
             logp=[row[:k] for row, k in zip(step_logp, lengths)],
             finish_reason=reasons,
+            entropy=[row[:k] for row, k in zip(step_entropy, lengths)],
         )

@@ -317,12 +317,41 @@ class TextLMPolicy(PolicyModule):
         return self.forward_logits(ids, mask, logits_to_keep=completion.shape[1] + 1, **model_inputs)[:, :-1]
 
     def _scores(self, replay: dict, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+        """log q'(token) and, if asked, the entropy of q' [B, T] of every completion token of
+        ``replay``. The rows run in a few passes of rows of similar lengths (:func:`length_buckets`),
+        each cut to its own longest prompt and completion, so little compute goes to padding;
+        a row's numbers do not depend on the other rows of its pass (up to float rounding)."""
         generation = self.config.generation
-        tokens = replay["completion_ids"].to(self.device)
-        valid = replay["completion_mask"].to(self.device).bool()
-        logp, entropy = token_log_probs(self._completion_logits(replay), tokens, generation.temperature, generation.top_p, with_entropy)
-        logp = logp.masked_fill(~valid, 0.0)
-        return logp, entropy.masked_fill(~valid, 0.0) if entropy is not None else None
+        device = self.device
+        prompt, prompt_mask = _left_aligned(replay["prompt_ids"].to(device), replay["prompt_mask"].to(device), self.tokenizer.pad_token_id)
+        completion = replay["completion_ids"].to(device)
+        completion_mask = replay["completion_mask"].to(device)
+        model_inputs = {k: v.to(device) for k, v in replay.items() if k not in _TEXT_REPLAY}
+        width = completion.shape[1]
+        prompt_lengths, completion_lengths = prompt_mask.sum(1).tolist(), completion_mask.sum(1).tolist()
+        buckets = length_buckets(prompt_lengths, completion_lengths)
+        logps, entropies = [], []
+        for rows in buckets:
+            index = torch.tensor(rows, device=device) if len(buckets) > 1 else slice(None)
+            p = max(1, max(prompt_lengths[r] for r in rows))
+            c = max(1, max(completion_lengths[r] for r in rows))
+            part = {
+                "prompt_ids": prompt[index, -p:], "prompt_mask": prompt_mask[index, -p:],
+                "completion_ids": completion[index, :c], "completion_mask": completion_mask[index, :c],
+                **{k: v[index] for k, v in model_inputs.items()},
+            }
+            logp, entropy = token_log_probs(self._completion_logits(part), part["completion_ids"], generation.temperature, generation.top_p, with_entropy)
+            logps.append(nn.functional.pad(logp, (0, width - c)))
+            if entropy is not None:
+                entropies.append(nn.functional.pad(entropy, (0, width - c)))
+        valid = completion_mask.bool()
+        if len(buckets) > 1:
+            order = torch.tensor([r for rows in buckets for r in rows], device=device)
+            inverse = torch.empty_like(order)
+            inverse[order] = torch.arange(order.numel(), device=device)
+            logps, entropies = [torch.cat(logps)[inverse]], [torch.cat(entropies)[inverse]] if entropies else []
+        logp = logps[0].masked_fill(~valid, 0.0)
+        return logp, entropies[0].masked_fill(~valid, 0.0) if entropies else None
 
     # ------------------------------------------------------------------ protocol
 
@@ -342,12 +371,12 @@ class TextLMPolicy(PolicyModule):
             raise ValueError(f"the generation backend returned {len(generated.token_ids)} completions for {len(prompt_ids)} prompts, finish reasons {set(generated.finish_reason)}")
         replay = self._replay(prompt_ids, generated.token_ids, model_inputs)
         mask = replay["completion_mask"].float()
-        if self.config.generation.old_logp == "recompute":
+        source = self.config.generation.old_logp
+        if source == "recompute":
             logp, entropy = self._scores(replay, with_entropy=True)
-        else:  # the backend's own numbers, without the extra pass (and so without entropies)
-            logp, entropy = torch.zeros_like(mask), None
-            for row, values in enumerate(generated.logp):
-                logp[row, : len(values)] = torch.tensor(values, dtype=logp.dtype)
+        else:  # the backend's own numbers, without the extra pass (deferred: the trainer's pass replaces them)
+            logp = _rows(generated.logp, mask)
+            entropy = _rows(generated.entropy, mask) if generated.entropy is not None else None
         completions = []
         for tokens, reason in zip(generated.token_ids, generated.finish_reason):
             completions.append(self.tokenizer.decode(tokens[:-1] if reason == "eos" else tokens, skip_special_tokens=True))
@@ -359,6 +388,7 @@ class TextLMPolicy(PolicyModule):
             mask=mask,
             entropy=entropy,
             info={"completions": completions, "truncated": truncated},
+            logp_deferred=source == "deferred",
         )
 
     @torch.no_grad()
@@ -405,6 +435,39 @@ class TextLMPolicy(PolicyModule):
         """With LoRA, the model with its adapters disabled (shares the base weights, no copy);
         otherwise None (the trainer keeps a frozen copy of the initial weights)."""
         return _AdapterDisabledReference(self) if self.config.lora.r else None
+
+
+def length_buckets(prompt_lengths: list[int], completion_lengths: list[int], overhead: int = 64) -> list[list[int]]:
+    """Rows grouped for teacher-forced passes: each pass costs (its rows) x (its longest prompt
+    + its longest completion) token slots, plus ``overhead`` slots for the call itself; the
+    grouping of the rows sorted by completion length that costs least (dynamic programming
+    over the cuts). One group of all rows, in their order, when cutting does not pay."""
+    n = len(completion_lengths)
+    order = sorted(range(n), key=lambda r: (-completion_lengths[r], -prompt_lengths[r]))
+    best, cut = [0] + [0] * n, [0] * (n + 1)  # best[j]: cost of the first j sorted rows
+    for j in range(1, n + 1):
+        longest_prompt, best[j] = 0, None
+        for i in range(j, 0, -1):  # the last group holds sorted rows i-1 .. j-1
+            longest_prompt = max(longest_prompt, prompt_lengths[order[i - 1]])
+            cost = best[i - 1] + (j - i + 1) * (longest_prompt + completion_lengths[order[i - 1]]) + overhead
+            if best[j] is None or cost < best[j]:
+                best[j], cut[j] = cost, i - 1
+    whole = n * (max(prompt_lengths, default=0) + max(completion_lengths, default=0)) + overhead
+    if best[n] >= whole:
+        return [list(range(n))]
+    groups, j = [], n
+    while j > 0:
+        groups.append(order[cut[j] : j])
+        j = cut[j]
+    return groups[::-1]
+
+
+def _rows(values: list[list[float]], like: Tensor) -> Tensor:
+    """Per-row lists of numbers as a tensor shaped and placed like ``like``, 0 past each row's end."""
+    out = torch.zeros_like(like)
+    for row, v in enumerate(values):
+        out[row, : len(v)] = torch.tensor(v, dtype=out.dtype)
+    return out
 
 
 def _tied_aliases(module: nn.Module) -> list[str]:

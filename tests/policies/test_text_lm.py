@@ -100,7 +100,7 @@ def test_registered_and_built_from_a_yaml_style_mapping():
 def test_log_prob_of_the_replay_equals_old_logp_exactly_after_sampling(arch, temperature, top_p, dtype):
     """Ratio exactly 1 before any update, under temperature and top-p, with prompts of
     different lengths padded on the left."""
-    policy = make(tiny={"arch": arch}, dtype=dtype, generation={"max_new_tokens": 10, "temperature": temperature, "top_p": top_p})
+    policy = make(tiny={"arch": arch}, dtype=dtype, generation={"max_new_tokens": 10, "temperature": temperature, "top_p": top_p, "old_logp": "recompute"})
     assert next(policy.parameters()).dtype == getattr(torch, dtype)
     sample = policy.sample(PROMPTS, generator(0))
     lengths = sample.replay["prompt_mask"].sum(1)
@@ -146,12 +146,14 @@ def test_old_logp_is_the_log_prob_of_the_tempered_nucleus_that_was_sampled_from(
 def test_the_decoding_loops_log_probs_match_the_recomputed_ones():
     """The built-in backend's key/value-cache loop reports the same log-probs as one
     teacher-forced pass, up to float rounding (old_logp: backend uses them as they are)."""
-    recomputed = make(generation={"max_new_tokens": 12, "temperature": 0.8, "top_p": 0.9})
+    recomputed = make(generation={"max_new_tokens": 12, "temperature": 0.8, "top_p": 0.9, "old_logp": "recompute"})
     from_backend = make(generation={"max_new_tokens": 12, "temperature": 0.8, "top_p": 0.9, "old_logp": "backend"})
     a, b = recomputed.sample(PROMPTS, generator(1)), from_backend.sample(PROMPTS, generator(1))
     assert torch.equal(a.replay["completion_ids"], b.replay["completion_ids"])
-    assert b.entropy is None and torch.equal(b.logp * (1 - b.mask), torch.zeros_like(b.logp))
+    assert torch.equal(b.logp * (1 - b.mask), torch.zeros_like(b.logp)) and torch.equal(b.entropy * (1 - b.mask), torch.zeros_like(b.entropy))
     assert torch.allclose(a.logp, b.logp, atol=1e-5)
+    assert torch.allclose(a.entropy, b.entropy, atol=1e-5)  # the loop reports the entropy of q too
+    assert not a.logp_deferred and not b.logp_deferred
     assert not torch.equal(a.logp, b.logp)  # two computations, not one copied
 
 
@@ -335,7 +337,7 @@ def test_a_tokenizer_without_padding_pads_with_eos_and_one_without_chat_template
     tokenizer = byte_tokenizer()
     tokenizer.pad_token, tokenizer.chat_template = None, None  # base models often have neither
     _save_transformers_model(tmp_path / "base", tokenizer=tokenizer)
-    policy = make(model_path=str(tmp_path / "base"), generation={"max_new_tokens": 3})
+    policy = make(model_path=str(tmp_path / "base"), generation={"max_new_tokens": 3, "old_logp": "recompute"})
     assert policy.sampling.pad_token_id == policy.tokenizer.eos_token_id
     sample = policy.sample(PROMPTS[:2], generator(0))
     assert torch.equal(policy.log_prob(sample.replay), sample.logp)
@@ -416,15 +418,16 @@ def scripted_backend(policy):
     return _ScriptedBackend(policy)
 
 
-@pytest.mark.parametrize("old_logp", ["recompute", "backend"])
+@pytest.mark.parametrize("old_logp", ["recompute", "backend", "deferred"])
 def test_a_generation_backend_plugs_in_by_import_path(old_logp):
     policy = make(generation={"max_new_tokens": 5, "backend": f"{__name__}:scripted_backend", "old_logp": old_logp})
     sample = policy.sample(PROMPTS[:3], generator(0))
     assert sample.output == ["ab", "aaaaa", "bab"]
     assert sample.info["truncated"].tolist() == [False, True, False]
     assert sample.mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
-    if old_logp == "backend":
-        assert torch.equal(sample.logp, -0.5 * sample.mask)
+    assert sample.logp_deferred == (old_logp == "deferred")  # the trainer computes the exact ones
+    if old_logp != "recompute":
+        assert torch.equal(sample.logp, -0.5 * sample.mask) and sample.entropy is None  # this backend reports no entropies
     else:
         assert torch.equal(policy.log_prob(sample.replay), sample.logp) and (sample.logp < 0).sum() == 11
 
@@ -533,3 +536,45 @@ def test_trains_end_to_end_through_the_trainer_on_a_jsonl_of_prompts(tmp_path, v
     assert any("eval/accuracy" in m for m in metrics)
     reloaded = load_pretrained(tmp_path / "run")  # the run's checkpoint is a pretrained directory
     assert type(reloaded) is TextLMPolicy
+
+
+def test_length_buckets_cut_rows_of_very_different_lengths_and_keep_similar_ones_together():
+    from mmrl.policies.text_lm.model import length_buckets
+
+    assert length_buckets([5] * 6, [10] * 6) == [list(range(6))]  # nothing to gain: one pass, rows in order
+    groups = length_buckets([4] * 8, [60, 3, 58, 2, 61, 3, 59, 2], overhead=16)
+    assert sorted(map(sorted, groups)) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert sorted(r for g in groups for r in g) == list(range(8))
+
+
+def test_log_prob_and_its_gradient_in_length_buckets_equal_one_padded_pass(monkeypatch):
+    """The teacher-forced pass runs rows of similar lengths together, each group cut to its own
+    longest prompt and completion: the same log-probs, entropies and gradients as one pass over
+    the whole padded batch."""
+    import mmrl.policies.text_lm.model as text_model
+
+    policy = make(generation={"max_new_tokens": 24, "temperature": 0.9, "top_p": 0.95})
+    prompts = ["Hi", "What is 2 + 3? Answer in one word please.", "7 * 6 =", "Name a fruit."] * 2
+    sample = policy.sample(prompts, generator(4))
+    # completions of very different lengths: cut half of them short
+    replay = dict(sample.replay)
+    replay["completion_mask"] = sample.replay["completion_mask"].clone()
+    replay["completion_mask"][::2, 3:] = 0
+    replay["completion_ids"] = sample.replay["completion_ids"].masked_fill(replay["completion_mask"] == 0, policy.tokenizer.pad_token_id)
+    lengths = (replay["prompt_mask"].sum(1).tolist(), replay["completion_mask"].sum(1).tolist())
+    assert len(text_model.length_buckets(*lengths)) > 1  # the case under test
+
+    def scores():
+        policy.zero_grad()
+        logp, entropy = policy._scores(replay, with_entropy=True)
+        (logp * torch.linspace(-1, 1, logp.shape[1])).sum().backward()
+        return logp.detach(), entropy.detach(), [p.grad.clone() for p in policy.parameters() if p.grad is not None]
+
+    bucketed = scores()
+    monkeypatch.setattr(text_model, "length_buckets", lambda p, c: [list(range(len(c)))])
+    whole = scores()
+    torch.testing.assert_close(bucketed[0], whole[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(bucketed[1], whole[1], atol=1e-5, rtol=1e-5)
+    assert (bucketed[0][replay["completion_mask"] == 0] == 0).all()
+    for a, b in zip(bucketed[2], whole[2]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)

@@ -78,7 +78,7 @@ def test_images_go_before_the_text_inside_the_user_turn_after_the_system_message
 def test_log_prob_of_the_replay_equals_old_logp_exactly_after_sampling(temperature, top_p, dtype, chat_template):
     """Ratio exactly 1 before any update, under temperature and top-p, with prompts of
     different lengths (and image counts) padded on the left."""
-    policy = make(dtype=dtype, generation={"max_new_tokens": 8, "temperature": temperature, "top_p": top_p, "chat_template": chat_template})
+    policy = make(dtype=dtype, generation={"max_new_tokens": 8, "temperature": temperature, "top_p": top_p, "chat_template": chat_template, "old_logp": "recompute"})
     sample = policy.sample(prompts(), generator(0))
     lengths = sample.replay["prompt_mask"].sum(1)
     assert len(set(lengths.tolist())) == 4 and (sample.replay["prompt_mask"][:, -1] == 1).all()  # left-padded
@@ -132,7 +132,7 @@ class _RecordingBackend:
 
 def test_a_generation_backend_plugged_in_by_import_path_gets_the_images_as_model_inputs():
     _RecordingBackend.calls.clear()
-    policy = make(generation={"max_new_tokens": 5, "backend": f"{__name__}:_RecordingBackend"})
+    policy = make(generation={"max_new_tokens": 5, "backend": f"{__name__}:_RecordingBackend", "old_logp": "recompute"})
     sample = policy.sample(prompts(), generator(0))
     (given,) = _RecordingBackend.calls
     assert given["image_count"].tolist() == [1, 2, 0, 1] and given["pixel_values"].shape == (4, 2, 3, 32, 32)
@@ -174,7 +174,7 @@ def test_freeze_vision_tower_keeps_its_weights_out_of_training():
 
 def test_lora_trains_only_the_adapters_and_the_reference_is_the_model_without_them():
     pytest.importorskip("peft")
-    policy = make(generation={"max_new_tokens": 8}, lora={"r": 4, "alpha": 8})
+    policy = make(generation={"max_new_tokens": 8, "old_logp": "recompute"}, lora={"r": 4, "alpha": 8})
     trainable = [name for name, p in policy.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in name for name in trainable)
     assert any("vision_tower" in name for name in trainable) and any("language_model" in name for name in trainable)
