@@ -12,7 +12,10 @@ Log-ratios are clamped to ±``log_ratio_clamp`` before ``exp`` (as verl) so a st
 cannot overflow. ``stats`` are detached float tensors, always with ``"ratio"`` and
 ``"clipped"`` (1 where clipping removed the gradient or changed the weight), for masked
 averaging by the caller. An objective that also needs the log-probs of a proximal policy
-has ``fn.needs_proximal = True`` and takes ``prox_logp``.
+has ``fn.needs_proximal = True`` and takes ``prox_logp``. An objective whose loss and
+gradient are exactly 0 at a decision with advantage 0, whatever the ratio (every one here: each
+is the advantage times a finite factor), has ``fn.zero_at_zero_advantage = True``; the trainer
+then leaves samples without a non-zero advantage out of the update's passes.
 """
 
 from __future__ import annotations
@@ -215,3 +218,5 @@ def decoupled_ppo(
 
 
 decoupled_ppo.needs_proximal = True
+for _objective in (ppo_clip, cispo, gspo, reinforce, decoupled_ppo):
+    _objective.zero_at_zero_advantage = True

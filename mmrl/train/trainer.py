@@ -387,16 +387,29 @@ class Trainer:
         slice of one permutation (seeded by the step) of the global batch in group order, so
         N processes take the same minibatches one process would, each its own rows of them.
 
+        Samples that the loss cannot see — advantage 0 on every valid decision, under an
+        objective that is then 0 (``zero_at_zero_advantage``) and without a KL term in the
+        loss — are left out of the passes; the normalizers still count them, so the loss and
+        its gradient are those of the whole minibatch; the objective's metrics (approx_kl,
+        clipped, ratio) are over the decisions that ran.
+
         A rollout with deferred old log-probs (``old_logp_deferred``) gets its exact ones
         here, written back into ``rollout.old_logp``: the first minibatch runs at the sampling
         weights, so its own forward gives its rows' (every ratio 1); the other rows' come from
-        one no-grad pass before the first optimizer step (none with a single step)."""
+        one no-grad pass before the first optimizer step (none with a single step). Samples
+        left out keep the provisional numbers (the flag then stays set; nothing reads them:
+        the self-imitation memory keeps samples with a positive advantage only)."""
         cfg = self.cfg.algo
         device = self.accelerator.device
         source, rollout = rollout, rollout.to(device)
         adv = adv.to(device)
         adv = adv[:, None] if adv.dim() == 1 else adv  # [B, 1] broadcasts over decisions for free
         deferred = rollout.old_logp_deferred
+        # samples the loss cannot see (advantage 0 on every valid decision, with an objective
+        # that is 0 there and no KL term in the loss) are left out of every pass: the same
+        # loss and gradient (normalizers count them), less compute
+        idle_skipped = getattr(self.objective_fn, "zero_at_zero_advantage", False) and not (cfg.kl.coef > 0 and not cfg.kl.in_reward)
+        active = ((adv * rollout.mask) != 0).any(1).cpu() if idle_skipped else torch.ones(rollout.batch_size, dtype=torch.bool)
         if getattr(self.objective_fn, "needs_proximal", False):
             with torch.no_grad():
                 rollout.info["_prox_logp"] = self.model(rollout.replay).detach()
@@ -415,21 +428,22 @@ class Trainer:
             for positions in order.chunk(cfg.num_minibatches):
                 idx = local_rows(canonical[positions], start, rollout.batch_size)
                 first = deferred and steps == 0
+                trained = idx[active[idx]]
                 if first and cfg.ppo_epochs * cfg.num_minibatches > 1:
                     # the rows of later minibatches, at the sampling weights, before they change
-                    rest = torch.ones(rollout.batch_size, dtype=torch.bool)
+                    rest = active.clone()
                     rest[idx] = False
                     rollout = self.exact_old_logp(rollout, rest.nonzero().flatten(), spare.to(device))
-                stats, first_logp = self._minibatch_step(rollout[idx], adv[idx.to(device)], spare.to(device), step, at_sampling_weights=first)
+                stats, first_logp = self._minibatch_step(rollout[idx], adv[idx.to(device)], spare.to(device), step, at_sampling_weights=first, rows=active[idx])
                 if first:
                     old = rollout.old_logp.clone()
-                    old[idx.to(old.device)] = first_logp.to(old)
-                    rollout = rollout.with_(old_logp=old, old_logp_deferred=False)
+                    old[trained.to(old.device)] = first_logp.to(old)
+                    rollout = rollout.with_(old_logp=old, old_logp_deferred=bool((~active).any()))
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + v
                 steps += 1
         if source.old_logp_deferred:  # hand the exact old log-probs on (self-imitation memory)
-            source.old_logp, source.old_logp_deferred = rollout.old_logp.to(source.old_logp.device), False
+            source.old_logp, source.old_logp_deferred = rollout.old_logp.to(source.old_logp.device), rollout.old_logp_deferred
         return {k: float(v) / steps for k, v in sums.items()}
 
     def exact_old_logp(self, rollout: Rollout, rows: torch.Tensor | None = None, spare: Rollout | None = None) -> Rollout:
@@ -487,15 +501,20 @@ class Trainer:
             parts["kl/ref"] = kl_loss.detach()
         return loss, logp, stats, parts
 
-    def _minibatch_step(self, mb: Rollout, adv: torch.Tensor, spare: Rollout, step: int, at_sampling_weights: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    def _minibatch_step(
+        self, mb: Rollout, adv: torch.Tensor, spare: Rollout, step: int, at_sampling_weights: bool = False, rows: torch.Tensor | None = None
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
         """One optimizer step on this process's rows ``mb`` of a global minibatch; with
         ``micro_batches`` > 1 the forward/backward runs in pieces whose losses use the whole
-        minibatch's normalizers. A process without rows runs a no-op piece so that every
-        process takes part in the gradient all-reduce. Returns the metrics and, with
-        ``at_sampling_weights`` (old log-probs = the forward's own, see ``policy_loss``),
-        the detached log-probs of ``mb``'s rows."""
+        minibatch's normalizers. ``rows`` (bool [len(mb)]) picks the rows that run, the others
+        adding nothing to the loss (``update``). A process without rows runs a no-op piece so
+        that every process takes part in the gradient all-reduce. Returns the metrics and,
+        with ``at_sampling_weights`` (old log-probs = the forward's own, see ``policy_loss``),
+        the detached log-probs of the rows that ran."""
         cfg = self.cfg.algo
         agg = self.normalizers(mb)
+        if rows is not None and not bool(rows.all()):
+            mb, adv = mb[rows], adv[rows.to(adv.device)]
         pieces = [(mb[i], adv[i.to(adv.device)]) for i in _pieces(mb.batch_size, cfg.micro_batches)]
         pieces = [p if p[0].batch_size else (spare, torch.zeros_like(spare.mask)) for p in pieces]
         sums: dict[str, torch.Tensor] = {}

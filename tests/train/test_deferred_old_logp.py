@@ -41,7 +41,13 @@ def _train(cfg: TrainConfig, run_dir, defer: bool):
     trainer.model.forward = lambda *a, **kw: calls.append(1) or forward(*a, **kw)
     handed_on = []
     update = trainer.update
-    trainer.update = lambda rollout, *a: (out := update(rollout, *a), handed_on.append((rollout.old_logp_deferred, rollout.old_logp.clone())))[0]
+    def recorded_update(rollout, adv, *args):
+        out = update(rollout, adv, *args)
+        trained = ((adv[:, None] if adv.dim() == 1 else adv) * rollout.mask != 0).any(1)
+        handed_on.append((rollout.old_logp_deferred, rollout.old_logp.clone(), trained))
+        return out
+
+    trainer.update = recorded_update
     metrics = [trainer.rl_step(step) for step in range(cfg.total_steps)]
     weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     return weights, metrics, len(calls) // cfg.total_steps, handed_on
@@ -64,9 +70,12 @@ def test_deferred_old_logp_give_the_update_of_exact_ones(tmp_path, algo, passes)
     for name, value in eager_weights.items():
         torch.testing.assert_close(weights[name], value, atol=1e-6, rtol=1e-5)
     assert calls == passes
-    for (deferred, old), (_, eager) in zip(handed_on, eager_old):
-        assert not deferred  # the exact numbers are handed on (e.g. to the self-imitation memory)
-        torch.testing.assert_close(old, eager, atol=1e-6, rtol=1e-5)
+    for (deferred, old, trained), (_, eager, _) in zip(handed_on, eager_old):
+        # the exact numbers are handed on (e.g. to the self-imitation memory) for the samples
+        # the update trained on; the others (advantage 0) ran in no pass and say so
+        assert trained.any() and not (deferred and trained.all())
+        exact = trained if deferred else torch.ones_like(trained)
+        torch.testing.assert_close(old[exact], eager[exact], atol=1e-6, rtol=1e-5)
     for a, b in zip(eager_metrics, metrics):
         for key in ("loss/policy", "approx_kl", "objective/clipped", "grad_norm", "reward/total"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
@@ -113,3 +122,39 @@ def test_the_text_policys_default_deferred_old_logp_train_as_the_eager_recompute
         assert b["completion_length"] == a["completion_length"]  # the same samples
         assert b["entropy"] == pytest.approx(a["entropy"], abs=1e-5)  # the decoding loop's entropies of q
         assert b["loss/policy"] == pytest.approx(a["loss/policy"], abs=1e-5)
+
+
+@REWARDS.register("_test_token_fraction_of_odd_groups", config=RewardConfig)
+def _odd_groups(rollout, cfg):
+    """Test-only: the fraction of token 3 in the samples of odd groups, 0.5 in even groups
+    (whose advantages are then all 0)."""
+    tokens, mask = rollout.info["tokens"], rollout.mask.to(rollout.info["tokens"].device)
+    fraction = ((tokens == 3).float() * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+    return torch.where(rollout.group_id.to(fraction.device) % 2 == 0, torch.full_like(fraction, 0.5), fraction)
+
+
+@pytest.mark.parametrize("defer", [False, True])
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+def test_samples_without_advantage_are_left_out_of_the_passes_and_the_update_is_the_same(tmp_path, defer, aggregation):
+    results = {}
+    for skip in (True, False):
+        cfg = _toy(num_minibatches=2, ppo_epochs=2, aggregation=aggregation)
+        cfg.rewards[0] = from_dict(RewardConfig, {"type": "_test_token_fraction_of_odd_groups"})
+        trainer = Trainer(cfg, tmp_path / f"{skip}-{defer}")
+        if not skip:  # the same objective, without the promise that advantage 0 gives loss 0
+            objective = trainer.objective_fn
+            trainer.objective_fn = lambda *a, **kw: objective(*a, **kw)
+        if defer:
+            sample = trainer.policy.sample
+            trainer.policy.sample = lambda *a, **kw: dataclasses.replace(s := sample(*a, **kw), logp=s.logp - 1.0, logp_deferred=True)
+        rows = []
+        forward = trainer.model.forward
+        trainer.model.forward = lambda replay, *a, **kw: rows.append(len(replay["tokens"])) or forward(replay, *a, **kw)
+        metrics = [trainer.rl_step(step) for step in range(2)]
+        results[skip] = ({n: p.detach().clone() for n, p in trainer.model.named_parameters()}, metrics, sum(rows))
+    (w_skip, m_skip, rows_skip), (w_all, m_all, rows_all) = results[True], results[False]
+    for name, value in w_all.items():
+        torch.testing.assert_close(w_skip[name], value, atol=1e-6, rtol=1e-5)
+    for a, b in zip(m_all, m_skip):
+        assert b["loss/policy"] == pytest.approx(a["loss/policy"], abs=1e-6) and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    assert rows_skip < rows_all * 0.6  # the even half of the groups ran in no pass
