@@ -145,7 +145,8 @@ class BuiltinBackend:
     (greedy with ``deterministic``) over the distributions of all N rows — an ended row draws
     from a placeholder — so the generator advances the same way whichever rows have ended and
     the same seed gives the same completions. Position ids count each row's own tokens, so
-    left padding changes nothing."""
+    left padding changes nothing. Besides each token's log-prob it reports the entropy of q
+    at each step (``Generation.entropy``)."""
 
     def __init__(self, policy):
         self.policy = policy
@@ -187,7 +188,7 @@ class BuiltinBackend:
             at = rows if not whole else slice(None)
             out_tokens[at, t] = token
             out_logp[at, t] = log_q.gather(-1, token[:, None]).squeeze(1)
-            out_entropy[at, t] = -(q * log_q.masked_fill(q == 0, 0.0)).sum(-1)
+            out_entropy[at, t] = -torch.where(q > 0, q * log_q, 0.0).sum(-1)  # 0 · log 0 = 0 outside the nucleus
             ended = torch.isin(token, eos)
             for i in ended.nonzero().flatten().tolist():
                 reasons[rows[i]] = "eos"
