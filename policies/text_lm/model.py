@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -444,21 +445,22 @@ def length_buckets(prompt_lengths: list[int], completion_lengths: list[int], ove
     over the cuts). One group of all rows, in their order, when cutting does not pay."""
     n = len(completion_lengths)
     order = sorted(range(n), key=lambda r: (-completion_lengths[r], -prompt_lengths[r]))
-    best, cut = [0] + [0] * n, [0] * (n + 1)  # best[j]: cost of the first j sorted rows
+    prompt = np.array([prompt_lengths[r] for r in order], dtype=np.int64)
+    completion = np.array([completion_lengths[r] for r in order], dtype=np.int64)  # descending
+    best, cut = np.zeros(n + 1, dtype=np.int64), np.zeros(n + 1, dtype=np.int64)  # best[j]: the first j sorted rows
     for j in range(1, n + 1):
-        longest_prompt, best[j] = 0, None
-        for i in range(j, 0, -1):  # the last group holds sorted rows i-1 .. j-1
-            longest_prompt = max(longest_prompt, prompt_lengths[order[i - 1]])
-            cost = best[i - 1] + (j - i + 1) * (longest_prompt + completion_lengths[order[i - 1]]) + overhead
-            if best[j] is None or cost < best[j]:
-                best[j], cut[j] = cost, i - 1
+        # the last group holds sorted rows s .. j-1; its longest completion is row s's
+        longest_prompt = np.maximum.accumulate(prompt[:j][::-1])[::-1]
+        cost = best[:j] + (j - np.arange(j)) * (longest_prompt + completion[:j]) + overhead
+        cut[j] = int(np.argmin(cost))
+        best[j] = cost[cut[j]]
     whole = n * (max(prompt_lengths, default=0) + max(completion_lengths, default=0)) + overhead
-    if best[n] >= whole:
+    if n == 0 or best[n] >= whole:
         return [list(range(n))]
     groups, j = [], n
     while j > 0:
         groups.append(order[cut[j] : j])
-        j = cut[j]
+        j = int(cut[j])
     return groups[::-1]
 
 
