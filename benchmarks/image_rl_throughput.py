@@ -5,8 +5,11 @@ through mmrl's trainer, against a straightforward reference written here (target
 ``--groups`` groups of ``--group-size`` images (``policy.sample``: a chain with every step's
 log-prob), the JPEG-compressibility reward scores them, GRPO advantages, then one optimizer
 step of the PPO-clip loss (token mean over every (image, step) decision) on the log-probs
-that ``policy.log_prob`` recomputes in one UNet call over all stochastic steps
-(``denoising.chunk_steps`` null, the default), gradient clipping and AdamW.
+that ``policy.log_prob`` recomputes in one UNet call over all stochastic steps of a piece
+(``denoising.chunk_steps`` null, the default) — with mmrl's default ``algo.micro_batches``
+null the trainer splits the minibatch into pieces whose activations fit the CPU's cache by
+the policy's estimate (at 32×32: 4 pieces of 4 images; at 16×16: one) and accumulates
+their gradients — then gradient clipping and AdamW.
 
 **The reference** does the same update the way DDPO's and Flow-GRPO's reference
 implementations do: the diffusers scheduler's timesteps (``DDIMScheduler``) or sigmas
@@ -26,7 +29,7 @@ alike; on a crowded machine the CPU-time ratio is the steadier one).
 ``key=value`` overrides after it) and prints its peak resident set size
 (``resource.getrusage(RUSAGE_CHILDREN).ru_maxrss``) against the 4 GB target.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/image_rl_throughput.py [--sizes 16 32 --transitions ddim flow_sde --groups 4 --group-size 4 --steps 8 --repeats 3] [--chunk-steps 1 --keep-chunks]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/image_rl_throughput.py [--sizes 16 32 --transitions ddim flow_sde --groups 4 --group-size 4 --steps 8 --repeats 3] [--chunk-steps 1 --keep-chunks] [--micro-batches 1]
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/image_rl_throughput.py --rss configs/image_ddpo_jpeg.yaml [total_steps=10]
 """
 
@@ -86,7 +89,7 @@ def train_config(size: int, transition: str, args, run_dir: str):
         "algo": {
             "group_size": args.group_size, "groups_per_step": args.groups, "ppo_epochs": 1, "num_minibatches": 1,
             "advantage": {"type": "grpo", "std": "group"}, "objective": {"type": "ppo_clip", "eps_low": CLIP, "eps_high": CLIP},
-            "aggregation": "token_mean", "kl": {"coef": 0.0},
+            "aggregation": "token_mean", "kl": {"coef": 0.0}, "micro_batches": args.micro_batches,
         },
         "optim": {"lr": 1e-3, "max_grad_norm": 1.0},
         "eval": {"every": 0, "at_end": False}, "checkpoint": {"every": 0},
@@ -225,6 +228,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats per side (medians compared)")
     parser.add_argument("--chunk-steps", type=int, default=None, help="mmrl: policy.denoising.chunk_steps (default null: every step in one UNet call)")
     parser.add_argument("--keep-chunks", action="store_true", help="mmrl: policy.denoising.checkpoint_chunks false (chunks keep their activations instead of recomputing them)")
+    parser.add_argument("--micro-batches", type=int, default=None, help="mmrl: algo.micro_batches (default null, mmrl's default: pieces from the policy's activation estimate on a CPU)")
     parser.add_argument("--rss", metavar="CONFIG", help="instead: run `mmrl train CONFIG` in a subprocess and print its peak RSS")
     parser.add_argument("overrides", nargs="*", help="with --rss: key=value overrides of the config")
     args = parser.parse_args()
@@ -238,9 +242,9 @@ def main() -> None:
 
     n = args.groups * args.group_size
     print(f"{args.groups} groups x {args.group_size} images, {args.steps} steps (all decisions), class-conditional, {torch.get_num_threads()} threads, {args.repeats} interleaved repeats")
-    print(f"mmrl: denoising.chunk_steps {args.chunk_steps}, checkpoint_chunks {not args.keep_chunks}")
-    print("| size | transition | mmrl (Trainer.rl_step) | reference | ratio (wall) | ratio (CPU) |")
-    print("|---|---|---|---|---|---|")
+    print(f"mmrl: denoising.chunk_steps {args.chunk_steps}, checkpoint_chunks {not args.keep_chunks}, algo.micro_batches {args.micro_batches}")
+    print("| size | transition | pieces | mmrl (Trainer.rl_step) | reference | ratio (wall) | ratio (CPU) |")
+    print("|---|---|---|---|---|---|---|")
     ratios, agreements = [], []
     for size in args.sizes:
         for transition in args.transitions:
@@ -250,6 +254,9 @@ def main() -> None:
                 reference = Reference(copy.deepcopy(trainer.policy.unet), transition, args.steps, args.groups, args.group_size, size, cfg.optim)
                 agreement = check_agreement(trainer.policy, reference, args.groups, args.group_size)
                 step = iter(range(1_000_000))
+                passes = []  # forward/backward pieces of the update (algo.micro_batches)
+                forward = trainer.model.forward
+                trainer.model.forward = lambda *a, **kw: passes.append(1) or forward(*a, **kw)
 
                 def mmrl_update():
                     metrics = trainer.rl_step(next(step))
@@ -259,7 +266,7 @@ def main() -> None:
                 trainer.metrics.close()
             ratios.append((size, transition, ref_wall / mmrl_wall, ref_cpu / mmrl_cpu))
             print(
-                f"| {size}×{size} {SIZES[size]} | {transition} | {n / mmrl_wall:.1f} img/s ({mmrl_wall:.2f} s; CPU {mmrl_cpu:.2f} s) "
+                f"| {size}×{size} {SIZES[size]} | {transition} | {len(passes) // (args.repeats + 1)} | {n / mmrl_wall:.1f} img/s ({mmrl_wall:.2f} s; CPU {mmrl_cpu:.2f} s) "
                 f"| {n / ref_wall:.1f} img/s ({ref_wall:.2f} s; CPU {ref_cpu:.2f} s) | {ratios[-1][2]:.3f}× | {ratios[-1][3]:.3f}× |",
                 flush=True,
             )
