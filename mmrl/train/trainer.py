@@ -459,11 +459,12 @@ class Trainer:
         cfg = self.cfg.algo
         if cfg.micro_batches is not None:
             return cfg.micro_batches
+        if self.accelerator.device.type != "cpu" or not _overrides(self.policy, "activation_bytes"):
+            return 1  # the same in every process: no need to agree
         k = 1
-        if self.accelerator.device.type == "cpu" and batch.batch_size:
-            per_sample = self.policy.activation_bytes(batch.replay)
-            if per_sample:
-                k = min(batch.batch_size, max(1, math.ceil(batch.batch_size * per_sample / (cfg.micro_batch_mb * 2**20))))
+        per_sample = self.policy.activation_bytes(batch.replay) if batch.batch_size else None
+        if per_sample:
+            k = min(batch.batch_size, max(1, math.ceil(batch.batch_size * per_sample / (cfg.micro_batch_mb * 2**20))))
         return self.dist.max(k)
 
     def _minibatch_step(self, mb: Rollout, adv: torch.Tensor, spare: Rollout, step: int) -> dict[str, torch.Tensor]:
