@@ -295,7 +295,7 @@ def test_micro_batches_accumulate_to_the_same_update(tmp_path, aggregation):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
 
 
-def test_micro_batches_null_cuts_minibatches_by_the_policys_activation_estimate(tmp_path):
+def test_micro_batches_null_cuts_minibatches_by_the_policys_activation_estimate(tmp_path, monkeypatch):
     """The default (null): one piece for a policy without an activation estimate; with one,
     on a CPU, as many pieces as keep each under micro_batch_mb — the same update."""
     results = {}
@@ -306,8 +306,8 @@ def test_micro_batches_null_cuts_minibatches_by_the_policys_activation_estimate(
     ]:
         cfg = env_config(total_steps=2, algo={"group_size": 4, "groups_per_step": 4, "ppo_epochs": 1, "num_minibatches": 2, **algo})
         trainer = Trainer(cfg, tmp_path / name)
-        if estimate is not None:
-            trainer.policy.activation_bytes = lambda replay: estimate
+        if estimate is not None:  # the policy class implements the hook
+            monkeypatch.setattr(type(trainer.policy), "activation_bytes", lambda self, replay, estimate=estimate: estimate, raising=False)
         calls = []
         forward = trainer.model.forward
         trainer.model.forward = lambda *a, **kw: calls.append(1) or forward(*a, **kw)
