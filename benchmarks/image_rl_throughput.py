@@ -21,8 +21,11 @@ divided by the number of steps, ``backward``; then gradient clipping and AdamW. 
 the same options (every step a decision, log-probs averaged over pixels as DDPO, std
 floored at 0.01 for DDIM, lr, clip range, grad-norm clip), on copies of the same UNet.
 
-Prints images per second of both and mmrl's throughput over the reference's, by wall time
-and by process CPU time: medians over interleaved repeats (a noisy machine slows both
+Each side runs in its own spawned process (both build the same seeded UNet), so neither
+inherits the other's allocator state: in one process the side that ran second reused
+memory the first had freed, and the other paid the page faults of fresh memory. Prints
+images per second of both and mmrl's throughput over the reference's, by wall time and by
+each process's CPU time: medians over interleaved repeats (a noisy machine slows both
 alike; on a crowded machine the CPU-time ratio is the steadier one).
 
 ``--rss CONFIG`` instead runs ``mmrl train CONFIG`` in a subprocess (any config; extra
