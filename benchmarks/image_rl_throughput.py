@@ -5,8 +5,11 @@ through mmrl's trainer, against a straightforward reference written here (target
 ``--groups`` groups of ``--group-size`` images (``policy.sample``: a chain with every step's
 log-prob), the JPEG-compressibility reward scores them, GRPO advantages, then one optimizer
 step of the PPO-clip loss (token mean over every (image, step) decision) on the log-probs
-that ``policy.log_prob`` recomputes in one UNet call over all stochastic steps
-(``denoising.chunk_steps`` null, the default), gradient clipping and AdamW.
+that ``policy.log_prob`` recomputes in one UNet call over all stochastic steps of a piece
+(``denoising.chunk_steps`` null, the default) — with mmrl's default ``algo.micro_batches``
+null the trainer splits the minibatch into pieces whose activations fit the CPU's cache by
+the policy's estimate (at 32×32: 4 pieces of 4 images; at 16×16: one) and accumulates
+their gradients — then gradient clipping and AdamW.
 
 **The reference** does the same update the way DDPO's and Flow-GRPO's reference
 implementations do: the diffusers scheduler's timesteps (``DDIMScheduler``) or sigmas
@@ -18,15 +21,18 @@ divided by the number of steps, ``backward``; then gradient clipping and AdamW. 
 the same options (every step a decision, log-probs averaged over pixels as DDPO, std
 floored at 0.01 for DDIM, lr, clip range, grad-norm clip), on copies of the same UNet.
 
-Prints images per second of both and mmrl's throughput over the reference's, by wall time
-and by process CPU time: medians over interleaved repeats (a noisy machine slows both
+Each side runs in its own spawned process (both build the same seeded UNet), so neither
+inherits the other's allocator state: in one process the side that ran second reused
+memory the first had freed, and the other paid the page faults of fresh memory. Prints
+images per second of both and mmrl's throughput over the reference's, by wall time and by
+each process's CPU time: medians over interleaved repeats (a noisy machine slows both
 alike; on a crowded machine the CPU-time ratio is the steadier one).
 
 ``--rss CONFIG`` instead runs ``mmrl train CONFIG`` in a subprocess (any config; extra
 ``key=value`` overrides after it) and prints its peak resident set size
 (``resource.getrusage(RUSAGE_CHILDREN).ru_maxrss``) against the 4 GB target.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/image_rl_throughput.py [--sizes 16 32 --transitions ddim flow_sde --groups 4 --group-size 4 --steps 8 --repeats 3] [--chunk-steps 1 --keep-chunks]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/image_rl_throughput.py [--sizes 16 32 --transitions ddim flow_sde --groups 4 --group-size 4 --steps 8 --repeats 3] [--chunk-steps 1 --keep-chunks] [--micro-batches 1]
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/image_rl_throughput.py --rss configs/image_ddpo_jpeg.yaml [total_steps=10]
 """
 
@@ -56,17 +62,17 @@ LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
 def interleaved(a, b, repeats: int) -> tuple[tuple[float, float], tuple[float, float]]:
-    """Median (wall, process CPU) seconds of ``a()`` and of ``b()``, alternating them after one
+    """Median (wall, process CPU) seconds of ``a()`` and of ``b()`` — each runs one update in
+    its side's process and returns that process's seconds — alternating them after one
     warm-up each. On a crowded machine the wall time also counts waiting for a core; the CPU
-    time counts only this process's own work (one thread with OMP_NUM_THREADS=1)."""
+    time counts only that process's own work (one thread)."""
     a(), b()
     times: dict = {a: ([], []), b: ([], [])}
     for _ in range(repeats):
         for fn in (a, b):
-            wall, cpu = time.perf_counter(), time.process_time()
-            fn()
-            times[fn][0].append(time.perf_counter() - wall)
-            times[fn][1].append(time.process_time() - cpu)
+            wall, cpu = fn()
+            times[fn][0].append(wall)
+            times[fn][1].append(cpu)
     return tuple((statistics.median(times[fn][0]), statistics.median(times[fn][1])) for fn in (a, b))
 
 
@@ -86,7 +92,7 @@ def train_config(size: int, transition: str, args, run_dir: str):
         "algo": {
             "group_size": args.group_size, "groups_per_step": args.groups, "ppo_epochs": 1, "num_minibatches": 1,
             "advantage": {"type": "grpo", "std": "group"}, "objective": {"type": "ppo_clip", "eps_low": CLIP, "eps_high": CLIP},
-            "aggregation": "token_mean", "kl": {"coef": 0.0},
+            "aggregation": "token_mean", "kl": {"coef": 0.0}, "micro_batches": args.micro_batches,
         },
         "optim": {"lr": 1e-3, "max_grad_norm": 1.0},
         "eval": {"every": 0, "at_end": False}, "checkpoint": {"every": 0},
@@ -225,6 +231,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats per side (medians compared)")
     parser.add_argument("--chunk-steps", type=int, default=None, help="mmrl: policy.denoising.chunk_steps (default null: every step in one UNet call)")
     parser.add_argument("--keep-chunks", action="store_true", help="mmrl: policy.denoising.checkpoint_chunks false (chunks keep their activations instead of recomputing them)")
+    parser.add_argument("--micro-batches", type=int, default=None, help="mmrl: algo.micro_batches (default null, mmrl's default: pieces from the policy's activation estimate on a CPU)")
     parser.add_argument("--rss", metavar="CONFIG", help="instead: run `mmrl train CONFIG` in a subprocess and print its peak RSS")
     parser.add_argument("overrides", nargs="*", help="with --rss: key=value overrides of the config")
     args = parser.parse_args()
@@ -234,39 +241,115 @@ def main() -> None:
     if args.overrides:
         parser.error("key=value overrides go with --rss")
 
-    from mmrl.train.trainer import Trainer
-
     n = args.groups * args.group_size
-    print(f"{args.groups} groups x {args.group_size} images, {args.steps} steps (all decisions), class-conditional, {torch.get_num_threads()} threads, {args.repeats} interleaved repeats")
-    print(f"mmrl: denoising.chunk_steps {args.chunk_steps}, checkpoint_chunks {not args.keep_chunks}")
-    print("| size | transition | mmrl (Trainer.rl_step) | reference | ratio (wall) | ratio (CPU) |")
-    print("|---|---|---|---|---|---|")
+    print(f"{args.groups} groups x {args.group_size} images, {args.steps} steps (all decisions), class-conditional, 1 thread per side, {args.repeats} interleaved repeats, each side in its own process")
+    print(f"mmrl: denoising.chunk_steps {args.chunk_steps}, checkpoint_chunks {not args.keep_chunks}, algo.micro_batches {args.micro_batches}")
+    print("| size | transition | pieces | mmrl (Trainer.rl_step) | reference | ratio (wall) | ratio (CPU) |")
+    print("|---|---|---|---|---|---|---|")
     ratios, agreements = [], []
     for size in args.sizes:
         for transition in args.transitions:
-            with tempfile.TemporaryDirectory() as run_dir:
-                cfg = train_config(size, transition, args, str(Path(run_dir) / "run"))
-                trainer = Trainer(cfg)
-                reference = Reference(copy.deepcopy(trainer.policy.unet), transition, args.steps, args.groups, args.group_size, size, cfg.optim)
-                agreement = check_agreement(trainer.policy, reference, args.groups, args.group_size)
-                step = iter(range(1_000_000))
-
-                def mmrl_update():
-                    metrics = trainer.rl_step(next(step))
-                    assert math.isfinite(metrics["loss/policy"])
-
-                (mmrl_wall, mmrl_cpu), (ref_wall, ref_cpu) = interleaved(mmrl_update, reference.update, args.repeats)
-                trainer.metrics.close()
+            with Side("mmrl", size, transition, args) as mmrl, Side("reference", size, transition, args) as reference:
+                agreements.append(reference.info)
+                (mmrl_wall, mmrl_cpu), (ref_wall, ref_cpu) = interleaved(mmrl.update, reference.update, args.repeats)
+                pieces = mmrl.finish() // (args.repeats + 1)
             ratios.append((size, transition, ref_wall / mmrl_wall, ref_cpu / mmrl_cpu))
             print(
-                f"| {size}×{size} {SIZES[size]} | {transition} | {n / mmrl_wall:.1f} img/s ({mmrl_wall:.2f} s; CPU {mmrl_cpu:.2f} s) "
+                f"| {size}×{size} {SIZES[size]} | {transition} | {pieces} | {n / mmrl_wall:.1f} img/s ({mmrl_wall:.2f} s; CPU {mmrl_cpu:.2f} s) "
                 f"| {n / ref_wall:.1f} img/s ({ref_wall:.2f} s; CPU {ref_cpu:.2f} s) | {ratios[-1][2]:.3f}× | {ratios[-1][3]:.3f}× |",
                 flush=True,
             )
-            agreements.append(agreement)
     print(f"the reference's log-probs of mmrl's chains: largest difference {max(agreements):.1e} (mean over pixels)")
     for size, transition, wall, cpu in ratios:
         print(f"image_rl_throughput {size}x{size} {transition}: {wall:.3f}x the reference's images/s by wall time, {cpu:.3f}x by CPU time (target >= 1.0x)")
+
+
+# ------------------------------------------------------------------ one side per process
+
+
+class Side:
+    """One side of the comparison in its own process (spawned), so that neither side's
+    memory allocator state (freed blocks kept or returned to the system) is the other's.
+    ``update()`` runs one update there and returns its (wall, process CPU) seconds."""
+
+    def __init__(self, side: str, size: int, transition: str, args):
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=_serve, args=(side, size, transition, args, child), daemon=True)
+        self.process.start()
+        child.close()
+        self.info = self._receive()  # the reference: the agreement of its log-probs with mmrl's
+
+    def _receive(self):
+        message = self.conn.recv()
+        if isinstance(message, BaseException):
+            raise message
+        return message
+
+    def update(self) -> tuple[float, float]:
+        self.conn.send("update")
+        return self._receive()
+
+    def finish(self):
+        self.conn.send("finish")
+        return self._receive()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.process.is_alive():
+            self.conn.send("stop")
+        self.process.join(timeout=60)
+        self.conn.close()
+
+
+def _serve(side: str, size: int, transition: str, args, conn) -> None:
+    """The worker of :class:`Side`: builds its side, then runs updates on request."""
+    torch.set_num_threads(1)
+    from mmrl.train.trainer import Trainer
+
+    try:
+        with tempfile.TemporaryDirectory() as run_dir:
+            cfg = train_config(size, transition, args, str(Path(run_dir) / "run"))
+            trainer = Trainer(cfg)  # both sides build it: the same initial UNet from the seed
+            passes = []  # mmrl: forward/backward pieces of its updates (algo.micro_batches)
+            if side == "reference":
+                reference = Reference(copy.deepcopy(trainer.policy.unet), transition, args.steps, args.groups, args.group_size, size, cfg.optim)
+                info = check_agreement(trainer.policy, reference, args.groups, args.group_size)
+                trainer.metrics.close()
+                del trainer
+                update = reference.update
+            else:
+                info = None
+                step = iter(range(1_000_000))
+                forward = trainer.model.forward
+                trainer.model.forward = lambda *a, **kw: passes.append(1) or forward(*a, **kw)
+
+                def update():
+                    metrics = trainer.rl_step(next(step))
+                    assert math.isfinite(metrics["loss/policy"])
+
+            conn.send(info)
+            while True:
+                command = conn.recv()
+                if command == "update":
+                    wall, cpu = time.perf_counter(), time.process_time()
+                    update()
+                    conn.send((time.perf_counter() - wall, time.process_time() - cpu))
+                elif command == "finish":
+                    conn.send(len(passes))
+                else:
+                    break
+            if side == "mmrl":
+                trainer.metrics.close()
+    except BaseException as error:  # reported to the parent, which raises it
+        conn.send(RuntimeError(f"{side} side: {type(error).__name__}: {error}"))
+    finally:
+        conn.close()
+
 
 if __name__ == "__main__":
     main()

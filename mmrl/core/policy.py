@@ -66,6 +66,14 @@ class PolicyModule(nn.Module):
             f"{type(self).__name__} has no closed-form KL to its reference (kl.type: exact); use a sampled estimator (k1, k2, k3) instead"
         )
 
+    def activation_bytes(self, replay: dict[str, Any]) -> float | None:
+        """An estimate of the bytes of the largest activation tensor ``log_prob(replay)``
+        makes per sample of ``replay`` (e.g. the denoiser's widest feature map, times the
+        steps one call evaluates), from which the trainer picks its gradient-accumulation
+        pieces when ``algo.micro_batches`` is null; ``None`` (the default): no estimate,
+        one piece."""
+        return None
+
     def forward(self, replay: dict[str, Any], mode: str = "log_prob", reference: nn.Module | None = None):
         # the distributed wrapper syncs gradients of what goes through forward: the RL pass
         # (log_prob, with the exact KL when asked) and supervised fine-tuning (sft) all do

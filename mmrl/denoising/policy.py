@@ -49,6 +49,27 @@ class DenoisingPolicy(PolicyModule):
         ``rows`` index the chains of ``replay["chain"]`` with its leading dims flattened."""
         raise NotImplementedError(f"{type(self).__name__} must say how its denoiser is conditioned on a replay (chain_denoiser)")
 
+    def step_activation_bytes(self) -> int | None:
+        """Bytes of the widest feature map one denoiser evaluation computes per latent (a
+        UNet's first level: channels x height x width x element size; a transformer's
+        tokens x width x element size), for :meth:`activation_bytes`; ``None`` (the
+        default): no estimate."""
+        return None
+
+    def activation_bytes(self, replay: dict[str, Any]) -> float | None:
+        """Per sample of ``replay`` (the mean): :meth:`step_activation_bytes` x the steps of
+        its chains that one recomputation call evaluates (its stochastic steps, at most
+        ``chunk_steps`` per chain)."""
+        per_step = self.step_activation_bytes()
+        stochastic = replay["chain"]["stochastic"]
+        n, width = stochastic.shape[0], stochastic.shape[-1]
+        if per_step is None or n == 0:
+            return None
+        steps = stochastic.reshape(n, -1, width).to(torch.bool).sum(-1)  # [N, chains per sample]
+        if self.denoising.chunk_steps is not None:
+            steps = steps.clamp(max=self.denoising.chunk_steps)
+        return float(per_step * steps.sum(-1).float().mean())
+
     def decisions(self, per_step: Tensor) -> Tensor:
         """Per-step values [N, (calls,) W] of stored chains → per-decision values [N, T]."""
         n = per_step.shape[0]

@@ -55,7 +55,12 @@ class AlgoConfig:
     mask_truncated: bool = option(False, "drop samples that were truncated (no EOS / time limit) from the loss")
     ppo_epochs: int = option(1, "passes over each rollout", ge=1)
     num_minibatches: int = option(1, "optimizer steps per epoch, each on one slice of a global permutation of the batch", ge=1)
-    micro_batches: int = option(1, "gradient accumulation: each minibatch's forward/backward runs in this many pieces before its one optimizer step (same update, less memory)", ge=1)
+    micro_batches: int | None = option(
+        None,
+        "gradient accumulation: each minibatch's forward/backward runs in this many pieces before its one optimizer step (same update, less memory); null: on a CPU as many as keep a piece's activations under micro_batch_mb by the policy's estimate (policy.activation_bytes), else 1",
+        ge=1,
+    )
+    micro_batch_mb: float = option(4.0, "micro_batches null, on a CPU: the most megabytes (2^20 bytes) of the policy's activation estimate one piece may hold (a piece whose tensors outgrow the cache runs slower)", gt=0)
     self_imitation: SelfImitationConfig = option(factory=SelfImitationConfig, doc="self-imitation of past positive-advantage samples")
 
     def validate(self, path: str) -> None:

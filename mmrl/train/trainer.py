@@ -501,12 +501,30 @@ class Trainer:
             parts["kl/ref"] = kl_loss.detach()
         return loss, logp, stats, parts
 
+    def num_pieces(self, batch: Rollout) -> int:
+        """The forward/backward pieces of this process's rows ``batch`` of one optimizer step:
+        ``algo.micro_batches``, or when it is null, on a CPU, as many as keep each piece's
+        share of the policy's activation estimate (``policy.activation_bytes``, bytes per
+        sample) under ``algo.micro_batch_mb`` — one call whose tensors outgrow the cache runs
+        slower than several that fit; elsewhere, or without an estimate, 1. The largest
+        count over processes, so that every process runs the same passes."""
+        cfg = self.cfg.algo
+        if cfg.micro_batches is not None:
+            return cfg.micro_batches
+        if self.accelerator.device.type != "cpu" or not _overrides(self.policy, "activation_bytes"):
+            return 1  # the same in every process: no need to agree
+        k = 1
+        per_sample = self.policy.activation_bytes(batch.replay) if batch.batch_size else None
+        if per_sample:
+            k = min(batch.batch_size, max(1, math.ceil(batch.batch_size * per_sample / (cfg.micro_batch_mb * 2**20))))
+        return self.dist.max(k)
+
     def _minibatch_step(
         self, mb: Rollout, adv: torch.Tensor, spare: Rollout, step: int, at_sampling_weights: bool = False, rows: torch.Tensor | None = None
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
         """One optimizer step on this process's rows ``mb`` of a global minibatch; with
-        ``micro_batches`` > 1 the forward/backward runs in pieces whose losses use the whole
-        minibatch's normalizers. ``rows`` (bool [len(mb)]) picks the rows that run, the others
+        several pieces (:meth:`num_pieces`) the forward/backward runs in pieces whose losses
+        use the whole minibatch's normalizers. ``rows`` (bool [len(mb)]) picks the rows that run, the others
         adding nothing to the loss (``update``). A process without rows runs a no-op piece so
         that every process takes part in the gradient all-reduce. Returns the metrics and,
         with ``at_sampling_weights`` (old log-probs = the forward's own, see ``policy_loss``),
@@ -515,7 +533,7 @@ class Trainer:
         agg = self.normalizers(mb)
         if rows is not None and not bool(rows.all()):
             mb, adv = mb[rows], adv[rows.to(adv.device)]
-        pieces = [(mb[i], adv[i.to(adv.device)]) for i in _pieces(mb.batch_size, cfg.micro_batches)]
+        pieces = [(mb[i], adv[i.to(adv.device)]) for i in _pieces(mb.batch_size, self.num_pieces(mb))]
         pieces = [p if p[0].batch_size else (spare, torch.zeros_like(spare.mask)) for p in pieces]
         sums: dict[str, torch.Tensor] = {}
         forward_logp: list[torch.Tensor] = []
@@ -569,7 +587,7 @@ class Trainer:
                 batch, adv = spare, torch.zeros_like(spare.mask)
             batch, adv = batch.to(device), adv.to(device)
             # an empty piece runs a masked spare sample: it keeps the all-reduce in step
-            pieces = [(batch[i], adv[i.to(device)]) if i.numel() else (spare.to(device), torch.zeros_like(spare.mask, device=device)) for i in _pieces(batch.batch_size, cfg.micro_batches)]
+            pieces = [(batch[i], adv[i.to(device)]) if i.numel() else (spare.to(device), torch.zeros_like(spare.mask, device=device)) for i in _pieces(batch.batch_size, self.num_pieces(batch))]
             if si.loss == "sft":
                 count = self.dist.sum((adv * batch.mask).sum()).clamp_min(1e-8).to(device) / self.world
                 loss_fn = lambda p: sil.sft_loss(self.model, self.policy, p[0].replay, p[1] * p[0].mask, count)  # noqa: E731

@@ -689,6 +689,21 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         # a model that learns its variance (DiT) outputs it after the prediction; the chain's std is the transition's
         return out[:, : self.channels] if out.shape[1] == 2 * self.channels else out
 
+    def step_activation_bytes(self) -> int:
+        """The widest feature map of one denoiser evaluation per latent, in bytes: the UNet's
+        first level (block_out_channels[0] x height x width), a transformer's patch tokens x
+        its width; twice that under classifier-free guidance with both passes in one batch
+        (``guidance_grad: both``). The trainer's estimate for ``algo.micro_batches`` null."""
+        model = self.denoiser_model
+        height, width = self.resolution
+        if self.kind == "unet":
+            elements = model.config.block_out_channels[0] * height * width
+        else:
+            patch = model.config.patch_size
+            elements = (height // patch) * (width // patch) * model.config.num_attention_heads * model.config.attention_head_dim
+        joint = self.config.guidance_scale != 1 and self.config.guidance_grad != "detached"
+        return elements * next(model.parameters()).element_size() * (2 if joint else 1)
+
     def _guided(self, x: Tensor, timestep: Tensor, condition, null) -> Tensor:
         """The denoiser's output under classifier-free guidance: uncond + w (cond − uncond)."""
         w = self.config.guidance_scale

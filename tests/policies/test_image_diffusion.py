@@ -381,3 +381,56 @@ def test_uncheckpointed_one_step_chunks_reproduce_old_logp_exactly_and_train():
     assert torch.equal(logp.detach(), sample.logp)
     logp.sum().backward()
     assert all(p.grad is not None for p in policy.unet.parameters() if p.requires_grad)
+
+
+def test_the_activation_estimate_is_the_first_unet_level_times_the_steps_one_call_evaluates():
+    policy = make(tiny={"resolution": 32, "block_out_channels": [32, 64]})
+    first_level = 32 * 32 * 32 * 4  # channels x height x width x float32 bytes
+    assert policy.step_activation_bytes() == first_level
+    every_step = {"chain": {"stochastic": torch.ones(4, 8, dtype=torch.bool)}}
+    last_three = {"chain": {"stochastic": torch.arange(8).expand(4, 8) >= 5}}
+    assert policy.activation_bytes(every_step) == 8 * first_level
+    assert policy.activation_bytes(last_three) == 3 * first_level
+    chunked = make(tiny={"resolution": 32, "block_out_channels": [32, 64]}, denoising={**TRANSITIONS["ddim"], "chunk_steps": 2})
+    assert chunked.activation_bytes(every_step) == 2 * first_level
+    guided = make(tiny={"resolution": 32, "block_out_channels": [32, 64]}, guidance_scale=2.0, guidance_grad="both")
+    assert guided.activation_bytes(every_step) == 2 * 8 * first_level  # conditional and unconditional passes in one batch
+
+
+def test_an_update_split_by_the_activation_estimate_equals_the_one_piece_update(tmp_path):
+    """algo.micro_batches null on a CPU: the trainer cuts each minibatch into pieces by the
+    policy's activation estimate; gradient accumulation gives the same gradients and loss."""
+    from mmrl.train.config import TrainConfig
+    from mmrl.train.metrics import read_metrics
+    from mmrl.train.trainer import Trainer
+
+    results = {}
+    for micro_batches in (1, None):
+        cfg = from_dict(TrainConfig, {
+            "name": "pieces", "seed": 0, "total_steps": 2,
+            "policy": {"type": "image_diffusion", "tiny": {"resolution": 8}, "denoising": {"num_inference_steps": 4, "logp_reduction": "mean"}},
+            "sampler": {"type": "prompt", "data": {"num_prompts": 3}, "batch_groups": 4},
+            "rewards": [{"type": "jpeg_compressibility"}],
+            # 8 samples x 4 steps x 8 channels x 8 x 8 x 4 bytes = 64 KiB: three pieces of at most 0.025 MiB
+            "algo": {"group_size": 2, "groups_per_step": 4, "micro_batches": micro_batches, "micro_batch_mb": 0.025},
+            "optim": {"lr": 1e-3}, "eval": {"every": 0, "at_end": False}, "checkpoint": {"every": 0},
+            "log": {"progress": False, "tensorboard": False},
+        })
+        trainer = Trainer(cfg, tmp_path / f"run{micro_batches}")
+        calls, grads = [], []
+        forward, step = trainer.model.forward, trainer.optimizer.step
+        trainer.model.forward = lambda *a, **kw: calls.append(1) or forward(*a, **kw)
+        trainer.optimizer.step = lambda *a, **kw: grads.append({n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}) or step(*a, **kw)
+        trainer.train()
+        assert len(calls) == 2 * (1 if micro_batches == 1 else 3)
+        results[micro_batches] = grads, [r for r in read_metrics(tmp_path / f"run{micro_batches}") if "loss/policy" in r]
+    (g1, m1), (gk, mk) = results[1], results[None]
+    assert len(g1) == len(gk) == 2 and g1[0].keys() == gk[0].keys() and "unet.conv_in.weight" in g1[0]
+    for i, (one, pieces) in enumerate(zip(g1, gk)):  # each step's clipped gradient, as the optimizer saw it
+        for name in one:
+            # float32 sums in another order: ~2e-5 of the tensor's largest entry
+            assert float((pieces[name] - one[name]).abs().max()) <= 1e-4 * float(one[name].abs().max()) + 1e-9, (i, name)
+    assert any(float(g.abs().max()) > 1e-4 for g in g1[0].values())
+    for a, b in zip(m1, mk):
+        for key in ("loss/policy", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), key

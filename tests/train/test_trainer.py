@@ -295,6 +295,30 @@ def test_micro_batches_accumulate_to_the_same_update(tmp_path, aggregation):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
 
 
+def test_micro_batches_null_cuts_minibatches_by_the_policys_activation_estimate(tmp_path, monkeypatch):
+    """The default (null): one piece for a policy without an activation estimate; with one,
+    on a CPU, as many pieces as keep each under micro_batch_mb — the same update."""
+    results = {}
+    for name, algo, estimate, pieces in [
+        ("one", {"micro_batches": 1}, None, 1),
+        ("none", {}, None, 1),
+        ("estimated", {"micro_batch_mb": 1.5}, 0.5 * 2**20, 3),  # 8 rows x 0.5 MiB / 1.5 MiB -> 3 pieces
+    ]:
+        cfg = env_config(total_steps=2, algo={"group_size": 4, "groups_per_step": 4, "ppo_epochs": 1, "num_minibatches": 2, **algo})
+        trainer = Trainer(cfg, tmp_path / name)
+        if estimate is not None:  # the policy class implements the hook
+            monkeypatch.setattr(type(trainer.policy), "activation_bytes", lambda self, replay, estimate=estimate: estimate, raising=False)
+        calls = []
+        forward = trainer.model.forward
+        trainer.model.forward = lambda *a, **kw: calls.append(1) or forward(*a, **kw)
+        trainer.train()
+        assert len(calls) == 2 * 2 * pieces, name  # steps x minibatches x pieces
+        results[name] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    for name in results["one"]:
+        torch.testing.assert_close(results["none"][name], results["one"][name], atol=0, rtol=0)
+        torch.testing.assert_close(results["estimated"][name], results["one"][name], atol=1e-5, rtol=1e-4)
+
+
 def test_exact_kl_of_a_denoising_chain_pulls_the_policy_back_to_its_reference(tmp_path):
     """kl.type: exact takes the policy's closed-form per-step KL (through the distributed
     forward); a large coefficient holds the chain near its reference while the reward
