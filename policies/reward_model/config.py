@@ -25,13 +25,17 @@ class BTImageConfig(PolicyConfig):
 
     type: str = option("bt_image", "registered name of this component (see `mmrl list`)")
     image_size: int = option(32, "side of the square images scored (others are an error)", ge=4)
-    channels: list[int] = option(factory=lambda: [16, 32, 64], doc="output channels of the stride-2 3x3 convs, each FiLM-conditioned on the prompt")
+    channels: list[int] = option(factory=lambda: [16, 32, 64], doc="output channels of the 3x3 convs, each FiLM-conditioned on the prompt")
+    strides: list[int] | None = option(None, "stride of each conv (1 or 2), one per entry of channels; null = 2 for every conv. A first stride of 1 keeps full resolution where objects are a few pixels wide")
+    hflip: bool = option(False, "training only: mirror each image left-right with probability 1/2 (the label is unchanged). Only for prompts without left/right relations")
     hidden: int = option(64, "width of the score head's hidden layer", ge=1)
     prompt: PromptEncoderConfig = option(factory=PromptEncoderConfig, doc="how the prompt is read")
 
     def validate(self, path: str) -> None:
         if not self.channels or any(c < 1 for c in self.channels):
             raise ConfigError(f"{path}.channels" if path else "channels", self.channels, "expected a non-empty list of positive channel counts")
+        if self.strides is not None and (len(self.strides) != len(self.channels) or any(s not in (1, 2) for s in self.strides)):
+            raise ConfigError(f"{path}.strides" if path else "strides", self.strides, f"expected null or one stride (1 or 2) per conv ({len(self.channels)} entries)")
 
 
 @dataclass

@@ -73,6 +73,10 @@ class RewardModel(PolicyModule):
         prompts = list(batch["prompt"]) * 2
         chosen, rejected = batch["chosen"], batch["rejected"]
         items = chosen + rejected if isinstance(chosen, list) else torch.cat([chosen, rejected])
+        if self.training and getattr(self.config, "hflip", False):
+            # mirror each image (or each set) left-right with probability 1/2: W is the axis before RGB
+            flip = torch.rand(items.shape[0]) < 0.5
+            items = torch.where(flip.view(-1, *[1] * (items.dim() - 1)), items.flip(-2), items)
         scores = self.score(prompts, items)  # one pass over both sides (one forward for DDP)
         return bradley_terry_loss(scores[:n], scores[n:])
 
@@ -126,8 +130,8 @@ class ImageTower(nn.Module):
         self.image_size = cfg.image_size
         self.convs, self.norms, self.films = nn.ModuleList(), nn.ModuleList(), nn.ModuleList()
         c_in = 5  # RGB + x/y coordinate planes (relations: where an object lies matters)
-        for c in cfg.channels:
-            self.convs.append(nn.Conv2d(c_in, c, 3, stride=2, padding=1))
+        for c, stride in zip(cfg.channels, cfg.strides or [2] * len(cfg.channels)):
+            self.convs.append(nn.Conv2d(c_in, c, 3, stride=stride, padding=1))
             self.norms.append(nn.GroupNorm(1, c))
             self.films.append(nn.Linear(prompt_dim, 2 * c))
             c_in = c

@@ -126,3 +126,33 @@ def test_a_reward_model_generates_nothing_and_says_so():
         model.sample(["a red circle"])
     with pytest.raises(ValueError, match="uint8 RGB images"):
         model.score(["a red circle"], _images(1, size=8))
+
+
+def test_strides_set_each_convs_downsampling_and_bad_strides_name_the_field():
+    from mmrl.errors import ConfigError
+
+    model = BTImageModel(from_dict(BTImageConfig, {**TINY, "strides": [1, 2]}, "policy"))
+    assert [conv.stride for conv in model.tower.convs] == [(1, 1), (2, 2)]
+    assert [conv.stride for conv in BTImageModel(from_dict(BTImageConfig, TINY, "policy")).tower.convs] == [(2, 2), (2, 2)]
+    for bad in ([1], [3, 2]):
+        with pytest.raises(ConfigError, match="policy.strides"):
+            BTImageModel(from_dict(BTImageConfig, {**TINY, "strides": bad}, "policy"))
+
+
+def test_hflip_mirrors_about_half_the_training_images_and_none_at_evaluation():
+    torch.manual_seed(0)
+    model = BTImageModel(from_dict(BTImageConfig, {**TINY, "hflip": True}, "policy"))
+    seen = []
+    score = model.score
+    model.score = lambda prompts, items: seen.append(items.clone()) or score(prompts, items)
+    chosen, rejected = _images(32, seed=1), _images(32, seed=2)
+    batch = {"prompt": ["a red circle"] * 32, "chosen": chosen, "rejected": rejected}
+    model.train()
+    model.sft_loss(batch)
+    items, original = seen[-1], torch.cat([chosen, rejected])
+    mirrored = torch.tensor([torch.equal(a, b.flip(-2)) for a, b in zip(items, original)])
+    kept = torch.tensor([torch.equal(a, b) for a, b in zip(items, original)])
+    assert (mirrored | kept).all() and 16 <= int(mirrored.sum()) <= 48  # each one or the other, about half mirrored
+    model.eval()
+    model.sft_loss(batch)
+    assert torch.equal(seen[-1], original)
