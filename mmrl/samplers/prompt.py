@@ -60,6 +60,7 @@ class PromptSamplerConfig(SamplerConfig):
     batch_groups: int = option(8, "groups per batched policy.sample call (calls start at global group indices divisible by it)", ge=1)
     eval_batch_size: int = option(64, "evaluation samples per policy.sample call", ge=1)
     eval_all: bool = option(False, "evaluate every held-out record once, whatever eval.episodes says")
+    eval_deterministic: bool = option(True, "evaluate deterministic samples (greedy tokens, mean transitions); false: seeded samples drawn as in training (samplers that always inject noise, such as a multistep consistency sampler)")
     accuracy_threshold: float = option(1.0, "evaluation: a sample is correct when its combined reward is >= this")
     cluster_key: str | None = option(
         None,
@@ -161,7 +162,8 @@ class PromptSampler(Sampler):
 
     @torch.no_grad()
     def evaluate(self, policy: Policy, episodes: int, seed: int, rewards: RewardSet | None = None) -> dict[str, Any]:
-        """Deterministic samples (greedy tokens / mean transitions) on the held-out records —
+        """Deterministic samples (greedy tokens / mean transitions; seeded samples drawn as in
+        training with ``eval_deterministic`` false) on the held-out records —
         the train records when there is no held-out split — in source order: the first
         ``episodes``, cycling when there are fewer records, or every record once with
         ``eval_all``. Call k's generator (a chain's starting noise) is seeded with
@@ -186,7 +188,8 @@ class PromptSampler(Sampler):
             positions = range(first, min(n, first + self.config.eval_batch_size))
             records = [pool[i % len(pool)] for i in positions]
             inputs = self._inputs(records, 1, device)
-            sample = policy.sample(inputs, torch.Generator().manual_seed(group_seed(seed, 0, first)), deterministic=True)
+            generator = torch.Generator().manual_seed(group_seed(seed, 0, first))
+            sample = policy.sample(inputs, generator, deterministic=self.config.eval_deterministic)
             parts.append(self._rollout(sample, inputs, records, 1, torch.tensor([i % len(pool) for i in positions])))
         rollout = Rollout.cat(parts)
 

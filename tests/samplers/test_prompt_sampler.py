@@ -354,6 +354,15 @@ def test_evaluate_of_the_chain_starts_from_seeded_noise():
     assert a["episodes"] == 16 and a["reward_mean"] < 0
 
 
+def test_eval_deterministic_false_evaluates_seeded_samples_drawn_as_in_training():
+    rewards = [TokenFractionConfig(type="token_fraction", token=3)]
+    sampler, policy = setup(CategoricalSequenceConfig(type="categorical_sequence"), rewards, eval_deterministic=False)
+    a, b, c = (sampler.evaluate(policy, episodes=32, seed=s, rewards=sampler.rewards) for s in (0, 0, 1))
+    assert a == b and a["reward_mean"] != c["reward_mean"]  # seeded, and the seed now matters
+    greedy, _ = setup(CategoricalSequenceConfig(type="categorical_sequence"), rewards)
+    assert greedy.evaluate(policy, episodes=32, seed=0, rewards=greedy.rewards) == greedy.evaluate(policy, episodes=32, seed=1, rewards=greedy.rewards)
+
+
 def test_evaluate_reports_success_rate_when_the_policy_reports_success():
     cfg = train_config(rewards=[TargetDistanceConfig(type="target_distance", target=2.0)], accuracy_threshold=-0.5)
     metrics = PromptSampler(cfg.sampler, cfg).evaluate(RecordingPolicy(), episodes=8, seed=0, rewards=run_rewards(cfg))
