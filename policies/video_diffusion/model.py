@@ -182,6 +182,15 @@ class VideoDiffusionPolicy(DenoisingPolicy):
 
         return denoise
 
+    def step_activation_bytes(self) -> int:
+        """The widest feature map of one denoiser evaluation per video, in bytes: the 3-D
+        UNet's first level (block_out_channels[0] x frames x height x width). Guidance adds
+        no grad-carrying pass (the unconditional one runs without grad). The trainer's
+        estimate for ``algo.micro_batches`` null."""
+        height, width = self.resolution
+        elements = self.unet.config.block_out_channels[0] * self.frames * height * width
+        return elements * next(self.unet.parameters()).element_size()
+
     @property
     def _replay_key(self) -> str:
         return "prompt_ids" if self.conditioning == "text" else "condition"

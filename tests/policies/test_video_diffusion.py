@@ -226,3 +226,13 @@ def test_training_with_the_temporal_consistency_reward_raises_it(tmp_path, seed)
     assert len(rewards) == 20
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last > first + 0.03, rewards
+
+
+def test_the_activation_estimate_is_the_first_unet_level_over_all_frames_times_the_steps_one_call_evaluates():
+    policy = make(tiny={"frames": 4, "resolution": 8, "block_out_channels": [8, 16]})
+    first_level = 8 * 4 * 8 * 8 * 4  # channels x frames x height x width x float32 bytes
+    assert policy.step_activation_bytes() == first_level
+    every_step = {"chain": {"stochastic": torch.ones(2, 6, dtype=torch.bool)}}
+    assert policy.activation_bytes(every_step) == 6 * first_level
+    guided = make(tiny={"frames": 4, "resolution": 8, "block_out_channels": [8, 16]}, guidance_scale=3.0)
+    assert guided.activation_bytes(every_step) == 6 * first_level  # the unconditional pass carries no grad
