@@ -27,6 +27,16 @@ class KLConfig:
     coef: float = option(0.0, "weight of the KL (0 = off, no reference model is kept)", ge=0)
     in_reward: bool = option(False, "subtract coef * sum_t KL from the reward (PPO-RLHF) instead of adding a loss term")
 
+    @property
+    def in_loss_term(self) -> bool:
+        """The KL is on (coef > 0) as a term of the loss."""
+        return self.coef > 0 and not self.in_reward
+
+    @property
+    def in_reward_penalty(self) -> bool:
+        """The KL is on (coef > 0) as a penalty subtracted from the reward."""
+        return self.coef > 0 and self.in_reward
+
     def validate(self, path: str) -> None:
         known = [*KL_ESTIMATORS.names(), "exact"]
         if self.type not in known:

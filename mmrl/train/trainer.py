@@ -235,7 +235,7 @@ class Trainer:
         commit_statistics(self.policy, self.dist.sum)  # what the step's samples taught running statistics
         t_sample = time.time() - t0
         rollout = collected.rollout
-        if rollout.old_logp_deferred and self.cfg.algo.kl.coef > 0 and self.cfg.algo.kl.in_reward:
+        if rollout.old_logp_deferred and self.cfg.algo.kl.in_reward_penalty:
             rollout = self.exact_old_logp(rollout)  # the KL penalty in the reward reads them now
         adv, keep = self.advantages(rollout)
         rollout = rollout.with_(mask=self.train_mask(rollout, keep))
@@ -316,7 +316,7 @@ class Trainer:
         gather = lambda t: self.dist.gather_rows(t.cpu(), sizes)  # noqa: E731
         groups = gather(rollout.group_id)
         reward = self.rewards.combine(gather(rollout.rewards), groups)
-        if cfg.kl.coef > 0 and cfg.kl.in_reward:
+        if cfg.kl.in_reward_penalty:
             # PPO-RLHF: r - coef * sum_t KL(old || ref) of the sampled decisions
             kl = (self.kl_fn(rollout.old_logp, rollout.ref_logp) * rollout.mask).sum(1).cpu()
             reward = reward - cfg.kl.coef * gather(kl)
@@ -408,7 +408,7 @@ class Trainer:
         # samples the loss cannot see (advantage 0 on every valid decision, with an objective
         # that is 0 there and no KL term in the loss) are left out of every pass: the same
         # loss and gradient (normalizers count them), less compute
-        idle_skipped = getattr(self.objective_fn, "zero_at_zero_advantage", False) and not (cfg.kl.coef > 0 and not cfg.kl.in_reward)
+        idle_skipped = getattr(self.objective_fn, "zero_at_zero_advantage", False) and not cfg.kl.in_loss_term
         active = ((adv * rollout.mask) != 0).any(1).cpu() if idle_skipped else torch.ones(rollout.batch_size, dtype=torch.bool)
         if getattr(self.objective_fn, "needs_proximal", False):
             with torch.no_grad():
@@ -481,11 +481,11 @@ class Trainer:
         cfg = self.cfg.algo
         mask = batch.mask
         kl = None
-        if cfg.kl.coef > 0 and not cfg.kl.in_reward and self.kl_fn is None:
+        if cfg.kl.in_loss_term and self.kl_fn is None:
             logp, kl = self.model(batch.replay, mode="log_prob_and_kl", reference=self.reference)
         else:
             logp = self.model(batch.replay)
-            if cfg.kl.coef > 0 and not cfg.kl.in_reward:
+            if cfg.kl.in_loss_term:
                 kl = self.kl_fn(logp, batch.ref_logp)
         old = logp.detach() if at_sampling_weights else batch.old_logp
         options = own_options(cfg.objective, ObjectiveConfig)
