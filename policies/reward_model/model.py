@@ -73,12 +73,15 @@ class RewardModel(PolicyModule):
         prompts = list(batch["prompt"]) * 2
         chosen, rejected = batch["chosen"], batch["rejected"]
         items = chosen + rejected if isinstance(chosen, list) else torch.cat([chosen, rejected])
-        if self.training and getattr(self.config, "hflip", False):
-            # mirror each image (or each set) left-right with probability 1/2: W is the axis before RGB
-            flip = torch.rand(items.shape[0]) < 0.5
-            items = torch.where(flip.view(-1, *[1] * (items.dim() - 1)), items.flip(-2), items)
+        if self.training:
+            items = self.augment(items)
         scores = self.score(prompts, items)  # one pass over both sides (one forward for DDP)
         return bradley_terry_loss(scores[:n], scores[n:])
+
+    def augment(self, items: Any) -> Any:
+        """Training items [2N, ...] (chosen then rejected) as the loss sees them: unchanged
+        here; the image models mirror them with ``hflip``."""
+        return items
 
     def sample(self, inputs, generator=None, deterministic: bool = False):
         raise ConfigError("policy.type", self.config.type, "is a reward model: it scores samples and generates none; train it with `mmrl train-reward` and use it through the pairwise_preference reward")
@@ -167,6 +170,14 @@ class BTImageModel(RewardModel):
 
     def _head_in(self) -> int:
         return self.tower.out_dim + self.prompt.out_dim
+
+    def augment(self, items: Tensor) -> Tensor:
+        """With ``hflip``: each image (or set) mirrored left-right with probability 1/2 (W is
+        the axis before RGB)."""
+        if not self.config.hflip:
+            return items
+        flip = torch.rand(items.shape[0]) < 0.5
+        return torch.where(flip.view(-1, *[1] * (items.dim() - 1)), items.flip(-2), items)
 
     def score(self, prompts: list[str], items: Tensor) -> Tensor:
         p = self.prompt(list(prompts))
