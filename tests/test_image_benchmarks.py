@@ -43,3 +43,15 @@ def test_image_rl_throughput_reports_the_peak_rss_of_a_training_run(monkeypatch,
     out = run("image_rl_throughput.py", args, monkeypatch, capsys)
     match = re.search(r"peak RSS: (\d+\.\d+) GB", out)
     assert match and float(match.group(1)) > 0.05, out  # at least the Python + torch process
+
+
+def test_shapes_failure_modes_reads_every_held_out_image_and_its_per_prompt_counts_add_up(monkeypatch, capsys):
+    monkeypatch.chdir(CONFIGS.parent)  # the config's asset path is relative to the repository
+    out = run("shapes_failure_modes.py", [str(CONFIGS / "image_shapes_ddpo.yaml"), "--per-prompt", "2", "policy.denoising.num_inference_steps=2", "policy.denoising.window_size=1"], monkeypatch, capsys)
+    match = re.search(r"accuracy (\d\.\d+) \((\d+) of (\d+)\); wrong number of objects in (\d+) images; (\d+) objects", out)
+    assert match, out
+    per_prompt = re.findall(r"^  .+: (\d+) of 2 \((.+)\)$", out, re.MULTILINE)
+    assert len(per_prompt) == 11 and int(match[3]) == 22 and sum(int(hits) for hits, _ in per_prompt) == int(match[2]), out
+    # each prompt's images, counted by how many objects they show, are its 2 images
+    assert all(sum(int(n) for n in re.findall(r"objects in (\d+)", shown)) == 2 for _, shown in per_prompt), out
+    assert int(match[4]) <= 22, out
