@@ -33,8 +33,13 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
 
 def resolve_weights_dir(directory: str | os.PathLike) -> Path:
     """A weights directory as given, or a run directory's latest checkpoint (so that
-    ``policy.pretrained: runs/my_sft_run`` starts RL from where that run ended)."""
+    ``policy.pretrained: runs/my_sft_run`` starts RL from where that run ended), or the
+    checkpoint a ``checkpoints/latest`` pointer file names."""
     d = Path(directory)
+    if d.is_file() and d.name == LATEST:
+        named = d.parent / d.read_text().strip()
+        if (named / CHECKPOINT_STATE).is_file():
+            return named
     if not (d / "model.safetensors").is_file():
         latest = latest_checkpoint(d)
         if latest is not None:

@@ -70,6 +70,11 @@ def test_sft_from_expert_demos_raises_success_and_rl_continues_from_the_run_dir(
     state = trainer.policy.state_dict()
     assert all(np.allclose(saved[k].numpy(), state[k].detach().cpu().numpy()) for k in saved)
     assert trainer.evaluate(0)["success_rate"] >= after - 0.25
+    # the run's checkpoints/latest pointer file names the same weights
+    from mmrl.core.weights import resolve_weights_dir
+
+    pointer = tmp_path / "sft" / "checkpoints" / "latest"
+    assert resolve_weights_dir(pointer) == resolve_weights_dir(tmp_path / "sft") == pointer.parent / latest
 
 
 def test_few_shot_keeps_the_first_n_demonstrations_of_each_task(tmp_path, demos):
