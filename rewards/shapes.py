@@ -25,7 +25,12 @@ Criteria (:func:`check_criteria`), each true or false:
   apart by at least ``position_margin`` × the mean of the two boxes' extents on that axis.
 
 ``mode: strict`` gives 1 if every criterion holds (the image satisfies the whole prompt),
-else 0; ``mode: partial`` the fraction that hold.
+else 0; ``mode: partial`` the fraction that hold; ``mode: objects`` the fraction of objects
+that match: the overlap of the detected and the prompted (colour, shape) multisets over the
+larger of the two counts (three triangles asked, two triangles and a square drawn: 2/3),
+averaged with the position criterion when the prompt has a relation. ``objects`` is 1
+exactly when ``strict`` is, and between 0 and 1 it tells a nearly right image from a wrong
+one, so a group whose images are all wrong still ranks them.
 
 Measured with ``benchmarks/shapes_verifier.py`` (strict mode, default options, 2,000
 rendered scenes per size evenly over the four categories, seeds 0 and 1): ground truth
@@ -171,12 +176,23 @@ def check_criteria(scene: Scene, detections: list[Detection], position_margin: f
     return criteria
 
 
+def matched_fraction(scene: Scene, detections: list[Detection]) -> float:
+    """|detected ∩ prompted| / max(|detected|, |prompted|) over (colour, shape) multisets:
+    1 exactly when the objects are the prompt's, 0 when none of them is."""
+    wanted = Counter(scene.objects())
+    seen = Counter((d.colour, d.shape) for d in detections)
+    return sum((wanted & seen).values()) / max(sum(wanted.values()), sum(seen.values()), 1)
+
+
 @dataclass
 class ShapesGenevalConfig(RewardConfig):
     """Does each image show its prompt's shapes scene: counts, colours and positions."""
 
     type: str = option("shapes_geneval", "registered name of this component (see `mmrl list`)")
-    mode: Literal["strict", "partial"] = option("strict", "strict: 1 if the image satisfies the whole prompt, else 0; partial: the fraction of its criteria (count, colour, position) it meets")
+    mode: Literal["strict", "partial", "objects"] = option(
+        "strict",
+        "strict: 1 if the image satisfies the whole prompt, else 0; partial: the fraction of its criteria (count, colour, position) it meets; objects: the matched fraction of (colour, shape) objects, over the larger of the detected and prompted counts (averaged with position under a relation)",
+    )
     min_chroma: int = option(60, "a pixel belongs to an object when max(R,G,B) - min(R,G,B) >= this (grey has 0)", ge=1, le=255)
     min_area: float = option(0.01, "smallest object, as a fraction of the image's pixels (smaller blobs are ignored as noise)", gt=0, lt=1)
     min_fill: float = option(0.8, "a blob is a circle, square or triangle when it fills at least this fraction of that enclosing outline; otherwise an unrecognised object", gt=0, le=1)
@@ -198,13 +214,21 @@ def _scene(rollout: Rollout, i: int) -> Scene:
 @REWARDS.register("shapes_geneval", config=ShapesGenevalConfig)
 def shapes_geneval(rollout: Rollout, cfg: ShapesGenevalConfig) -> Tensor:
     """strict: r_i = Π_c [criterion c holds]; partial: r_i = mean_c [criterion c holds], over
-    count, colour and (with a relation) position of the objects detected in image i."""
+    count, colour and (with a relation) position of the objects detected in image i;
+    objects: r_i = |detected ∩ prompted| / max(|detected|, |prompted|) over (colour, shape)
+    multisets (averaged with [position holds] under a relation)."""
     images = rollout_images(rollout, "shapes_geneval")
     if "prompt" not in rollout.info:
         raise ConfigError("rewards", "shapes_geneval", "reads each sample's prompt record; use it with sampler.type: prompt and a shapes prompt set (python -m mmrl.data.shapes)")
     scores = []
     for i, image in enumerate(images):
         detections = detect_shapes(image, min_chroma=cfg.min_chroma, min_area=cfg.min_area, min_fill=cfg.min_fill)
-        met = check_criteria(_scene(rollout, i), detections, cfg.position_margin).values()
-        scores.append(float(all(met)) if cfg.mode == "strict" else sum(met) / len(met))
+        scene = _scene(rollout, i)
+        criteria = check_criteria(scene, detections, cfg.position_margin)
+        met = criteria.values()
+        if cfg.mode == "objects":
+            score = matched_fraction(scene, detections)
+            scores.append((score + criteria["position"]) / 2 if "position" in criteria else score)
+        else:
+            scores.append(float(all(met)) if cfg.mode == "strict" else sum(met) / len(met))
     return torch.tensor(scores, dtype=torch.float32)

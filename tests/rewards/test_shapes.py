@@ -72,6 +72,20 @@ def test_partial_mode_scores_the_fraction_of_criteria_met():
     assert verify(scenes, images).tolist() == [1.0, 0.0, 0.0, 1.0]
 
 
+def test_objects_mode_scores_the_matched_fraction_of_objects():
+    three = Scene((ObjectGroup(3, "purple", "triangle"),))
+    one_off = Scene((ObjectGroup(2, "purple", "triangle"), ObjectGroup(1, "purple", "square")))
+    above = Scene((ObjectGroup(2, "red", "circle"), ObjectGroup(1, "blue", "square")), "above")
+    images = [render_scene(three, 64, 0), render_scene(one_off, 64, 1), render_scene(Scene((ObjectGroup(2, "purple", "triangle"),)), 64, 2),
+              render_scene(Scene((ObjectGroup(4, "purple", "triangle"),)), 64, 3), render_scene(Scene((ObjectGroup(3, "green", "circle"),)), 64, 4),
+              render_scene(Scene(above.groups, "below"), 64, 5), render_scene(above, 64, 6)]
+    scenes = [three] * 5 + [above] * 2
+    # a square for a triangle: 2 of 3; one missing: 2 of 3; one extra: 3 of 4; none right: 0;
+    # all objects right but the relation swapped: (1 + 0) / 2
+    assert verify(scenes, images, mode="objects").tolist() == pytest.approx([1.0, 2 / 3, 2 / 3, 3 / 4, 0.0, 0.5, 1.0])
+    assert verify(scenes, images).tolist() == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+
+
 def test_the_scene_comes_from_the_record_metadata_and_else_from_the_prompt_text():
     shown = Scene((ObjectGroup(3, "cyan", "triangle"),))
     other = Scene((ObjectGroup(2, "cyan", "triangle"),))
