@@ -437,7 +437,8 @@ def test_an_update_split_by_the_activation_estimate_equals_the_one_piece_update(
             "sampler": {"type": "prompt", "data": {"num_prompts": 3}, "batch_groups": 4},
             "rewards": [{"type": "jpeg_compressibility"}],
             # 8 samples x 4 steps x 8 channels x 8 x 8 x 4 bytes = 64 KiB: three pieces of at most 0.025 MiB
-            "algo": {"group_size": 2, "groups_per_step": 4, "micro_batches": micro_batches, "micro_batch_mb": 0.025},
+            # the recompute's pieces (a reused sampling graph runs in one)
+            "algo": {"group_size": 2, "groups_per_step": 4, "micro_batches": micro_batches, "micro_batch_mb": 0.025, "reuse_sampling_graph": False},
             "optim": {"lr": 1e-3}, "eval": {"every": 0, "at_end": False}, "checkpoint": {"every": 0},
             "log": {"progress": False, "tensorboard": False},
         })

@@ -173,7 +173,7 @@ def test_micro_batches_by_the_activation_estimate_with_two_processes_match_one_p
         "sampler": {"type": "prompt", "data": {"num_prompts": 3}, "batch_groups": 2},
         "rewards": [{"type": "jpeg_compressibility"}],
         # 8 KiB a sample (4 steps x 8 channels x 8 x 8 x 4 bytes); pieces of at most 0.01 MiB
-        "algo": {"group_size": 2, "groups_per_step": 4, "micro_batch_mb": 0.01},
+        "algo": {"group_size": 2, "groups_per_step": 4, "micro_batch_mb": 0.01, "reuse_sampling_graph": False},
         "optim": {"lr": 1e-3}, "eval": {"every": 0, "at_end": False}, "checkpoint": {"every": 2},
         "log": {"progress": False, "tensorboard": False},
     }
