@@ -4,12 +4,17 @@ through mmrl's trainer, against a straightforward reference written here (target
 **mmrl** runs ``Trainer.rl_step`` on a config built in-process: the prompt sampler draws
 ``--groups`` groups of ``--group-size`` images (``policy.sample``: a chain with every step's
 log-prob), the JPEG-compressibility reward scores them, GRPO advantages, then one optimizer
-step of the PPO-clip loss (token mean over every (image, step) decision) on the log-probs
-that ``policy.log_prob`` recomputes in one UNet call over all stochastic steps of a piece
-(``denoising.chunk_steps`` null, the default) — with mmrl's default ``algo.micro_batches``
-null the trainer splits the minibatch into pieces whose activations fit the CPU's cache by
-the policy's estimate (at 32×32: 4 pieces of 4 images; at 16×16: one) and accumulates
-their gradients — then gradient clipping and AdamW.
+step of the PPO-clip loss (token mean over every (image, step) decision), gradient
+clipping and AdamW. The update is one on-policy pass, so by default
+(``algo.reuse_sampling_graph`` true here) sampling runs the UNet with grad on every step
+(latents detached between steps) and the loss backpropagates through the sampling pass's
+own log-probs: 8 UNet forwards and 8 backwards, no recompute forward (the same gradient;
+``tests/train/test_reuse_sampling_graph.py``). ``--recompute`` is the previous path:
+sampling without grad, then the log-probs that ``policy.log_prob`` recomputes with grad in
+one UNet call over all stochastic steps of a piece (``denoising.chunk_steps`` null) — with
+``algo.micro_batches`` null the trainer splits the minibatch into pieces whose activations
+fit the CPU's cache by the policy's estimate (at 32×32: 4 pieces of 4 images; at 16×16:
+one) and accumulates their gradients.
 
 **The reference** does the same update the way DDPO's and Flow-GRPO's reference
 implementations do: the diffusers scheduler's timesteps (``DDIMScheduler``) or sigmas
@@ -32,7 +37,7 @@ alike; on a crowded machine the CPU-time ratio is the steadier one).
 ``key=value`` overrides after it) and prints its peak resident set size
 (``resource.getrusage(RUSAGE_CHILDREN).ru_maxrss``) against the 4 GB target.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/image_rl_throughput.py [--sizes 16 32 --transitions ddim flow_sde --groups 4 --group-size 4 --steps 8 --repeats 3] [--chunk-steps 1 --keep-chunks] [--micro-batches 1]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/image_rl_throughput.py [--sizes 16 32 --transitions ddim flow_sde --groups 4 --group-size 4 --steps 8 --repeats 3] [--recompute [--chunk-steps 1 --keep-chunks] [--micro-batches 1]]
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/image_rl_throughput.py --rss configs/image_ddpo_jpeg.yaml [total_steps=10]
 """
 
@@ -92,7 +97,7 @@ def train_config(size: int, transition: str, args, run_dir: str):
         "algo": {
             "group_size": args.group_size, "groups_per_step": args.groups, "ppo_epochs": 1, "num_minibatches": 1,
             "advantage": {"type": "grpo", "std": "group"}, "objective": {"type": "ppo_clip", "eps_low": CLIP, "eps_high": CLIP},
-            "aggregation": "token_mean", "kl": {"coef": 0.0}, "micro_batches": args.micro_batches,
+            "aggregation": "token_mean", "kl": {"coef": 0.0}, "micro_batches": args.micro_batches, "reuse_sampling_graph": not args.recompute,
         },
         "optim": {"lr": 1e-3, "max_grad_norm": 1.0},
         "eval": {"every": 0, "at_end": False}, "checkpoint": {"every": 0},
@@ -231,7 +236,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats per side (medians compared)")
     parser.add_argument("--chunk-steps", type=int, default=None, help="mmrl: policy.denoising.chunk_steps (default null: every step in one UNet call)")
     parser.add_argument("--keep-chunks", action="store_true", help="mmrl: policy.denoising.checkpoint_chunks false (chunks keep their activations instead of recomputing them)")
-    parser.add_argument("--micro-batches", type=int, default=None, help="mmrl: algo.micro_batches (default null, mmrl's default: pieces from the policy's activation estimate on a CPU)")
+    parser.add_argument("--micro-batches", type=int, default=None, help="mmrl with --recompute: algo.micro_batches (default null, mmrl's default: pieces from the policy's activation estimate on a CPU)")
+    parser.add_argument("--recompute", action="store_true", help="mmrl: algo.reuse_sampling_graph false (sample without grad, recompute the log-probs with grad in the update)")
     parser.add_argument("--rss", metavar="CONFIG", help="instead: run `mmrl train CONFIG` in a subprocess and print its peak RSS")
     parser.add_argument("overrides", nargs="*", help="with --rss: key=value overrides of the config")
     args = parser.parse_args()
@@ -243,7 +249,7 @@ def main() -> None:
 
     n = args.groups * args.group_size
     print(f"{args.groups} groups x {args.group_size} images, {args.steps} steps (all decisions), class-conditional, 1 thread per side, {args.repeats} interleaved repeats, each side in its own process")
-    print(f"mmrl: denoising.chunk_steps {args.chunk_steps}, checkpoint_chunks {not args.keep_chunks}, algo.micro_batches {args.micro_batches}")
+    print(f"mmrl: algo.reuse_sampling_graph {not args.recompute}, denoising.chunk_steps {args.chunk_steps}, checkpoint_chunks {not args.keep_chunks}, algo.micro_batches {args.micro_batches}")
     print("| size | transition | pieces | mmrl (Trainer.rl_step) | reference | ratio (wall) | ratio (CPU) |")
     print("|---|---|---|---|---|---|---|")
     ratios, agreements = [], []

@@ -14,7 +14,9 @@ class Sample:
     """What one ``Policy.sample`` call returns for N inputs and T decisions each."""
 
     output: Any  # what the caller consumes: actions [N, C, A], token ids, final latents ...
-    logp: Tensor  # [N, T] log-prob of each decision under the sampling parameters
+    # [N, T] log-prob of each decision under the sampling parameters; attached to the autograd
+    # graph of the parameters when ``sample`` was asked to ``keep_graph``
+    logp: Tensor
     replay: dict[str, Any]  # enough to recompute ``logp`` with ``log_prob(replay)``
     mask: Tensor | None = None  # [N, T] valid decisions (None = all valid)
     entropy: Tensor | None = None  # [N, T] per-decision entropy, if the policy can tell
@@ -37,6 +39,11 @@ class PolicyModule(nn.Module):
     distributed wrapper (DDP/FSDP) sees the training pass and synchronises its gradients."""
 
     config: Any = None
+    # ``sample(..., keep_graph=True)`` returns ``Sample.logp`` with the autograd graph of the
+    # parameters, equal in value and gradient to ``log_prob(replay)`` at the sampling
+    # parameters; the trainer may then backpropagate through them instead of recomputing
+    # (``algo.reuse_sampling_graph``, docs/architecture.md)
+    keeps_sampling_graph: bool = False
 
     def sample(self, inputs: Any, generator: torch.Generator | None = None, deterministic: bool = False) -> Sample:
         raise NotImplementedError
@@ -74,14 +81,17 @@ class PolicyModule(nn.Module):
         one piece."""
         return None
 
-    def forward(self, replay: dict[str, Any], mode: str = "log_prob", reference: nn.Module | None = None):
+    def forward(self, replay: dict[str, Any], mode: str = "log_prob", reference: nn.Module | None = None, sampled_logp: Tensor | None = None):
         # the distributed wrapper syncs gradients of what goes through forward: the RL pass
-        # (log_prob, with the exact KL when asked) and supervised fine-tuning (sft) all do
+        # (log_prob, with the exact KL when asked) and supervised fine-tuning (sft) all do.
+        # ``sampled_logp``: the sampling pass's graph-carrying log-probs stand in for
+        # log_prob(replay); passing them through forward lets the wrapper see their backward
         if mode == "sft":
             return self.sft_loss(replay)
+        logp = sampled_logp if sampled_logp is not None else self.log_prob(replay)
         if mode == "log_prob_and_kl":
-            return self.log_prob(replay), self.exact_kl(replay, reference)
-        return self.log_prob(replay)
+            return logp, self.exact_kl(replay, reference)
+        return logp
 
     def media(self, rollout) -> dict[str, Any]:
         """Samples worth looking at, written as files at evaluation (:mod:`mmrl.media`):

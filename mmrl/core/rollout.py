@@ -67,6 +67,10 @@ class Rollout:
     # old_logp is provisional; the exact values are the policy's log_prob(replay) at the
     # sampling parameters, computed by the trainer (docs/architecture.md)
     old_logp_deferred: bool = False
+    # [B, T] the sampling pass's log-probs still attached to the autograd graph of the
+    # policy's parameters (the trainer asked for them: algo.reuse_sampling_graph); old_logp
+    # is their detached copy
+    sampling_graph_logp: Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -76,6 +80,9 @@ class Rollout:
     def num_decisions(self) -> int:
         return self.old_logp.shape[1]
 
+    # slicing, moving and concatenating keep autograd history (sampling_graph_logp) even
+    # where the caller runs without grad, as the trainer's collection does
+    @torch.enable_grad()
     def _apply(self, fn) -> "Rollout":
         b = self.batch_size
         out = {}
@@ -100,6 +107,7 @@ class Rollout:
         return replace(self, **changes)
 
     @staticmethod
+    @torch.enable_grad()
     def cat(rollouts: list["Rollout"]) -> "Rollout":
         """Concatenate along the batch; decision axes of different lengths are right-padded
         (padding is masked out)."""

@@ -22,12 +22,16 @@ class Sampler:
     A sampler is built as ``cls(sampler_cfg, train_cfg)``.
     """
 
+    # collect(..., keep_graph=True) asks a policy that ``keeps_sampling_graph`` to keep it
+    # and carries its log-probs to ``Rollout.sampling_graph_logp`` (algo.reuse_sampling_graph)
+    keeps_sampling_graph: bool = False
+
     def policy_spec(self) -> dict[str, Any]:
         """What the policy must know about inputs and outputs (observation and action sizes,
         number of prompts …); stored with the policy's weights."""
         return {}
 
-    def collect(self, policy: Policy, num_groups: int, group_size: int, step: int, group_offset: int = 0) -> Rollout:
+    def collect(self, policy: Policy, num_groups: int, group_size: int, step: int, group_offset: int = 0, keep_graph: bool = False) -> Rollout:
         raise NotImplementedError
 
     def metrics(self, rollout: Rollout) -> dict[str, Tensor]:

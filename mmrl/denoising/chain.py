@@ -89,7 +89,6 @@ def _floor(std: Tensor, min_std: float) -> Tensor:
     return std.clamp(min=min_std) if min_std > 0 else std
 
 
-@torch.no_grad()
 def run_chain(
     denoiser: Denoiser,
     transition: Transition,
@@ -100,6 +99,7 @@ def run_chain(
     min_std: float = 0.0,
     reduce: str = "sum",
     clamp: tuple[float, float] | None = None,
+    keep_graph: bool = False,
 ) -> ChainSample:
     """Run the K = ``transition.num_steps`` steps from ``x_init`` [N, …].
 
@@ -108,45 +108,58 @@ def run_chain(
     on every device. ``reduce`` / ``clamp`` are those of
     :func:`~mmrl.denoising.gaussian.gaussian_log_prob`. Raises ``ValueError`` if a
     stochastic step has std 0 (choose ``min_std > 0`` or make that step deterministic).
+
+    Without grad, unless ``keep_graph``: then the denoiser runs with grad on the steps that
+    are stochastic for some chain, and ``log_probs`` keep the autograd graph of its
+    parameters. The latent handed to the next step (and stored) is detached, so step k's
+    log-prob depends on the parameters only through its own mean (and std), exactly as
+    :func:`chain_log_probs` recomputes it at the stored latents: at unchanged parameters
+    both give the same log-probs and the same gradient, without a second forward.
     """
     n, k_steps = x_init.shape[0], transition.num_steps
     stochastic = stochastic.to(device=x_init.device, dtype=torch.bool)
     if stochastic.shape != (n, k_steps):
         raise ValueError(f"stochastic must be [N, K] = [{n}, {k_steps}], got {list(stochastic.shape)}")
     rows = torch.arange(n, device=x_init.device)
-    x = x_init
+    x = x_init.detach()
     latents = [x]
-    log_probs = x.new_zeros(n, k_steps)
-    entropies = x.new_zeros(n, k_steps)
+    log_probs, entropies = [], []
     for k in range(k_steps):
         step = torch.full((n,), k, dtype=torch.long, device=x.device)
-        out = denoiser(x, transition.model_time(step), rows)
         is_stochastic = stochastic[:, k]
-        mean, std = transition.mean_std(step, x, out, is_stochastic)
-        if bool(is_stochastic.all()):  # the usual case: no masking needed
-            std = _floor(std, min_std)
-            if bool((std <= 0).any()):
-                raise ValueError(f"denoising step {k} is stochastic but its std is 0; set a minimum std (min_std > 0) or make the step deterministic")
-            noise = torch.randn(x.shape, generator=generator, dtype=x.dtype).to(x.device)
-            x = mean + std * noise
-            log_probs[:, k] = gaussian_log_prob(x, mean, std, reduce, clamp=clamp)
-            entropies[:, k] = gaussian_entropy(std, x, reduce)
-        elif is_stochastic.any():
-            std = _floor(std, min_std)
-            noisy = is_stochastic.view(n, *([1] * (x.ndim - 1))).expand_as(x)
-            if bool((std <= 0)[noisy].any()):
-                raise ValueError(f"denoising step {k} is stochastic but its std is 0; set a minimum std (min_std > 0) or make the step deterministic")
-            noise = torch.randn(x.shape, generator=generator, dtype=x.dtype).to(x.device)
-            x = torch.where(noisy, mean + std * noise, mean)
-            safe_std = torch.where(noisy, std, torch.ones_like(std))
-            lp = gaussian_log_prob(x, mean, safe_std, reduce, clamp=clamp)
-            log_probs[:, k] = torch.where(is_stochastic, lp, torch.zeros_like(lp))
-            ent = gaussian_entropy(safe_std, x, reduce)
-            entropies[:, k] = torch.where(is_stochastic, ent, torch.zeros_like(ent))
-        else:
-            x = mean
+        any_stochastic = bool(is_stochastic.any())
+        with torch.set_grad_enabled(keep_graph and any_stochastic):
+            out = denoiser(x, transition.model_time(step), rows)
+            mean, std = transition.mean_std(step, x, out, is_stochastic)
+            if bool(is_stochastic.all()):  # the usual case: no masking needed
+                std = _floor(std, min_std)
+                if bool((std <= 0).any()):
+                    raise ValueError(f"denoising step {k} is stochastic but its std is 0; set a minimum std (min_std > 0) or make the step deterministic")
+                noise = torch.randn(x.shape, generator=generator, dtype=x.dtype).to(x.device)
+                # the drawn latent is data, not a function of the parameters (module docstring)
+                x = (mean + std * noise).detach()
+                log_probs.append(gaussian_log_prob(x, mean, std, reduce, clamp=clamp))
+                entropies.append(gaussian_entropy(std, x, reduce).detach())
+            elif any_stochastic:
+                std = _floor(std, min_std)
+                noisy = is_stochastic.view(n, *([1] * (x.ndim - 1))).expand_as(x)
+                if bool((std <= 0)[noisy].any()):
+                    raise ValueError(f"denoising step {k} is stochastic but its std is 0; set a minimum std (min_std > 0) or make the step deterministic")
+                noise = torch.randn(x.shape, generator=generator, dtype=x.dtype).to(x.device)
+                x = torch.where(noisy, mean + std * noise, mean).detach()
+                safe_std = torch.where(noisy, std, torch.ones_like(std))
+                lp = gaussian_log_prob(x, mean, safe_std, reduce, clamp=clamp)
+                log_probs.append(torch.where(is_stochastic, lp, torch.zeros_like(lp)))
+                ent = gaussian_entropy(safe_std, x, reduce).detach()
+                entropies.append(torch.where(is_stochastic, ent, torch.zeros_like(ent)))
+            else:
+                x = mean.detach()
+                log_probs.append(x.new_zeros(n))
+                entropies.append(x.new_zeros(n))
         latents.append(x)
-    return ChainSample(torch.stack(latents, 1), log_probs, stochastic, entropies)
+    with torch.set_grad_enabled(keep_graph):
+        log_probs = torch.stack(log_probs, 1)
+    return ChainSample(torch.stack(latents, 1), log_probs, stochastic, torch.stack(entropies, 1))
 
 
 def _gaussian(denoiser: Denoiser, transition: Transition, x: Tensor, step: Tensor, rows: Tensor, min_std: float) -> tuple[Tensor, Tensor]:

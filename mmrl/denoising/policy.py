@@ -85,10 +85,14 @@ class DenoisingPolicy(PolicyModule):
             values = values.repeat_interleave(chain["stochastic"].shape[-1], dim=1)
         return values.flatten(0, 1)
 
-    @torch.no_grad()
-    def sample_chain(self, denoiser: Denoiser, x_init: Tensor, generator: torch.Generator | None = None, deterministic: bool = False) -> ChainDecisions:
+    def sample_chain(
+        self, denoiser: Denoiser, x_init: Tensor, generator: torch.Generator | None = None, deterministic: bool = False, keep_graph: bool = False
+    ) -> ChainDecisions:
         """Run N chains from ``x_init`` [N, …] under ``config.denoising``; ``deterministic``
-        makes every step deterministic (no decision has a log-prob)."""
+        makes every step deterministic (no decision has a log-prob). ``keep_graph``: the
+        log-probs keep the autograd graph of the stochastic steps' denoiser calls, latents
+        detached between steps (:func:`~mmrl.denoising.chain.run_chain`), so they are the
+        log-probs ``log_prob`` would recompute, with its gradient."""
         options = self.denoising
         n, device = x_init.shape[0], x_init.device
         transition = make_transition(options, deterministic, device)
@@ -96,11 +100,13 @@ class DenoisingPolicy(PolicyModule):
             stochastic = torch.zeros(n, options.num_inference_steps, dtype=torch.bool, device=device)
         else:
             stochastic = stochastic_mask(options, n, generator, device)
-        chain = run_chain(denoiser, transition, x_init, stochastic, generator, **options.log_prob_options)
+        chain = run_chain(denoiser, transition, x_init, stochastic, generator, **options.log_prob_options, keep_graph=keep_graph)
         first = options.window[0]
         stored = chain.replay(first)
         mask = stored["stochastic"].float() if options.logp_granularity == "step" else None
-        return ChainDecisions(chain.final, stored, self.decisions(chain.log_probs[:, first:]), self.decisions(chain.entropies[:, first:]), mask)
+        with torch.set_grad_enabled(keep_graph):
+            logp = self.decisions(chain.log_probs[:, first:])
+        return ChainDecisions(chain.final, stored, logp, self.decisions(chain.entropies[:, first:]), mask)
 
     def log_prob(self, replay: dict[str, Any]) -> Tensor:
         """Log-probs [N, T] of the replayed decisions under the current parameters."""

@@ -88,6 +88,8 @@ def _call_ranges(first: int, end: int, batch_groups: int) -> list[tuple[int, int
 class PromptSampler(Sampler):
     """Groups of G samples per prompt record (texts or conditions), batched across groups."""
 
+    keeps_sampling_graph = True
+
     def __init__(self, sampler_cfg: PromptSamplerConfig, train_cfg):
         self.config = sampler_cfg
         self.seed = train_cfg.seed
@@ -107,8 +109,8 @@ class PromptSampler(Sampler):
             return torch.tensor([r.prompt for r in records], dtype=torch.long, device=device).repeat_interleave(copies)
         return [prompt for r in records for prompt in [prompt_input(r)] * copies]
 
-    def _rollout(self, sample: Sample, inputs, records: list[PromptRecord], copies: int, group_id: Tensor) -> Rollout:
-        logp = sample.logp
+    def _rollout(self, sample: Sample, inputs, records: list[PromptRecord], copies: int, group_id: Tensor, keep_graph: bool = False) -> Rollout:
+        logp = sample.logp.detach()
         mask = sample.mask.float() if sample.mask is not None else torch.ones_like(logp)
         per_sample = [r for r in records for _ in range(copies)]
         return Rollout(
@@ -118,6 +120,7 @@ class PromptSampler(Sampler):
             replay=sample.replay,
             entropy=sample.entropy,
             old_logp_deferred=sample.logp_deferred,
+            sampling_graph_logp=sample.logp if keep_graph else None,
             info={
                 **sample.info,
                 "prompt": inputs,
@@ -134,16 +137,20 @@ class PromptSampler(Sampler):
         return start
 
     @torch.no_grad()
-    def collect(self, policy: Policy, num_groups: int, group_size: int, step: int, group_offset: int = 0) -> Rollout:
+    def collect(self, policy: Policy, num_groups: int, group_size: int, step: int, group_offset: int = 0, keep_graph: bool = False) -> Rollout:
+        """This process's groups of ``step`` (the module docstring); ``keep_graph`` asks the
+        policy (``keeps_sampling_graph``) to keep its log-probs' autograd graph and carries them
+        to ``Rollout.sampling_graph_logp``."""
         start = self._step_start(step)
         device = _device(policy)
         parts = []
         for first, end in _call_ranges(group_offset, group_offset + num_groups, self.config.batch_groups):
             records = [self.data.train[i] for i in self.order.indices(start + first, end - first)]
             inputs = self._inputs(records, group_size, device)
-            sample = policy.sample(inputs, torch.Generator().manual_seed(group_seed(self.seed, step, first)))
+            generator = torch.Generator().manual_seed(group_seed(self.seed, step, first))
+            sample = policy.sample(inputs, generator, keep_graph=True) if keep_graph else policy.sample(inputs, generator)
             group_id = torch.arange(first, end).repeat_interleave(group_size)
-            parts.append(self._rollout(sample, inputs, records, group_size, group_id))
+            parts.append(self._rollout(sample, inputs, records, group_size, group_id, keep_graph))
         return Rollout.cat(parts)
 
     def metrics(self, rollout: Rollout) -> dict[str, Tensor]:

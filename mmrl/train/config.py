@@ -61,12 +61,27 @@ class AlgoConfig:
         ge=1,
     )
     micro_batch_mb: float = option(4.0, "micro_batches null, on a CPU: the most megabytes (2^20 bytes) of the policy's activation estimate one piece may hold (a piece whose tensors outgrow the cache runs slower)", gt=0)
+    reuse_sampling_graph: Literal["auto"] | bool = option(
+        "auto",
+        "one on-policy pass (ppo_epochs 1, num_minibatches 1): sample with grad on the trained steps and backpropagate the loss through the sampling pass's own log-probs instead of recomputing them (the same gradient, one forward less); auto: whenever that is exact and saves a forward (a policy and sampler that can keep the graph, micro_batches null or 1, no exact KL in the loss, no mixed precision); true: always (an error where it cannot be exact); false: never",
+    )
     self_imitation: SelfImitationConfig = option(factory=SelfImitationConfig, doc="self-imitation of past positive-advantage samples")
 
     def validate(self, path: str) -> None:
         p = f"{path}." if path else ""
         if self.advantage.type in ("grpo", "rloo", "median") and self.group_size < 2:
             raise ConfigError(p + "group_size", self.group_size, f"must be >= 2 for the group-relative advantage {self.advantage.type!r}")
+        if self.reuse_sampling_graph is True:
+            if self.ppo_epochs != 1 or self.num_minibatches != 1:
+                raise ConfigError(
+                    p + "reuse_sampling_graph", True,
+                    f"needs one on-policy pass (ppo_epochs 1 and num_minibatches 1, got {self.ppo_epochs} and {self.num_minibatches}): later passes run at changed weights; use auto or false",
+                )
+            if self.micro_batches not in (None, 1):
+                raise ConfigError(
+                    p + "reuse_sampling_graph", True,
+                    f"backpropagates the whole sampling graph at once, so micro_batches must be null or 1 (got {self.micro_batches}); use auto or false",
+                )
 
 
 @dataclass

@@ -164,6 +164,7 @@ class Trainer:
         self.filters = [(registry.FILTERS.get(f.type), own_options(f, FilterConfig)) for f in algo.filters]
 
         self.data = registry.DATA_SOURCES.get(cfg.data.type, "data.type")(cfg.data, self.policy, cfg.seed, self.world, self.rank) if algo.type == "sft" else None
+        self.reuse_graph = algo.type == "rl" and self._reuses_sampling_graph(policy)
         self.memory = sil.SelfImitationMemory(si.size, self.dist) if si.size and algo.type == "rl" else None
         self.start_step = 0
         self.stop = StopRequest()
@@ -181,6 +182,31 @@ class Trainer:
     @property
     def policy(self):
         return self.accelerator.unwrap_model(self.model)
+
+    def _reuses_sampling_graph(self, policy) -> bool:
+        """Whether the update backpropagates through the sampling pass's own log-probs
+        (``algo.reuse_sampling_graph``). With one on-policy pass the recompute forward would
+        evaluate the policy at the sampling weights on the sampled inputs: its log-probs and
+        their gradient are the sampling pass's, so a policy and sampler that can keep that
+        graph save the forward. ``auto`` leaves it off where it would save nothing or not be
+        the same computation: explicit micro-batches (a memory bound the whole graph cannot
+        keep), the exact KL in the loss (its forward runs anyway), mixed precision (the
+        sampling pass runs outside autocast)."""
+        cfg = self.cfg
+        algo = cfg.algo
+        if algo.reuse_sampling_graph is False:
+            return False
+        capable = getattr(policy, "keeps_sampling_graph", False) and getattr(self.sampler, "keeps_sampling_graph", False)
+        if algo.reuse_sampling_graph is True:  # the single pass and micro-batches are checked by AlgoConfig.validate
+            if not capable:
+                raise ConfigError(
+                    "algo.reuse_sampling_graph", True,
+                    f"policy {cfg.policy.type!r} with sampler {cfg.sampler.type!r} cannot keep the sampling graph (keeps_sampling_graph); use auto or false",
+                )
+            return True
+        single_pass = algo.ppo_epochs == 1 and algo.num_minibatches == 1 and algo.micro_batches in (None, 1)
+        exact_kl_forward = algo.kl.in_loss_term and algo.kl.type == "exact"
+        return capable and single_pass and not exact_kl_forward and cfg.mixed_precision == "no"
 
     # ------------------------------------------------------------------ the loop
 
@@ -240,6 +266,7 @@ class Trainer:
         adv, keep = self.advantages(rollout)
         rollout = rollout.with_(mask=self.train_mask(rollout, keep))
         stats = self.update(rollout, adv, collected.spare, step) if self.dist.sum(rollout.mask.sum()) > 0 else {}
+        rollout = rollout.with_(sampling_graph_logp=None)  # nothing after the update may hold the graph
         if self.memory is not None:
             stats["replay/added"] = float(self.memory.add(rollout, adv, step))
             stats["replay/size"] = float(len(self.memory))
@@ -264,7 +291,8 @@ class Trainer:
             for round_ in range(cfg.resample_rounds + 1 if self.filters else 1):
                 # refill groups get indices past the step's batch: every process count draws the same groups
                 offset = round_ * cfg.groups_per_step + self.rank * self.local_groups
-                part = self.score(self.sampler.collect(policy, self.local_groups, cfg.group_size, step, offset), step)
+                keep_graph = {"keep_graph": True} if self.reuse_graph else {}
+                part = self.score(self.sampler.collect(policy, self.local_groups, cfg.group_size, step, offset, **keep_graph), step)
                 num_collected += part.batch_size
                 for name, values in self.sampler.metrics(part).items():
                     _add(sums, name, values)
@@ -398,7 +426,12 @@ class Trainer:
         weights, so its own forward gives its rows' (every ratio 1); the other rows' come from
         one no-grad pass before the first optimizer step (none with a single step). Samples
         left out keep the provisional numbers (the flag then stays set; nothing reads them:
-        the self-imitation memory keeps samples with a positive advantage only)."""
+        the self-imitation memory keeps samples with a positive advantage only).
+
+        With ``algo.reuse_sampling_graph`` engaged (one pass, :meth:`_reuses_sampling_graph`)
+        the loss takes the rollout's ``sampling_graph_logp`` as its log-probs, their detached
+        values as the old (and proximal) ones, and runs one backward through the sampling
+        graph: no forward, no proximal pass, one piece (the graph is whole already)."""
         cfg = self.cfg.algo
         device = self.accelerator.device
         source, rollout = rollout, rollout.to(device)
@@ -410,7 +443,7 @@ class Trainer:
         # loss and gradient (normalizers count them), less compute
         idle_skipped = getattr(self.objective_fn, "zero_at_zero_advantage", False) and not cfg.kl.in_loss_term
         active = ((adv * rollout.mask) != 0).any(1).cpu() if idle_skipped else torch.ones(rollout.batch_size, dtype=torch.bool)
-        if getattr(self.objective_fn, "needs_proximal", False):
+        if getattr(self.objective_fn, "needs_proximal", False) and not self.reuse_graph:
             with torch.no_grad():
                 rollout.info["_prox_logp"] = self.model(rollout.replay).detach()
             if deferred:  # that pass ran at the sampling weights: it is the old log-probs too
@@ -434,7 +467,9 @@ class Trainer:
                     rest = active.clone()
                     rest[idx] = False
                     rollout = self.exact_old_logp(rollout, rest.nonzero().flatten(), spare.to(device))
-                stats, first_logp = self._minibatch_step(rollout[idx], adv[idx.to(device)], spare.to(device), step, at_sampling_weights=first, rows=active[idx])
+                stats, first_logp = self._minibatch_step(
+                    rollout[idx], adv[idx.to(device)], spare.to(device), step, at_sampling_weights=first or self.reuse_graph, rows=active[idx]
+                )
                 if first:
                     old = rollout.old_logp.clone()
                     old[trained.to(old.device)] = first_logp.to(old)
@@ -477,14 +512,17 @@ class Trainer:
         """The training loss of ``batch`` (objective, aggregation with normalizers ``agg``,
         KL term): (loss, logp, objective stats, detached loss parts for the metrics).
         ``at_sampling_weights`` takes the current log-probs as the old (and proximal) ones,
-        i.e. every ratio is 1 — the gradient of a first PPO step."""
+        i.e. every ratio is 1 — the gradient of a first PPO step. With the sampling graph
+        reused the log-probs are the batch's ``sampling_graph_logp`` (through the model's
+        forward, so that a distributed wrapper sees their backward)."""
         cfg = self.cfg.algo
         mask = batch.mask
         kl = None
+        sampled = {"sampled_logp": batch.sampling_graph_logp} if self.reuse_graph else {}
         if cfg.kl.in_loss_term and self.kl_fn is None:
-            logp, kl = self.model(batch.replay, mode="log_prob_and_kl", reference=self.reference)
+            logp, kl = self.model(batch.replay, mode="log_prob_and_kl", reference=self.reference, **sampled)
         else:
-            logp = self.model(batch.replay)
+            logp = self.model(batch.replay, **sampled)
             if cfg.kl.in_loss_term:
                 kl = self.kl_fn(logp, batch.ref_logp)
         old = logp.detach() if at_sampling_weights else batch.old_logp
@@ -533,7 +571,8 @@ class Trainer:
         agg = self.normalizers(mb)
         if rows is not None and not bool(rows.all()):
             mb, adv = mb[rows], adv[rows.to(adv.device)]
-        pieces = [(mb[i], adv[i.to(adv.device)]) for i in _pieces(mb.batch_size, self.num_pieces(mb))]
+        # a reused sampling graph is backpropagated once, whole: one piece
+        pieces = [(mb[i], adv[i.to(adv.device)]) for i in _pieces(mb.batch_size, 1 if self.reuse_graph else self.num_pieces(mb))]
         pieces = [p if p[0].batch_size else (spare, torch.zeros_like(spare.mask)) for p in pieces]
         sums: dict[str, torch.Tensor] = {}
         forward_logp: list[torch.Tensor] = []

@@ -452,6 +452,8 @@ class ImageDiffusionPolicy(DenoisingPolicy):
     """RGB images from a diffusers denoiser (a UNet, an SD3 transformer or a DiT), in pixel
     space or over a VAE's latents; each stochastic denoising step is one decision."""
 
+    keeps_sampling_graph = True
+
     def __init__(self, config: ImageDiffusionConfig, spec: dict):
         super().__init__()
         config.validate("policy")
@@ -773,14 +775,16 @@ class ImageDiffusionPolicy(DenoisingPolicy):
 
     # -------------------------------------------------------------- sampling and SFT
 
-    @torch.no_grad()
-    def sample(self, inputs, generator: torch.Generator | None = None, deterministic: bool = False) -> Sample:
+    def sample(self, inputs, generator: torch.Generator | None = None, deterministic: bool = False, keep_graph: bool = False) -> Sample:
         """One image per input (condition id or prompt string); ``deterministic`` takes the
-        deterministic update at every step (the initial noise is still drawn from ``generator``)."""
-        conditions = self._conditions(inputs)
-        n = len(inputs)
-        x_init = torch.randn((n, self.channels, *self.resolution), generator=generator).to(self.device)
-        out = self.sample_chain(self._denoiser(self._embedded(conditions)), x_init, generator, deterministic)
+        deterministic update at every step (the initial noise is still drawn from ``generator``).
+        ``keep_graph``: the log-probs keep the autograd graph (``keeps_sampling_graph``); the
+        conditioning is then embedded with grad too, as ``log_prob`` embeds it."""
+        with torch.set_grad_enabled(keep_graph):
+            conditions = self._conditions(inputs)
+            n = len(inputs)
+            x_init = torch.randn((n, self.channels, *self.resolution), generator=generator).to(self.device)
+            out = self.sample_chain(self._denoiser(self._embedded(conditions)), x_init, generator, deterministic, keep_graph=keep_graph)
         replay = {"chain": out.chain, **conditions}
         images = pixels_to_uint8(self.decode_latents(out.final))
         return Sample(output=out.final, logp=out.logp, replay=replay, mask=out.mask, entropy=out.entropy, info={"images": images})

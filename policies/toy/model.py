@@ -122,6 +122,8 @@ class GaussianChainPolicy(DenoisingPolicy):
     instead of drifting at random.
     """
 
+    keeps_sampling_graph = True
+
     def __init__(self, config: GaussianChainConfig, spec: dict):
         super().__init__()
         config.validate("policy")
@@ -156,14 +158,14 @@ class GaussianChainPolicy(DenoisingPolicy):
     def chain_denoiser(self, replay: dict):
         return self._denoiser(replay["prompt"])
 
-    @torch.no_grad()
-    def sample(self, inputs, generator: torch.Generator | None = None, deterministic: bool = False) -> Sample:
+    def sample(self, inputs, generator: torch.Generator | None = None, deterministic: bool = False, keep_graph: bool = False) -> Sample:
         """Run the chain for each prompt id in ``inputs`` [N]; ``deterministic`` takes the
-        deterministic update at every step (x_init is still drawn from ``generator``)."""
+        deterministic update at every step (x_init is still drawn from ``generator``).
+        ``keep_graph``: the log-probs keep the autograd graph (``keeps_sampling_graph``)."""
         device = self.sample_in.weight.device
         prompt = torch.as_tensor(inputs, dtype=torch.long, device=device)
         x_init = torch.randn((prompt.shape[0], self.config.dim), generator=generator).to(device)
-        out = self.sample_chain(self._denoiser(prompt), x_init, generator, deterministic)
+        out = self.sample_chain(self._denoiser(prompt), x_init, generator, deterministic, keep_graph=keep_graph)
         return Sample(
             output=out.final,
             logp=out.logp,

@@ -82,6 +82,8 @@ def _tiny_unet(config: VideoDiffusionConfig) -> nn.Module:
 class VideoDiffusionPolicy(DenoisingPolicy):
     """RGB videos from a diffusers UNet3D; each stochastic denoising step is one decision."""
 
+    keeps_sampling_graph = True
+
     def __init__(self, config: VideoDiffusionConfig, spec: dict):
         super().__init__()
         config.validate("policy")
@@ -200,13 +202,14 @@ class VideoDiffusionPolicy(DenoisingPolicy):
 
     # -------------------------------------------------------------- sampling, media and SFT
 
-    @torch.no_grad()
-    def sample(self, inputs, generator: torch.Generator | None = None, deterministic: bool = False) -> Sample:
+    def sample(self, inputs, generator: torch.Generator | None = None, deterministic: bool = False, keep_graph: bool = False) -> Sample:
         """One video per input (a condition id); ``deterministic`` takes the deterministic
-        update at every step (the initial noise is still drawn from ``generator``)."""
-        ids = self._conditions(inputs)
-        x_init = torch.randn((len(ids), *self.latent_shape), generator=generator).to(self.device)
-        out = self.sample_chain(self._denoiser(ids), x_init, generator, deterministic)
+        update at every step (the initial noise is still drawn from ``generator``).
+        ``keep_graph``: the log-probs keep the autograd graph (``keeps_sampling_graph``)."""
+        with torch.set_grad_enabled(keep_graph):
+            ids = self._conditions(inputs)
+            x_init = torch.randn((len(ids), *self.latent_shape), generator=generator).to(self.device)
+            out = self.sample_chain(self._denoiser(ids), x_init, generator, deterministic, keep_graph=keep_graph)
         videos = videos_to_uint8(out.final)
         info = {"videos": videos, "images": videos[:, 0].contiguous()}
         return Sample(output=out.final, logp=out.logp, replay={"chain": out.chain, self._replay_key: ids}, mask=out.mask, entropy=out.entropy, info=info)

@@ -53,6 +53,31 @@ def test_recomputing_one_step_per_call_reproduces_old_logp_exactly(transition, g
         assert torch.equal(policy.log_prob(sample.replay), sample.logp)
 
 
+@pytest.mark.parametrize(("stochastic_steps", "guidance"), [("all", 1.0), ("random", 1.0), ("all", 3.0)])
+@pytest.mark.parametrize("transition", ["ddim", "flow_sde"])
+def test_the_kept_sampling_graph_gives_the_recomputed_log_probs_and_gradient(transition, stochastic_steps, guidance):
+    """sample(keep_graph=True): the log-probs log_prob recomputes, and their gradient (float64)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        policy = make(denoising={**TRANSITIONS[transition], "stochastic_steps": stochastic_steps}, guidance_scale=guidance, guidance_grad="both")
+        sample = policy.sample(CONDITIONS, torch.Generator().manual_seed(1), keep_graph=True)
+        assert sample.logp.requires_grad and not sample.output.requires_grad and not sample.replay["chain"]["latents"].requires_grad
+        weights = torch.randn(sample.logp.shape, generator=torch.Generator().manual_seed(2))
+        kept = torch.autograd.grad((weights * sample.logp).sum(), list(policy.parameters()), allow_unused=True)
+        logp = policy.log_prob(sample.replay)
+        recomputed = torch.autograd.grad((weights * logp).sum(), list(policy.parameters()), allow_unused=True)
+    finally:
+        torch.set_default_dtype(previous)
+    torch.testing.assert_close(sample.logp.detach(), logp.detach(), rtol=1e-12, atol=1e-9)
+    scale = max(float(g.abs().max()) for g in recomputed if g is not None)
+    assert scale > 0
+    for a, b in zip(kept, recomputed):
+        assert (a is None) == (b is None)
+        if b is not None:
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-10 * scale)
+
+
 @pytest.mark.parametrize("guidance_grad", ["detached", "both"])
 def test_text_prompts_with_guidance_give_ratio_one_and_the_gradient_reaches_the_unet_only(guidance_grad):
     policy = make(spec={}, tiny={"conditioning": "text"}, guidance_scale=2.0, guidance_grad=guidance_grad)
@@ -412,7 +437,8 @@ def test_an_update_split_by_the_activation_estimate_equals_the_one_piece_update(
             "sampler": {"type": "prompt", "data": {"num_prompts": 3}, "batch_groups": 4},
             "rewards": [{"type": "jpeg_compressibility"}],
             # 8 samples x 4 steps x 8 channels x 8 x 8 x 4 bytes = 64 KiB: three pieces of at most 0.025 MiB
-            "algo": {"group_size": 2, "groups_per_step": 4, "micro_batches": micro_batches, "micro_batch_mb": 0.025},
+            # the recompute's pieces (a reused sampling graph runs in one)
+            "algo": {"group_size": 2, "groups_per_step": 4, "micro_batches": micro_batches, "micro_batch_mb": 0.025, "reuse_sampling_graph": False},
             "optim": {"lr": 1e-3}, "eval": {"every": 0, "at_end": False}, "checkpoint": {"every": 0},
             "log": {"progress": False, "tensorboard": False},
         })

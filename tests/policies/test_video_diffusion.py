@@ -52,6 +52,32 @@ def test_text_prompts_with_guidance_give_ratio_one_and_the_gradient_reaches_the_
 
 
 @pytest.mark.parametrize("transition", ["ddim", "flow_sde"])
+def test_the_kept_sampling_graph_gives_the_recomputed_log_probs_and_gradient(transition):
+    """sample(keep_graph=True): the log-probs log_prob recomputes, and their gradient (float64)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        # eval mode: diffusers' 3-D blocks put dropout 0.1 in their temporal convs, whose last
+        # layer starts at zero, so in train mode two passes agree in value but not in gradient
+        policy = make(denoising=TRANSITIONS[transition], guidance_scale=2.0).eval()
+        sample = policy.sample(CONDITIONS, torch.Generator().manual_seed(1), keep_graph=True)
+        assert sample.logp.requires_grad and not sample.replay["chain"]["latents"].requires_grad
+        weights = torch.randn(sample.logp.shape, generator=torch.Generator().manual_seed(2))
+        kept = torch.autograd.grad((weights * sample.logp).sum(), list(policy.parameters()), allow_unused=True)
+        logp = policy.log_prob(sample.replay)
+        recomputed = torch.autograd.grad((weights * logp).sum(), list(policy.parameters()), allow_unused=True)
+    finally:
+        torch.set_default_dtype(previous)
+    torch.testing.assert_close(sample.logp.detach(), logp.detach(), rtol=1e-12, atol=1e-9)
+    scale = max(float(g.abs().max()) for g in recomputed if g is not None)
+    assert scale > 0
+    for a, b in zip(kept, recomputed):
+        assert (a is None) == (b is None)
+        if b is not None:
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-10 * scale)
+
+
+@pytest.mark.parametrize("transition", ["ddim", "flow_sde"])
 def test_recomputing_one_step_per_call_reproduces_old_logp_exactly(transition):
     policy = make(denoising={**TRANSITIONS[transition], "chunk_steps": 1}, guidance_scale=2.0)
     sample = policy.sample(CONDITIONS, torch.Generator().manual_seed(1))

@@ -173,13 +173,42 @@ def test_micro_batches_by_the_activation_estimate_with_two_processes_match_one_p
         "sampler": {"type": "prompt", "data": {"num_prompts": 3}, "batch_groups": 2},
         "rewards": [{"type": "jpeg_compressibility"}],
         # 8 KiB a sample (4 steps x 8 channels x 8 x 8 x 4 bytes); pieces of at most 0.01 MiB
-        "algo": {"group_size": 2, "groups_per_step": 4, "micro_batch_mb": 0.01},
+        "algo": {"group_size": 2, "groups_per_step": 4, "micro_batch_mb": 0.01, "reuse_sampling_graph": False},
         "optim": {"lr": 1e-3}, "eval": {"every": 0, "at_end": False}, "checkpoint": {"every": 2},
         "log": {"progress": False, "tensorboard": False},
     }
     path = tmp_path / "pieces.yaml"
     path.write_text(yaml.safe_dump(data))
     ra, rb = _one_and_two_processes(tmp_path, path, 29537)
+    a = load_file(str(tmp_path / "one/checkpoints/step_00000002/model.safetensors"))
+    b = load_file(str(tmp_path / "two/checkpoints/step_00000002/model.safetensors"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=2e-4)
+    for key in ("reward/total", "loss/policy", "grad_norm"):
+        for x, y in zip(ra, rb):
+            assert math.isclose(x[key], y[key], rel_tol=1e-4, abs_tol=1e-7), (key, x[key], y[key])
+
+
+@pytest.mark.slow
+def test_a_reused_sampling_graph_with_two_processes_matches_one_process(tmp_path):
+    """algo.reuse_sampling_graph true with an image policy: each process backpropagates
+    through its own samples' sampling graph, passed through the distributed wrapper's
+    forward, so the gradients are all-reduced as a recompute's would be (without that, each
+    process would step on its own gradient and rank 0's weights would differ)."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("cv2")
+    data = {
+        "name": "reuse", "seed": 0, "total_steps": 2,
+        "policy": {"type": "image_diffusion", "tiny": {"resolution": 8}, "denoising": {"num_inference_steps": 4, "logp_reduction": "mean"}},
+        "sampler": {"type": "prompt", "data": {"num_prompts": 3}, "batch_groups": 2},
+        "rewards": [{"type": "jpeg_compressibility"}],
+        "algo": {"group_size": 2, "groups_per_step": 4, "reuse_sampling_graph": True},
+        "optim": {"lr": 1e-3}, "eval": {"every": 0, "at_end": False}, "checkpoint": {"every": 2},
+        "log": {"progress": False, "tensorboard": False},
+    }
+    path = tmp_path / "reuse.yaml"
+    path.write_text(yaml.safe_dump(data))
+    ra, rb = _one_and_two_processes(tmp_path, path, 29539)
     a = load_file(str(tmp_path / "one/checkpoints/step_00000002/model.safetensors"))
     b = load_file(str(tmp_path / "two/checkpoints/step_00000002/model.safetensors"))
     for k in a:
