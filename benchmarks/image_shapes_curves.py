@@ -1,8 +1,9 @@
 """Curves and the table of the shapes image demo (pretraining → RL with the verifier) from its runs.
 
-Plots, into one PNG: the pretraining run's held-out accuracy against its step (left), and
+Plots, into one PNG: the pretraining run's held-out accuracy against its step (left; left out
+without --sft), and
 for each RL variant (a run-directory prefix, e.g. runs/image_shapes_flow_grpo_s → seeds _s0,
-_s1 …) the training reward (strict verifier, sampled images; middle) and the held-out accuracy
+_s1 …) the training reward (the run's own reward, sampled images; middle) and the held-out accuracy
 (deterministic images; right) against the update, one line per seed. Prints a markdown table
 of each run's held-out accuracy before (the pretrained model, given by --start or read from
 the run's own evaluation at step 0 when it has one) and after, with 95% Wilson intervals, the
@@ -43,7 +44,11 @@ def main() -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_sft, ax_train, ax_eval) = plt.subplots(1, 3, figsize=(13, 3.6))
+    if args.sft:
+        fig, (ax_sft, ax_train, ax_eval) = plt.subplots(1, 3, figsize=(13, 3.6))
+    else:  # no pretraining run: the two RL panels only
+        fig, (ax_train, ax_eval) = plt.subplots(1, 2, figsize=(9, 3.6))
+        ax_sft = None
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, spec in enumerate(args.sft):
         name, run = spec.split("=", 1)
@@ -77,11 +82,12 @@ def main() -> int:
             print(f"| {name} | {seed} | {before} | {interval(final)} | {delta:+.3f} | {final['step']} | {seconds / 60:.0f} min |")
         if afters:
             print(f"| {name} | mean of {len(afters)} | {statistics.mean(befores):.3f} | {statistics.mean(afters):.3f} | {statistics.mean(deltas):+.3f} | | |")
-    ax_sft.set(xlabel="pretraining step", ylabel="held-out accuracy (deterministic)", title="pretraining", ylim=(0, 1))
-    ax_train.set(xlabel="update", ylabel="training reward (strict verifier, sampled)", title="RL: training prompts", ylim=(0, 1))
+    if ax_sft is not None:
+        ax_sft.set(xlabel="pretraining step", ylabel="held-out accuracy (deterministic)", title="pretraining", ylim=(0, 1))
+    ax_train.set(xlabel="update", ylabel="training reward (sampled)", title="RL: training prompts", ylim=(0, 1))
     ax_eval.set(xlabel="update", ylabel="held-out accuracy (deterministic)", title="RL: held-out prompts", ylim=(0, 1))
     ax_eval.axhline(0.9, color="gray", linestyle=":")
-    for ax in (ax_sft, ax_train, ax_eval):
+    for ax in [a for a in (ax_sft, ax_train, ax_eval) if a is not None]:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend()

@@ -55,3 +55,23 @@ def test_shapes_failure_modes_reads_every_held_out_image_and_its_per_prompt_coun
     # each prompt's images, counted by how many objects they show, are its 2 images
     assert all(sum(int(n) for n in re.findall(r"objects in (\d+)", shown)) == 2 for _, shown in per_prompt), out
     assert int(match[4]) <= 22, out
+
+
+def test_image_shapes_curves_tabulates_each_seed_and_the_mean_and_draws_the_rl_panels(monkeypatch, capsys, tmp_path):
+    import json
+
+    for seed, (final, step_s) in enumerate([(0.75, 2.0), (0.5, 4.0)]):
+        run_dir = tmp_path / f"flow_s{seed}"
+        run_dir.mkdir()
+        rows = [{"step": s, "reward/total": 0.5 + 0.01 * s, "time/step_s": step_s} for s in range(1, 31)]
+        rows += [{"step": 30, "eval/accuracy": final, "eval/accuracy_ci_low": final - 0.1, "eval/accuracy_ci_high": final + 0.1}]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out_png = tmp_path / "curves.png"
+    with pytest.raises(SystemExit) as exit_:  # the script exits with main()'s status
+        run("image_shapes_curves.py", ["--variant", f"F={tmp_path / 'flow_s'}", "--start", "F=0.25,0.5", "--out", str(out_png)], monkeypatch, capsys)
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "| F | 0 | 0.250 | 0.750 [0.65, 0.85] | +0.500 | 30 | 1 min |" in out, out
+    assert "| F | 1 | 0.500 | 0.500 [0.40, 0.60] | +0.000 | 30 | 2 min |" in out, out
+    assert "| F | mean of 2 | 0.375 | 0.625 | +0.250 | | |" in out, out
+    assert out_png.stat().st_size > 1000
