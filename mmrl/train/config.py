@@ -62,8 +62,8 @@ class AlgoConfig:
     )
     micro_batch_mb: float = option(4.0, "micro_batches null, on a CPU: the most megabytes (2^20 bytes) of the policy's activation estimate one piece may hold (a piece whose tensors outgrow the cache runs slower)", gt=0)
     reuse_sampling_graph: Literal["auto"] | bool = option(
-        "auto",
-        "one on-policy pass (ppo_epochs 1, num_minibatches 1): sample with grad on the trained steps and backpropagate the loss through the sampling pass's own log-probs instead of recomputing them (the same gradient, one forward less); auto: whenever that is exact and saves a forward (a policy and sampler that can keep the graph, micro_batches null or 1, no exact KL in the loss, no mixed precision); true: always (an error where it cannot be exact); false: never",
+        False,
+        "one on-policy pass (ppo_epochs 1, num_minibatches 1): sample with grad on the trained steps and backpropagate the loss through the sampling pass's own log-probs instead of recomputing them (the same gradient, one forward less, but the activations of every sampled step are held until the update, so it is opt-in); auto: whenever that is exact and saves a forward (a policy and sampler that can keep the graph, micro_batches null or 1, no exact KL in the loss, no mixed precision); true: always (an error where it cannot be exact); false: never",
     )
     self_imitation: SelfImitationConfig = option(factory=SelfImitationConfig, doc="self-imitation of past positive-advantage samples")
 

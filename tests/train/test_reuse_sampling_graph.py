@@ -103,12 +103,13 @@ def test_the_reused_sampling_graph_gives_the_recomputed_update(tmp_path, float64
 
 
 def test_auto_engages_for_one_pass_and_not_for_two_epochs(tmp_path):
-    assert Trainer(_image("ddim"), tmp_path / "one").reuse_graph  # the default: auto
-    trainer, grads, _, metrics, recomputed = _one_step(_image("ddim", ppo_epochs=2), tmp_path / "two")
+    assert not Trainer(_image("ddim"), tmp_path / "default").reuse_graph  # opt-in: it holds the whole sampling graph
+    assert Trainer(_image("ddim", reuse_sampling_graph="auto"), tmp_path / "one").reuse_graph
+    trainer, grads, _, metrics, recomputed = _one_step(_image("ddim", ppo_epochs=2, reuse_sampling_graph="auto"), tmp_path / "two")
     assert not trainer.reuse_graph and recomputed >= 2 and len(grads) == 2 and metrics["approx_kl"] > 0
-    assert not Trainer(_image("ddim", num_minibatches=2), tmp_path / "mb").reuse_graph
-    assert not Trainer(_image("ddim", micro_batches=2), tmp_path / "pieces").reuse_graph
-    assert not Trainer(_image("ddim", kl={"type": "exact", "coef": 0.1}), tmp_path / "exact").reuse_graph  # its forward runs anyway
+    assert not Trainer(_image("ddim", num_minibatches=2, reuse_sampling_graph="auto"), tmp_path / "mb").reuse_graph
+    assert not Trainer(_image("ddim", micro_batches=2, reuse_sampling_graph="auto"), tmp_path / "pieces").reuse_graph
+    assert not Trainer(_image("ddim", kl={"type": "exact", "coef": 0.1}, reuse_sampling_graph="auto"), tmp_path / "exact").reuse_graph  # its forward runs anyway
     assert not Trainer(_image("ddim", reuse_sampling_graph=False), tmp_path / "off").reuse_graph
 
 
