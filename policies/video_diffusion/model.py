@@ -108,6 +108,12 @@ class VideoDiffusionPolicy(DenoisingPolicy):
             self.condition_embedding = nn.Embedding(1, tiny.condition_dim)
             nn.init.normal_(self.condition_embedding.weight, std=1.0)
         self.unet = _tiny_unet(config)
+        # diffusers' 3-D blocks put dropout 0.1 into their temporal convolutions; RL compares
+        # passes over one chain (sampling, the recompute, the reference), which a fresh
+        # dropout mask per pass would make disagree (ratio != 1), so dropout is off
+        for module in self.unet.modules():
+            if isinstance(module, nn.Dropout):
+                module.p = 0.0
         self.frames, self.resolution = tiny.frames, (tiny.resolution, tiny.resolution)
         self.prediction_type = config.prediction_type or ("epsilon" if config.is_diffusion else "velocity")
         options = config.denoising

@@ -51,15 +51,32 @@ def test_text_prompts_with_guidance_give_ratio_one_and_the_gradient_reaches_the_
     assert not torch.allclose(other.output[0], sample.output[0]) and torch.equal(other.output[1], sample.output[1])
 
 
+def test_in_train_mode_two_passes_over_one_chain_agree_once_the_temporal_layers_have_trained():
+    """diffusers' temporal convolutions carry dropout 0.1 and start with a zero last layer;
+    once that layer is non-zero, dropout would make the recompute differ from sampling."""
+    policy = make(denoising=TRANSITIONS["flow_sde"]).train()
+    with torch.no_grad():
+        for name, param in policy.unet.named_parameters():
+            if "temp_conv" in name:
+                param.add_(0.1 * torch.randn_like(param))
+    sample = policy.sample(CONDITIONS, torch.Generator().manual_seed(1))
+    first, second = policy.log_prob(sample.replay), policy.log_prob(sample.replay)
+    torch.testing.assert_close(first, second, rtol=0, atol=1e-4)
+    torch.testing.assert_close(torch.exp(first - sample.logp), torch.ones_like(first), atol=RATIO_ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("transition", ["ddim", "flow_sde"])
 def test_the_kept_sampling_graph_gives_the_recomputed_log_probs_and_gradient(transition):
     """sample(keep_graph=True): the log-probs log_prob recomputes, and their gradient (float64)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        # eval mode: diffusers' 3-D blocks put dropout 0.1 in their temporal convs, whose last
-        # layer starts at zero, so in train mode two passes agree in value but not in gradient
-        policy = make(denoising=TRANSITIONS[transition], guidance_scale=2.0).eval()
+        # train mode, as the trainer runs it (the policy turns diffusers' temporal dropout off)
+        policy = make(denoising=TRANSITIONS[transition], guidance_scale=2.0).train()
+        with torch.no_grad():  # the temporal convs' zero-initialised last layers, as after some training
+            for name, param in policy.unet.named_parameters():
+                if "temp_conv" in name:
+                    param.add_(0.1 * torch.randn_like(param))
         sample = policy.sample(CONDITIONS, torch.Generator().manual_seed(1), keep_graph=True)
         assert sample.logp.requires_grad and not sample.replay["chain"]["latents"].requires_grad
         weights = torch.randn(sample.logp.shape, generator=torch.Generator().manual_seed(2))
