@@ -161,10 +161,14 @@ def _on_side(a: Detection, b: Detection, relation: str, margin: float) -> bool:
     return offset >= margin * (a.box[2] + b.box[2]) / 2
 
 
+def _object_multisets(scene: Scene, detections: list[Detection]) -> tuple[Counter, Counter]:
+    """The prompted and the detected (colour, shape) multisets."""
+    return Counter(scene.objects()), Counter((d.colour, d.shape) for d in detections)
+
+
 def check_criteria(scene: Scene, detections: list[Detection], position_margin: float = 0.5) -> dict[str, bool]:
     """Which of ``count``, ``colour`` and (for a relation) ``position`` the detections meet."""
-    wanted = Counter(scene.objects())
-    seen = Counter((d.colour, d.shape) for d in detections)
+    wanted, seen = _object_multisets(scene, detections)
     criteria = {
         "count": Counter(shape for _, shape in wanted.elements()) == Counter(d.shape for d in detections),
         "colour": seen == wanted,
@@ -179,8 +183,7 @@ def check_criteria(scene: Scene, detections: list[Detection], position_margin: f
 def matched_fraction(scene: Scene, detections: list[Detection]) -> float:
     """|detected ∩ prompted| / max(|detected|, |prompted|) over (colour, shape) multisets:
     1 exactly when the objects are the prompt's, 0 when none of them is."""
-    wanted = Counter(scene.objects())
-    seen = Counter((d.colour, d.shape) for d in detections)
+    wanted, seen = _object_multisets(scene, detections)
     return sum((wanted & seen).values()) / max(sum(wanted.values()), sum(seen.values()), 1)
 
 
@@ -225,10 +228,10 @@ def shapes_geneval(rollout: Rollout, cfg: ShapesGenevalConfig) -> Tensor:
         detections = detect_shapes(image, min_chroma=cfg.min_chroma, min_area=cfg.min_area, min_fill=cfg.min_fill)
         scene = _scene(rollout, i)
         criteria = check_criteria(scene, detections, cfg.position_margin)
-        met = criteria.values()
         if cfg.mode == "objects":
             score = matched_fraction(scene, detections)
             scores.append((score + criteria["position"]) / 2 if "position" in criteria else score)
         else:
+            met = criteria.values()
             scores.append(float(all(met)) if cfg.mode == "strict" else sum(met) / len(met))
     return torch.tensor(scores, dtype=torch.float32)

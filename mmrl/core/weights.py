@@ -36,9 +36,9 @@ def resolve_weights_dir(directory: str | os.PathLike) -> Path:
     ``policy.pretrained: runs/my_sft_run`` starts RL from where that run ended), or the
     checkpoint a ``checkpoints/latest`` pointer file names."""
     d = Path(directory)
-    if d.is_file() and d.name == LATEST:
-        named = d.parent / d.read_text().strip()
-        if (named / CHECKPOINT_STATE).is_file():
+    if d.is_file() and d.name == LATEST and d.parent.name == CHECKPOINTS:
+        named = latest_checkpoint(d.parent.parent)
+        if named is not None:
             return named
     if not (d / "model.safetensors").is_file():
         latest = latest_checkpoint(d)

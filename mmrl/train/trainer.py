@@ -287,11 +287,11 @@ class Trainer:
         sums: dict[str, torch.Tensor] = {}
         kept_parts: list[Rollout] = []
         kept_total, num_collected, spare = 0, 0, None
+        keep_graph = {"keep_graph": True} if self.reuse_graph else {}  # only samplers that keep it take the argument
         with torch.no_grad():
             for round_ in range(cfg.resample_rounds + 1 if self.filters else 1):
                 # refill groups get indices past the step's batch: every process count draws the same groups
                 offset = round_ * cfg.groups_per_step + self.rank * self.local_groups
-                keep_graph = {"keep_graph": True} if self.reuse_graph else {}
                 part = self.score(self.sampler.collect(policy, self.local_groups, cfg.group_size, step, offset, **keep_graph), step)
                 num_collected += part.batch_size
                 for name, values in self.sampler.metrics(part).items():

@@ -786,7 +786,8 @@ class ImageDiffusionPolicy(DenoisingPolicy):
             x_init = torch.randn((n, self.channels, *self.resolution), generator=generator).to(self.device)
             out = self.sample_chain(self._denoiser(self._embedded(conditions)), x_init, generator, deterministic, keep_graph=keep_graph)
         replay = {"chain": out.chain, **conditions}
-        images = pixels_to_uint8(self.decode_latents(out.final))
+        with torch.no_grad():
+            images = pixels_to_uint8(self.decode_latents(out.final))
         return Sample(output=out.final, logp=out.logp, replay=replay, mask=out.mask, entropy=out.entropy, info={"images": images})
 
     def media(self, rollout) -> dict[str, Tensor]:
