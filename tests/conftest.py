@@ -82,3 +82,28 @@ def run_mmrl(*args, cwd=None, timeout=300, env=None):
         timeout=timeout,
         env={**os.environ, **(env or {})},
     )
+
+
+def assert_kept_sampling_graph_matches_recompute(build, inputs) -> None:
+    """In float64: ``build()``'s ``sample(inputs, keep_graph=True)`` gives the log-probs that
+    ``log_prob(replay)`` recomputes, with the same gradient for every parameter, and keeps
+    no graph on its output or its stored latents."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        policy = build()
+        sample = policy.sample(inputs, torch.Generator().manual_seed(1), keep_graph=True)
+        assert sample.logp.requires_grad and not sample.output.requires_grad and not sample.replay["chain"]["latents"].requires_grad
+        weights = torch.randn(sample.logp.shape, generator=torch.Generator().manual_seed(2))
+        kept = torch.autograd.grad((weights * sample.logp).sum(), list(policy.parameters()), allow_unused=True)
+        logp = policy.log_prob(sample.replay)
+        recomputed = torch.autograd.grad((weights * logp).sum(), list(policy.parameters()), allow_unused=True)
+    finally:
+        torch.set_default_dtype(previous)
+    torch.testing.assert_close(sample.logp.detach(), logp.detach(), rtol=1e-12, atol=1e-9)
+    scale = max(float(g.abs().max()) for g in recomputed if g is not None)
+    assert scale > 0
+    for a, b in zip(kept, recomputed):
+        assert (a is None) == (b is None)
+        if b is not None:
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-10 * scale)

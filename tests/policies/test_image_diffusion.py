@@ -13,6 +13,7 @@ from mmrl.denoising import flow_sigmas  # noqa: E402
 from mmrl.errors import ConfigError  # noqa: E402
 from mmrl.policies.image_diffusion import ImageDiffusionConfig, ImageDiffusionPolicy  # noqa: E402
 from mmrl.policies.image_diffusion.model import diffusion_target, epsilon_from_prediction  # noqa: E402
+from tests.conftest import assert_kept_sampling_graph_matches_recompute  # noqa: E402
 
 CONDITIONS = torch.tensor([0, 1, 2, 0])
 PROMPTS = ["a red circle", "two blue squares", "", "a red circle"]
@@ -57,25 +58,9 @@ def test_recomputing_one_step_per_call_reproduces_old_logp_exactly(transition, g
 @pytest.mark.parametrize("transition", ["ddim", "flow_sde"])
 def test_the_kept_sampling_graph_gives_the_recomputed_log_probs_and_gradient(transition, stochastic_steps, guidance):
     """sample(keep_graph=True): the log-probs log_prob recomputes, and their gradient (float64)."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        policy = make(denoising={**TRANSITIONS[transition], "stochastic_steps": stochastic_steps}, guidance_scale=guidance, guidance_grad="both")
-        sample = policy.sample(CONDITIONS, torch.Generator().manual_seed(1), keep_graph=True)
-        assert sample.logp.requires_grad and not sample.output.requires_grad and not sample.replay["chain"]["latents"].requires_grad
-        weights = torch.randn(sample.logp.shape, generator=torch.Generator().manual_seed(2))
-        kept = torch.autograd.grad((weights * sample.logp).sum(), list(policy.parameters()), allow_unused=True)
-        logp = policy.log_prob(sample.replay)
-        recomputed = torch.autograd.grad((weights * logp).sum(), list(policy.parameters()), allow_unused=True)
-    finally:
-        torch.set_default_dtype(previous)
-    torch.testing.assert_close(sample.logp.detach(), logp.detach(), rtol=1e-12, atol=1e-9)
-    scale = max(float(g.abs().max()) for g in recomputed if g is not None)
-    assert scale > 0
-    for a, b in zip(kept, recomputed):
-        assert (a is None) == (b is None)
-        if b is not None:
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-10 * scale)
+    assert_kept_sampling_graph_matches_recompute(
+        lambda: make(denoising={**TRANSITIONS[transition], "stochastic_steps": stochastic_steps}, guidance_scale=guidance, guidance_grad="both"), CONDITIONS
+    )
 
 
 @pytest.mark.parametrize("guidance_grad", ["detached", "both"])

@@ -9,6 +9,7 @@ from mmrl.config import from_dict  # noqa: E402
 from mmrl.core.weights import build_policy, load_pretrained, save_pretrained  # noqa: E402
 from mmrl.errors import ConfigError  # noqa: E402
 from mmrl.policies.video_diffusion import VideoDiffusionConfig, VideoDiffusionPolicy  # noqa: E402
+from tests.conftest import assert_kept_sampling_graph_matches_recompute  # noqa: E402
 
 CONDITIONS = torch.tensor([0, 1, 2, 0])
 PROMPTS = ["a red circle moving right", "two blue squares", "", "a red circle moving right"]
@@ -68,30 +69,17 @@ def test_in_train_mode_two_passes_over_one_chain_agree_once_the_temporal_layers_
 @pytest.mark.parametrize("transition", ["ddim", "flow_sde"])
 def test_the_kept_sampling_graph_gives_the_recomputed_log_probs_and_gradient(transition):
     """sample(keep_graph=True): the log-probs log_prob recomputes, and their gradient (float64)."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
+
+    def build():
         # train mode, as the trainer runs it (the policy turns diffusers' temporal dropout off)
         policy = make(denoising=TRANSITIONS[transition], guidance_scale=2.0).train()
         with torch.no_grad():  # the temporal convs' zero-initialised last layers, as after some training
             for name, param in policy.unet.named_parameters():
                 if "temp_conv" in name:
                     param.add_(0.1 * torch.randn_like(param))
-        sample = policy.sample(CONDITIONS, torch.Generator().manual_seed(1), keep_graph=True)
-        assert sample.logp.requires_grad and not sample.replay["chain"]["latents"].requires_grad
-        weights = torch.randn(sample.logp.shape, generator=torch.Generator().manual_seed(2))
-        kept = torch.autograd.grad((weights * sample.logp).sum(), list(policy.parameters()), allow_unused=True)
-        logp = policy.log_prob(sample.replay)
-        recomputed = torch.autograd.grad((weights * logp).sum(), list(policy.parameters()), allow_unused=True)
-    finally:
-        torch.set_default_dtype(previous)
-    torch.testing.assert_close(sample.logp.detach(), logp.detach(), rtol=1e-12, atol=1e-9)
-    scale = max(float(g.abs().max()) for g in recomputed if g is not None)
-    assert scale > 0
-    for a, b in zip(kept, recomputed):
-        assert (a is None) == (b is None)
-        if b is not None:
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-10 * scale)
+        return policy
+
+    assert_kept_sampling_graph_matches_recompute(build, CONDITIONS)
 
 
 @pytest.mark.parametrize("transition", ["ddim", "flow_sde"])

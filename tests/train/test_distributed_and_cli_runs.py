@@ -160,26 +160,23 @@ def test_train_then_eval_then_plot(tmp_path, write_config):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.slow
-def test_micro_batches_by_the_activation_estimate_with_two_processes_match_one_process(tmp_path):
-    """algo.micro_batches null with an image policy: one process cuts its 8 samples into 7
-    pieces, each of two processes its 4 into 4 (the largest count over processes); the
-    updates agree (float32 sums in another order, magnified by Adam on tiny gradients)."""
+def _image_runs_with_one_and_two_processes_match(tmp_path, name: str, algo: dict, port: int) -> None:
+    """A tiny image-policy run (JPEG reward, 2 steps) with ``algo`` on one and on two
+    processes: the same weights and logged reward, loss and gradient norm."""
     pytest.importorskip("diffusers")
     pytest.importorskip("cv2")
     data = {
-        "name": "pieces", "seed": 0, "total_steps": 2,
+        "name": name, "seed": 0, "total_steps": 2,
         "policy": {"type": "image_diffusion", "tiny": {"resolution": 8}, "denoising": {"num_inference_steps": 4, "logp_reduction": "mean"}},
         "sampler": {"type": "prompt", "data": {"num_prompts": 3}, "batch_groups": 2},
         "rewards": [{"type": "jpeg_compressibility"}],
-        # 8 KiB a sample (4 steps x 8 channels x 8 x 8 x 4 bytes); pieces of at most 0.01 MiB
-        "algo": {"group_size": 2, "groups_per_step": 4, "micro_batch_mb": 0.01, "reuse_sampling_graph": False},
+        "algo": {"group_size": 2, "groups_per_step": 4, **algo},
         "optim": {"lr": 1e-3}, "eval": {"every": 0, "at_end": False}, "checkpoint": {"every": 2},
         "log": {"progress": False, "tensorboard": False},
     }
-    path = tmp_path / "pieces.yaml"
+    path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(data))
-    ra, rb = _one_and_two_processes(tmp_path, path, 29537)
+    ra, rb = _one_and_two_processes(tmp_path, path, port)
     a = load_file(str(tmp_path / "one/checkpoints/step_00000002/model.safetensors"))
     b = load_file(str(tmp_path / "two/checkpoints/step_00000002/model.safetensors"))
     for k in a:
@@ -187,6 +184,15 @@ def test_micro_batches_by_the_activation_estimate_with_two_processes_match_one_p
     for key in ("reward/total", "loss/policy", "grad_norm"):
         for x, y in zip(ra, rb):
             assert math.isclose(x[key], y[key], rel_tol=1e-4, abs_tol=1e-7), (key, x[key], y[key])
+
+
+@pytest.mark.slow
+def test_micro_batches_by_the_activation_estimate_with_two_processes_match_one_process(tmp_path):
+    """algo.micro_batches null with an image policy: one process cuts its 8 samples into 7
+    pieces, each of two processes its 4 into 4 (the largest count over processes); the
+    updates agree (float32 sums in another order, magnified by Adam on tiny gradients)."""
+    # 8 KiB a sample (4 steps x 8 channels x 8 x 8 x 4 bytes); pieces of at most 0.01 MiB
+    _image_runs_with_one_and_two_processes_match(tmp_path, "pieces", {"micro_batch_mb": 0.01, "reuse_sampling_graph": False}, 29537)
 
 
 @pytest.mark.slow
@@ -195,24 +201,4 @@ def test_a_reused_sampling_graph_with_two_processes_matches_one_process(tmp_path
     through its own samples' sampling graph, passed through the distributed wrapper's
     forward, so the gradients are all-reduced as a recompute's would be (without that, each
     process would step on its own gradient and rank 0's weights would differ)."""
-    pytest.importorskip("diffusers")
-    pytest.importorskip("cv2")
-    data = {
-        "name": "reuse", "seed": 0, "total_steps": 2,
-        "policy": {"type": "image_diffusion", "tiny": {"resolution": 8}, "denoising": {"num_inference_steps": 4, "logp_reduction": "mean"}},
-        "sampler": {"type": "prompt", "data": {"num_prompts": 3}, "batch_groups": 2},
-        "rewards": [{"type": "jpeg_compressibility"}],
-        "algo": {"group_size": 2, "groups_per_step": 4, "reuse_sampling_graph": True},
-        "optim": {"lr": 1e-3}, "eval": {"every": 0, "at_end": False}, "checkpoint": {"every": 2},
-        "log": {"progress": False, "tensorboard": False},
-    }
-    path = tmp_path / "reuse.yaml"
-    path.write_text(yaml.safe_dump(data))
-    ra, rb = _one_and_two_processes(tmp_path, path, 29539)
-    a = load_file(str(tmp_path / "one/checkpoints/step_00000002/model.safetensors"))
-    b = load_file(str(tmp_path / "two/checkpoints/step_00000002/model.safetensors"))
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=2e-4)
-    for key in ("reward/total", "loss/policy", "grad_norm"):
-        for x, y in zip(ra, rb):
-            assert math.isclose(x[key], y[key], rel_tol=1e-4, abs_tol=1e-7), (key, x[key], y[key])
+    _image_runs_with_one_and_two_processes_match(tmp_path, "reuse", {"reuse_sampling_graph": True}, 29539)
