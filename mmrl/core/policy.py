@@ -44,6 +44,9 @@ class PolicyModule(nn.Module):
     # parameters; the trainer may then backpropagate through them instead of recomputing
     # (``algo.reuse_sampling_graph``, docs/architecture.md)
     keeps_sampling_graph: bool = False
+    # ``sample(..., noise_group_size=G)`` starts each run of G consecutive samples from one
+    # initial noise (DanceGRPO's shared noise within a group; sampler.shared_noise)
+    shares_initial_noise: bool = False
 
     def sample(self, inputs: Any, generator: torch.Generator | None = None, deterministic: bool = False) -> Sample:
         raise NotImplementedError

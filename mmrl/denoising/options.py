@@ -48,6 +48,10 @@ class DenoisingOptions:
     num_inference_steps: int = option(10, "denoising steps K of a sampled chain", ge=1)
     eta: float = option(1.0, "ddim: stochasticity of the stochastic steps (1: the DDPM posterior variance)", gt=0)
     noise_level: float = option(0.7, "flow_sde: noise level a, sigma_t = a sqrt(sigma / (1 - sigma)); flow_cps: std = sigma_next sin(a pi / 2), a <= 1", gt=0)
+    sde_diffusion: Literal["flow_grpo", "constant"] = option(
+        "flow_grpo",
+        "flow_sde: the SDE's diffusion coefficient sigma_t: flow_grpo = noise_level sqrt(sigma / (1 - sigma)) (Flow-GRPO, piRL); constant = noise_level at every step (DanceGRPO's eta: std = eta sqrt(sigma - sigma_next))",
+    )
     noise_std_range: list[float] = option(factory=lambda: [0.05, 0.3], doc="flow_noise: the learned std of every latent element lies in [lo, hi] (log-uniform squashing)")
     time_shift: float = option(1.0, "flow transitions: SD3 time shift of the sigma schedule (> 1 spends more steps at high noise)", gt=0)
     num_train_timesteps: int = option(1000, "ddim / ddpm: training timesteps T of the noise schedule the denoiser was trained on", ge=1)
@@ -79,6 +83,8 @@ class DenoisingOptions:
             raise ConfigError(p + "beta_end", self.beta_end, f"must be > beta_start ({self.beta_start})")
         if self.transition == "lcm" and not k <= self.lcm_original_steps <= self.num_train_timesteps:
             raise ConfigError(p + "lcm_original_steps", self.lcm_original_steps, f"must lie in [num_inference_steps ({k}), num_train_timesteps ({self.num_train_timesteps})]")
+        if self.sde_diffusion != "flow_grpo" and self.transition != "flow_sde":
+            raise ConfigError(p + "sde_diffusion", self.sde_diffusion, f"only flow_sde has an SDE diffusion to choose (transition is {self.transition}); leave it at flow_grpo")
         if self.transition == "flow_cps" and self.noise_level > 1:
             raise ConfigError(p + "noise_level", self.noise_level, "flow_cps needs a noise level in (0, 1]")
         lo_hi = self.noise_std_range
@@ -127,7 +133,7 @@ def make_transition(options: DenoisingOptions, deterministic: bool = False, devi
             beta_start=options.beta_start, beta_end=options.beta_end,
         )
     name = "flow_ode" if deterministic else options.transition
-    return FlowTransition.from_config(k, name, options.noise_level, options.time_shift, device=device)
+    return FlowTransition.from_config(k, name, options.noise_level, options.time_shift, device=device, diffusion=options.sde_diffusion)
 
 
 def stochastic_mask(options: DenoisingOptions, n: int, generator: torch.Generator | None = None, device=None) -> Tensor:

@@ -85,6 +85,17 @@ class DenoisingPolicy(PolicyModule):
             values = values.repeat_interleave(chain["stochastic"].shape[-1], dim=1)
         return values.flatten(0, 1)
 
+    def initial_noise(self, shape: tuple[int, ...], generator: torch.Generator | None = None, group_size: int | None = None) -> Tensor:
+        """Starting noise [N, …] of N chains from ``generator``, on the CPU. ``group_size`` G:
+        each run of G consecutive chains starts from one draw (DanceGRPO's noise shared by a
+        group, ``shares_initial_noise``); their steps still draw their own noises."""
+        n = shape[0]
+        if not group_size or group_size == 1:
+            return torch.randn(shape, generator=generator)
+        if n % group_size:
+            raise ValueError(f"{n} samples are not whole groups of {group_size}")
+        return torch.randn((n // group_size, *shape[1:]), generator=generator).repeat_interleave(group_size, dim=0)
+
     def sample_chain(
         self, denoiser: Denoiser, x_init: Tensor, generator: torch.Generator | None = None, deterministic: bool = False, keep_graph: bool = False
     ) -> ChainDecisions:

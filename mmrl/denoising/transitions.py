@@ -97,18 +97,25 @@ def flow_ode_step(x: Tensor, v: Tensor, sigma, sigma_next) -> tuple[Tensor, Tens
     return x + v * (sigma_next - sigma), torch.zeros_like(x)
 
 
-def flow_sde_step(x: Tensor, v: Tensor, sigma, sigma_next, noise_level: float, sigma_max=None) -> tuple[Tensor, Tensor]:
+def flow_sde_step(x: Tensor, v: Tensor, sigma, sigma_next, noise_level: float, sigma_max=None, diffusion: str = "flow_grpo") -> tuple[Tensor, Tensor]:
     """Euler–Maruyama step of the marginal-preserving SDE of a rectified flow with noise
     level a (Flow-GRPO, Liu et al. 2025; πRL's Flow-SDE, Chen et al. 2025):
 
         σ_t  = a·sqrt(σ / (1 − σ)),   dt = σ_next − σ < 0
         mean = x + [v + σ_t²/(2σ)·(x + (1 − σ)·v)]·dt,    std = σ_t·sqrt(−dt)
 
-    At σ = 1 the ratio σ/(1 − σ) is infinite; as Flow-GRPO, the denominator then uses
-    ``sigma_max`` (the schedule's largest σ below 1) instead of σ.
+    (x + (1 − σ)·v is the predicted noise, so the drift's correction is −σ_t²/2 times the
+    score.) At σ = 1 the ratio σ/(1 − σ) is infinite; as Flow-GRPO, the denominator then
+    uses ``sigma_max`` (the schedule's largest σ below 1) instead of σ.
+
+    ``diffusion="constant"`` takes σ_t = a at every step, the SDE of DanceGRPO (Xue et al.
+    2025; its η): std = a·sqrt(σ − σ_next), the same drift correction with that σ_t.
     """
-    sigma_den = sigma if sigma_max is None else _where_one(sigma, sigma_max)
-    sigma_t = noise_level * _sqrt(sigma / (1 - sigma_den))
+    if diffusion == "constant":
+        sigma_t = noise_level
+    else:
+        sigma_den = sigma if sigma_max is None else _where_one(sigma, sigma_max)
+        sigma_t = noise_level * _sqrt(sigma / (1 - sigma_den))
     dt = sigma_next - sigma
     mean = x + (v + sigma_t**2 / (2 * sigma) * (x + (1 - sigma) * v)) * dt
     std = sigma_t * _sqrt(-dt)
@@ -174,6 +181,8 @@ class Transition(Protocol):
 # :class:`mmrl.denoising.options.DenoisingOptions`.
 DIFFUSION_TRANSITIONS = ("ddim", "ddpm", "lcm")
 FLOW_TRANSITIONS = ("flow_sde", "flow_cps", "flow_noise", "flow_ode")
+# flow_sde's diffusion coefficient σ_t: Flow-GRPO's a·sqrt(σ/(1 − σ)) or DanceGRPO's constant a
+SDE_DIFFUSIONS = ("flow_grpo", "constant")
 TRANSITIONS = DIFFUSION_TRANSITIONS + FLOW_TRANSITIONS
 
 
@@ -263,17 +272,20 @@ class DiffusionTransition:
 class FlowTransition:
     """K Euler steps of a rectified flow over ``sigmas`` (σ_0 = 1 … σ_K = 0, [K + 1]).
 
-    ``name``: ``"flow_sde"`` (:func:`flow_sde_step`, noise level a), ``"flow_cps"``
+    ``name``: ``"flow_sde"`` (:func:`flow_sde_step`, noise level a, ``diffusion``
+    ``"flow_grpo"`` or ``"constant"``), ``"flow_cps"``
     (:func:`flow_cps_step`), ``"flow_noise"`` (:func:`flow_noise_step`), ``"flow_ode"``
     (every step deterministic). Deterministic steps take the ODE step. The denoiser is
     given σ_k as its time and returns v, or ``(v, std)`` from a learned noise head:
     ``flow_noise`` needs the std, the others ignore it.
     """
 
-    def __init__(self, sigmas: Tensor, name: str = "flow_sde", noise_level: float = 0.7):
+    def __init__(self, sigmas: Tensor, name: str = "flow_sde", noise_level: float = 0.7, diffusion: str = "flow_grpo"):
         if name not in FLOW_TRANSITIONS:
             raise ValueError(f"name must be one of {FLOW_TRANSITIONS}, got {name!r}")
-        self.name, self.noise_level = name, float(noise_level)
+        if diffusion not in SDE_DIFFUSIONS:
+            raise ValueError(f"diffusion must be one of {SDE_DIFFUSIONS}, got {diffusion!r}")
+        self.name, self.noise_level, self.diffusion = name, float(noise_level), diffusion
         self.sigmas = sigmas.float()
         self.num_steps = int(sigmas.shape[0]) - 1
         # Flow-GRPO's stand-in for σ = 1 in σ/(1 − σ): the largest σ below 1.
@@ -281,8 +293,10 @@ class FlowTransition:
         self.sigma_max = float(below_one.max()) if below_one.numel() else 0.0
 
     @classmethod
-    def from_config(cls, num_steps: int, name: str = "flow_sde", noise_level: float = 0.7, shift: float = 1.0, device=None) -> "FlowTransition":
-        return cls(flow_sigmas(num_steps, shift).to(device), name, noise_level)
+    def from_config(
+        cls, num_steps: int, name: str = "flow_sde", noise_level: float = 0.7, shift: float = 1.0, device=None, diffusion: str = "flow_grpo"
+    ) -> "FlowTransition":
+        return cls(flow_sigmas(num_steps, shift).to(device), name, noise_level, diffusion)
 
     def model_time(self, step: Tensor) -> Tensor:
         return self.sigmas.to(step.device)[step]
@@ -294,7 +308,7 @@ class FlowTransition:
         if self.name == "flow_ode":
             return flow_ode_step(x, v, sigma, sigma_next)
         if self.name == "flow_sde":
-            mean, std = flow_sde_step(x, v, sigma, sigma_next, self.noise_level, self.sigma_max)
+            mean, std = flow_sde_step(x, v, sigma, sigma_next, self.noise_level, self.sigma_max, self.diffusion)
         elif self.name == "flow_cps":
             mean, std = flow_cps_step(x, v, sigma, sigma_next, self.noise_level)
         else:

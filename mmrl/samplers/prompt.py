@@ -48,7 +48,8 @@ from mmrl.core.rollout import Rollout
 from mmrl.core.sampler import Sampler, group_seed
 from mmrl.core.statistics import wilson_interval
 from mmrl.data.prompts import EpochOrder, PromptData, PromptDataConfig, PromptRecord, clusters_by, prompt_input
-from mmrl.registry import SAMPLERS
+from mmrl.errors import ConfigError
+from mmrl.registry import POLICIES, SAMPLERS
 
 
 @dataclass
@@ -67,6 +68,10 @@ class PromptSamplerConfig(SamplerConfig):
         "records sharing this metadata value (e.g. question_id: the paraphrases of one question) are consecutive in the epoch order, so they meet in one step when groups_per_step is a multiple of the cluster size (paraphrase_consistency needs this); null = records shuffled one by one",
     )
     category_key: str | None = option("category", "metadata key whose values get their own evaluation accuracy/<value> (null = none)")
+    shared_noise: bool = option(
+        False,
+        "training: the G samples of a group start from one initial noise (DanceGRPO), so the group's differences come from the stochastic steps alone; needs a policy that shares_initial_noise (image_diffusion, video_diffusion). Evaluation keeps one noise per sample",
+    )
 
 
 def _device(policy: Policy) -> torch.device:
@@ -94,6 +99,10 @@ class PromptSampler(Sampler):
         self.config = sampler_cfg
         self.seed = train_cfg.seed
         self.groups_per_step = train_cfg.algo.groups_per_step
+        if sampler_cfg.shared_noise:
+            policy_cls = POLICIES.get(train_cfg.policy.type, "policy.type")
+            if not getattr(policy_cls, "shares_initial_noise", False):
+                raise ConfigError("sampler.shared_noise", True, f"policy {train_cfg.policy.type!r} starts no denoising chain from a noise it could share; policies that do: image_diffusion, video_diffusion")
         self.data = PromptData.load(sampler_cfg.data, "sampler.data")
         key = sampler_cfg.cluster_key
         self.order = EpochOrder(len(self.data.train), self.seed, clusters_by(self.data.train, key) if key else None)
@@ -143,12 +152,15 @@ class PromptSampler(Sampler):
         to ``Rollout.sampling_graph_logp``."""
         start = self._step_start(step)
         device = _device(policy)
+        options = {"keep_graph": True} if keep_graph else {}
+        if self.config.shared_noise:
+            options["noise_group_size"] = group_size
         parts = []
         for first, end in _call_ranges(group_offset, group_offset + num_groups, self.config.batch_groups):
             records = [self.data.train[i] for i in self.order.indices(start + first, end - first)]
             inputs = self._inputs(records, group_size, device)
             generator = torch.Generator().manual_seed(group_seed(self.seed, step, first))
-            sample = policy.sample(inputs, generator, keep_graph=True) if keep_graph else policy.sample(inputs, generator)
+            sample = policy.sample(inputs, generator, **options)
             group_id = torch.arange(first, end).repeat_interleave(group_size)
             parts.append(self._rollout(sample, inputs, records, group_size, group_id, keep_graph))
         return Rollout.cat(parts)

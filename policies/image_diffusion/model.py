@@ -453,6 +453,7 @@ class ImageDiffusionPolicy(DenoisingPolicy):
     space or over a VAE's latents; each stochastic denoising step is one decision."""
 
     keeps_sampling_graph = True
+    shares_initial_noise = True
 
     def __init__(self, config: ImageDiffusionConfig, spec: dict):
         super().__init__()
@@ -775,15 +776,18 @@ class ImageDiffusionPolicy(DenoisingPolicy):
 
     # -------------------------------------------------------------- sampling and SFT
 
-    def sample(self, inputs, generator: torch.Generator | None = None, deterministic: bool = False, keep_graph: bool = False) -> Sample:
+    def sample(
+        self, inputs, generator: torch.Generator | None = None, deterministic: bool = False, keep_graph: bool = False, noise_group_size: int | None = None
+    ) -> Sample:
         """One image per input (condition id or prompt string); ``deterministic`` takes the
         deterministic update at every step (the initial noise is still drawn from ``generator``).
         ``keep_graph``: the log-probs keep the autograd graph (``keeps_sampling_graph``); the
-        conditioning is then embedded with grad too, as ``log_prob`` embeds it."""
+        conditioning is then embedded with grad too, as ``log_prob`` embeds it.
+        ``noise_group_size`` G: every G consecutive inputs start from one initial noise."""
         with torch.set_grad_enabled(keep_graph):
             conditions = self._conditions(inputs)
             n = len(inputs)
-            x_init = torch.randn((n, self.channels, *self.resolution), generator=generator).to(self.device)
+            x_init = self.initial_noise((n, self.channels, *self.resolution), generator, noise_group_size).to(self.device)
             out = self.sample_chain(self._denoiser(self._embedded(conditions)), x_init, generator, deterministic, keep_graph=keep_graph)
         replay = {"chain": out.chain, **conditions}
         with torch.no_grad():

@@ -83,6 +83,7 @@ class VideoDiffusionPolicy(DenoisingPolicy):
     """RGB videos from a diffusers UNet3D; each stochastic denoising step is one decision."""
 
     keeps_sampling_graph = True
+    shares_initial_noise = True
 
     def __init__(self, config: VideoDiffusionConfig, spec: dict):
         super().__init__()
@@ -208,13 +209,16 @@ class VideoDiffusionPolicy(DenoisingPolicy):
 
     # -------------------------------------------------------------- sampling, media and SFT
 
-    def sample(self, inputs, generator: torch.Generator | None = None, deterministic: bool = False, keep_graph: bool = False) -> Sample:
+    def sample(
+        self, inputs, generator: torch.Generator | None = None, deterministic: bool = False, keep_graph: bool = False, noise_group_size: int | None = None
+    ) -> Sample:
         """One video per input (a condition id); ``deterministic`` takes the deterministic
         update at every step (the initial noise is still drawn from ``generator``).
-        ``keep_graph``: the log-probs keep the autograd graph (``keeps_sampling_graph``)."""
+        ``keep_graph``: the log-probs keep the autograd graph (``keeps_sampling_graph``).
+        ``noise_group_size`` G: every G consecutive inputs start from one initial noise."""
         with torch.set_grad_enabled(keep_graph):
             ids = self._conditions(inputs)
-            x_init = torch.randn((len(ids), *self.latent_shape), generator=generator).to(self.device)
+            x_init = self.initial_noise((len(ids), *self.latent_shape), generator, noise_group_size).to(self.device)
             out = self.sample_chain(self._denoiser(ids), x_init, generator, deterministic, keep_graph=keep_graph)
         videos = videos_to_uint8(out.final)
         info = {"videos": videos, "images": videos[:, 0].contiguous()}

@@ -310,6 +310,7 @@ _FINE = pytest.mark.slow  # 1000 small steps: ~1 s on an idle core, much more on
     "name, steps, std_tol",
     [
         ("flow_sde", 100, 0.01),
+        ("flow_sde_constant", 100, 0.01),
         ("flow_ode", 100, 0.01),
         ("ddim", 100, 0.035),
         ("ddpm", 100, 0.035),
@@ -336,7 +337,9 @@ def test_with_the_exact_model_of_gaussian_data_the_sampler_reaches_the_data_dist
         centred = x - (1 - sig) * m
         return sig / var * centred - (m + (1 - sig) * s**2 / var * centred)
 
-    if name.startswith("flow"):
+    if name == "flow_sde_constant":  # DanceGRPO's SDE, eta = 0.5
+        transition, denoiser = FlowTransition.from_config(steps, "flow_sde", noise_level=0.5, diffusion="constant"), exact_v
+    elif name.startswith("flow"):
         transition, denoiser = FlowTransition.from_config(steps, name, noise_level=0.7), exact_v
     else:
         kind, eta = ("ddpm", 1.0) if name == "ddpm" else ("ddim", 0.0 if name == "ddim_eta0" else 1.0)

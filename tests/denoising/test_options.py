@@ -48,6 +48,8 @@ def test_make_transition_builds_the_named_transition_on_its_schedule():
     assert isinstance(cps, FlowTransition) and cps.name == "flow_cps" and cps.noise_level == pytest.approx(0.4)
     assert cps.sigmas[1].item() == pytest.approx(3 * 0.75 / (1 + 2 * 0.75))  # the SD3 shift
     assert make_transition(options(transition="flow_noise"), deterministic=True).name == "flow_ode"
+    dance = make_transition(options(sde_diffusion="constant", noise_level=0.3))
+    assert dance.name == "flow_sde" and dance.diffusion == "constant" and make_transition(options()).diffusion == "flow_grpo"
 
 
 def test_log_prob_options_are_the_chain_functions_keyword_arguments():
@@ -70,6 +72,8 @@ def test_log_prob_options_are_the_chain_functions_keyword_arguments():
         ({"logp_element_clamp": [2, -5]}, "logp_element_clamp", "lo < hi"),
         ({"chunk_steps": 0}, "chunk_steps", ">= 1"),
         ({"logp_granularity": "token"}, "logp_granularity", "allowed: step, chain"),
+        ({"sde_diffusion": "langevin"}, "sde_diffusion", "allowed: flow_grpo, constant"),
+        ({"transition": "flow_cps", "sde_diffusion": "constant", "min_std": 0.1}, "sde_diffusion", "only flow_sde"),
     ],
 )
 def test_bad_options_name_the_field_the_value_and_what_is_allowed(fields, field, allowed):

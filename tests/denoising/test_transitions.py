@@ -78,6 +78,30 @@ def test_flow_sde_step_by_hand():
     close(std0, 0.0)
 
 
+def test_flow_sde_step_with_constant_diffusion_is_dancegrpos_step():
+    # DanceGRPO writes the step with the score of x given the predicted clean sample
+    # x0 = x - sigma v: score = -(x - (1 - sigma) x0) / sigma^2, and with eta, dsigma < 0:
+    # mean = x + v dsigma - eta^2 / 2 * score * dsigma, std = eta sqrt(-dsigma)
+    x, v, sigma, sigma_next, eta = torch.tensor([[0.3, -1.2]]), torch.tensor([[-0.4, 0.9]]), 0.6, 0.4, 0.3
+    x0 = x - sigma * v
+    score = -(x - (1 - sigma) * x0) / sigma**2
+    dsigma = sigma_next - sigma
+    mean, std = flow_sde_step(x, v, sigma, sigma_next, noise_level=eta, diffusion="constant")
+    torch.testing.assert_close(mean, x + v * dsigma - eta**2 / 2 * score * dsigma)
+    torch.testing.assert_close(std, torch.full_like(x, eta * math.sqrt(0.2)))
+    # the same step as Flow-GRPO's where Flow-GRPO's sigma_t = a sqrt(sigma / (1 - sigma)) equals eta
+    a = eta / math.sqrt(sigma / (1 - sigma))
+    torch.testing.assert_close(flow_sde_step(x, v, sigma, sigma_next, noise_level=a), (mean, std))
+    # at sigma = 1 nothing needs a stand-in: sigma_t is eta there too
+    mean1, std1 = flow_sde_step(x, v, 1.0, 0.8, noise_level=eta, diffusion="constant")
+    torch.testing.assert_close(std1, torch.full_like(x, eta * math.sqrt(0.2)))
+    torch.testing.assert_close(mean1, x + (v + eta**2 / 2 * x) * -0.2)
+    transition = FlowTransition(torch.tensor([1.0, 0.6, 0.4, 0.0]), "flow_sde", noise_level=eta, diffusion="constant")
+    torch.testing.assert_close(transition.mean_std(torch.tensor([1]), x, v, torch.tensor([True])), (mean, std))
+    with pytest.raises(ValueError, match="'flow_grpo', 'constant'"):
+        FlowTransition(torch.tensor([1.0, 0.0]), "flow_sde", diffusion="langevin")
+
+
 def test_flow_sde_step_at_sigma_one_uses_sigma_max_in_the_ratio():
     # sigma = 1 -> 0.75 with sigma_max = 0.75: sigma_t = a sqrt(1 / 0.25) = 2a
     mean, std = flow_sde_step(torch.tensor([[0.3]]), torch.tensor([[-0.4]]), 1.0, 0.75, noise_level=0.5, sigma_max=0.75)

@@ -448,3 +448,66 @@ def test_an_update_split_by_the_activation_estimate_equals_the_one_piece_update(
         # the policy loss is a sum of +- terms that nearly cancel (~4e-6): float32 order noise
         assert b["loss/policy"] == pytest.approx(a["loss/policy"], abs=1e-6)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4, abs=1e-7)
+
+
+def test_shared_noise_starts_a_group_from_one_noise_and_leaves_its_steps_their_own():
+    """``sampler.shared_noise`` (DanceGRPO): the G chains of a group start from one noise, a
+    different one per group, and still differ through their stochastic steps."""
+    from mmrl.config import load_config
+    from mmrl.core.sampler import build_sampler
+    from mmrl.core.weights import build_policy
+    from mmrl.train.config import TrainConfig
+
+    from tests.conftest import ROOT
+
+    def collect(shared: bool):
+        cfg = load_config(TrainConfig, ROOT / "configs" / "image_ddpo_jpeg.yaml", [f"sampler.shared_noise={str(shared).lower()}", "algo.group_size=3", "policy.tiny.resolution=8"])
+        sampler = build_sampler(cfg)
+        torch.manual_seed(0)
+        return sampler.collect(build_policy(cfg.policy, sampler.policy_spec()), num_groups=4, group_size=3, step=1)
+
+    shared, own = collect(True), collect(False)
+    start = shared.replay["chain"]["latents"][:, 0].reshape(4, 3, -1)  # the window starts at step 0: x_init
+    assert torch.equal(start, start[:, :1].expand_as(start))
+    assert not torch.allclose(start[0, 0], start[1, 0])
+    final = shared.replay["chain"]["latents"][:, -1].reshape(4, 3, -1)
+    assert not torch.allclose(final[:, 0], final[:, 1])
+    start_own = own.replay["chain"]["latents"][:, 0].reshape(4, 3, -1)
+    assert not torch.allclose(start_own[:, 0], start_own[:, 1])
+    # the group's one noise is the first draw of the call's generator, as the first sample's is without sharing
+    torch.testing.assert_close(start[0, 0], start_own[0, 0])
+
+
+def test_shared_noise_needs_a_policy_that_starts_chains_from_noise():
+    from mmrl.config import load_config
+    from mmrl.core.sampler import build_sampler
+    from mmrl.train.config import TrainConfig
+
+    from tests.conftest import ROOT
+
+    cfg = load_config(TrainConfig, ROOT / "configs" / "text_arithmetic_grpo.yaml", ["sampler.shared_noise=true"])
+    with pytest.raises(ConfigError, match="sampler.shared_noise.*image_diffusion, video_diffusion"):
+        build_sampler(cfg)
+
+
+def test_dancegrpo_sampling_trains_end_to_end_with_ratio_one_on_the_first_pass(tmp_path):
+    """DanceGRPO's chains (constant-diffusion SDE, one initial noise per group) through the
+    trainer: the first minibatch of each step is on-policy, so its ratio is 1."""
+    from mmrl.train.config import TrainConfig
+    from mmrl.train.metrics import read_metrics
+    from mmrl.train.trainer import train
+
+    cfg = from_dict(TrainConfig, {
+        "name": "dance", "seed": 0, "total_steps": 2,
+        "policy": {"type": "image_diffusion", "tiny": {"resolution": 8},
+                   "denoising": {"transition": "flow_sde", "sde_diffusion": "constant", "noise_level": 0.3, "num_inference_steps": 4, "logp_reduction": "mean"}},
+        "sampler": {"type": "prompt", "data": {"num_prompts": 3}, "batch_groups": 2, "shared_noise": True},
+        "rewards": [{"type": "jpeg_compressibility"}],
+        "algo": {"group_size": 3, "groups_per_step": 2, "ppo_epochs": 1, "num_minibatches": 1},
+        "optim": {"lr": 1e-3}, "eval": {"episodes": 4}, "log": {"progress": False, "tensorboard": False},
+    })
+    train(cfg, tmp_path / "run")
+    metrics = [m for m in read_metrics(tmp_path / "run") if "reward/total" in m]
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert m["objective/ratio"] == pytest.approx(1.0, abs=1e-4) and m["approx_kl"] < 1e-6, m

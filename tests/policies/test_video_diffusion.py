@@ -118,6 +118,16 @@ def test_videos_are_uint8_frames_of_the_final_latent_and_images_their_first_fram
     assert policy.media(type("R", (), {"info": sample.info})()) == {"videos": videos}
 
 
+def test_a_noise_group_starts_from_one_noise_and_draws_its_own_steps():
+    policy = make()
+    sample = policy.sample(torch.tensor([0, 0, 1, 1]), torch.Generator().manual_seed(0), noise_group_size=2)
+    start, final = sample.replay["chain"]["latents"][:, 0], sample.output
+    assert torch.equal(start[0], start[1]) and torch.equal(start[2], start[3]) and not torch.equal(start[0], start[2])
+    assert not torch.allclose(final[0], final[1])
+    with pytest.raises(ValueError, match="not whole groups of 3"):
+        policy.sample(CONDITIONS, torch.Generator().manual_seed(0), noise_group_size=3)
+
+
 def test_the_condition_changes_the_video():
     policy = make()
     a = policy.sample(torch.tensor([0, 0]), torch.Generator().manual_seed(0)).output
