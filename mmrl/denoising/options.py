@@ -21,6 +21,7 @@ one kind of output (ε or v) checks ``transition`` against what it supports.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -46,6 +47,11 @@ class DenoisingOptions:
         "Gaussian transition of a stochastic step: ddim (with eta), ddpm, or lcm (a multistep consistency sampler: RLCM) for noise-predicting (ε) models; flow_sde (Flow-GRPO), flow_cps (coefficient-preserving), flow_noise (learned std, πRL) or flow_ode (deterministic: no decisions) for velocity (flow-matching) models",
     )
     num_inference_steps: int = option(10, "denoising steps K of a sampled chain", ge=1)
+    eval_num_inference_steps: int | None = option(
+        None,
+        "steps of a deterministic chain (evaluation) when they differ from num_inference_steps: Flow-GRPO trains with 10 and evaluates with 40; null = num_inference_steps",
+        ge=1,
+    )
     eta: float = option(1.0, "ddim: stochasticity of the stochastic steps (1: the DDPM posterior variance)", gt=0)
     noise_level: float = option(0.7, "flow_sde: noise level a, sigma_t = a sqrt(sigma / (1 - sigma)); flow_cps: std = sigma_next sin(a pi / 2), a <= 1", gt=0)
     sde_diffusion: Literal["flow_grpo", "constant"] = option(
@@ -81,6 +87,10 @@ class DenoisingOptions:
             raise ConfigError(p + "num_inference_steps", k, f"must be <= num_train_timesteps ({self.num_train_timesteps})")
         if not self.beta_start < self.beta_end:
             raise ConfigError(p + "beta_end", self.beta_end, f"must be > beta_start ({self.beta_start})")
+        k_eval = self.eval_num_inference_steps
+        limit = "lcm_original_steps" if self.transition == "lcm" else "num_train_timesteps"
+        if k_eval is not None and self.transition in DIFFUSION_TRANSITIONS and k_eval > getattr(self, limit):
+            raise ConfigError(p + "eval_num_inference_steps", k_eval, f"must be <= {limit} ({getattr(self, limit)})")
         if self.transition == "lcm" and not k <= self.lcm_original_steps <= self.num_train_timesteps:
             raise ConfigError(p + "lcm_original_steps", self.lcm_original_steps, f"must lie in [num_inference_steps ({k}), num_train_timesteps ({self.num_train_timesteps})]")
         if self.sde_diffusion != "flow_grpo" and self.transition != "flow_sde":
@@ -100,6 +110,14 @@ class DenoisingOptions:
             raise ConfigError(p + "window_size", self.window_size, f"the window must fit in the {k} steps (from step {start}: at most {k - start})")
         if self.transition in _ZERO_STD_LAST_STEP and stop == k and self.min_std == 0:
             raise ConfigError(p + "min_std", self.min_std, f"must be > 0: the last step of {self.transition} has std 0 and is stochastic here (or end the window before it)")
+
+    def deterministic_options(self) -> "DenoisingOptions":
+        """The options of a deterministic chain: ``eval_num_inference_steps`` steps when set
+        (every step deterministic, the whole chain stored), else these options."""
+        k_eval = self.eval_num_inference_steps
+        if k_eval is None or k_eval == self.num_inference_steps:
+            return self
+        return dataclasses.replace(self, num_inference_steps=k_eval, eval_num_inference_steps=None, stochastic_steps="all", window_start=0, window_size=None)
 
     @property
     def window(self) -> tuple[int, int]:

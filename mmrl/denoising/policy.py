@@ -100,11 +100,12 @@ class DenoisingPolicy(PolicyModule):
         self, denoiser: Denoiser, x_init: Tensor, generator: torch.Generator | None = None, deterministic: bool = False, keep_graph: bool = False
     ) -> ChainDecisions:
         """Run N chains from ``x_init`` [N, …] under ``config.denoising``; ``deterministic``
-        makes every step deterministic (no decision has a log-prob). ``keep_graph``: the
+        makes every step deterministic (no decision has a log-prob), over
+        ``eval_num_inference_steps`` steps when set. ``keep_graph``: the
         log-probs keep the autograd graph of the stochastic steps' denoiser calls, latents
         detached between steps (:func:`~mmrl.denoising.chain.run_chain`), so they are the
         log-probs ``log_prob`` would recompute, with its gradient."""
-        options = self.denoising
+        options = self.denoising.deterministic_options() if deterministic else self.denoising
         n, device = x_init.shape[0], x_init.device
         transition = make_transition(options, deterministic, device)
         if deterministic:

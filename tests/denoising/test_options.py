@@ -73,6 +73,9 @@ def test_log_prob_options_are_the_chain_functions_keyword_arguments():
         ({"chunk_steps": 0}, "chunk_steps", ">= 1"),
         ({"logp_granularity": "token"}, "logp_granularity", "allowed: step, chain"),
         ({"sde_diffusion": "langevin"}, "sde_diffusion", "allowed: flow_grpo, constant"),
+        ({"transition": "ddim", "min_std": 0.1, "num_train_timesteps": 20, "eval_num_inference_steps": 40}, "eval_num_inference_steps", "<= num_train_timesteps (20)"),
+        ({"transition": "lcm", "min_std": 0.1, "eval_num_inference_steps": 60}, "eval_num_inference_steps", "<= lcm_original_steps (50)"),
+        ({"eval_num_inference_steps": 0}, "eval_num_inference_steps", ">= 1"),
         ({"transition": "flow_cps", "sde_diffusion": "constant", "min_std": 0.1}, "sde_diffusion", "only flow_sde"),
     ],
 )
@@ -93,3 +96,11 @@ def test_the_transition_choices_are_the_transitions_mmrl_denoising_implements():
     from mmrl.denoising import TRANSITIONS
 
     assert set(typing.get_args(typing.get_type_hints(DenoisingOptions)["transition"])) == set(TRANSITIONS)
+
+
+def test_deterministic_options_take_the_evaluation_steps_over_the_whole_chain():
+    opts = options(num_inference_steps=10, stochastic_steps="window", window_size=3, eval_num_inference_steps=40)
+    det = opts.deterministic_options()
+    assert det.num_inference_steps == 40 and det.window == (0, 40) and det.eval_num_inference_steps is None
+    assert make_transition(det, deterministic=True).num_steps == 40 and make_transition(opts).num_steps == 10
+    assert options().deterministic_options() is not None and options(eval_num_inference_steps=10).deterministic_options().num_inference_steps == 10

@@ -511,3 +511,18 @@ def test_dancegrpo_sampling_trains_end_to_end_with_ratio_one_on_the_first_pass(t
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
         assert m["objective/ratio"] == pytest.approx(1.0, abs=1e-4) and m["approx_kl"] < 1e-6, m
+
+
+def test_evaluation_steps_set_the_deterministic_chain_and_leave_sampling_alone():
+    """``denoising.eval_num_inference_steps`` (Flow-GRPO trains with 10 steps, evaluates with
+    40): a deterministic sample is the 40-step policy's, a stochastic one the 10-step one's."""
+    flow = {"transition": "flow_sde", "noise_level": 0.7, "num_inference_steps": 10, "stochastic_steps": "window", "window_size": 3}
+    both = make(denoising={**flow, "eval_num_inference_steps": 40})
+    forty = make(denoising={**flow, "num_inference_steps": 40})
+    ten = make(denoising=flow)
+    evaluated = both.sample(CONDITIONS, torch.Generator().manual_seed(3), deterministic=True)
+    torch.testing.assert_close(evaluated.output, forty.sample(CONDITIONS, torch.Generator().manual_seed(3), deterministic=True).output, rtol=0, atol=0)
+    assert not torch.allclose(evaluated.output, ten.sample(CONDITIONS, torch.Generator().manual_seed(3), deterministic=True).output)
+    sampled = both.sample(CONDITIONS, torch.Generator().manual_seed(3))
+    torch.testing.assert_close(sampled.output, ten.sample(CONDITIONS, torch.Generator().manual_seed(3)).output, rtol=0, atol=0)
+    assert sampled.mask.sum(1).tolist() == [3.0] * 4 and evaluated.mask.sum() == 0
