@@ -38,6 +38,11 @@ class AdvantageConfig(Component):
     )
     gamma: float = option(1.0, "step level: discount of the returns-to-go (and of the env sampler's chunk rewards)", ge=0, le=1)
     step_reward_weight: float = option(0.0, "step level: weight of the env's per-step rewards added to the returns-to-go", ge=0)
+    best_worst: int | None = option(
+        None,
+        "train on the k highest- and k lowest-reward samples of each group only (DanceGRPO's best/worst-of-n); the advantages are computed over the whole group first, the other samples leave the update (and its recompute); null = every sample",
+        ge=1,
+    )
 
 
 @dataclass
@@ -191,6 +196,17 @@ def passk(rewards: Tensor, group_id: Tensor, *, eps: float = 1e-6):
     adv = torch.zeros_like(rewards)
     adv[best] = gap.to(rewards.dtype)
     return adv, _keep_all(rewards)
+
+
+def best_worst(rewards: Tensor, group_id: Tensor, k: int) -> Tensor:
+    """[B] bool: the k highest- and the k lowest-reward samples of each group (DanceGRPO's
+    best/worst-of-n selection; equal rewards are ranked by position). A group of at most 2k
+    keeps every sample."""
+    index, counts = _groups(group_id)
+    order, starts = _sorted_within_groups(rewards, index, counts)
+    rank = torch.empty_like(index)
+    rank[order] = torch.arange(len(order), device=rewards.device) - starts[index[order]]
+    return (rank < k) | (rank >= counts[index] - k)
 
 
 def clip_advantages(adv: Tensor, clip: float | None) -> Tensor:

@@ -36,7 +36,7 @@ import torch
 import yaml
 
 from mmrl import registry
-from mmrl.algo.advantage import AdvantageConfig, clip_advantages, discounted_returns
+from mmrl.algo.advantage import AdvantageConfig, best_worst, clip_advantages, discounted_returns
 from mmrl.algo.filters import FilterConfig
 from mmrl.algo.masks import top_entropy_mask, truncation_mask
 from mmrl.algo.objective import ObjectiveConfig
@@ -356,6 +356,10 @@ class Trainer:
         else:
             adv, keep = self.advantage_fn(reward, groups, **options)
         adv = clip_advantages(adv, cfg.advantage.clip)
+        if cfg.advantage.best_worst is not None:
+            chosen = best_worst(reward, groups, cfg.advantage.best_worst)
+            keep = keep & chosen
+            adv = adv * (chosen[:, None] if adv.ndim == 2 else chosen).to(adv.dtype)
         return adv[rows], keep[rows]
 
     def _step_advantages(self, terminal, groups, mask, step_rewards, options):

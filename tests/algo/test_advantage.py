@@ -2,7 +2,7 @@ import math
 import pytest
 import torch
 
-from mmrl.algo.advantage import clip_advantages, discounted_returns, grpo, median, passk, psr_nsr, rloo
+from mmrl.algo.advantage import best_worst, clip_advantages, discounted_returns, grpo, median, passk, psr_nsr, rloo
 from mmrl.registry import ADVANTAGES
 
 # Two groups with non-contiguous, negative and interleaved ids:
@@ -126,6 +126,15 @@ def test_clip_advantages():
     assert clip_advantages(adv, None) is adv
     with pytest.raises(ValueError):
         clip_advantages(adv, 0.0)
+
+
+def test_best_worst_keeps_the_k_highest_and_lowest_rewards_of_each_group():
+    # group 7: rewards 1, 0, 0, 1 (positions 0, 2, 3, 5); group -3: 2, 4 (positions 1, 4)
+    # k = 1: group 7 keeps its first 0 (position 2, ties by position) and its last 1 (position 5)
+    assert best_worst(REWARDS, GROUPS, 1).tolist() == [False, True, True, False, True, True]
+    assert best_worst(REWARDS, GROUPS, 2).all()  # groups of at most 2k keep everything
+    rewards = torch.tensor([0.3, 0.9, 0.1, 0.5, 0.7, 0.2])
+    assert best_worst(rewards, torch.zeros(6, dtype=torch.long), 2).tolist() == [False, True, True, False, True, True]
 
 
 def test_discounted_returns_within_mask():

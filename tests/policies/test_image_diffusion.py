@@ -491,8 +491,8 @@ def test_shared_noise_needs_a_policy_that_starts_chains_from_noise():
 
 
 def test_dancegrpo_sampling_trains_end_to_end_with_ratio_one_on_the_first_pass(tmp_path):
-    """DanceGRPO's chains (constant-diffusion SDE, one initial noise per group) through the
-    trainer: the first minibatch of each step is on-policy, so its ratio is 1."""
+    """DanceGRPO's recipe (constant-diffusion SDE, one initial noise per group, the best and
+    worst sample of each group trained) through the trainer: one on-policy pass, ratio 1."""
     from mmrl.train.config import TrainConfig
     from mmrl.train.metrics import read_metrics
     from mmrl.train.trainer import train
@@ -503,13 +503,14 @@ def test_dancegrpo_sampling_trains_end_to_end_with_ratio_one_on_the_first_pass(t
                    "denoising": {"transition": "flow_sde", "sde_diffusion": "constant", "noise_level": 0.3, "num_inference_steps": 4, "logp_reduction": "mean"}},
         "sampler": {"type": "prompt", "data": {"num_prompts": 3}, "batch_groups": 2, "shared_noise": True},
         "rewards": [{"type": "jpeg_compressibility"}],
-        "algo": {"group_size": 3, "groups_per_step": 2, "ppo_epochs": 1, "num_minibatches": 1},
+        "algo": {"group_size": 3, "groups_per_step": 2, "ppo_epochs": 1, "num_minibatches": 1, "advantage": {"best_worst": 1}},
         "optim": {"lr": 1e-3}, "eval": {"episodes": 4}, "log": {"progress": False, "tensorboard": False},
     })
     train(cfg, tmp_path / "run")
     metrics = [m for m in read_metrics(tmp_path / "run") if "reward/total" in m]
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
+        assert m["decisions"] == 2 * 2 * 4, m  # best and worst of each group of 3, 4 steps each
         assert m["objective/ratio"] == pytest.approx(1.0, abs=1e-4) and m["approx_kl"] < 1e-6, m
 
 

@@ -203,3 +203,24 @@ def test_sft_replay_loss_needs_a_policy_with_an_imitation_batch(tmp_path):
     cfg = env_config(algo={"self_imitation": {"size": 8, "loss": "sft"}})
     with pytest.raises(ConfigError, match="algo.self_imitation.loss"):
         Trainer(cfg, tmp_path / "run")
+
+
+def test_best_worst_takes_advantages_over_the_whole_group_and_trains_only_its_extremes(tmp_path):
+    """algo.advantage.best_worst (DanceGRPO): the advantages are the full group's, the k best
+    and k worst samples of each group keep them, the others leave the update."""
+    full = Trainer(toy_config("sequence"), tmp_path / "full")
+    rollout = full.collect(0).rollout
+    adv_all, keep_all = full.advantages(rollout)
+    picked = Trainer(toy_config("sequence", algo={"advantage": {"best_worst": 2}}), tmp_path / "picked")
+    adv, keep = picked.advantages(rollout)
+    reward = picked.rewards.combine(rollout.rewards, rollout.group_id)
+    for g in rollout.group_id.unique():
+        rows = (rollout.group_id == g).nonzero().flatten()
+        kept = rows[keep[rows]]
+        assert len(kept) == 4
+        ranks = reward[rows].argsort(stable=True).argsort(stable=True)  # position of each sample in its group's order
+        assert sorted(ranks[keep[rows]].tolist()) == [0, 1, 6, 7]
+        torch.testing.assert_close(adv[kept], adv_all[kept])  # computed over all 8, not the 4 kept
+        assert (adv[rows[~keep[rows]]] == 0).all()
+    assert keep_all.all()
+    assert (picked.train_mask(rollout, keep).sum(1) > 0).sum() == keep.sum() == 16
