@@ -280,6 +280,17 @@ def last_steps(n: int, num_steps: int, count: int, device=None) -> Tensor:
     return sde_window(n, num_steps, num_steps - count, count, device)
 
 
+def random_subset(stochastic: Tensor, fraction: float, generator: torch.Generator | None = None) -> Tensor:
+    """[N, K] bool: of each chain's stochastic steps, round(fraction x their number) (at
+    least one where there is one), drawn uniformly without replacement on the CPU from
+    ``generator`` (DanceGRPO's random subset of trained timesteps)."""
+    counts = stochastic.sum(1)
+    keep = (counts.float() * fraction).round().clamp(min=1).minimum(counts.float())
+    scores = torch.rand(stochastic.shape, generator=generator).to(stochastic.device).masked_fill(~stochastic, 2.0)
+    rank = scores.argsort(1).argsort(1)
+    return stochastic & (rank < keep[:, None])
+
+
 def random_step(n: int, num_steps: int, generator: torch.Generator | None = None, low: int = 0, high: int | None = None, device=None) -> Tensor:
     """[N, K] bool: one step per sample, uniform in [low, high) (default: any step), drawn
     on the CPU from ``generator`` (πRL's Flow-SDE: one stochastic step per action chunk)."""

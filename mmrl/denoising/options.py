@@ -73,6 +73,12 @@ class DenoisingOptions:
     )
     window_start: int = option(0, "stochastic_steps window / random: first step of the window (0: the noisiest)", ge=0)
     window_size: int | None = option(None, "stochastic_steps last / window / random: steps in the window; null: through the last step", ge=1)
+    train_fraction: float = option(
+        1.0,
+        "of each chain's stochastic steps, the fraction that are decisions, drawn at random per chain (DanceGRPO trains 0.6); the others still inject their noise but are neither decisions nor recomputed",
+        gt=0,
+        le=1,
+    )
     min_std: float = option(0.0, "floor of the std of stochastic steps, when sampling and in log-probs (DPPO's minimum denoising std)", ge=0)
     logp_reduction: Literal["sum", "mean"] = option("sum", "a step's log-prob summed over the latent's elements, or averaged (DDPO, Flow-GRPO, DPPO; wants a much smaller clip range)")
     logp_element_clamp: list[float] | None = option(None, "clamp per-element log-densities to [lo, hi] before the reduction (DPPO uses [-5, 2]); null: no clamp")

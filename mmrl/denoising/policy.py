@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from mmrl.core.policy import PolicyModule
-from mmrl.denoising.chain import Denoiser, chain_kl, chain_log_probs, run_chain
+from mmrl.denoising.chain import Denoiser, chain_kl, chain_log_probs, random_subset, run_chain
 from mmrl.denoising.options import DenoisingOptions, make_transition, stochastic_mask
 
 
@@ -115,10 +115,16 @@ class DenoisingPolicy(PolicyModule):
         chain = run_chain(denoiser, transition, x_init, stochastic, generator, **options.log_prob_options, keep_graph=keep_graph)
         first = options.window[0]
         stored = chain.replay(first)
-        mask = stored["stochastic"].float() if options.logp_granularity == "step" else None
+        log_probs, entropies = chain.log_probs, chain.entropies
         with torch.set_grad_enabled(keep_graph):
-            logp = self.decisions(chain.log_probs[:, first:])
-        return ChainDecisions(chain.final, stored, logp, self.decisions(chain.entropies[:, first:]), mask)
+            if not deterministic and options.train_fraction < 1:
+                # the untrained stochastic steps are stored as deterministic: no decision, no recompute
+                trained = random_subset(chain.stochastic, options.train_fraction, generator)
+                stored["stochastic"] = trained[:, first:]
+                log_probs, entropies = log_probs * trained, entropies * trained
+            logp = self.decisions(log_probs[:, first:])
+        mask = stored["stochastic"].float() if options.logp_granularity == "step" else None
+        return ChainDecisions(chain.final, stored, logp, self.decisions(entropies[:, first:]), mask)
 
     def log_prob(self, replay: dict[str, Any]) -> Tensor:
         """Log-probs [N, T] of the replayed decisions under the current parameters."""

@@ -350,3 +350,15 @@ def test_with_the_exact_model_of_gaussian_data_the_sampler_reaches_the_data_dist
     final = chain.final[:, 0]
     assert final.mean().item() == pytest.approx(m, abs=0.015)
     assert final.std().item() == pytest.approx(s, abs=std_tol)
+
+
+def test_random_subset_draws_the_fraction_of_each_chains_stochastic_steps():
+    from mmrl.denoising.chain import random_subset
+
+    stochastic = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 1, 0, 0, 0, 0], [0] * 10], dtype=torch.bool)
+    picked = random_subset(stochastic, 0.6, torch.Generator().manual_seed(0))
+    assert picked.sum(1).tolist() == [6, 2, 1, 0]  # round(0.6 n), at least one where there is one
+    assert not (picked & ~stochastic).any()
+    assert torch.equal(picked, random_subset(stochastic, 0.6, torch.Generator().manual_seed(0)))
+    many = torch.stack([random_subset(stochastic[:1], 0.6, torch.Generator().manual_seed(i))[0] for i in range(400)])
+    assert ((many.float().mean(0) - 0.6).abs() < 0.08).all()  # every step as likely

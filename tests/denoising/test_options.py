@@ -73,6 +73,7 @@ def test_log_prob_options_are_the_chain_functions_keyword_arguments():
         ({"chunk_steps": 0}, "chunk_steps", ">= 1"),
         ({"logp_granularity": "token"}, "logp_granularity", "allowed: step, chain"),
         ({"sde_diffusion": "langevin"}, "sde_diffusion", "allowed: flow_grpo, constant"),
+        ({"train_fraction": 0.0}, "train_fraction", "> 0"),
         ({"transition": "ddim", "min_std": 0.1, "num_train_timesteps": 20, "eval_num_inference_steps": 40}, "eval_num_inference_steps", "<= num_train_timesteps (20)"),
         ({"transition": "lcm", "min_std": 0.1, "eval_num_inference_steps": 60}, "eval_num_inference_steps", "<= lcm_original_steps (50)"),
         ({"eval_num_inference_steps": 0}, "eval_num_inference_steps", ">= 1"),

@@ -527,3 +527,23 @@ def test_evaluation_steps_set_the_deterministic_chain_and_leave_sampling_alone()
     sampled = both.sample(CONDITIONS, torch.Generator().manual_seed(3))
     torch.testing.assert_close(sampled.output, ten.sample(CONDITIONS, torch.Generator().manual_seed(3)).output, rtol=0, atol=0)
     assert sampled.mask.sum(1).tolist() == [3.0] * 4 and evaluated.mask.sum() == 0
+
+
+@pytest.mark.parametrize("granularity", ["step", "chain"])
+def test_a_train_fraction_keeps_the_noise_of_every_step_and_trains_a_random_subset(granularity):
+    """DanceGRPO's timestep selection (``denoising.train_fraction``): the chains are those of
+    every step stochastic, a random 60% of each chain's steps are its decisions, and the
+    recompute scores exactly those (ratio 1), the others 0."""
+    flow = {"transition": "flow_sde", "noise_level": 0.7, "num_inference_steps": 10, "logp_granularity": granularity}
+    subset = make(denoising={**flow, "train_fraction": 0.6})
+    every = make(denoising=flow)
+    sample = subset.sample(CONDITIONS, torch.Generator().manual_seed(2))
+    torch.testing.assert_close(sample.output, every.sample(CONDITIONS, torch.Generator().manual_seed(2)).output, rtol=0, atol=0)
+    trained = sample.replay["chain"]["stochastic"]
+    assert trained.sum(1).tolist() == [6] * 4 and not torch.equal(trained[0], trained[1])
+    recomputed = subset.log_prob(sample.replay)
+    torch.testing.assert_close(recomputed, sample.logp, atol=1e-3, rtol=1e-5)
+    if granularity == "step":
+        assert torch.equal(sample.mask.bool(), trained) and (recomputed[~trained] == 0).all()
+        per_step = every.log_prob({**sample.replay, "chain": {**sample.replay["chain"], "stochastic": torch.ones_like(trained)}})
+        torch.testing.assert_close(recomputed[trained], per_step[trained], atol=1e-3, rtol=1e-5)
