@@ -198,15 +198,19 @@ def passk(rewards: Tensor, group_id: Tensor, *, eps: float = 1e-6):
     return adv, _keep_all(rewards)
 
 
-def best_worst(rewards: Tensor, group_id: Tensor, k: int) -> Tensor:
-    """[B] bool: the k highest- and the k lowest-reward samples of each group (DanceGRPO's
-    best/worst-of-n selection; equal rewards are ranked by position). A group of at most 2k
-    keeps every sample."""
+def best_worst(adv: Tensor, keep: Tensor, rewards: Tensor, group_id: Tensor, k: int | None) -> tuple[Tensor, Tensor]:
+    """Advantages ([B] or [B, T]) and keep mask [B] of the whole group's estimate, restricted
+    to the k highest- and the k lowest-reward samples of each group (DanceGRPO's
+    best/worst-of-n; equal rewards are ranked by position): the others get advantage 0 and
+    keep False. A group of at most 2k keeps every sample; ``k`` None returns both unchanged."""
+    if k is None:
+        return adv, keep
     index, counts = _groups(group_id)
     order, starts = _sorted_within_groups(rewards, index, counts)
     rank = torch.empty_like(index)
     rank[order] = torch.arange(len(order), device=rewards.device) - starts[index[order]]
-    return (rank < k) | (rank >= counts[index] - k)
+    chosen = (rank < k) | (rank >= counts[index] - k)
+    return adv * chosen.view(-1, *[1] * (adv.ndim - 1)).to(adv.dtype), keep & chosen
 
 
 def clip_advantages(adv: Tensor, clip: float | None) -> Tensor:

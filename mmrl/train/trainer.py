@@ -355,11 +355,7 @@ class Trainer:
             adv = adv[:, : rollout.num_decisions]
         else:
             adv, keep = self.advantage_fn(reward, groups, **options)
-        adv = clip_advantages(adv, cfg.advantage.clip)
-        if cfg.advantage.best_worst is not None:
-            chosen = best_worst(reward, groups, cfg.advantage.best_worst)
-            keep = keep & chosen
-            adv = adv * (chosen[:, None] if adv.ndim == 2 else chosen).to(adv.dtype)
+        adv, keep = best_worst(clip_advantages(adv, cfg.advantage.clip), keep, reward, groups, cfg.advantage.best_worst)
         return adv[rows], keep[rows]
 
     def _step_advantages(self, terminal, groups, mask, step_rewards, options):

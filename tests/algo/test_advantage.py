@@ -131,10 +131,18 @@ def test_clip_advantages():
 def test_best_worst_keeps_the_k_highest_and_lowest_rewards_of_each_group():
     # group 7: rewards 1, 0, 0, 1 (positions 0, 2, 3, 5); group -3: 2, 4 (positions 1, 4)
     # k = 1: group 7 keeps its first 0 (position 2, ties by position) and its last 1 (position 5)
-    assert best_worst(REWARDS, GROUPS, 1).tolist() == [False, True, True, False, True, True]
-    assert best_worst(REWARDS, GROUPS, 2).all()  # groups of at most 2k keep everything
+    adv, keep = grpo(REWARDS, GROUPS)
+    picked_adv, picked = best_worst(adv, keep, REWARDS, GROUPS, 1)
+    assert picked.tolist() == [False, True, True, False, True, True]
+    torch.testing.assert_close(picked_adv, torch.where(picked, adv, 0.0))
+    assert best_worst(adv, keep, REWARDS, GROUPS, 2)[1].all()  # groups of at most 2k keep everything
+    unchanged = best_worst(adv, keep, REWARDS, GROUPS, None)
+    assert unchanged[0] is adv and unchanged[1] is keep
     rewards = torch.tensor([0.3, 0.9, 0.1, 0.5, 0.7, 0.2])
-    assert best_worst(rewards, torch.zeros(6, dtype=torch.long), 2).tolist() == [False, True, True, False, True, True]
+    per_step = torch.ones(6, 3)
+    step_adv, chosen = best_worst(per_step, torch.ones(6, dtype=torch.bool), rewards, torch.zeros(6, dtype=torch.long), 2)
+    assert chosen.tolist() == [False, True, True, False, True, True]
+    assert step_adv.tolist() == [[float(c)] * 3 for c in chosen.tolist()]  # [B, T]: whole rows zeroed
 
 
 def test_discounted_returns_within_mask():
