@@ -47,9 +47,13 @@ class TinyDenoiserConfig:
     vae_scaling_factor: float = option(1.0, "vae: the denoiser's latent is (z - vae_shift_factor) * vae_scaling_factor of the VAE's z (diffusers' scaling_factor, 0.18215 for SD, 1.5305 for SD3)", gt=0)
     vae_shift_factor: float = option(0.0, "vae: diffusers' shift_factor (0.0609 for SD3; 0 = none)")
     text_hidden_size: int = option(16, "text: width of the CLIP text encoder (= the UNet's cross-attention dim)", ge=1)
-    text_layers: int = option(1, "text: transformer layers of the text encoder", ge=1)
+    text_layers: int = option(1, "text: transformer layers of the text encoder (0: the token and position embeddings only)", ge=0)
     text_heads: int = option(2, "text: attention heads of the text encoder (must divide text_hidden_size)", ge=1)
     max_prompt_tokens: int = option(16, "text: the tokenizer's model_max_length and the text encoder's positions", ge=1)
+    vocabulary: list[str] = option(
+        factory=list,
+        doc="text: the words of a word-level tokenizer (one token per word, lower-cased, split on whitespace and punctuation; other words become <unk>); empty = mmrl's byte-level tokenizer (one token per UTF-8 byte)",
+    )
     text_injection: Literal["cross_attention", "pooled"] = option(
         "cross_attention",
         "text: how the UNet reads the prompt: cross_attention (cross-attention blocks at the first level) or pooled (the text states attention-pooled and added to the timestep embedding, diffusers' addition_embed_type text; no attention blocks, several times cheaper)",
@@ -76,6 +80,10 @@ class TinyDenoiserConfig:
             raise ConfigError(p + "conditioning", self.conditioning, f"tiny.denoiser {self.denoiser} takes {needs} conditioning")
         if self.text_hidden_size % self.text_heads:
             raise ConfigError(p + "text_heads", self.text_heads, f"must divide text_hidden_size ({self.text_hidden_size})")
+        words = [w.lower() for w in self.vocabulary]
+        bad = [w for w in self.vocabulary if not w or not w.isalnum()]
+        if bad or len(set(words)) != len(words):
+            raise ConfigError(p + "vocabulary", self.vocabulary, "expected distinct words of letters and digits (no spaces or punctuation; case is ignored)")
         if self.text_injection == "pooled" and self.text_hidden_size % self.pooling_heads:
             raise ConfigError(p + "pooling_heads", self.pooling_heads, f"must divide text_hidden_size ({self.text_hidden_size})")
 

@@ -129,17 +129,19 @@ def _kind(denoiser: nn.Module) -> str:
     return {"SD3Transformer2DModel": "sd3", "DiTTransformer2DModel": "dit"}.get(type(denoiser).__name__, "unet")
 
 
-def tiny_text_encoder(width: int, layers: int, heads: int, max_tokens: int, with_projection: bool = False, user: str = "image_diffusion"):
-    """A small random CLIP text encoder over mmrl's byte-level tokenizer (right padding, at
-    most ``max_tokens``), and the tokenizer: the text conditioning of the tiny image and
-    video denoisers."""
+def tiny_text_encoder(
+    width: int, layers: int, heads: int, max_tokens: int, with_projection: bool = False, user: str = "image_diffusion", vocabulary: list[str] | None = None
+):
+    """A small random CLIP text encoder over mmrl's byte-level tokenizer, or over a word-level
+    one when ``vocabulary`` lists the words (right padding, at most ``max_tokens``), and the
+    tokenizer: the text conditioning of the tiny image and video denoisers."""
     try:
         import transformers as tf
     except ImportError:
         raise MissingExtraError("transformers", "text", f"text prompts of the {user} policy (a CLIP text encoder)") from None
-    from mmrl.policies.text_lm.tokenizer import byte_tokenizer
+    from mmrl.policies.text_lm.tokenizer import byte_tokenizer, word_tokenizer
 
-    tokenizer = byte_tokenizer()
+    tokenizer = word_tokenizer(vocabulary) if vocabulary else byte_tokenizer()
     tokenizer.padding_side = "right"
     tokenizer.model_max_length = max_tokens
     text_config = tf.CLIPTextConfig(
@@ -159,7 +161,7 @@ def tiny_text_encoder(width: int, layers: int, heads: int, max_tokens: int, with
 
 
 def _tiny_text(tiny, with_projection: bool):
-    return tiny_text_encoder(tiny.text_hidden_size, tiny.text_layers, tiny.text_heads, tiny.max_prompt_tokens, with_projection)
+    return tiny_text_encoder(tiny.text_hidden_size, tiny.text_layers, tiny.text_heads, tiny.max_prompt_tokens, with_projection, vocabulary=tiny.vocabulary)
 
 
 def _tiny_vae(tiny):

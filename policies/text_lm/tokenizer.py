@@ -44,3 +44,24 @@ def byte_tokenizer(extra_special_tokens: tuple[str, ...] = ()):
         chat_template=CHAT_TEMPLATE,
         padding_side="left",
     )
+
+
+def word_tokenizer(words: list[str] | tuple[str, ...]):
+    """A ``transformers`` fast tokenizer whose tokens are whole words: ``<pad>`` (0),
+    ``<eos>`` (1), ``<unk>`` (2), then ``words`` in order. Text is lower-cased and split on
+    whitespace and punctuation; a word outside the list becomes ``<unk>``. The small closed
+    vocabularies of synthetic prompt worlds (the shapes world's colours, shapes and counts)
+    get one token per word, as a real CLIP BPE vocabulary has for common words, instead of
+    the byte-level tokenizer's one token per letter."""
+    try:
+        from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:
+        raise MissingExtraError("transformers", "text", "the word-level tokenizer") from None
+
+    specials = ["<pad>", "<eos>", "<unk>"]
+    vocab = {token: i for i, token in enumerate([*specials, *(w.lower() for w in words)])}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.Lowercase()
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")

@@ -97,6 +97,36 @@ def test_pooled_text_conditioning_reads_the_prompt_without_attention_blocks(tmp_
         make(spec={}, tiny={**tiny, "pooling_heads": 3})
 
 
+def test_a_word_level_tokenizer_gives_one_token_per_word_and_unknown_words_one_token():
+    from mmrl.policies.text_lm.tokenizer import word_tokenizer
+
+    tokenizer = word_tokenizer(["a", "two", "red", "circle", "circles"])
+    ids = tokenizer(["A red circle", "two red circles", "two mauve circles!"], padding="max_length", max_length=5).input_ids
+    unk, pad = tokenizer.unk_token_id, tokenizer.pad_token_id
+    a, two, red, circle, circles = (tokenizer.convert_tokens_to_ids(w) for w in ("a", "two", "red", "circle", "circles"))
+    assert ids == [[a, red, circle, pad, pad], [two, red, circles, pad, pad], [two, unk, circles, unk, pad]]
+    assert len({a, two, red, circle, circles, unk, pad}) == 7
+
+
+def test_a_text_policy_over_a_vocabulary_reads_words_and_round_trips(tmp_path):
+    tiny = {"conditioning": "text", "text_injection": "pooled", "pooling_heads": 4, "vocabulary": ["a", "two", "red", "blue", "circle", "squares"], "text_layers": 0}
+    policy = make(spec={}, tiny=tiny, denoising=TRANSITIONS["flow_sde"])
+    assert policy.text_encoder.config.vocab_size == 3 + 6 and policy.text_encoder.config.num_hidden_layers == 0
+    sample = policy.sample(PROMPTS, torch.Generator().manual_seed(0))
+    logp = policy.log_prob(sample.replay)
+    torch.testing.assert_close(torch.exp(logp - sample.logp), torch.ones_like(logp), atol=RATIO_ATOL, rtol=0)
+    # words outside the vocabulary are one <unk> each, so two unknown colours read alike
+    first = policy.sample(["a mauve circle", "a red circle"], torch.Generator().manual_seed(0), deterministic=True).output
+    second = policy.sample(["a teal circle", "a blue circle"], torch.Generator().manual_seed(0), deterministic=True).output
+    assert torch.equal(first[0], second[0]) and not torch.equal(first[1], second[1])
+    save_pretrained(policy, tmp_path / "saved")
+    again = load_pretrained(tmp_path / "saved").sample(PROMPTS, torch.Generator().manual_seed(0))
+    assert torch.equal(again.output, sample.output)
+    for words in (["red", "Red"], ["light blue"], ["red,"]):
+        with pytest.raises(ConfigError, match=r"policy\.tiny\.vocabulary"):
+            make(spec={}, tiny={**tiny, "vocabulary": words})
+
+
 def test_guidance_changes_the_samples_and_a_detached_unconditional_branch_changes_only_the_gradient():
     plain = make(guidance_scale=1.0).sample(CONDITIONS, torch.Generator().manual_seed(0))
     guided = make(guidance_scale=4.0).sample(CONDITIONS, torch.Generator().manual_seed(0))
