@@ -16,7 +16,7 @@ QUIET = ["log.progress=false", "log.tensorboard=false"]
 
 @pytest.mark.slow
 def test_the_shipped_pipeline_pretrains_then_rl_starts_from_it_and_evaluates_per_category(tmp_path):
-    sft = run_mmrl("train", ROOT / "configs" / "image_shapes_flow_sft.yaml", "--run-dir", tmp_path / "sft", "total_steps=20", "eval.every=0",
+    sft = run_mmrl("train", ROOT / "configs" / "image_shapes_flow_sft_words.yaml", "--run-dir", tmp_path / "sft", "total_steps=20", "eval.every=0",
                    "eval.episodes=22", "data.images_per_prompt=4", *QUIET, cwd=ROOT, timeout=1800)
     assert sft.returncode == 0, sft.stderr[-3000:]
     rl = run_mmrl("train", ROOT / "configs" / "image_shapes_flow_grpo.yaml", "--run-dir", tmp_path / "rl", f"policy.pretrained={tmp_path / 'sft'}",
@@ -77,9 +77,9 @@ def test_a_short_pretraining_on_rendered_shapes_lowers_the_loss_and_draws_the_pr
     assert before <= 0.1 and after >= 0.35, (before, after)
 
 
-def _shape_hits(asset: str) -> float:
-    """Fraction of single-object images, over 3 shapes x 2 colours x 8 starting noises shared
-    across the shapes, whose one detected object has the prompt's shape."""
+def _detections(config: str, asset: str, prompts: list[str]) -> list[list]:
+    """The verifier's detections on 8 deterministic images per prompt, from starting noises
+    shared across the prompts, of the shipped asset under the config that built it."""
     import torch
 
     from mmrl.config import load_config
@@ -87,18 +87,23 @@ def _shape_hits(asset: str) -> float:
     from mmrl.rewards.shapes import detect_shapes
     from mmrl.train.config import TrainConfig
 
-    cfg = load_config(TrainConfig, ROOT / "configs" / "image_shapes_flow_grpo.yaml", [f"policy.pretrained={ROOT / asset}"])
+    cfg = load_config(TrainConfig, ROOT / "configs" / config, [f"policy.pretrained={ROOT / asset}"])
     policy = build_policy(cfg.policy, {}).eval()
-    hits = total = 0
-    for colour in ("red", "blue"):
-        for shape in ("circle", "square", "triangle"):
-            with torch.no_grad():
-                images = policy.sample([f"a {colour} {shape}"] * 8, torch.Generator().manual_seed(0), deterministic=True).info["images"].numpy()
-            for image in images:
-                found = detect_shapes(image, min_chroma=60, min_area=0.01, min_fill=0.6)
-                hits += len(found) == 1 and found[0].shape == shape
-                total += 1
-    return hits / total
+    found = []
+    for prompt in prompts:
+        with torch.no_grad():
+            images = policy.sample([prompt] * 8, torch.Generator().manual_seed(0), deterministic=True).info["images"].numpy()
+        found += [detect_shapes(image, min_chroma=60, min_area=0.01, min_fill=0.6) for image in images]
+    return found
+
+
+def _shape_hits(asset: str) -> float:
+    """Fraction of single-object images, over 3 shapes x 2 colours x 8 starting noises shared
+    across the shapes, whose one detected object has the prompt's shape."""
+    shapes = [shape for _ in ("red", "blue") for shape in ("circle", "square", "triangle") for _ in range(8)]
+    prompts = [f"a {colour} {shape}" for colour in ("red", "blue") for shape in ("circle", "square", "triangle")]
+    found = _detections("image_shapes_flow_sft.yaml", asset, prompts)
+    return sum(len(objects) == 1 and objects[0].shape == shape for objects, shape in zip(found, shapes)) / len(found)
 
 
 def test_the_shipped_long_pretrained_generator_draws_the_prompted_shape_where_the_short_one_ignores_it():
@@ -107,3 +112,18 @@ def test_the_shipped_long_pretrained_generator_draws_the_prompted_shape_where_th
     same blob whatever the shape word, so it is right about as often as a constant guess."""
     long_model, short_model = _shape_hits("assets/shapes_flow_sft_long"), _shape_hits("assets/shapes_flow_sft")
     assert long_model >= 0.6 and short_model <= 0.45, (long_model, short_model)
+
+
+def test_the_word_level_generator_draws_a_held_out_pair_the_byte_level_one_binds_to_its_training_count():
+    """"a cyan square" is held out; its colour and shape appear together in training only as
+    "two cyan squares". The byte-level generator (assets/shapes_flow_sft_long) draws two
+    or more objects for it from 7 of 8 starting noises; the word-level one (assets/shapes_flow_sft_words,
+    one token per word, no layers mixing them) draws the one cyan square asked for."""
+
+    def single_cyan_squares(config: str, asset: str) -> int:
+        found = _detections(config, asset, ["a cyan square"])
+        return sum(len(objects) == 1 and (objects[0].colour, objects[0].shape) == ("cyan", "square") for objects in found)
+
+    words = single_cyan_squares("image_shapes_flow_sft_words.yaml", "assets/shapes_flow_sft_words")
+    chars = single_cyan_squares("image_shapes_flow_sft.yaml", "assets/shapes_flow_sft_long")
+    assert words >= 6 and chars <= 2, (words, chars)
