@@ -75,9 +75,14 @@ def test_text_prompts_with_guidance_give_ratio_one_and_the_gradient_reaches_the_
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.unet.parameters())
 
 
-def test_pooled_text_conditioning_reads_the_prompt_without_attention_blocks(tmp_path):
-    # the prompt's states, attention-pooled into the timestep embedding: a cheap global condition
-    tiny = {"conditioning": "text", "text_injection": "pooled", "pooling_heads": 4}
+WORDS = {"vocabulary": ["a", "two", "red", "blue", "circle", "squares"], "text_layers": 0}
+
+
+@pytest.mark.parametrize("text", [{}, WORDS], ids=["bytes", "words"])
+def test_pooled_text_conditioning_reads_the_prompt_without_attention_blocks(tmp_path, text):
+    # the prompt's states, attention-pooled into the timestep embedding: a cheap global condition,
+    # over the byte-level tokenizer or a word-level one (tiny.vocabulary) with no text layers
+    tiny = {"conditioning": "text", "text_injection": "pooled", "pooling_heads": 4, **text}
     policy = make(spec={}, tiny=tiny, guidance_scale=2.0, train_text_encoder=True, denoising=TRANSITIONS["flow_sde"])
     assert policy.unet.config.addition_embed_type == "text"
     assert not any("attentions" in name for name, _ in policy.unet.named_parameters())
@@ -108,20 +113,14 @@ def test_a_word_level_tokenizer_gives_one_token_per_word_and_unknown_words_one_t
     assert len({a, two, red, circle, circles, unk, pad}) == 7
 
 
-def test_a_text_policy_over_a_vocabulary_reads_words_and_round_trips(tmp_path):
-    tiny = {"conditioning": "text", "text_injection": "pooled", "pooling_heads": 4, "vocabulary": ["a", "two", "red", "blue", "circle", "squares"], "text_layers": 0}
+def test_a_text_policy_over_a_vocabulary_reads_unknown_words_alike_and_checks_the_words():
+    tiny = {"conditioning": "text", "text_injection": "pooled", "pooling_heads": 4, **WORDS}
     policy = make(spec={}, tiny=tiny, denoising=TRANSITIONS["flow_sde"])
     assert policy.text_encoder.config.vocab_size == 3 + 6 and policy.text_encoder.config.num_hidden_layers == 0
-    sample = policy.sample(PROMPTS, torch.Generator().manual_seed(0))
-    logp = policy.log_prob(sample.replay)
-    torch.testing.assert_close(torch.exp(logp - sample.logp), torch.ones_like(logp), atol=RATIO_ATOL, rtol=0)
     # words outside the vocabulary are one <unk> each, so two unknown colours read alike
     first = policy.sample(["a mauve circle", "a red circle"], torch.Generator().manual_seed(0), deterministic=True).output
     second = policy.sample(["a teal circle", "a blue circle"], torch.Generator().manual_seed(0), deterministic=True).output
     assert torch.equal(first[0], second[0]) and not torch.equal(first[1], second[1])
-    save_pretrained(policy, tmp_path / "saved")
-    again = load_pretrained(tmp_path / "saved").sample(PROMPTS, torch.Generator().manual_seed(0))
-    assert torch.equal(again.output, sample.output)
     for words in (["red", "Red"], ["light blue"], ["red,"]):
         with pytest.raises(ConfigError, match=r"policy\.tiny\.vocabulary"):
             make(spec={}, tiny={**tiny, "vocabulary": words})
