@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import signal
 import sys
 from pathlib import Path
@@ -20,6 +21,29 @@ EXIT_USAGE = 2
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2 (argparse prints usage + message by default)
         self.exit(EXIT_USAGE, f"mmrl: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _number(convert, minimum: float, allowed: str):
+    """An argparse ``type`` for a bounded number (a count, a size, a seed, a noise std): out of
+    range it would crash deep inside a command or quietly do nothing, so it is refused while
+    parsing, by the parser's one-line error naming the option (``argument --episodes: got
+    '-3'; expected a positive integer``)."""
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not minimum <= value < math.inf:  # not NaN or inf either
+            raise argparse.ArgumentTypeError(f"got {text!r}; expected {allowed}")
+        return value
+
+    return parse
+
+
+_positive_int = _number(int, 1, "a positive integer")
+_non_negative_int = _number(int, 0, "an integer >= 0")
+_non_negative_float = _number(float, 0.0, "a finite number >= 0")
 
 
 def _config_and_dir(target: str, overrides: list[str]):
@@ -117,11 +141,11 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def cmd_list(args) -> int:
+def listed_registries() -> dict:
+    """The registries ``mmrl list KIND`` prints, one line per entry, by kind."""
     from mmrl import registry
-    from mmrl.config import list_presets
 
-    kinds = {
+    return {
         "envs": registry.ENVS,
         "policies": registry.POLICIES,
         "rewards": registry.REWARDS,
@@ -133,6 +157,11 @@ def cmd_list(args) -> int:
         "kl": registry.KL_ESTIMATORS,
         "data": registry.DATA_SOURCES,
     }
+
+
+def cmd_list(args) -> int:
+    from mmrl.config import list_presets
+
     if args.kind == "presets":
         for name in list_presets():
             print(name)
@@ -145,7 +174,7 @@ def cmd_list(args) -> int:
         for line in _task_lines():
             print(line)
         return 0
-    for entry in kinds[args.kind].entries():
+    for entry in listed_registries()[args.kind].entries():
         print(f"{entry.name:24s} {entry.doc}")
     if args.kind == "envs":
         import gymnasium
@@ -265,7 +294,7 @@ def _train_help() -> str:
     from mmrl.config import describe
     from mmrl.train.config import TrainConfig
 
-    lines = ["fields (set in the YAML or as dotted overrides, e.g. algo.eps_high=0.28):", ""]
+    lines = ["fields (set in the YAML or as dotted overrides, e.g. algo.objective.eps_high=0.28):", ""]
     for name, tp, default, doc in describe(TrainConfig):
         lines.append(f"  {name:28s} {doc}" + (f"  [{tp}; default {default}]" if tp != "section" else ""))
     sections = (
@@ -298,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train from a YAML config", add_help=False, description="Train from a YAML config; dotted key=value overrides win over the file.")
     p.add_argument("-h", "--help", action=_TrainHelp, nargs=0, help="show this help and every config field")
     p.add_argument("config", help="YAML config, or a run directory with --resume")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.eps_high=0.28")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.objective.eps_high=0.28")
     p.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
     p.add_argument("--run-dir", help="output directory (default: run_dir from the config, else runs/<name>)")
     p.set_defaults(func=cmd_train)
@@ -318,9 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="evaluate a run directory or a config")
     p.add_argument("target", help="run directory (latest checkpoint) or YAML config (initial/pretrained weights)")
     p.add_argument("overrides", nargs="*", help="dotted overrides")
-    p.add_argument("--episodes", type=int, default=None, help="episodes (default: eval.episodes of the config; with --suite: per task and seed)")
+    p.add_argument("--episodes", type=_positive_int, default=None, help="episodes (default: eval.episodes of the config; with --suite: per task and seed)")
     p.add_argument("--suite", default=None, help="evaluate on a task suite: a name from configs/suites (e.g. tabletop_all) or a suite YAML")
-    p.add_argument("--videos", type=int, default=1, help="with --suite: mp4 videos of the first N episodes of each task")
+    p.add_argument("--videos", type=_non_negative_int, default=1, help="with --suite: mp4 videos of the first N episodes of each task")
     p.add_argument("--checkpoint", default=None, help="a checkpoint directory instead of the latest")
     p.add_argument("--out", default=None, help="where to write eval tables (default: <run_dir>/eval)")
     p.set_defaults(func=cmd_eval)
@@ -335,13 +364,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("collect", help="write expert demonstrations of mmrl/Tabletop-v0 tasks", description="Run the scripted experts of mmrl/Tabletop-v0 and write demonstrations (only successful episodes unless --keep-failures).")
     p.add_argument("--task", nargs="+", required=True, help="task names, families (spatial, object, goal), all, or one suite (tabletop_spatial, ... or a suite YAML)")
     p.add_argument("--out", required=True, help="output directory (index.json + one .npz per episode)")
-    p.add_argument("--episodes-per-task", type=int, default=None, help="episodes per task (default: the suite's, else 50)")
-    p.add_argument("--seed", type=int, default=0, help="episode j of each task resets with seed + j (must stay below 2**31, evaluation seeds)")
+    p.add_argument("--episodes-per-task", type=_positive_int, default=None, help="episodes per task (default: the suite's, else 50)")
+    p.add_argument("--seed", type=_non_negative_int, default=0, help="episode j of each task resets with seed + j (must stay below 2**31, evaluation seeds)")
     p.add_argument("--env-id", default=None, help="env id (default: the suite's, else mmrl/Tabletop-v0, the only one with experts)")
-    p.add_argument("--image-size", type=int, default=None, help="side of the observed images (default: the suite's, else 64)")
+    p.add_argument("--image-size", type=_positive_int, default=None, help="side of the observed images (default: the suite's, else 64)")
     p.add_argument("--cameras", nargs="+", default=None, help="camera names (top, front); several give images [K, H, W, 3]")
-    p.add_argument("--max-episode-steps", type=int, default=None, help="time limit of an episode (default: the suite's, else the env's 60)")
-    p.add_argument("--noise", type=float, default=0.0, help="std of Gaussian noise added to the expert's actions (normalized units)")
+    p.add_argument("--max-episode-steps", type=_positive_int, default=None, help="time limit of an episode (default: the suite's, else the env's 60)")
+    p.add_argument("--noise", type=_non_negative_float, default=0.0, help="std of Gaussian noise added to the expert's actions (normalized units)")
     p.add_argument("--keep-failures", action="store_true", help="also write episodes the expert failed (success false)")
     p.add_argument("--append", action="store_true", help="add to an existing demonstrations directory")
     p.set_defaults(func=cmd_collect)

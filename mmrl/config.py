@@ -4,7 +4,9 @@
 - A component section (``env``, ``policy``, ``sampler``, each reward) names its ``type``; the
   registry entry of that type supplies the dataclass of the rest of the section.
 - ``defaults:`` pulls in presets (``presets/grpo``); the file's own keys win, and command-line
-  overrides (``algo.eps_high=0.28``) win over both.
+  overrides (``algo.objective.eps_high=0.28``) win over both.
+- A config class may declare ``moved_keys``: keys of an earlier mmrl's config that now live
+  elsewhere, so an old config is told where to write each instead of "unknown key".
 - Every error is a :class:`~mmrl.errors.ConfigError` naming the dotted field, the value and
   what is allowed.
 """
@@ -30,6 +32,28 @@ def option(default=MISSING, doc: str = "", *, factory=None, choices=None, ge=Non
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class MovedKey:
+    """Where a key of an earlier mmrl's config lives now, declared in the ``moved_keys`` class
+    attribute of the config class that used to hold it.
+
+    ``to`` is dotted from that class's section (``kl.coef``; ``filters[i].lo`` for an item of a
+    list); ``since`` names the change that moved it; ``section_type`` is the ``type`` of the
+    section that has the option, where its default type does not; ``note`` says what else the
+    move changed (renamed values)."""
+
+    to: str
+    since: str
+    section_type: str | None = None
+    note: str = ""
+
+    def message(self, prefix: str) -> str:
+        place = prefix + self.to
+        of_type = f", an option of {place.rsplit('.', 1)[0]} type {self.section_type}" if self.section_type else ""
+        why = "; ".join(filter(None, (self.since, self.note)))
+        return f"moved to {place}{of_type} ({why}); write it there"
 
 
 @dataclass
@@ -159,8 +183,11 @@ def from_dict(cls, data: dict, path: str = "", resolve_component=None):
     hints = typing.get_type_hints(cls)
     known = {f.name: f for f in fields(cls) if f.init}
     prefix = f"{path}." if path else ""
+    moved = getattr(cls, "moved_keys", {})
     for key in data:
         if key not in known:
+            if key in moved:
+                raise ConfigError(f"{prefix}{key}", data[key], moved[key].message(prefix))
             raise ConfigError(f"{prefix}{key}", data[key], f"unknown key; allowed keys of {path or 'the config'}: {', '.join(known)}")
     kwargs = {}
     for name, f in known.items():
@@ -322,10 +349,10 @@ def resolve_defaults(data: dict, relative_to: Path | None, _seen: tuple = ()) ->
 
 def parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
-        raise ConfigError("override", text, "expected key=value, e.g. algo.eps_high=0.28")
+        raise ConfigError("override", text, "expected key=value, e.g. algo.objective.eps_high=0.28")
     key, raw = text.split("=", 1)
     if not key or any(not part for part in key.split(".")):
-        raise ConfigError("override", text, "expected a dotted key before '=', e.g. algo.eps_high=0.28")
+        raise ConfigError("override", text, "expected a dotted key before '=', e.g. algo.objective.eps_high=0.28")
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError:

@@ -64,6 +64,7 @@ def _answer(text: str, tag: str | None) -> str | None:
 
 @REWARDS.register("paraphrase_consistency", config=ParaphraseConsistencyConfig)
 def paraphrase_consistency(rollout: Rollout, cfg: ParaphraseConsistencyConfig) -> Tensor:
+    """Fraction of the other paraphrases' samples whose answer equals this sample's (PS-GRPO style)."""
     completions = _completions(rollout, "paraphrase_consistency")
     if "metadata" not in rollout.info or "record_id" not in rollout.info:
         raise ConfigError("rewards", "paraphrase_consistency", "reads prompt-record metadata; use it with sampler.type: prompt")

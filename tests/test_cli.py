@@ -2,7 +2,7 @@
 
 import pytest
 
-from mmrl.cli import main
+from mmrl.cli import build_parser, listed_registries, main
 from tests.conftest import point_reach_config, run_mmrl
 
 
@@ -24,6 +24,8 @@ def _error_line(capsys):
         ({}, ["algo.advantage.std=sideways"], ["algo.advantage.std", "sideways", "group"]),
         ({"env": {"type": "gym", "id": "mmrl/PointReach-v0", "wrappers": [{"type": "no_such_pkg:Wrap"}]}}, [], ["env.wrappers[0].type", "no_such_pkg"]),
         ({}, ["env.wrappers=[{type: ClipReward, kwargs: {low: 0}}]"], ["env.wrappers[0].kwargs", "min_reward, max_reward"]),
+        ({}, ["algo.kl_coef=0.1"], ["algo.kl_coef", "0.1", "moved to algo.kl.coef"]),
+        ({"algo": {"group_size": 4, "eps_low": 0.2}}, [], ["algo.eps_low", "0.2", "moved to algo.objective.eps_low"]),
     ],
 )
 def test_bad_config_exits_2_with_one_line(tmp_path, write_config, capsys, changes, overrides, expected):
@@ -34,6 +36,51 @@ def test_bad_config_exits_2_with_one_line(tmp_path, write_config, capsys, change
     for part in expected:
         assert part in line
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_eval_of_a_run_saved_with_flat_algo_keys_names_where_the_key_moved(tmp_path, write_config, capsys):
+    run = tmp_path / "old_run"
+    run.mkdir()
+    write_config(point_reach_config(algo={"group_size": 4, "kl_coef": 0.0}), "old_run/config.yaml")
+    assert main(["eval", str(run)]) == 2
+    line = _error_line(capsys)
+    assert line.startswith("mmrl: error: algo.kl_coef: got 0.0; moved to algo.kl.coef") and "write it there" in line
+
+
+@pytest.mark.parametrize(
+    "argv, option, value, allowed",
+    [
+        (["eval", "RUN", "--episodes", "-3"], "--episodes", "-3", "a positive integer"),
+        (["eval", "RUN", "--episodes", "0"], "--episodes", "0", "a positive integer"),
+        (["eval", "RUN", "--suite", "tabletop_all", "--episodes", "2.5"], "--episodes", "2.5", "a positive integer"),
+        (["eval", "RUN", "--suite", "tabletop_all", "--videos", "-1"], "--videos", "-1", "an integer >= 0"),
+        (["collect", "--task", "all", "--out", "OUT", "--episodes-per-task", "0"], "--episodes-per-task", "0", "a positive integer"),
+        (["collect", "--task", "all", "--out", "OUT", "--seed", "-1"], "--seed", "-1", "an integer >= 0"),
+        (["collect", "--task", "all", "--out", "OUT", "--image-size", "0"], "--image-size", "0", "a positive integer"),
+        (["collect", "--task", "all", "--out", "OUT", "--max-episode-steps", "0"], "--max-episode-steps", "0", "a positive integer"),
+        (["collect", "--task", "all", "--out", "OUT", "--max-episode-steps", "-1"], "--max-episode-steps", "-1", "a positive integer"),
+        (["collect", "--task", "all", "--out", "OUT", "--noise", "-0.1"], "--noise", "-0.1", "a finite number >= 0"),
+        (["collect", "--task", "all", "--out", "OUT", "--noise", "nan"], "--noise", "nan", "a finite number >= 0"),
+    ],
+)
+def test_a_count_option_out_of_range_exits_2_with_one_line_naming_it(capsys, argv, option, value, allowed):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert f"argument {option}: got '{value}'; expected {allowed}" in _error_line(capsys)
+
+
+def test_count_options_accept_their_smallest_allowed_value():
+    parser = build_parser()
+    assert parser.parse_args(["eval", "RUN", "--episodes", "1", "--videos", "0"]).videos == 0
+    collect = parser.parse_args(["collect", "--task", "all", "--out", "OUT", "--seed", "0", "--noise", "0", "--episodes-per-task", "1"])
+    assert (collect.seed, collect.noise, collect.episodes_per_task) == (0, 0.0, 1)
+
+
+def test_eval_with_negative_episodes_exits_2_in_a_subprocess_without_traceback(tmp_path):
+    proc = run_mmrl("eval", tmp_path, "--episodes", "-3")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["mmrl: error: argument --episodes: got '-3'; expected a positive integer (see `mmrl eval --help`)"]
 
 
 def test_missing_config_file_exits_2(tmp_path, capsys):
@@ -79,6 +126,16 @@ def test_list_shows_registered_components(capsys):
     for kind, name in (("policies", "gaussian_mlp"), ("presets", "dapo"), ("objectives", "cispo"), ("envs", "mmrl/PointReach-v0"), ("rewards", "success")):
         assert main(["list", kind]) == 0
         assert name in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kind", sorted(listed_registries()))
+def test_list_gives_every_registered_entry_a_one_line_description(capsys, kind):
+    assert main(["list", kind]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for entry in listed_registries()[kind].entries():
+        assert entry.doc.strip() and "\n" not in entry.doc, entry.name
+        line = next(line for line in lines if line.split(None, 1)[0] == entry.name)
+        assert line.split(None, 1)[1].strip() == entry.doc.strip()
 
 
 def test_list_suites_prints_one_line_per_builtin_suite_with_its_description(capsys):

@@ -71,11 +71,15 @@ def test_cli_collects_a_family_and_appends(tmp_path, capsys):
         (["--task", "spatial_lft"], ["--task", "spatial_lft", "spatial_left", "tabletop_spatial"]),
         (["--task", "spatial", "--seed", str(2**31 - 1), "--episodes-per-task", "2"], ["seed", "2**31"]),
         (["--task", "spatial", "--env-id", "Reacher-v5"], ["env_id", "Reacher-v5"]),
-        (["--task", "spatial", "--episodes-per-task", "0"], ["episodes_per_task"]),
+        (["--task", "spatial", "--episodes-per-task", "0"], ["--episodes-per-task", "positive integer"]),
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys, flags, expected):
-    assert main(["collect", *flags, "--out", str(tmp_path / "d")]) == 2
+    try:
+        code = main(["collect", *flags, "--out", str(tmp_path / "d")])
+    except SystemExit as e:  # refused by the argument parser itself
+        code = e.code
+    assert code == 2
     line = _error_line(capsys)
     for part in expected:
         assert part in line

@@ -2,9 +2,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from mmrl.config import apply_overrides, describe, from_dict, load_config, option
+from mmrl.config import apply_overrides, describe, from_dict, load_config, option, to_dict
 from mmrl.errors import ConfigError
-from mmrl.train.config import TrainConfig
+from mmrl.train.config import AlgoConfig, TrainConfig
 from tests.conftest import ROOT, point_reach_config
 
 
@@ -57,6 +57,46 @@ def test_bad_values_name_field_value_and_allowed(data, field, allowed):
     assert e.value.field == field
     assert allowed in str(e.value)
     assert "\n" not in str(e.value)
+
+
+MOVED_ALGO_KEYS = sorted(AlgoConfig.moved_keys.items())
+
+
+def _algo_setting(to: str, section_type: str | None, **options) -> dict:
+    """The algo section that holds ``options`` at the dotted place ``to`` (``filters[i].lo``:
+    one list item), its innermost section of ``section_type``."""
+    *sections, _ = to.split(".")
+    node = {**({"type": section_type} if section_type else {}), **options}
+    for name in reversed(sections):
+        node = {name.removesuffix("[i]"): [node] if name.endswith("[i]") else node}
+    return node
+
+
+def _value_at(algo: dict, to: str):
+    for name in to.split("."):
+        algo = algo[name.removesuffix("[i]")]
+        if name.endswith("[i]"):
+            algo = algo[0]
+    return algo
+
+
+@pytest.mark.parametrize("old, moved", MOVED_ALGO_KEYS, ids=[old for old, _ in MOVED_ALGO_KEYS])
+def test_a_moved_algo_key_names_its_new_place_from_a_file_and_an_override(write_config, old, moved):
+    place = f"moved to algo.{moved.to}"
+    with pytest.raises(ConfigError) as e:
+        load_config(TrainConfig, write_config(point_reach_config(algo={"group_size": 4, old: 1})))
+    assert e.value.field == f"algo.{old}" and place in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_config(TrainConfig, write_config(point_reach_config()), [f"algo.{old}=1"])
+    assert e.value.field == f"algo.{old}" and place in str(e.value)
+
+
+@pytest.mark.parametrize("old, moved", MOVED_ALGO_KEYS, ids=[old for old, _ in MOVED_ALGO_KEYS])
+def test_the_new_place_of_a_moved_algo_key_is_a_key_that_loads(old, moved):
+    key = moved.to.rsplit(".", 1)[-1]
+    default = _value_at(to_dict(from_dict(TrainConfig, point_reach_config(algo=_algo_setting(moved.to, moved.section_type))).algo), moved.to)
+    cfg = from_dict(TrainConfig, point_reach_config(algo=_algo_setting(moved.to, moved.section_type, **{key: default})))
+    assert _value_at(to_dict(cfg.algo), moved.to) == default
 
 
 def test_dotted_overrides_win_and_parse_types():

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from mmrl.algo.advantage import AdvantageConfig, GroupNormConfig
 from mmrl.algo.aggregation import AggregationConfig
 from mmrl.algo.filters import FilterConfig
 from mmrl.algo.kl import KLConfig
 from mmrl.algo.objective import ObjectiveConfig, PPOClipConfig
-from mmrl.config import option
+from mmrl.config import MovedKey, option
 from mmrl.core.config import EnvConfig, PolicyConfig, RewardConfig, SamplerConfig
 from mmrl.errors import ConfigError
 from mmrl.train.sft import DataSourceConfig, DemonstrationsConfig
@@ -30,11 +30,45 @@ class SelfImitationConfig:
     in_checkpoint: bool = option(True, "save the memory in checkpoints (false: smaller checkpoints; a resumed run refills the memory, so resume is not bit-exact)")
 
 
+_PER_AXIS = "since the per-axis algo sections"
+
+
 @dataclass
 class AlgoConfig:
     """The group-relative core: one section per axis, each with a ``type`` and that method's
     own options (``mmrl list advantages|objectives|aggregations|filters|kl``); presets in
     ``configs/presets/`` pick one per axis."""
+
+    # Every key of the flat algo section that moved when each axis became its own section
+    # (commit 39e7e88; benchmarks/RESULTS.md reads old commands with it): configs and saved
+    # runs of earlier mmrl are told where each one lives now.
+    moved_keys: ClassVar[dict[str, MovedKey]] = {
+        "std": MovedKey("advantage.std", _PER_AXIS),
+        "ddof": MovedKey("advantage.ddof", _PER_AXIS),
+        "adv_eps": MovedKey("advantage.eps", _PER_AXIS),
+        "adv_clip": MovedKey("advantage.clip", _PER_AXIS),
+        "psr_weight": MovedKey("advantage.psr_weight", _PER_AXIS, "psr_nsr"),
+        "nsr_weight": MovedKey("advantage.nsr_weight", _PER_AXIS, "psr_nsr"),
+        "advantage_level": MovedKey("advantage.level", _PER_AXIS),
+        "gamma": MovedKey("advantage.gamma", _PER_AXIS),
+        "step_reward_weight": MovedKey("advantage.step_reward_weight", _PER_AXIS),
+        "multi_reward": MovedKey("reward_aggregation", _PER_AXIS, note="sum_then_normalize is now weighted_sum"),
+        "accuracy_lo": MovedKey("filters[i].lo", _PER_AXIS, "accuracy_band"),
+        "accuracy_hi": MovedKey("filters[i].hi", _PER_AXIS, "accuracy_band"),
+        "eps_low": MovedKey("objective.eps_low", _PER_AXIS),
+        "eps_high": MovedKey("objective.eps_high", _PER_AXIS),
+        "dual_clip": MovedKey("objective.dual_clip", _PER_AXIS),
+        "behav_weight_cap": MovedKey("objective.behav_weight_cap", _PER_AXIS, "decoupled_ppo"),
+        "log_ratio_clamp": MovedKey("objective.log_ratio_clamp", _PER_AXIS),
+        "max_len": MovedKey("aggregation.max_len", _PER_AXIS, "const_norm"),
+        "kl_coef": MovedKey("kl.coef", _PER_AXIS),
+        "kl_estimator": MovedKey("kl.type", _PER_AXIS),
+        "kl_in_reward": MovedKey("kl.in_reward", _PER_AXIS),
+        "replay_size": MovedKey("self_imitation.size", _PER_AXIS),
+        "replay_steps": MovedKey("self_imitation.steps", _PER_AXIS),
+        "replay_batch": MovedKey("self_imitation.batch", _PER_AXIS),
+        "replay_loss": MovedKey("self_imitation.loss", _PER_AXIS),
+    }
 
     type: Literal["rl", "sft"] = option(
         "rl", "rl: the group-relative policy-gradient loop; sft: supervised fine-tuning on the data section's batches (no rollouts)"
@@ -101,6 +135,7 @@ class OptimConfig:
 class EvalConfig:
     every: int = option(0, "evaluate every N steps (0 = only at the end)", ge=0)
     episodes: int = option(16, "evaluation episodes / samples", ge=1)
+    at_start: bool = option(True, "evaluate before the first update (logged at step 0: the curves' starting point); a resumed run has it already")
     at_end: bool = option(True, "evaluate after the last step")
 
 
