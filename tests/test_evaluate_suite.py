@@ -13,9 +13,9 @@ from mmrl.config import option
 from mmrl.core.policy import PolicyModule, Sample
 from mmrl.envs.gym import GymEnvConfig
 from mmrl.core.statistics import wilson_interval
-from mmrl.evaluate import evaluate_suite
+from mmrl.evaluate import OUTCOME_COLOURS, _wrap, annotate_episode, evaluate_suite
 from mmrl.registry import POLICIES
-from mmrl.samplers.env import EnvSamplerConfig
+from mmrl.samplers.env import EnvSampler, EnvSamplerConfig
 from mmrl.train.checkpoint import Checkpointer
 from mmrl.train.config import AlgoConfig, PolicyConfig, TrainConfig
 from mmrl.train.metrics import read_metrics
@@ -110,6 +110,59 @@ def test_suite_tables_videos_and_metrics(tmp_path):
 
     frames = imageio.mimread(out / "videos" / "right_0_success.mp4")
     assert len(frames) == 3  # reset frame + 2 steps (success after two pushes of +1)
-    assert frames[0].shape == (32, 32, 3)  # 8x8 observations enlarged 4x
+    assert frames[0].shape == (256, 256, 3)  # 8x8 observations enlarged to be written on
+    assert _dominance(np.asarray(frames[0]), green=True) > 80  # "success" in green, through the H.264 encoding
+    failure = np.asarray(imageio.mimread(out / "videos" / "left_0_failure.mp4")[0])
+    assert _dominance(failure, green=False) > 80
     record = read_metrics(run_dir)[-1]
     assert record["step"] == 7 and record["suite/sides/success_rate"] == 0.5 and record["suite/sides/left/success_rate"] == 0.0
+
+
+def test_evaluation_returns_the_instruction_of_each_recorded_episode():
+    cfg = _config()
+    sampler = EnvSampler(cfg.sampler, cfg)
+    try:
+        result = sampler.evaluate(GoRight(cfg.policy, {}), 4, seed=0, videos=2)
+    finally:
+        sampler.close()
+    assert result["instructions"] == ["go right", "go right"] and len(result["frames"]) == 2
+
+
+def _dominance(frame: np.ndarray, green: bool) -> int:
+    """How far the outcome band (the bottom eighth) leans to green (or red): the largest
+    G − R (or R − G) of its pixels."""
+    band = frame[-frame.shape[0] // 8 :].astype(int)
+    diff = band[..., 1] - band[..., 0]
+    return int((diff if green else -diff).max())
+
+
+def test_the_overlay_writes_the_instruction_on_top_and_the_outcome_at_the_bottom():
+    frames = np.full((3, 64, 64, 3), 128, np.uint8)
+    out = annotate_episode(frames, "put the red block left of the blue block", success=True)
+    assert out.shape == (3, 256, 256, 3) and out.dtype == np.uint8  # 64 px enlarged 4x, every frame alike
+    assert (out[:, :24] != 128).any(axis=(0, 2, 3)).sum() > 15  # rows of text under the top
+    assert (out[:, 96:160] == 128).all()  # the middle of the image is left as it was
+    assert (out[:, -20:] != 128).any() and (frames == 128).all()  # the input is not drawn on
+
+
+def test_the_outcome_is_green_for_a_success_and_red_for_a_failure():
+    frames = np.full((1, 128, 128, 3), 128, np.uint8)
+    success, failure = annotate_episode(frames, "pick the cube", True)[0], annotate_episode(frames, "pick the cube", False)[0]
+    assert _dominance(success, green=True) > 150 and _dominance(success, green=False) <= 0
+    assert _dominance(failure, green=False) > 150 and _dominance(failure, green=True) <= 0
+    assert OUTCOME_COLOURS[True] != OUTCOME_COLOURS[False]
+
+
+def test_frames_already_wide_enough_keep_their_size():
+    frames = np.zeros((2, 240, 320, 3), np.uint8)
+    assert annotate_episode(frames, None, False).shape == (2, 240, 320, 3)
+
+
+def test_a_long_instruction_is_wrapped_and_its_rest_cut_to_the_frame_width():
+    def fits(text):
+        return len(text) <= 12
+
+    assert _wrap("pick up the red cube", fits, 2) == ["pick up the", "red cube"]
+    lines = _wrap("put the red block on the left of the blue block", fits, 2)
+    assert lines[0] == "put the red" and lines[1].endswith("...") and all(fits(line) for line in lines)
+    assert _wrap("unbelievablylongword", fits, 2) == ["unbelieva..."]
