@@ -41,6 +41,7 @@ from torch import Tensor
 from mmrl.config import option
 from mmrl.core.rollout import Rollout
 from mmrl.core.sampler import Sampler, group_seed
+from mmrl.core.statistics import wilson_interval
 from mmrl.errors import ConfigError
 from mmrl.registry import ENVS, SAMPLERS
 from mmrl.core.config import SamplerConfig
@@ -163,37 +164,44 @@ class EnvSampler(Sampler):
         seed), with the mean action or, if ``eval_deterministic`` is false, seeded samples.
         Success comes from the env; ``rewards`` is not needed.
 
-        Returns the success rate, mean return and length, the per-episode ``successes``, and,
+        Returns the success rate with its 95% Wilson interval (``success_rate_ci_low``,
+        ``success_rate_ci_high``), mean return and length, the per-episode ``successes``, and,
         if ``videos`` > 0, ``frames``: the camera images [T, H, W, 3] of the first ``videos``
-        episodes (image observations only)."""
+        episodes (image observations only), with ``instructions``: each one's instruction
+        (None without language observations)."""
         seeds = [_TRAIN_SEEDS + group_seed(seed, 0, i) % _TRAIN_SEEDS for i in range(episodes)]
         deterministic = self.config.eval_deterministic
         generator = None if deterministic else torch.Generator().manual_seed(group_seed(seed, 1, 0))
-        parts, frames = [], []
+        parts, frames, instructions = [], [], []
         self.success_reported = False
         for s in range(0, episodes, self.num_envs):
             record = max(0, min(videos - s, self.num_envs)) if self.structured else 0
-            _, part, *wave_frames = self._run_wave(policy, seeds[s : s + self.num_envs], generator, deterministic, record=record)
+            _, part, *recorded = self._run_wave(policy, seeds[s : s + self.num_envs], generator, deterministic, record=record)
             parts.append(part)
-            frames += wave_frames[0] if wave_frames else []
+            if recorded:
+                frames += recorded[0]
+                instructions += recorded[1]
         self._warn_if_success_unreported("evaluation", "its success_rate reads 0")
         info = Rollout.cat(parts).info
+        low, high = wilson_interval(info["success"].sum().item(), episodes)
         out = {
             "success_rate": info["success"].mean().item(),
+            "success_rate_ci_low": low,
+            "success_rate_ci_high": high,
             "return_mean": info["return"].mean().item(),
             "length_mean": info["length"].float().mean().item(),
             "episodes": episodes,
             "successes": info["success"].tolist(),
         }
         if videos:
-            out["frames"] = frames
+            out["frames"], out["instructions"] = frames, instructions
         return out
 
     @torch.no_grad()
     def _run_wave(self, policy, seeds: list[int], generator: torch.Generator | None, deterministic: bool, record: int = 0):
         """One episode per seed on the first ``len(seeds)`` envs; the other envs (a last,
         partial wave) step along, masked out. Returns (vector env steps taken, rollout), plus
-        the frames of the first ``record`` episodes if ``record`` > 0.
+        the frames and instructions of the first ``record`` episodes if ``record`` > 0.
 
         The step loop only records what the env returned; who was alive when, returns,
         success and truncation are worked out once per wave from those records."""
@@ -205,6 +213,7 @@ class EnvSampler(Sampler):
         samples, rewards, terminated, truncated, success, chunk_index = [], [], [], [], [], []
         cap = self.config.max_decisions
         images = [_first_camera(obs)[:record]] if record else None
+        instructions = [str(text) for text in obs["instruction"][:record]] if record and "instruction" in obs else [None] * record
         while alive.any() and (cap is None or len(samples) < cap):
             sample = policy.sample(self.observation(obs, device), generator, deterministic=deterministic)
             actions = np.minimum(np.maximum(_numpy(sample.output), self.action_low), self.action_high)
@@ -230,7 +239,7 @@ class EnvSampler(Sampler):
         # episode's final observation
         stacked = np.stack(images, 1)  # [record, S + 1, H, W, 3]
         lengths = rollout.info["length"].tolist()
-        return len(rewards), rollout, [stacked[i, : lengths[i] + 1] for i in range(record)]
+        return len(rewards), rollout, [stacked[i, : lengths[i] + 1] for i in range(record)], instructions
 
     def _success_flags(self, info: dict, no_success: np.ndarray) -> np.ndarray:
         """The vector env's per-env success flags of one step, from ``info[env.success_key]``

@@ -49,7 +49,7 @@ from mmrl.core.weights import build_policy
 from mmrl.errors import ConfigError, NonFiniteError
 from mmrl.media import write_media
 from mmrl.train import self_imitation as sil
-from mmrl.train.checkpoint import Checkpointer, set_rng_state
+from mmrl.train.checkpoint import Checkpointer, rng_state, set_rng_state
 from mmrl.train.config import TrainConfig
 from mmrl.train.distributed import Collectives, local_rows
 from mmrl.train.metrics import MetricsWriter
@@ -222,6 +222,8 @@ class Trainer:
         step = self.start_step
         t_start = time.time()
         try:
+            if cfg.eval.at_start and self.start_step == 0 and cfg.total_steps > 0:
+                self.metrics.write(0, {f"eval/{k}": v for k, v in self.evaluate_aside(0).items()})
             for step in range(self.start_step, cfg.total_steps):
                 lr = cfg.optim.lr * lr_factor(step, cfg.total_steps, cfg.optim.lr_schedule, cfg.optim.warmup_steps, cfg.optim.final_lr_ratio)
                 for group in self.optimizer.param_groups:
@@ -684,6 +686,15 @@ class Trainer:
             self.policy.train()
         self.accelerator.wait_for_everyone()
         return result
+
+    def evaluate_aside(self, step: int) -> dict[str, Any]:
+        """``evaluate``, leaving every random stream as it was: a run with an evaluation before
+        training trains exactly as one without it."""
+        state = rng_state()
+        try:
+            return self.evaluate(step)
+        finally:
+            set_rng_state(state)
 
     def save(self, step: int) -> None:
         self.accelerator.wait_for_everyone()

@@ -61,20 +61,21 @@ def _scorer_run_dir(tmp_path, weight: float, bias: float):
     return tmp_path / "scorer_run"
 
 
-def test_a_model_backed_reward_is_built_once_called_per_batch_and_drives_learning(tmp_path):
+@pytest.mark.learning
+def test_a_model_backed_reward_is_built_once_called_per_batch_and_drives_learning(tmp_path, learning_seed, learned):
     EVENTS["built"].clear(), EVENTS["calls"].clear()
     run = _scorer_run_dir(tmp_path, weight=-1.0, bias=0.0)  # prefers small x0
     cfg = from_dict(TrainConfig, {
-        "name": "scorer", "total_steps": 12, "sampler": {"type": "prompt"},
+        "name": "scorer", "seed": learning_seed, "total_steps": 12, "sampler": {"type": "prompt"},
         "policy": {"type": "gaussian_chain"}, "rewards": [{"type": "_test_scorer", "path": str(run)}],
         "algo": {"group_size": 8, "groups_per_step": 4}, "optim": {"lr": 0.01},
         "eval": {"episodes": 16}, "log": {"progress": False, "tensorboard": False},
     })
     Trainer(cfg, tmp_path / "rl").train()
     assert EVENTS["built"] == ["cpu"]  # once per run, on the training device
-    assert EVENTS["calls"][:12] == [32] * 12  # one call per step on the whole batch
+    assert EVENTS["calls"][:13] == [16] + [32] * 12  # the evaluation before training (16 episodes), then one call per step on the whole batch
     records = [r for r in read_metrics(tmp_path / "rl") if "reward/_test_scorer" in r]
-    assert records[-1]["reward/_test_scorer"] > records[0]["reward/_test_scorer"] + 0.1
+    learned(records[-1]["reward/_test_scorer"] - records[0]["reward/_test_scorer"], 0.1, name="reward gain, step 12 over step 1")
 
 
 def test_plain_functions_register_through_the_adapter_and_may_ask_for_the_policy():

@@ -6,6 +6,7 @@ import torch
 from mmrl.core.policy import Sample
 from mmrl.core.weights import build_policy
 from mmrl.core.sampler import group_seed
+from mmrl.core.statistics import wilson_interval
 from mmrl.envs.gym import GymEnvConfig
 from mmrl.errors import ConfigError
 from mmrl.policies.gaussian_mlp import GaussianMLPConfig
@@ -215,8 +216,11 @@ def test_evaluate_is_deterministic_and_depends_on_its_seed():
     mean_before = policy.obs_stats.mean.clone()
     first = sampler.evaluate(policy, episodes=6, seed=1)
     assert first == sampler.evaluate(policy, episodes=6, seed=1)
-    assert set(first) == {"success_rate", "return_mean", "length_mean", "episodes", "successes"} and first["episodes"] == 6
-    assert len(first["successes"]) == 6 and sum(first["successes"]) / 6 == pytest.approx(first["success_rate"])
+    assert set(first) == {"success_rate", "success_rate_ci_low", "success_rate_ci_high", "return_mean", "length_mean", "episodes", "successes"}
+    assert first["episodes"] == 6 and len(first["successes"]) == 6 and sum(first["successes"]) / 6 == pytest.approx(first["success_rate"])
+    # the 95% Wilson interval of the successes out of 6
+    assert (first["success_rate_ci_low"], first["success_rate_ci_high"]) == wilson_interval(sum(first["successes"]), 6)
+    assert first["success_rate_ci_low"] <= first["success_rate"] <= first["success_rate_ci_high"]
     assert torch.equal(policy.obs_stats.mean, mean_before)  # deterministic sampling leaves the statistics
     assert first != sampler.evaluate(policy, episodes=6, seed=2)
     long_episodes = make_sampler(num_envs=4, env_kwargs={"max_steps": 30})
