@@ -18,6 +18,7 @@ class CategoricalSequenceConfig(PolicyConfig):
     seq_len: int = option(6, "tokens generated per sample (the decisions)", ge=1)
     hidden: int = option(32, "width of the embeddings and the GRU state", ge=1)
     eos_token: int | None = option(None, "token id that ends a sample (null = always generate seq_len tokens)", ge=0)
+    dtype: str = option("float32", "parameter precision; float64 checks the algorithm where float32 summation order would blur equality", choices=("float32", "float64"))
 
     def validate(self, path: str) -> None:
         if self.eos_token is not None and self.eos_token >= self.vocab_size:

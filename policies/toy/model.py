@@ -52,6 +52,7 @@ class CategoricalSequencePolicy(PolicyModule):
         self.position_embedding = nn.Embedding(config.seq_len, h)
         self.gru = nn.GRU(h, h, batch_first=True)
         self.head = nn.Linear(h, config.vocab_size)
+        self.to(getattr(torch, config.dtype))
 
     @property
     def bos_token(self) -> int:
@@ -81,7 +82,7 @@ class CategoricalSequencePolicy(PolicyModule):
         device = self.head.weight.device
         prompt = torch.as_tensor(inputs, dtype=torch.long, device=device)
         n, length, eos = prompt.shape[0], self.config.seq_len, self.config.eos_token
-        noise = None if deterministic else _gumbel((n, length, self.config.vocab_size), generator).to(device)
+        noise = None if deterministic else _gumbel((n, length, self.config.vocab_size), generator).to(device, self.head.weight.dtype)
         previous = torch.full((n, 1), self.bos_token, dtype=torch.long, device=device)
         ended = torch.zeros(n, dtype=torch.bool, device=device)
         state = None

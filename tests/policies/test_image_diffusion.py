@@ -213,22 +213,24 @@ def test_exact_kl_is_zero_to_itself_and_positive_after_an_update():
     assert kl.shape == sample.logp.shape and (kl > 0).all()
 
 
+@pytest.mark.learning
 @pytest.mark.parametrize("transition, prediction_type", [("ddim", "epsilon"), ("ddim", "v_prediction"), ("ddpm", "sample"), ("flow_sde", "velocity")])
-def test_sft_loss_is_the_denoising_loss_and_a_step_lowers_it(transition, prediction_type):
-    policy = make(denoising=TRANSITIONS[transition], prediction_type=prediction_type, condition_dropout=0.0)
+def test_sft_loss_is_the_denoising_loss_and_a_step_lowers_it(transition, prediction_type, learning_seed, learned):
+    policy = make(seed=learning_seed, denoising=TRANSITIONS[transition], prediction_type=prediction_type, condition_dropout=0.0)
     images = torch.zeros(8, 16, 16, 3, dtype=torch.uint8)
     images[:, 4:12, 4:12, 0] = 255  # a red square on black
     batch = {"images": images, "condition": torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])}
     optimizer = torch.optim.Adam(policy.parameters(), lr=3e-3)
     losses = []
     for i in range(30):
-        torch.manual_seed(i % 3)  # the same timesteps and noise every third step
+        torch.manual_seed(3 * learning_seed + i % 3)  # the same timesteps and noise every third step
         loss = policy.sft_loss(batch)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    assert math.isfinite(losses[0]) and sum(losses[-3:]) < 0.5 * sum(losses[:3])
+    assert math.isfinite(losses[0])
+    learned(sum(losses[-3:]) / sum(losses[:3]), 0.5, higher=False, name="loss, last 3 / first 3 steps")
 
 
 def test_prediction_conversions_invert_each_other():
@@ -436,6 +438,7 @@ def test_the_activation_estimate_is_the_first_unet_level_times_the_steps_one_cal
     assert guided.activation_bytes(every_step) == 2 * 8 * first_level  # conditional and unconditional passes in one batch
 
 
+@pytest.mark.numerics
 def test_an_update_split_by_the_activation_estimate_equals_the_one_piece_update(tmp_path):
     """algo.micro_batches null on a CPU: the trainer cuts each minibatch into pieces by the
     policy's activation estimate; gradient accumulation gives the same gradients and loss."""
@@ -453,14 +456,18 @@ def test_an_update_split_by_the_activation_estimate_equals_the_one_piece_update(
             # 8 samples x 4 steps x 8 channels x 8 x 8 x 4 bytes = 64 KiB: three pieces of at most 0.025 MiB
             # the recompute's pieces (a reused sampling graph runs in one)
             "algo": {"group_size": 2, "groups_per_step": 4, "micro_batches": micro_batches, "micro_batch_mb": 0.025, "reuse_sampling_graph": False},
-            "optim": {"lr": 1e-3}, "eval": {"every": 0, "at_end": False}, "checkpoint": {"every": 0},
+            "optim": {"lr": 1e-3}, "eval": {"every": 0, "at_start": False, "at_end": False}, "checkpoint": {"every": 0},
             "log": {"progress": False, "tensorboard": False},
         })
         trainer = Trainer(cfg, tmp_path / f"run{micro_batches}")
         calls, grads = [], []
-        forward, step = trainer.model.forward, trainer.optimizer.step
+        forward = trainer.model.forward
         trainer.model.forward = lambda *a, **kw: calls.append(1) or forward(*a, **kw)
-        trainer.optimizer.step = lambda *a, **kw: grads.append({n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}) or step(*a, **kw)
+        # the optimizer records the gradient and leaves the weights: each step then compares two
+        # gradients of the same parameters on the same samples (a step would let Adam turn a
+        # rounding difference in a near-zero entry into a move of up to lr, and step 2 compare
+        # gradients of other weights)
+        trainer.optimizer.step = lambda *a, **kw: grads.append({n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None})
         trainer.train()
         # one pass a step, or several pieces a step (fewer than 3 when samples without
         # advantage are left out of the pass; the normalizers still count them)
@@ -468,15 +475,22 @@ def test_an_update_split_by_the_activation_estimate_equals_the_one_piece_update(
         results[micro_batches] = grads, [r for r in read_metrics(tmp_path / f"run{micro_batches}") if "loss/policy" in r]
     (g1, m1), (gk, mk) = results[1], results[None]
     assert len(g1) == len(gk) == 2 and g1[0].keys() == gk[0].keys() and "unet.conv_in.weight" in g1[0]
+    # Pieces change only the order of float32 sums: each gradient entry sums m = 8 samples x 4
+    # steps x 64 positions of terms no larger than the model's largest entry G (the advantages
+    # nearly cancel, so one tensor's own maximum is no scale: an attention key bias has a zero
+    # gradient up to rounding), and reordering m float32 terms moves a sum by at most m u G.
+    m, u = 8 * 4 * 64, torch.finfo(torch.float32).eps / 2
     for i, (one, pieces) in enumerate(zip(g1, gk)):  # each step's clipped gradient, as the optimizer saw it
-        for name in one:
-            # float32 sums in another order: ~2e-5 of the tensor's largest entry
-            assert float((pieces[name] - one[name]).abs().max()) <= 1e-4 * float(one[name].abs().max()) + 1e-9, (i, name)
+        bound = m * u * max(float(g.abs().max()) for g in one.values())
+        for name in one:  # measured: at most 0.15 of the bound (ATEN_CPU_CAPABILITY default, avx2, avx512)
+            assert float((pieces[name] - one[name]).abs().max()) <= bound, (i, name)
     assert any(float(g.abs().max()) > 1e-4 for g in g1[0].values())
     for a, b in zip(m1, mk):
-        # the policy loss is a sum of +- terms that nearly cancel (~4e-6): float32 order noise
-        assert b["loss/policy"] == pytest.approx(a["loss/policy"], abs=1e-6)
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4, abs=1e-7)
+        # the policy loss averages 32 decisions' terms A * ratio (|A| <= 2 here, ratio 1) that
+        # nearly cancel: reordering moves it by at most 32 u * 2 (measured: 1.6e-7 of 3.8e-6);
+        # the gradient norm by at most the entries' bound relative to G <= norm (measured: 1.2e-6)
+        assert b["loss/policy"] == pytest.approx(a["loss/policy"], abs=32 * u * 2)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=m * u)
 
 
 def test_shared_noise_starts_a_group_from_one_noise_and_leaves_its_steps_their_own():

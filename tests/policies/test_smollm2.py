@@ -16,6 +16,7 @@ pytestmark = [
 ]
 
 
+@pytest.mark.numerics
 def test_smollm2_loads_from_its_gguf_samples_a_group_and_takes_a_grpo_step(tmp_path):
     pytest.importorskip("gguf")
     from mmrl.train.metrics import read_metrics
@@ -30,7 +31,11 @@ def test_smollm2_loads_from_its_gguf_samples_a_group_and_takes_a_grpo_step(tmp_p
     assert sum(p.numel() for p in policy.parameters()) > 100_000_000  # the real 135M model, not a tiny one
     sample = policy.sample(["What is 17 + 25?"] * 4, torch.Generator().manual_seed(0))
     assert len(sample.info["completions"]) == 4 and all(isinstance(c, str) and c for c in sample.info["completions"])
-    assert torch.equal(policy.log_prob(sample.replay), sample.logp)  # ratio exactly 1 before an update
+    # old_logp: deferred, so these are the key/value-cache loop's log-probs; the teacher-forced
+    # pass computes the same ones in another order of float operations (the trainer's exact
+    # old log-probs are that pass's own): within the documented 1e-4 per token in float32
+    assert sample.logp_deferred
+    assert float(((policy.log_prob(sample.replay) - sample.logp) * sample.mask).abs().max()) <= 1e-4
     before = policy.language_model.model.layers[0].self_attn.q_proj.weight.detach().clone()
     trainer.train()
     (step,) = [m for m in read_metrics(tmp_path / "run") if "reward/total" in m]

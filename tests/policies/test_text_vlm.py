@@ -198,9 +198,10 @@ def test_lora_trains_only_the_adapters_and_the_reference_is_the_model_without_th
     assert torch.equal(policy.log_prob(sample.replay).detach(), moved)  # the adapters are back on
 
 
-def test_sft_loss_on_image_prompts_teaches_answers_that_depend_on_the_image():
+@pytest.mark.learning
+def test_sft_loss_on_image_prompts_teaches_answers_that_depend_on_the_image(learning_seed, learned):
     """Two images, one question: the model must read the image to answer."""
-    policy = make(generation={"max_new_tokens": 6})
+    policy = make(seed=learning_seed, generation={"max_new_tokens": 6})
     red, blue = np.zeros((32, 32, 3), np.uint8), np.zeros((32, 32, 3), np.uint8)
     red[..., 0], blue[..., 2] = 220, 220
     batch = {"prompt": [ImagePrompt("Colour?", (red,)), ImagePrompt("Colour?", (blue,))], "completion": ["red", "blue"]}
@@ -212,7 +213,7 @@ def test_sft_loss_on_image_prompts_teaches_answers_that_depend_on_the_image():
         loss.backward()
         optimizer.step()
     greedy = policy.sample(batch["prompt"], deterministic=True)
-    assert greedy.output == ["red", "blue"]
+    learned(sum(a == b for a, b in zip(greedy.output, ["red", "blue"])) / 2, 1.0, name="greedy answers right")
 
 
 def test_log_prob_of_replays_concatenated_across_sample_calls():
@@ -242,6 +243,7 @@ def test_save_and_load_pretrained_round_trip_exactly(tmp_path):
     assert a.output == b.output and torch.equal(a.logp, b.logp)
 
 
+@pytest.mark.numerics
 def test_loads_a_vision_language_model_and_processor_saved_with_save_pretrained(tmp_path):
     """What a user with real weights has: the model's and the processor's save_pretrained."""
     original = make(seed=4, generation={"max_new_tokens": 6})
@@ -253,8 +255,10 @@ def test_loads_a_vision_language_model_and_processor_saved_with_save_pretrained(
     with torch.no_grad():
         assert torch.equal(policy.language_model(input_ids=ids).logits, original.language_model(input_ids=ids).logits)
     sample = policy.sample(prompts(), generator(0))
-    assert torch.equal(policy.log_prob(sample.replay), sample.logp)
-    assert torch.equal(original.log_prob(sample.replay), sample.logp)  # the same model, the same inputs
+    logp = policy.log_prob(sample.replay)
+    # old_logp: deferred, so sample.logp are the decoding loop's: the documented float32 bound
+    assert sample.logp_deferred and float(((logp - sample.logp) * sample.mask).abs().max()) <= 1e-4
+    assert torch.equal(original.log_prob(sample.replay), logp)  # the same model, the same inputs: bit for bit
 
 
 def test_a_model_with_multimodal_rotary_positions_is_refused(tmp_path):
@@ -346,7 +350,8 @@ def test_lora_grpo_with_a_kl_to_the_adapter_disabled_model_trains_through_the_tr
 
 
 @pytest.mark.slow
-def test_sft_learns_to_read_the_colour_of_objects_in_images_it_has_not_seen():
+@pytest.mark.learning
+def test_sft_learns_to_read_the_colour_of_objects_in_images_it_has_not_seen(learning_seed, learned):
     """The vision path learns: 600 rendered single-object scenes, "What colour is the object?",
     the demo's model size; greedy answers on 120 other images (2–4 min on two shared cores)."""
     pytest.importorskip("cv2")
@@ -364,18 +369,18 @@ def test_sft_learns_to_read_the_colour_of_objects_in_images_it_has_not_seen():
         return out
 
     width = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 128}
-    policy = make(tiny={**width, "max_position_embeddings": 128}, vision=width, generation={"max_new_tokens": 8, "chat_template": True})
+    policy = make(seed=learning_seed, tiny={**width, "max_position_embeddings": 128}, vision=width, generation={"max_new_tokens": 8, "chat_template": True})
     train, unseen = questions(600, 1), questions(120, 2)
     optimizer = torch.optim.Adam(policy.parameters(), lr=2e-3)
     for step in range(200):
-        rows = np.random.RandomState(step).randint(len(train), size=64)
+        rows = np.random.RandomState(1000 * learning_seed + step).randint(len(train), size=64)
         loss = policy.sft_loss({"prompt": [train[i][0] for i in rows], "completion": [train[i][1] for i in rows]})
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
     answers = policy.sample([p for p, _ in unseen], deterministic=True).output
     accuracy = np.mean([a == colour for a, (_, colour) in zip(answers, unseen)])
-    assert accuracy >= 0.9, accuracy
+    learned(accuracy, 0.9, name="accuracy on unseen images")
 
 
 def test_the_processor_and_model_calls_raise_no_deprecation_or_future_warnings():
