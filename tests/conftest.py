@@ -14,6 +14,72 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
+# Learning tests (marker `learning`) train from this seed: `scripts/learning_spread.py` runs them
+# over several seeds and CPU kernels (ATEN_CPU_CAPABILITY) to measure each threshold's margin.
+LEARNING_SEED = int(os.environ.get("MMRL_LEARNING_SEED", "0"))
+
+
+def _checkout_entries() -> set[str] | None:
+    """What git sees in the checkout besides its tracked files (untracked and ignored entries),
+    less what installing and importing leave by design; None outside a git checkout."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--ignored", "--untracked-files=normal"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    entries = {line[3:] for line in out.stdout.splitlines() if line[:2] in ("??", "!!")}
+    return {e for e in entries if "__pycache__" not in e and not e.startswith(".venv") and not e.endswith(".egg-info/")}
+
+
+def pytest_sessionstart(session):
+    session.config._checkout_before = _checkout_entries()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # `make test` leaves nothing in the checkout: a test that writes a run directory, demos or
+    # plots must write them under its tmp_path
+    before = getattr(session.config, "_checkout_before", None)
+    after = _checkout_entries() if before is not None else None
+    if after is not None and after - before:
+        print(f"\ntests left files in the checkout: {sorted(after - before)}", file=sys.stderr)
+        session.exitstatus = 1
+
+
+def pytest_collection_modifyitems(config, items):
+    # a learning test's result depends on float kernels as much as any tolerance does
+    for item in items:
+        if item.get_closest_marker("learning") is not None and item.get_closest_marker("numerics") is None:
+            item.add_marker(pytest.mark.numerics)
+
+
+@pytest.fixture
+def learning_seed() -> int:
+    """The training seed of a learning test (0 unless ``MMRL_LEARNING_SEED`` says otherwise)."""
+    return LEARNING_SEED
+
+
+@pytest.fixture
+def learned(request):
+    """``learned(value, threshold, higher=True, name="")``: assert that a learning test's
+    measured ``value`` clears ``threshold`` and, where ``MMRL_LEARNING_LOG`` names a file, append
+    it there (one JSON line) so the spread over seeds and kernels can be read off."""
+    import json
+
+    def check(value: float, threshold: float, higher: bool = True, name: str = "") -> None:
+        log = os.environ.get("MMRL_LEARNING_LOG")
+        if log:
+            record = {"test": request.node.nodeid, "name": name, "value": float(value), "threshold": float(threshold), "higher": higher,
+                      "seed": LEARNING_SEED, "capability": torch.backends.cpu.get_cpu_capability()}
+            with open(log, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        met = value >= threshold if higher else value <= threshold
+        assert met, f"{name or 'value'} {value:.4g} {'<' if higher else '>'} threshold {threshold:.4g} (seed {LEARNING_SEED})"
+
+    return check
+
 
 def point_reach_config(**sections) -> dict:
     """A tiny env run as a plain dict (what a YAML file would hold)."""
@@ -37,16 +103,17 @@ def point_reach_config(**sections) -> dict:
     return cfg
 
 
-def point_reach_success_before_after(run_dir, policy: dict, total_steps: int, optim: dict) -> tuple[float, float]:
+def point_reach_success_before_after(run_dir, policy: dict, total_steps: int, optim: dict, seed: int = 0) -> tuple[float, float]:
     """Eval success (64 episodes) of ``policy`` on mmrl/PointReach-v0 before and after
     ``total_steps`` GRPO updates from the binary success reward alone (8 groups of 8, 4 PPO
-    epochs, no KL): the end-to-end check that a policy family learns under RL."""
+    epochs, no KL): the end-to-end check that a policy family learns under RL. ``seed`` is
+    the run's (initial weights, training and evaluation episodes)."""
     from mmrl.config import from_dict
     from mmrl.train.config import TrainConfig
     from mmrl.train.trainer import Trainer
 
     cfg = point_reach_config(
-        name="rl_check", total_steps=total_steps, run_dir=str(run_dir),
+        name="rl_check", seed=seed, total_steps=total_steps, run_dir=str(run_dir),
         env={"type": "gym", "id": "mmrl/PointReach-v0", "num_envs": 32},
         rewards=[{"type": "success"}],
         algo={"group_size": 8, "groups_per_step": 8, "ppo_epochs": 4, "num_minibatches": 4, "kl": {"coef": 0.0}},

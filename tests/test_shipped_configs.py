@@ -1,7 +1,7 @@
 """Every shipped config trains: a short run of each through the command line, at its own
 sizes except the number of updates and (for the tabletop) episodes per update. SFT configs
 train on a few demonstrations collected here; RL configs that start from an SFT run start
-from the SFT smoke run of the same family."""
+from the SFT smoke run of the same family (trained once, in a directory of its own)."""
 
 import pytest
 
@@ -26,7 +26,15 @@ def workdir(tmp_path_factory):
     return root
 
 
-def _train(workdir, name: str):
+def _start(workdir, name: str):
+    """The smoke run of ``name`` that another config starts from, trained once per module."""
+    run = workdir / "starts" / name
+    if not (run / "checkpoints" / "latest").is_file():
+        _train(workdir, name, run)
+    return run
+
+
+def _train(workdir, name: str, run):
     overrides = list(SHORT)
     if name.startswith("tabletop_"):
         overrides += ["env.num_envs=8", "algo.groups_per_step=1"] if name.endswith("_grpo") else [f"data.path={workdir / 'demos'}", "data.batch_size=8"]
@@ -41,23 +49,17 @@ def _train(workdir, name: str):
             write_shapes_pairs(pairs, size=size, num_train=8, num_held_out=4, set_size=4 if "_set_" in name else 0)
         overrides += [f"data.path={pairs}", "data.batch_size=4"]
     if name in SFT_OF:
-        sft = workdir / SFT_OF[name]
-        if not sft.exists():
-            _train(workdir, SFT_OF[name])
-        overrides.append(f"policy.pretrained={sft}")
+        overrides.append(f"policy.pretrained={_start(workdir, SFT_OF[name])}")
     if name in REWARD_MODEL_OF:
-        model = workdir / REWARD_MODEL_OF[name]
-        if not model.exists():
-            _train(workdir, REWARD_MODEL_OF[name])
+        model = _start(workdir, REWARD_MODEL_OF[name])
         overrides.append(f"rewards=[{{type: pairwise_preference, model: {model}, mode: pointwise}}, {{type: shapes_geneval, mode: strict, min_fill: 0.6, weight: 0.0}}]")
-    proc = run_mmrl("train", ROOT / "configs" / f"{name}.yaml", "--run-dir", workdir / name, *overrides, timeout=1800)
+    proc = run_mmrl("train", ROOT / "configs" / f"{name}.yaml", "--run-dir", run, *overrides, timeout=1800)
     assert proc.returncode == 0, (name, proc.stderr[-3000:])
-    assert (workdir / name / "checkpoints" / "latest").is_file()
+    assert (run / "checkpoints" / "latest").is_file()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", CONFIGS)
 def test_every_shipped_config_trains(workdir, name):
-    if (workdir / name).exists():  # already run as the SFT start of an RL config
-        return
-    _train(workdir, name)
+    """Each config trains in a run directory of its own, whatever ran before it."""
+    _train(workdir, name, workdir / "runs" / name)
