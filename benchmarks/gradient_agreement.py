@@ -19,7 +19,7 @@ import tempfile
 import torch
 
 from mmrl.config import load_config
-from mmrl.train.config import TrainConfig
+from mmrl.train.run_config import TrainConfig
 from mmrl.train.diagnostics import gradient_agreement
 from mmrl.train.trainer import Trainer
 

@@ -82,7 +82,7 @@ def interleaved(a, b, repeats: int) -> tuple[tuple[float, float], tuple[float, f
 
 
 def train_config(size: int, transition: str, args, run_dir: str):
-    from mmrl.train.config import TrainConfig
+    from mmrl.train.run_config import TrainConfig
 
     if transition == "ddim":
         denoising = {"transition": "ddim", "eta": 1.0, "min_std": 0.01}

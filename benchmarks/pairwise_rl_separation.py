@@ -21,7 +21,7 @@ from mmrl import registry
 from mmrl.config import load_config
 from mmrl.core.reward import RewardContext, RewardSet
 from mmrl.core.weights import build_policy
-from mmrl.train.config import TrainConfig
+from mmrl.train.run_config import TrainConfig
 
 
 def main() -> int:

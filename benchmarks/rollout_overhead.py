@@ -21,7 +21,7 @@ import torch
 from mmrl.config import from_dict
 from mmrl.core.weights import build_policy
 from mmrl.registry import SAMPLERS
-from mmrl.train.config import TrainConfig
+from mmrl.train.run_config import TrainConfig
 
 
 def hand_loop(env, policy, seeds, low, high):

@@ -29,9 +29,9 @@ def main() -> None:
     from mmrl.config import load_config
     from mmrl.core.sampler import build_sampler
     from mmrl.core.weights import build_policy
-    from mmrl.data.shapes import Scene
-    from mmrl.rewards.shapes import ShapesGenevalConfig, check_criteria, detect_shapes
-    from mmrl.train.config import TrainConfig
+    from mmrl.tasks.shapes.world import Scene
+    from mmrl.tasks.shapes.rewards import ShapesGenevalConfig, check_criteria, detect_shapes
+    from mmrl.train.run_config import TrainConfig
 
     cfg = load_config(TrainConfig, args.config, args.overrides)
     verifier = next((r for r in cfg.rewards if isinstance(r, ShapesGenevalConfig)), ShapesGenevalConfig())

@@ -4,7 +4,7 @@ For each image size, N scenes drawn evenly over the four categories (single, cou
 position; uniformly within a category) are rendered from their own seeds. The verifier
 (strict mode, default options, through the registered reward on a rollout that carries the
 records' scene metadata) should accept every ground-truth image and reject every image of a
-deliberately wrong scene (``mmrl.data.shapes.mistaken_scene``: one object more or less,
+deliberately wrong scene (``mmrl.tasks.shapes.world.mistaken_scene``: one object more or less,
 another colour or shape for one group, the opposite relation), scored against the original
 prompt. ``--noise`` adds rows for ground truth with Gaussian pixel noise of that std, a
 stand-in for a generator's imperfect images. Prints one Markdown table per size.
@@ -25,7 +25,7 @@ import torch
 from mmrl.config import from_dict
 from mmrl.core.reward import RewardContext, build_reward
 from mmrl.core.rollout import Rollout
-from mmrl.data.shapes import CATEGORIES, MISTAKES, all_scenes, mistaken_scene, render_scene
+from mmrl.tasks.shapes.world import CATEGORIES, MISTAKES, all_scenes, mistaken_scene, render_scene
 from mmrl.registry import REWARDS
 
 

@@ -34,7 +34,7 @@ from mmrl.config import from_dict
 from mmrl.core.policy import Sample
 from mmrl.core.weights import build_policy
 from mmrl.registry import ENVS, SAMPLERS
-from mmrl.train.config import TrainConfig
+from mmrl.train.run_config import TrainConfig
 from rollout_overhead import interleaved_rates  # benchmarks/ is the script's directory
 
 TOKEN_VLA = {

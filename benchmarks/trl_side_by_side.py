@@ -33,7 +33,7 @@ import torch
 
 from mmrl.config import load_config
 from mmrl.core.rollout import Rollout
-from mmrl.train.config import TrainConfig
+from mmrl.train.run_config import TrainConfig
 
 # mmrl aggregation -> TRL loss_type with the same normalisation of the per-token losses
 _LOSS_TYPES = {"token_mean": "dapo", "seq_mean_token_mean": "grpo"}

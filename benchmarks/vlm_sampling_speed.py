@@ -23,8 +23,8 @@ import torch
 from mmrl.config import from_dict
 from mmrl.core.weights import build_policy
 from mmrl.data.prompts import ImagePrompt
-from mmrl.data.shapes import all_scenes, render_scene
-from mmrl.data.shapes_qa import questions
+from mmrl.tasks.shapes.world import all_scenes, render_scene
+from mmrl.tasks.shapes_qa.world import questions
 from mmrl.policies.text_vlm import TextVLMConfig
 
 

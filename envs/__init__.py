@@ -1,9 +1,11 @@
 """Environments: tasks that ship with mmrl and adapters for external simulators.
 
-Importing this package registers mmrl's gymnasium ids (``mmrl/PointReach-v0``,
-``mmrl/Tabletop-v0``) and the env adapters (``gym``, ``maniskill``, ``libero``). Simulators are
-imported only when an env is built.
+Importing this package imports every module in it, and each registers what it defines: the
+env adapters (``gym``, ``maniskill``, ``libero``, ...) and mmrl's gymnasium ids
+(``mmrl/PointReach-v0``, ``mmrl/Tabletop-v0``), so a new env is its module or folder alone.
+Simulators are imported only when an env is built.
 """
 
-from mmrl.envs import gym, maniskill, point_reach, tabletop  # noqa: F401  (registration)
-from mmrl.envs import libero  # noqa: F401  (registration)
+from mmrl.registry import import_all
+
+import_all(__name__)

@@ -27,7 +27,7 @@ from mmrl.config import option
 from mmrl.env_wrappers import WrapperConfig, apply_wrappers
 from mmrl.errors import ConfigError
 from mmrl.registry import ENVS
-from mmrl.core.config import EnvConfig
+from mmrl.core.component_config import EnvConfig
 
 
 @dataclass

@@ -54,7 +54,7 @@ from mmrl.config import option
 from mmrl.env_wrappers import WrapperConfig, apply_wrappers
 from mmrl.errors import ConfigError, MissingExtraError
 from mmrl.registry import ENVS
-from mmrl.core.config import EnvConfig
+from mmrl.core.component_config import EnvConfig
 
 SUITES = ("libero_spatial", "libero_object", "libero_goal", "libero_10", "libero_90")
 # Step budgets per suite of OpenVLA's LIBERO evaluation (its longest successful demo, rounded up).

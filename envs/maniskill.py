@@ -49,7 +49,7 @@ from mmrl.config import option
 from mmrl.env_wrappers import WrapperConfig, apply_wrappers
 from mmrl.errors import ConfigError, MissingExtraError
 from mmrl.registry import ENVS
-from mmrl.core.config import EnvConfig
+from mmrl.core.component_config import EnvConfig
 
 _GPU_BACKENDS = ("gpu", "physx_cuda")
 

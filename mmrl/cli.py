@@ -49,7 +49,7 @@ _non_negative_float = _number(float, 0.0, "a finite number >= 0")
 def _config_and_dir(target: str, overrides: list[str]):
     """A config file, or a run directory holding config.yaml → (TrainConfig, run_dir|None)."""
     from mmrl.config import load_config
-    from mmrl.train.config import TrainConfig
+    from mmrl.train.run_config import TrainConfig
 
     path = Path(target)
     if path.is_dir():
@@ -292,7 +292,7 @@ def cmd_collect(args) -> int:
 def _train_help() -> str:
     from mmrl import registry
     from mmrl.config import describe
-    from mmrl.train.config import TrainConfig
+    from mmrl.train.run_config import TrainConfig
 
     lines = ["fields (set in the YAML or as dotted overrides, e.g. algo.objective.eps_high=0.28):", ""]
     for name, tp, default, doc in describe(TrainConfig):
@@ -335,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "train-reward", help="train a pairwise (Bradley-Terry) reward model on preference pairs", add_help=False,
         description="Train a pairwise reward model (policy.type bt_image, bt_image_set or bt_text; algo.type sft; data.type preferences) "
-        "through the training loop; evaluation reports held-out pairwise accuracy. Write pairs with `python -m mmrl.data.preferences`.",
+        "through the training loop; evaluation reports held-out pairwise accuracy. Write pairs with `python -m mmrl.pairs`.",
     )
     p.add_argument("-h", "--help", action=_TrainHelp, nargs=0, help="show this help and every config field")
     p.add_argument("config", help="YAML config, or a run directory with --resume")

@@ -233,17 +233,7 @@ def _resolve_component(path: str, value: dict) -> type:
     from mmrl import registry
 
     section = path.split(".")[-1].split("[")[0]
-    reg = {
-        "env": registry.ENVS,
-        "policy": registry.POLICIES,
-        "sampler": registry.SAMPLERS,
-        "rewards": registry.REWARDS,
-        "advantage": registry.ADVANTAGES,
-        "objective": registry.OBJECTIVES,
-        "aggregation": registry.AGGREGATIONS,
-        "filters": registry.FILTERS,
-        "data": registry.DATA_SOURCES,
-    }.get(section)
+    reg = registry.for_section(section)
     if reg is None:
         raise TypeError(f"no registry for component section {path!r}")
     name = value.get("type")

@@ -4,7 +4,6 @@ run's sampler; success rate with a 95% Wilson interval, written as JSON, Markdow
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,8 @@ from mmrl import registry
 from mmrl.core.reward import RewardContext, RewardSet
 from mmrl.core.statistics import wilson_interval
 from mmrl.core.weights import build_policy, load_state
-from mmrl.errors import ConfigError, MissingExtraError
+from mmrl.errors import ConfigError
+from mmrl.media import annotate_episode, write_media, write_video
 from mmrl.core.weights import latest_checkpoint
 
 
@@ -22,7 +22,7 @@ def evaluate_run(cfg, run_dir: Path | None, episodes: int | None = None, checkpo
     """The run's sampler's evaluation and, for a supervised run whose data source holds out
     data of its own (``preferences``), that source's held-out metrics."""
     from mmrl.core.sampler import build_sampler
-    from mmrl.train.sft import DataSource
+    from mmrl.data.sources import DataSource
 
     torch.manual_seed(cfg.seed)
     sampler = build_sampler(cfg)
@@ -63,114 +63,11 @@ def evaluate_run(cfg, run_dir: Path | None, episodes: int | None = None, checkpo
             rows.append(f"| success 95% CI | [{result['success_ci95'][0]:.3f}, {result['success_ci95'][1]:.3f}] |")
         (out / "eval.md").write_text("| metric | value |\n|---|---|\n" + "\n".join(rows) + "\n")
         if media:
-            from mmrl.media import write_media
-
             write_media(out / "samples", media)
     return result
 
 
 # ---------------------------------------------------------------------- task suites
-
-
-def write_video(path: Path, frames, fps: int = 10, scale: int = 4) -> Path:
-    """Write uint8 frames [T, H, W, 3] as an H.264 mp4 (imageio-ffmpeg), each pixel
-    enlarged ``scale`` times (nearest neighbour, so 64×64 observations stay sharp)."""
-    import numpy as np
-
-    frames = np.asarray(frames, dtype=np.uint8)
-    if scale > 1:
-        frames = frames.repeat(scale, axis=1).repeat(scale, axis=2)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    try:
-        import imageio.v2 as imageio
-
-        imageio.mimwrite(tmp, list(frames), fps=fps, macro_block_size=1)
-    except ImportError:  # OpenCV only: MPEG-4 part 2 instead of H.264
-        import cv2
-
-        writer = cv2.VideoWriter(str(tmp), cv2.VideoWriter_fourcc(*"mp4v"), fps, (frames.shape[2], frames.shape[1]))
-        for frame in frames:
-            writer.write(cv2.cvtColor(frame, cv2.COLOR_RGB2BGR))
-        writer.release()
-    tmp.replace(path)
-    return path
-
-
-# RGB; the outcome is read by its colour before its word
-OUTCOME_COLOURS = {True: (40, 220, 40), False: (235, 40, 40)}
-
-
-def annotate_episode(frames, instruction: str | None, success: bool, min_width: int = 256, max_lines: int = 2):
-    """The frames [T, H, W, 3] (uint8) of one evaluation episode with its instruction on a
-    dark band at the top (wrapped to ``max_lines`` lines, the rest cut to "...") and its
-    outcome, "success" in green or "failure" in red, on a dark band at the bottom, as
-    evaluation videos of ManiSkill and LeRobot let a reader see at a glance which episode
-    failed at what. The outcome is known when the video is written and is on every frame,
-    so any frame of a paused video says it. Frames narrower than ``min_width`` are first
-    enlarged by a whole factor (nearest neighbour: 64×64 observations stay sharp and the
-    text gets enough pixels to be read). Returns new frames [T, H·k, W·k, 3]."""
-    try:
-        import cv2
-    except ImportError:
-        raise MissingExtraError("opencv-python", "vla", "evaluation videos with their instruction and outcome") from None
-    import numpy as np
-
-    frames = np.asarray(frames, dtype=np.uint8)
-    k = max(1, math.ceil(min_width / frames.shape[2]))
-    frames = frames.repeat(k, axis=1).repeat(k, axis=2)
-    height, width = frames.shape[1:3]
-    font, font_scale, thickness = cv2.FONT_HERSHEY_SIMPLEX, width / 560, max(1, round(width / 400))
-    (_, text_height), baseline = cv2.getTextSize("Ag", font, font_scale, thickness)
-    pad = max(2, text_height // 3)
-    line_height = text_height + baseline + pad
-
-    def fits(text: str) -> bool:
-        return cv2.getTextSize(text, font, font_scale, thickness)[0][0] <= width - 2 * pad
-
-    # the text is drawn once, as coverage (anti-aliased, 0..255) and colour, then blended
-    # into every frame over the darkened bands
-    coverage = np.zeros((height, width), np.uint8)
-    colour = np.zeros((height, width, 3), np.uint8)
-    bands = np.zeros(height, bool)
-    lines = _wrap(instruction, fits, max_lines) if instruction else []
-    for i, line in enumerate(lines):
-        cv2.putText(coverage, line, (pad, pad + text_height + i * line_height), font, font_scale, 255, thickness, cv2.LINE_AA)
-    top = len(lines) * line_height + pad if lines else 0
-    bands[:top] = True
-    colour[:top] = 255
-    bottom = height - line_height - pad
-    # bold: the outcome is what a reader scans a grid of videos for
-    cv2.putText(coverage, "success" if success else "failure", (pad, height - pad - baseline), font, font_scale, 255, thickness + 1, cv2.LINE_AA)
-    bands[bottom:] = True
-    colour[bottom:] = OUTCOME_COLOURS[bool(success)]
-
-    alpha = coverage[bands, :, None].astype(np.float32) / 255
-    backed = frames[:, bands].astype(np.float32) * 0.25  # the dark backing of both bands
-    frames[:, bands] = (backed * (1 - alpha) + colour[bands] * alpha).round().astype(np.uint8)
-    return frames
-
-
-def _wrap(text: str, fits, max_lines: int) -> list[str]:
-    """Greedy word wrap of ``text`` into at most ``max_lines`` lines that ``fits``; a line
-    that does not fit (the words left over, a word too long) is cut and ends in "..." (the
-    video fonts are ASCII only)."""
-    lines: list[str] = []
-    words = text.split()
-    while words and len(lines) < max_lines:
-        line = words.pop(0)
-        while words and fits(f"{line} {words[0]}"):
-            line = f"{line} {words.pop(0)}"
-        lines.append(line)
-    if words:  # what is left goes on the last line, to be cut
-        lines[-1] = f"{lines[-1]} {' '.join(words)}"
-    return [line if fits(line) else _cut(line, fits) for line in lines]
-
-
-def _cut(line: str, fits) -> str:
-    while line and not fits(line + "..."):
-        line = line[:-1]
-    return line.rstrip() + "..."
 
 
 def _task_env_config(env_section: dict, task, field: str):

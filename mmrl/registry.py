@@ -1,15 +1,21 @@
 """Registries: plain dicts filled by decorators at import time, plus third-party plugins.
 
-Built-in components register when their package is imported; every lookup first imports
-the registry's built-in modules and the ``importlib.metadata`` entry points of its group,
-so a YAML run never depends on someone having imported the right module.
+Built-in components register when their module is imported; every lookup first imports
+every module of the registry's built-in packages (walked, so a new folder needs no import
+line anywhere) and the ``importlib.metadata`` entry points of its group, so a YAML run never
+depends on someone having imported the right module.
+
+What a kind of component is to the rest of mmrl is declared here or where each component
+registers: a registry names the config section it fills (``section``), and an entry may
+carry traits the core reads (an advantage's ``min_group_size``).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
-from dataclasses import dataclass
+import pkgutil
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from mmrl.errors import ConfigError
@@ -21,22 +27,31 @@ class Entry:
     obj: Any
     config: type | None = None
     doc: str = ""
+    traits: dict[str, Any] = field(default_factory=dict)
 
 
 class Registry:
-    def __init__(self, kind: str, builtin_modules: tuple[str, ...] = (), entry_point_group: str | None = None):
+    """One kind of component. ``builtin_packages`` are imported with every module below them;
+    ``section`` is the config section whose ``type:`` picks an entry (None: not a section)."""
+
+    def __init__(self, kind: str, builtin_packages: tuple[str, ...] = (), entry_point_group: str | None = None, section: str | None = None):
         self.kind = kind
+        self.section = section
         self._entries: dict[str, Entry] = {}
-        self._builtin_modules = builtin_modules
+        self._builtin_packages = builtin_packages
         self._entry_point_group = entry_point_group
         self._loaded = False
+        if section is not None:
+            SECTIONS[section] = self
 
-    def register(self, name: str, config: type | None = None) -> Callable:
+    def register(self, name: str, config: type | None = None, **traits: Any) -> Callable:
+        """Decorator: register ``obj`` as ``name`` with its config dataclass and ``traits``."""
+
         def decorator(obj):
             if name in self._entries and self._entries[name].obj is not obj:
                 raise ValueError(f"{self.kind} {name!r} is registered twice")
             doc = (obj.__doc__ or "").strip().splitlines()
-            self._entries[name] = Entry(name, obj, config, doc[0] if doc else "")
+            self._entries[name] = Entry(name, obj, config, doc[0] if doc else "", dict(traits))
             return obj
 
         return decorator
@@ -45,8 +60,8 @@ class Registry:
         if self._loaded:
             return
         self._loaded = True
-        for module in self._builtin_modules:
-            importlib.import_module(module)
+        for name in self._builtin_packages:
+            import_all(name)
         if self._entry_point_group:
             for ep in importlib.metadata.entry_points(group=self._entry_point_group):
                 ep.load()  # the plugin module registers itself on import
@@ -73,14 +88,29 @@ class Registry:
         return name in self._entries
 
 
-ENVS = Registry("envs", ("mmrl.envs",), "mmrl.envs")
-POLICIES = Registry("policies", ("mmrl.policies",), "mmrl.policies")
-REWARDS = Registry("rewards", ("mmrl.rewards",), "mmrl.rewards")
-SAMPLERS = Registry("samplers", ("mmrl.samplers",), "mmrl.samplers")
-DATA_SOURCES = Registry("data sources", ("mmrl.train.sft",))
+def import_all(package: str) -> None:
+    """Import ``package`` and every module below it (each registers what it defines)."""
+    module = importlib.import_module(package)
+    for info in pkgutil.walk_packages(getattr(module, "__path__", []), prefix=package + "."):
+        if info.name.rpartition(".")[2] != "__main__":
+            importlib.import_module(info.name)
 
-ADVANTAGES = Registry("advantages", ("mmrl.algo.advantage",))
-OBJECTIVES = Registry("objectives", ("mmrl.algo.objective",))
-AGGREGATIONS = Registry("aggregations", ("mmrl.algo.aggregation",))
+
+def for_section(section: str) -> Registry | None:
+    """The registry whose entries a config section's ``type:`` picks (``policy``, ``rewards``, ...)."""
+    return SECTIONS.get(section)
+
+
+SECTIONS: dict[str, Registry] = {}
+
+ENVS = Registry("envs", ("mmrl.envs",), "mmrl.envs", section="env")
+POLICIES = Registry("policies", ("mmrl.policies",), "mmrl.policies", section="policy")
+REWARDS = Registry("rewards", ("mmrl.rewards", "mmrl.tasks"), "mmrl.rewards", section="rewards")
+SAMPLERS = Registry("samplers", ("mmrl.samplers",), "mmrl.samplers", section="sampler")
+DATA_SOURCES = Registry("data sources", ("mmrl.data", "mmrl.tasks"), section="data")
+
+ADVANTAGES = Registry("advantages", ("mmrl.algo.advantage",), section="advantage")
+OBJECTIVES = Registry("objectives", ("mmrl.algo.objective",), section="objective")
+AGGREGATIONS = Registry("aggregations", ("mmrl.algo.aggregation",), section="aggregation")
 KL_ESTIMATORS = Registry("kl estimators", ("mmrl.algo.kl",))
-FILTERS = Registry("filters", ("mmrl.algo.filters",))
+FILTERS = Registry("filters", ("mmrl.algo.filters",), section="filters")

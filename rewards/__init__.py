@@ -1,14 +1,6 @@
-"""Reward functions ``(rollout, cfg) -> Tensor[B]``, registered by name.
+"""Reward functions ``(rollout, cfg) -> Tensor[B]`` and reward models, registered by name.
 
-Importing this package registers every built-in reward; a new module is one import line
-below.
+Each module registers its rewards (``@REWARDS.register``); the registry imports every module
+of this package (and of :mod:`mmrl.tasks`, whose demo worlds keep their own rewards) on
+first lookup, so a new reward is its module alone.
 """
-
-from mmrl.rewards import consistency  # noqa: F401  (registration)
-from mmrl.rewards import env  # noqa: F401  (registration)
-from mmrl.rewards import images  # noqa: F401  (registration)
-from mmrl.rewards import pairwise  # noqa: F401  (registration)
-from mmrl.rewards import shapes  # noqa: F401  (registration)
-from mmrl.rewards import text  # noqa: F401  (registration)
-from mmrl.rewards import toy  # noqa: F401  (registration)
-from mmrl.rewards import video  # noqa: F401  (registration)

@@ -4,7 +4,7 @@ reference (``grpo_care``).
 
 ``paraphrase_consistency`` (after PS-GRPO's use of similarity across paraphrased queries):
 prompt records that are paraphrases of one question share a metadata value (``key``, e.g.
-``question_id``, which :mod:`mmrl.data.arithmetic` writes). For sample i, its *peers* are the
+``question_id``, which :mod:`mmrl.tasks.arithmetic.world` writes). For sample i, its *peers* are the
 samples of the batch drawn from the *other* paraphrases of its question (not its own group:
 those answered the same wording). Its reward is the fraction of peers whose extracted answer
 equals its own:
@@ -30,13 +30,13 @@ import torch
 from torch import Tensor
 
 from mmrl.config import option
-from mmrl.core.config import RewardConfig
+from mmrl.core.component_config import RewardConfig
 from mmrl.core.reward import Reward, RewardContext
 from mmrl.core.rollout import Rollout
 from mmrl.errors import ConfigError
 from mmrl.registry import REWARDS
 from mmrl.rewards.records import record_answers
-from mmrl.rewards.text import _check_tag, _completions, tagged_answer
+from mmrl.rewards.text import _check_tag, decoded_completions, tagged_answer
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
@@ -65,7 +65,7 @@ def _answer(text: str, tag: str | None) -> str | None:
 @REWARDS.register("paraphrase_consistency", config=ParaphraseConsistencyConfig)
 def paraphrase_consistency(rollout: Rollout, cfg: ParaphraseConsistencyConfig) -> Tensor:
     """Fraction of the other paraphrases' samples whose answer equals this sample's (PS-GRPO style)."""
-    completions = _completions(rollout, "paraphrase_consistency")
+    completions = decoded_completions(rollout, "paraphrase_consistency")
     if "metadata" not in rollout.info or "record_id" not in rollout.info:
         raise ConfigError("rewards", "paraphrase_consistency", "reads prompt-record metadata; use it with sampler.type: prompt")
     answers = [_answer(c, cfg.answer_tag) for c in completions]
@@ -141,7 +141,7 @@ class GrpoCare(Reward):
             raise ConfigError("rewards", "grpo_care", "needs the policy (the trainer passes it to components with needs_policy)")
         self._update_reference(policy)
         self.calls += 1
-        completions = _completions(rollout, "grpo_care")
+        completions = decoded_completions(rollout, "grpo_care")
         answers = record_answers(rollout, "grpo_care", str, "text")
         prompts = [str(p) for p in rollout.info["prompt"]]
         norm = (lambda t: " ".join(t.split()).casefold()) if cfg.ignore_case else (lambda t: " ".join(t.split()))

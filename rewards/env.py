@@ -11,7 +11,7 @@ from mmrl.config import option
 from mmrl.core.rollout import Rollout
 from mmrl.errors import ConfigError
 from mmrl.registry import REWARDS
-from mmrl.core.config import RewardConfig
+from mmrl.core.component_config import RewardConfig
 
 
 def _episode_stat(rollout: Rollout, key: str, reward: str) -> Tensor:

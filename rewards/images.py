@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from mmrl.config import option
-from mmrl.core.config import RewardConfig
+from mmrl.core.component_config import RewardConfig
 from mmrl.core.rollout import Rollout
 from mmrl.errors import ConfigError, MissingExtraError
 from mmrl.registry import REWARDS

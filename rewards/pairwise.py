@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from mmrl.config import option
-from mmrl.core.config import RewardConfig
+from mmrl.core.component_config import RewardConfig
 from mmrl.core.reward import Reward, RewardContext
 from mmrl.core.rollout import Rollout
 from mmrl.errors import ConfigError

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from mmrl.config import option
-from mmrl.core.config import RewardConfig
+from mmrl.core.component_config import RewardConfig
 from mmrl.core.rollout import Rollout
 from mmrl.errors import ConfigError, MissingExtraError
 from mmrl.registry import REWARDS
@@ -32,7 +32,8 @@ from mmrl.rewards.records import record_answers
 _TAG_NAME = re.compile(r"[A-Za-z_][\w.-]*")
 
 
-def _completions(rollout: Rollout, reward: str) -> list[str]:
+def decoded_completions(rollout: Rollout, reward: str) -> list[str]:
+    """The decoded completions of a text policy's rollout; a one-line error for any other."""
     if "completions" not in rollout.info:
         raise ConfigError("rewards", reward, f"reads the decoded completions info['completions'] (use it with policy.type: text_lm); the rollout info has {sorted(rollout.info)}")
     return list(rollout.info["completions"])
@@ -87,7 +88,7 @@ def math_answer(rollout: Rollout, cfg: MathAnswerConfig) -> Tensor:
     mv = _math_verify()
     forms = {"latex": mv.LatexExtractionConfig(), "expr": mv.ExprExtractionConfig()}
     extraction = [forms[name] for name in cfg.extraction]
-    completions = _completions(rollout, "math_answer")
+    completions = decoded_completions(rollout, "math_answer")
     golds: dict[str, list] = {}
 
     def gold_of(answer) -> list:
@@ -134,7 +135,7 @@ def exact_match(rollout: Rollout, cfg: ExactMatchConfig) -> Tensor:
 
     r_i = [norm(answer text of completion_i) = norm(answer_i)], norm = strip and collapse
     whitespace (and case-fold with ``ignore_case``)."""
-    completions = _completions(rollout, "exact_match")
+    completions = decoded_completions(rollout, "exact_match")
     answers = record_answers(rollout, "exact_match", str, "text")
     rewards = []
     for completion, answer in zip(completions, answers):
@@ -166,26 +167,7 @@ def format_reward(rollout: Rollout, cfg: FormatConfig) -> Tensor:
     blocks = r"\s*".join(rf"<{re.escape(t)}>.*?</{re.escape(t)}>" for t in cfg.tags)
     pattern = re.compile(rf"\s*{blocks}\s*", flags=re.DOTALL)
     rewards = []
-    for completion in _completions(rollout, "format"):
+    for completion in decoded_completions(rollout, "format"):
         once = all(completion.count(f"<{t}>") == 1 and completion.count(f"</{t}>") == 1 for t in cfg.tags)
         rewards.append(float(once and pattern.fullmatch(completion) is not None))
     return torch.tensor(rewards, dtype=torch.float32)
-
-
-@dataclass
-class ArithmeticConsistencyConfig(RewardConfig):
-    """1 when a column-by-column addition completion states the answer its reasoning computes."""
-
-    type: str = option("arithmetic_consistency", "registered name of this component (see `mmrl list`)")
-
-
-@REWARDS.register("arithmetic_consistency", config=ArithmeticConsistencyConfig)
-def arithmetic_consistency(rollout: Rollout, cfg: ArithmeticConsistencyConfig) -> Tensor:
-    """Reasoning → answer consistency of the addition format of :mod:`mmrl.data.arithmetic`:
-    1 if the ``<answer>`` equals the number the ``<think>`` steps compute (right or wrong),
-    else 0 — whether the answer *follows from* the reasoning, not whether it is correct.
-    With ``weight: 0`` it only reports the consistency rate (``reward/arithmetic_consistency``
-    in training and evaluation metrics)."""
-    from mmrl.data.arithmetic import is_consistent
-
-    return torch.tensor([float(is_consistent(c)) for c in _completions(rollout, "arithmetic_consistency")], dtype=torch.float32)

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from mmrl.config import option
-from mmrl.core.config import RewardConfig
+from mmrl.core.component_config import RewardConfig
 from mmrl.core.rollout import Rollout
 from mmrl.errors import ConfigError
 from mmrl.registry import REWARDS

@@ -109,7 +109,7 @@ def point_reach_success_before_after(run_dir, policy: dict, total_steps: int, op
     epochs, no KL): the end-to-end check that a policy family learns under RL. ``seed`` is
     the run's (initial weights, training and evaluation episodes)."""
     from mmrl.config import from_dict
-    from mmrl.train.config import TrainConfig
+    from mmrl.train.run_config import TrainConfig
     from mmrl.train.trainer import Trainer
 
     cfg = point_reach_config(

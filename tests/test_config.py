@@ -4,7 +4,7 @@ import pytest
 
 from mmrl.config import apply_overrides, describe, from_dict, load_config, option, to_dict
 from mmrl.errors import ConfigError
-from mmrl.train.config import AlgoConfig, TrainConfig
+from mmrl.train.run_config import AlgoConfig, TrainConfig
 from tests.conftest import ROOT, point_reach_config
 
 

@@ -14,7 +14,7 @@ from mmrl.errors import ConfigError
 from mmrl.policies.gaussian_mlp import GaussianMLPConfig
 from mmrl.registry import ENVS
 from mmrl.samplers.env import EnvSampler, EnvSamplerConfig
-from mmrl.train.config import AlgoConfig, TrainConfig
+from mmrl.train.run_config import AlgoConfig, TrainConfig
 
 
 class ReachedInfo(gymnasium.Env):

@@ -13,11 +13,12 @@ from mmrl.config import option
 from mmrl.core.policy import PolicyModule, Sample
 from mmrl.envs.gym import GymEnvConfig
 from mmrl.core.statistics import wilson_interval
-from mmrl.evaluate import OUTCOME_COLOURS, _wrap, annotate_episode, evaluate_suite
+from mmrl.evaluate import evaluate_suite
+from mmrl.media import OUTCOME_COLOURS, _wrap, annotate_episode
 from mmrl.registry import POLICIES
 from mmrl.samplers.env import EnvSampler, EnvSamplerConfig
 from mmrl.train.checkpoint import Checkpointer
-from mmrl.train.config import AlgoConfig, PolicyConfig, TrainConfig
+from mmrl.train.run_config import AlgoConfig, PolicyConfig, TrainConfig
 from mmrl.train.metrics import read_metrics
 
 

@@ -12,13 +12,22 @@ import zipfile
 from tests.conftest import ROOT
 
 _CHECK = (
-    "import mmrl, mmrl.envs, mmrl.policies, mmrl.rewards, mmrl.algo;"
-    "from mmrl.registry import POLICIES, ENVS;"
+    "import json, mmrl, mmrl.envs, mmrl.policies, mmrl.rewards, mmrl.algo;"
     "from mmrl.config import list_presets;"
-    "assert 'gaussian_mlp' in POLICIES.names() and 'gym' in ENVS.names();"
     "assert 'grpo' in list_presets(), list_presets();"
-    "print(mmrl.__file__)"
+    "print(mmrl.__file__);"
+    "print(json.dumps(__import__('tests_registered').registered()))"
 )
+
+# what every registry holds, and the file each component comes from
+_REGISTERED = """
+import sys
+from mmrl import registry
+
+def registered():
+    kinds = {name: value for name, value in vars(registry).items() if isinstance(value, registry.Registry)}
+    return {kind: {e.name: sys.modules[e.obj.__module__].__file__ for e in reg.entries()} for kind, reg in sorted(kinds.items())}
+"""
 
 
 def _source_packages() -> set[str]:
@@ -30,7 +39,19 @@ def _source_packages() -> set[str]:
     return names
 
 
+def _registered(py, cwd, env, helper_dir) -> tuple[str, dict]:
+    import json
+
+    proc = subprocess.run([py, "-c", _CHECK], cwd=cwd, capture_output=True, text=True, env={**env, "PYTHONPATH": str(helper_dir)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    location, components = proc.stdout.strip().splitlines()[-2:]
+    return location, json.loads(components)
+
+
 def test_built_wheel_imports_in_a_fresh_venv(tmp_path):
+    """Packaging finds every package folder by itself: the wheel holds every package of the
+    source tree, and every registered component (policies, envs, rewards, samplers, data
+    sources, the algorithm's axes) imports from the wheel, none from the source tree."""
     src = tmp_path / "src"  # a clean copy: no stale build/ directory leaks into the wheel
     shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".venv", ".git", "build", "runs", "*.egg-info", "__pycache__"))
     dist = tmp_path / "dist"
@@ -50,18 +71,25 @@ def test_built_wheel_imports_in_a_fresh_venv(tmp_path):
     (open(os.path.join(site, "deps.pth"), "w")).write(sysconfig.get_paths()["purelib"] + "\n")
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", site, wheel], check=True, capture_output=True, timeout=300)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    elsewhere = subprocess.run([py, "-c", _CHECK], cwd=tmp_path, capture_output=True, text=True, env=env)
-    assert elsewhere.returncode == 0, elsewhere.stderr[-2000:]
-    assert elsewhere.stdout.strip().startswith(site)
-    at_root = subprocess.run([py, "-c", _CHECK], cwd=ROOT, capture_output=True, text=True, env=env)
-    assert at_root.returncode == 0, at_root.stderr[-2000:]
+    helper_dir = tmp_path / "helper"
+    helper_dir.mkdir()
+    (helper_dir / "tests_registered.py").write_text(_REGISTERED)
+    location, from_wheel = _registered(py, tmp_path, env, helper_dir)
+    assert location.startswith(site)
+    _, from_source = _registered(sys.executable, tmp_path, env, helper_dir)
+    assert {k: sorted(v) for k, v in from_wheel.items()} == {k: sorted(v) for k, v in from_source.items()}  # nothing left out
+    assert sum(len(v) for v in from_wheel.values()) > 50 and "tasks" in from_wheel["REWARDS"]["shapes_geneval"]
+    files = [f for components in from_wheel.values() for f in components.values()]
+    assert all(f.startswith(site) for f in files), [f for f in files if not f.startswith(site)][:5]
+    _registered(py, ROOT, env, helper_dir)  # at the repository root (the source tree first on sys.path) too
     cli = subprocess.run([py, "-m", "mmrl", "list", "presets"], cwd=tmp_path, capture_output=True, text=True, env=env)
     assert cli.returncode == 0 and "dapo" in cli.stdout, cli.stderr[-2000:]
 
 
 def test_editable_install_imports_from_elsewhere(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", _CHECK], cwd=tmp_path, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    (tmp_path / "tests_registered.py").write_text(_REGISTERED)
+    location, components = _registered(sys.executable, tmp_path, dict(os.environ), tmp_path)
+    assert location.startswith(str(ROOT)) and "gaussian_mlp" in components["POLICIES"]
 
 
 def test_missing_extra_names_the_extra(monkeypatch):
@@ -80,7 +108,7 @@ def test_missing_extra_names_the_extra(monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", fake_import)
     from mmrl.config import from_dict
-    from mmrl.train.config import TrainConfig
+    from mmrl.train.run_config import TrainConfig
 
     with pytest.raises(MissingExtraError, match=r"mmrl\[maniskill\]"):
         from_dict(TrainConfig, {"env": {"type": "maniskill", "id": "PushCube-v1"}, "policy": {"type": "gaussian_mlp"}, "sampler": {"type": "env"}, "rewards": [{"type": "success"}]})

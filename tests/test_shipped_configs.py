@@ -41,7 +41,7 @@ def _train(workdir, name: str, run):
     if name.startswith("reward_shapes"):  # pairs written by their documented command, smaller
         pairs = workdir / f"{name}_pairs"
         if not pairs.exists():
-            from mmrl.data.preferences import write_shapes_pairs
+            from mmrl.tasks.shapes.pairs import write_shapes_pairs
 
             import yaml
 

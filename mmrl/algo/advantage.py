@@ -109,7 +109,7 @@ def _keep_all(rewards: Tensor) -> Tensor:
     return torch.ones_like(rewards, dtype=torch.bool)
 
 
-@ADVANTAGES.register("grpo", config=GroupNormConfig)
+@ADVANTAGES.register("grpo", config=GroupNormConfig, min_group_size=2)
 def grpo(rewards: Tensor, group_id: Tensor, *, eps: float = 1e-6, std: str = "group", ddof: int = 0):
     """GRPO: A_i = (r_i − mean_g r) / (std r + ε)  (Shao et al. 2024, DeepSeekMath).
 
@@ -130,7 +130,7 @@ def grpo(rewards: Tensor, group_id: Tensor, *, eps: float = 1e-6, std: str = "gr
     return _normalize(centered, rewards, index, counts, std, ddof, eps), _keep_all(rewards)
 
 
-@ADVANTAGES.register("rloo", config=RlooConfig)
+@ADVANTAGES.register("rloo", config=RlooConfig, min_group_size=2)
 def rloo(rewards: Tensor, group_id: Tensor, *, eps: float = 1e-6):
     """RLOO: A_i = G/(G−1)·(r_i − mean_g r) = r_i − mean of the other G−1 rewards
     (Kool et al. 2019 "Buy 4 REINFORCE Samples"; Ahmadian et al. 2024 "Back to Basics").
@@ -142,7 +142,7 @@ def rloo(rewards: Tensor, group_id: Tensor, *, eps: float = 1e-6):
     return scale[index] * (rewards - _group_mean(rewards, index, counts)), _keep_all(rewards)
 
 
-@ADVANTAGES.register("median", config=GroupNormConfig)
+@ADVANTAGES.register("median", config=GroupNormConfig, min_group_size=2)
 def median(rewards: Tensor, group_id: Tensor, *, eps: float = 1e-6, std: str = "group", ddof: int = 0):
     """MC-GRPO (Kim 2026, arXiv:2601.22582): A_i = (r_i − median_g r) / (std r + ε); the
     median sample gets no gradient.

@@ -64,8 +64,8 @@ class PolicyModule(nn.Module):
         """The decisions of a replay ([N, T, ...] tensors) as a ``sft_loss`` batch of N·T
         samples: their observations and the action chunks that were executed (env units),
         so that the policy's own behaviour can be imitated with its supervised loss
-        (``algo.replay_loss: sft``). Only reshapes and decodes: it touches no parameter."""
-        raise NotImplementedError(f"{type(self).__name__} cannot turn its replay into a sft_loss batch (algo.replay_loss: sft)")
+        (``algo.self_imitation.loss: sft``). Only reshapes and decodes: it touches no parameter."""
+        raise NotImplementedError(f"{type(self).__name__} cannot turn its replay into a sft_loss batch (algo.self_imitation.loss: sft)")
 
     def exact_kl(self, replay: dict[str, Any], reference: "PolicyModule") -> Tensor:
         """KL(πθ ‖ πref) [B, T] of each replayed decision in closed form (``kl.type: exact``),

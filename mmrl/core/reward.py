@@ -1,7 +1,7 @@
 """Reward components: built once per run, called on a whole rollout batch.
 
 A reward is registered in :data:`mmrl.registry.REWARDS` with a typed config (a subclass of
-:class:`~mmrl.core.config.RewardConfig`). It is either
+:class:`~mmrl.core.component_config.RewardConfig`). It is either
 
 - a :class:`Reward` subclass: constructed once per run with its config and a
   :class:`RewardContext` (device, run directory, seed), so it can load a model from a local
@@ -25,7 +25,7 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch import Tensor
 
-from mmrl.core.config import RewardConfig
+from mmrl.core.component_config import RewardConfig
 from mmrl.core.rollout import Rollout
 
 

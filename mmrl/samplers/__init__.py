@@ -1,3 +1,2 @@
-"""Samplers: ``env`` (gymnasium vector envs) and ``prompt`` (prompts / conditions)."""
-
-from mmrl.samplers import env, prompt  # noqa: F401  (registration)
+"""Samplers: ``env`` (gymnasium vector envs) and ``prompt`` (prompts / conditions); each
+module registers itself and the registry imports them all on first lookup."""

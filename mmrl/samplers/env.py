@@ -44,7 +44,7 @@ from mmrl.core.sampler import Sampler, group_seed
 from mmrl.core.statistics import wilson_interval
 from mmrl.errors import ConfigError
 from mmrl.registry import ENVS, SAMPLERS
-from mmrl.core.config import SamplerConfig
+from mmrl.core.component_config import SamplerConfig
 
 # Training resets use seeds below 2**31; evaluation uses seeds in [2**31, 2**32) so that
 # evaluation episodes never repeat training episodes (2**32 is the largest seed numpy's

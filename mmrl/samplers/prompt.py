@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from mmrl.config import option
-from mmrl.core.config import SamplerConfig
+from mmrl.core.component_config import SamplerConfig
 from mmrl.core.policy import Policy, Sample
 from mmrl.core.reward import RewardSet
 from mmrl.core.rollout import Rollout

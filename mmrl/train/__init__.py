@@ -1,7 +1,7 @@
-"""The training loop. ``mmrl.train.config`` is light; the trainer (accelerate, tensorboard)
+"""The training loop. ``mmrl.train.run_config`` is light; the trainer (accelerate, tensorboard)
 loads on first use so that env worker processes importing configs stay fast."""
 
-from mmrl.train.config import TrainConfig
+from mmrl.train.run_config import TrainConfig
 
 
 def __getattr__(name):

@@ -50,12 +50,12 @@ from mmrl.errors import ConfigError, NonFiniteError
 from mmrl.media import write_media
 from mmrl.train import self_imitation as sil
 from mmrl.train.checkpoint import Checkpointer, rng_state, set_rng_state
-from mmrl.train.config import TrainConfig
+from mmrl.train.run_config import TrainConfig
 from mmrl.train.distributed import Collectives, local_rows
 from mmrl.train.metrics import MetricsWriter
 
 _UPDATE_STREAM = 1 << 40  # group index reserved for the minibatch-order seed of a step
-_REPLAY_STREAM = 1 << 41  # ... and for the draws from the self-imitation memory
+_SELF_IMITATION_STREAM = 1 << 41  # ... and for the draws from the self-imitation memory
 
 
 @dataclass
@@ -270,8 +270,8 @@ class Trainer:
         stats = self.update(rollout, adv, collected.spare, step) if self.dist.sum(rollout.mask.sum()) > 0 else {}
         rollout = rollout.with_(sampling_graph_logp=None)  # nothing after the update may hold the graph
         if self.memory is not None:
-            stats["replay/added"] = float(self.memory.add(rollout, adv, step))
-            stats["replay/size"] = float(len(self.memory))
+            stats["self_imitation/added"] = float(self.memory.add(rollout, adv, step))
+            stats["self_imitation/size"] = float(len(self.memory))
             if len(self.memory):
                 stats.update(self.self_imitation(step, collected.spare))
         return self._rl_metrics(collected, rollout, adv, stats, t_sample, time.time() - t0)
@@ -620,7 +620,7 @@ class Trainer:
         cfg = self.cfg.algo
         si = cfg.self_imitation
         device = self.accelerator.device
-        gen = torch.Generator().manual_seed(group_seed(self.cfg.seed, step, _REPLAY_STREAM))  # the same draws in every process
+        gen = torch.Generator().manual_seed(group_seed(self.cfg.seed, step, _SELF_IMITATION_STREAM))  # the same draws in every process
         losses = []
         for _ in range(si.steps):
             batch, adv = self.memory.sample(si.batch, gen)
@@ -644,7 +644,7 @@ class Trainer:
 
             self.optimizer_step(pieces, loss_of, "self-imitation loss", step)
             losses.append(float(self.dist.sum(sum(total)) / self.world))
-        return {"loss/replay": sum(losses) / len(losses)}
+        return {"loss/self_imitation": sum(losses) / len(losses)}
 
     # ------------------------------------------------------------------ supervised fine-tuning
 
@@ -703,7 +703,7 @@ class Trainer:
         if self.rank == 0:
             state = {"sampler": self.sampler.state_dict(), "rewards": self.rewards.state_dict()}
             if keep_memory:
-                state["replay_memory"] = memory
+                state["self_imitation_memory"] = memory
             self.checkpointer.save(step, self.policy, _inner(self.optimizer), state, self.config_text)
         self.accelerator.wait_for_everyone()
 
@@ -712,7 +712,8 @@ class Trainer:
         self.sampler.load_state_dict(state.get("sampler", {}))
         self.rewards.load_state_dict(state.get("rewards", {}))
         if self.memory is not None:
-            self.memory.load_state_dict(state.get("replay_memory", {}))
+            # "replay_memory": the key of checkpoints written before the memory had its own name
+            self.memory.load_state_dict(state.get("self_imitation_memory", state.get("replay_memory", {})))
         set_rng_state(state["rng"])
         self.start_step = int(state["step"])
 

@@ -9,7 +9,7 @@ from mmrl.config import option
 from mmrl.denoising.options import DenoisingOptions
 from mmrl.denoising.transitions import DIFFUSION_TRANSITIONS
 from mmrl.errors import ConfigError
-from mmrl.core.config import PolicyConfig
+from mmrl.core.component_config import PolicyConfig
 
 
 @dataclass

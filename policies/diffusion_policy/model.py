@@ -37,15 +37,13 @@ batched pass (or ``chunk_steps`` at a time).
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor, nn
 
-from mmrl.core.policy import Sample
-from mmrl.denoising import DenoisingPolicy, alphas_cumprod, ddpm_betas, sinusoidal_embedding
+from mmrl.denoising import alphas_cumprod, ddpm_betas, sinusoidal_embedding
 from mmrl.errors import ConfigError
 from mmrl.policies.diffusion_policy.config import DiffusionPolicyConfig
+from mmrl.policies.vla.action_chunk import ActionChunkPolicy
 from mmrl.registry import POLICIES
 
 
@@ -150,24 +148,15 @@ class NoisePredictor(nn.Module):
 
 
 @POLICIES.register("diffusion_policy", config=DiffusionPolicyConfig)
-class DiffusionPolicy(DenoisingPolicy):
+class DiffusionPolicy(ActionChunkPolicy):
     """DDPM/DDIM action-chunk denoiser on images + state; its last K' denoising steps are the decisions (DPPO)."""
 
+    obs_keys = ("image", "state")
+
     def __init__(self, config: DiffusionPolicyConfig, spec: dict):
-        super().__init__()
-        config.validate("policy")
-        self.config, self.spec = config, dict(spec)
-        self.action_dim = int(spec["action_dim"])
-        self.chunk = config.action_chunk
+        super().__init__(config, spec)
         self.encoder = ObservationEncoder(spec, config.vision_channels, config.hidden_size, config.image_pooling, config.image_grid, config.keypoints)
         self.denoiser = NoisePredictor(self.chunk * self.action_dim, config.hidden_size, config.num_layers)
-
-        low = torch.as_tensor(spec.get("action_low", [-math.inf] * self.action_dim), dtype=torch.float32)
-        high = torch.as_tensor(spec.get("action_high", [math.inf] * self.action_dim), dtype=torch.float32)
-        finite = torch.isfinite(low) & torch.isfinite(high)
-        # Derived from the spec and config, not learned: kept out of the saved weights.
-        self.register_buffer("action_center", torch.where(finite, (low + high) / 2, 0.0), persistent=False)
-        self.register_buffer("action_half_range", torch.where(finite, (high - low) / 2, 1.0), persistent=False)
         schedule = alphas_cumprod(ddpm_betas(config.denoising.num_train_timesteps, config.denoising.beta_schedule, config.denoising.beta_start, config.denoising.beta_end))
         self.register_buffer("alphas_cumprod", schedule, persistent=False)  # float64, for sft_loss
 
@@ -186,6 +175,10 @@ class DiffusionPolicy(DenoisingPolicy):
             obs["state"] = inputs["state"].to(device, torch.float32)
         return obs
 
+    def conditioning(self, obs: dict[str, Tensor]) -> Tensor:
+        """The observations' encoding [N, hidden] that conditions the denoiser."""
+        return self.encoder(obs.get("image"), obs.get("state"))
+
     def _denoiser(self, cond: Tensor):
         scale = 1.0 / self.denoising.num_train_timesteps
 
@@ -194,62 +187,14 @@ class DiffusionPolicy(DenoisingPolicy):
 
         return denoise
 
-    def chain_denoiser(self, replay: dict):
-        """The denoiser conditioned on the replayed observations, one per chunk (call)."""
-        obs = {key: replay[key].flatten(0, 1) for key in ("image", "state") if key in replay}
-        return self._denoiser(self.encoder(obs.get("image"), obs.get("state")))
-
-    def normalize_actions(self, actions: Tensor) -> Tensor:
-        """Env-unit actions [..., A] → normalized actions (not clipped)."""
-        return (actions.to(self.action_center.device, torch.float32) - self.action_center) / self.action_half_range
-
-    # ------------------------------------------------------------------ protocol
-
-    @torch.no_grad()
-    def sample(self, inputs, generator: torch.Generator | None = None, deterministic: bool = False) -> Sample:
-        """Actions [N, C, A] (env units); logp / entropy per decision of the chunk's chain
-        ([N, K'] for the last K' steps with ``logp_granularity: step``, [N, 1] for ``chain``)."""
-        obs = self.observation(inputs)
-        cond = self.encoder(obs.get("image"), obs.get("state"))
-        shape = (cond.shape[0], self.chunk, self.action_dim)
-        x_init = torch.zeros(shape, device=cond.device) if deterministic else torch.randn(shape, generator=generator).to(cond.device)
-        out = self.sample_chain(self._denoiser(cond), x_init, generator, deterministic)
-        replay = {key: value.unsqueeze(1) for key, value in obs.items()}
-        replay["chain"] = {key: value.unsqueeze(1) for key, value in out.chain.items()}
-        return Sample(
-            output=self.action_center + self.action_half_range * out.final.clamp(-1.0, 1.0),
-            logp=out.logp,
-            replay=replay,
-            mask=out.mask,
-            entropy=out.entropy,
-        )
-
-    def sft_loss(self, batch: dict) -> Tensor:
-        """DDPM noise-prediction loss on expert chunks ``batch["actions"]`` [B, C, A] (env
-        units; normalized and clipped to [−1, 1]), averaged over the valid actions of
-        ``batch["action_mask"]`` [B, C] (all valid if absent). Timesteps and noise come
-        from torch's global generator."""
-        obs = self.observation(batch)
-        cond = self.encoder(obs.get("image"), obs.get("state"))
-        x0 = self.normalize_actions(batch["actions"]).clamp(-1.0, 1.0)
-        if tuple(x0.shape[1:]) != (self.chunk, self.action_dim):
-            raise ValueError(f"expected actions [B, {self.chunk}, {self.action_dim}], got {list(x0.shape)}")
+    def sft_errors(self, cond: Tensor, x0: Tensor) -> Tensor:
+        """DDPM's noise-prediction error ‖ε̂θ(x_t, t, c) − ε‖² [B, C] of expert chunks x0
+        [B, C, A] (normalized), x_t = sqrt(ᾱ_t)·x0 + sqrt(1 − ᾱ_t)·ε. Timesteps and noise
+        come from torch's global generator."""
         b = x0.shape[0]
-        mask = batch.get("action_mask")
-        mask = torch.ones(b, self.chunk, device=x0.device) if mask is None else mask.to(x0.device, torch.float32)
         num_train_timesteps = self.denoising.num_train_timesteps
         t = torch.randint(0, num_train_timesteps, (b,), device=x0.device)
         eps = torch.randn_like(x0)
         alpha_bar = self.alphas_cumprod[t].float().view(b, 1, 1)
         x_t = alpha_bar.sqrt() * x0 + (1 - alpha_bar).sqrt() * eps
-        error = (self.denoiser(x_t, t.float() / num_train_timesteps, cond) - eps).square().mean(-1)
-        return (error * mask).sum() / mask.sum().clamp(min=1.0)
-
-    def imitation_batch(self, replay: dict) -> dict:
-        """The N·T replayed decisions as a ``sft_loss`` batch: each one's observation and the
-        chunk its chain executed (the final latent clipped to [−1, 1], in env units)."""
-        chain = replay["chain"]
-        flat = {key: self.per_decision(replay[key], chain) for key in ("image", "state") if key in replay}
-        final = self.per_decision(chain["latents"][:, :, -1], chain).to(self.action_center.device)
-        flat["actions"] = self.action_center + self.action_half_range * final.clamp(-1.0, 1.0)
-        return flat
+        return (self.denoiser(x_t, t.float() / num_train_timesteps, cond) - eps).square().mean(-1)

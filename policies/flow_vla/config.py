@@ -10,7 +10,7 @@ from mmrl.denoising.options import DenoisingOptions
 from mmrl.denoising.transitions import FLOW_TRANSITIONS
 from mmrl.errors import ConfigError
 from mmrl.policies.vla.backbone import VLABackboneConfig
-from mmrl.core.config import PolicyConfig
+from mmrl.core.component_config import PolicyConfig
 
 
 @dataclass

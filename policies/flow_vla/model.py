@@ -52,19 +52,15 @@ Replay per call: ``image`` uint8 [N, 1, …], ``state`` [N, 1, D], ``instruction
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor, nn
 
-from mmrl.core.policy import Sample
-from mmrl.denoising import DenoisingPolicy, learned_noise_std, sinusoidal_embedding
+from mmrl.denoising import learned_noise_std, sinusoidal_embedding
 from mmrl.policies.flow_vla.config import FlowVLAConfig
+from mmrl.policies.vla.action_chunk import ActionChunkPolicy
 from mmrl.policies.vla.backbone import VLABackbone, encode_observations
 from mmrl.policies.vla.tokenizer import InstructionTokenizer
 from mmrl.registry import POLICIES
-
-_OBS_KEYS = ("image", "state", "instruction_ids", "instruction_mask")
 
 
 class ExpertBlock(nn.Module):
@@ -148,15 +144,13 @@ class ActionExpert(nn.Module):
 
 
 @POLICIES.register("flow_vla", config=FlowVLAConfig)
-class FlowVLAPolicy(DenoisingPolicy):
+class FlowVLAPolicy(ActionChunkPolicy):
     """Vision-language backbone + flow-matching action expert; RL via Flow-SDE / Flow-Noise chains (πRL)."""
 
+    obs_keys = ("image", "state", "instruction_ids", "instruction_mask")
+
     def __init__(self, config: FlowVLAConfig, spec: dict):
-        super().__init__()
-        config.validate("policy")
-        self.config, self.spec = config, dict(spec)
-        self.action_dim = int(spec["action_dim"])
-        self.chunk = config.action_chunk
+        super().__init__(config, spec)
         self.max_words = config.backbone.max_instruction_tokens
 
         self.tokenizer = InstructionTokenizer.build(list(spec.get("instructions") or []))
@@ -172,13 +166,6 @@ class FlowVLAPolicy(DenoisingPolicy):
             config.backbone.intermediate_size,
             config.denoising.noise_std_range if learned_noise else None,
         )
-
-        low = torch.as_tensor(spec.get("action_low", [-math.inf] * self.action_dim), dtype=torch.float32)
-        high = torch.as_tensor(spec.get("action_high", [math.inf] * self.action_dim), dtype=torch.float32)
-        finite = torch.isfinite(low) & torch.isfinite(high)
-        # Derived from the spec and config, not learned: kept out of the saved weights.
-        self.register_buffer("action_center", torch.where(finite, (low + high) / 2, 0.0), persistent=False)
-        self.register_buffer("action_half_range", torch.where(finite, (high - low) / 2, 1.0), persistent=False)
 
     # ------------------------------------------------------------------ pieces
 
@@ -197,6 +184,10 @@ class FlowVLAPolicy(DenoisingPolicy):
         embeds, mask = self.backbone.prefix(obs.get("image"), obs.get("state"), obs["instruction_ids"], instruction_mask)
         return self.expert.memory(self.backbone(embeds, mask), mask)
 
+    def conditioning(self, obs: dict[str, Tensor]) -> dict:
+        """The action expert is conditioned on the prefix (:meth:`prefix_memory`)."""
+        return self.prefix_memory(obs)
+
     def _denoiser(self, memory: dict):
         def denoise(x: Tensor, sigma: Tensor, rows: Tensor):
             v, std = self.expert(x, sigma, memory, rows)
@@ -204,52 +195,11 @@ class FlowVLAPolicy(DenoisingPolicy):
 
         return denoise
 
-    def chain_denoiser(self, replay: dict):
-        """The action expert conditioned on the replayed observations: one prefix pass per chunk (call)."""
-        obs = {key: replay[key].flatten(0, 1) for key in _OBS_KEYS if key in replay}
-        return self._denoiser(self.prefix_memory(obs))
-
-    def normalize_actions(self, actions: Tensor) -> Tensor:
-        """Env-unit actions [..., A] → normalized actions (not clipped)."""
-        return (actions.to(self.action_center.device, torch.float32) - self.action_center) / self.action_half_range
-
-    # ------------------------------------------------------------------ protocol
-
-    @torch.no_grad()
-    def sample(self, inputs, generator: torch.Generator | None = None, deterministic: bool = False) -> Sample:
-        """Actions [N, C, A] (env units); logp / entropy [N, 1]: the chunk's joint chain
-        log-likelihood and the summed entropy of its stochastic steps (with
-        ``logp_granularity: step``, [N, W] per stored denoising step and a mask of the
-        stochastic ones)."""
-        obs = self.observation(inputs)
-        memory = self.prefix_memory(obs)
-        device = self.action_center.device
-        shape = (memory["attend"].shape[0], self.chunk, self.action_dim)
-        x_init = torch.zeros(shape, device=device) if deterministic else torch.randn(shape, generator=generator).to(device)
-        out = self.sample_chain(self._denoiser(memory), x_init, generator, deterministic)
-        replay = {key: value.unsqueeze(1) for key, value in obs.items()}
-        replay["chain"] = {key: value.unsqueeze(1) for key, value in out.chain.items()}
-        return Sample(
-            output=self.action_center + self.action_half_range * out.final.clamp(-1.0, 1.0),
-            logp=out.logp,
-            replay=replay,
-            mask=out.mask,
-            entropy=out.entropy,
-        )
-
-    def sft_loss(self, batch: dict) -> Tensor:
-        """Flow-matching loss ‖vθ(x_σ, σ, o) − (ε − x0)‖² on expert chunks ``batch["actions"]``
-        [B, C, A] (env units; normalized and clipped to [−1, 1]), averaged over the valid
-        actions of ``batch["action_mask"]`` [B, C] (all valid if absent). σ and ε come from
-        torch's global generator."""
-        obs = self.observation(batch)
-        memory = self.prefix_memory(obs)
-        x0 = self.normalize_actions(batch["actions"]).clamp(-1.0, 1.0)
-        if tuple(x0.shape[1:]) != (self.chunk, self.action_dim):
-            raise ValueError(f"expected actions [B, {self.chunk}, {self.action_dim}], got {list(x0.shape)}")
+    def sft_errors(self, memory: dict, x0: Tensor) -> Tensor:
+        """The flow-matching error ‖vθ(x_σ, σ, o) − (ε − x0)‖² [B, C] of expert chunks x0
+        [B, C, A] (normalized), x_σ = (1 − σ)·x0 + σ·ε, σ = 0.001 + 0.999·u with u from
+        ``time_sampling``. σ and ε come from torch's global generator."""
         b = x0.shape[0]
-        action_mask = batch.get("action_mask")
-        action_mask = torch.ones(b, self.chunk, device=x0.device) if action_mask is None else action_mask.to(x0.device, torch.float32)
         u = torch.rand(b, device=x0.device)
         if self.config.time_sampling == "beta":
             u = u ** (1 / 1.5)  # inverse CDF of Beta(1.5, 1): F(u) = u^1.5
@@ -258,19 +208,7 @@ class FlowVLAPolicy(DenoisingPolicy):
         s = sigma.view(b, 1, 1)
         x_sigma = (1 - s) * x0 + s * eps
         v, _ = self.expert(x_sigma, sigma, memory)
-        error = (v - (eps - x0)).square().mean(-1)
-        return (error * action_mask).sum() / action_mask.sum().clamp(min=1.0)
-
-    def imitation_batch(self, replay: dict) -> dict:
-        """The N·T replayed decisions as a ``sft_loss`` batch: each one's observations and
-        the chunk its chain executed (the final latent clipped to [−1, 1], in env units), so
-        a chunk is imitated with the flow-matching loss rather than through its chain's
-        likelihood."""
-        chain = replay["chain"]
-        flat = {key: self.per_decision(replay[key], chain) for key in _OBS_KEYS if key in replay}
-        final = self.per_decision(chain["latents"][:, :, -1], chain).to(self.action_center.device)
-        flat["actions"] = self.action_center + self.action_half_range * final.clamp(-1.0, 1.0)
-        return flat
+        return (v - (eps - x0)).square().mean(-1)
 
     # ------------------------------------------------------------------ files
 

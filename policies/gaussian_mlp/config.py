@@ -7,7 +7,7 @@ from typing import Literal
 
 from mmrl.config import option
 from mmrl.errors import ConfigError
-from mmrl.core.config import PolicyConfig
+from mmrl.core.component_config import PolicyConfig
 
 
 @dataclass

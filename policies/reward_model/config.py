@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mmrl.config import option
-from mmrl.core.config import PolicyConfig
+from mmrl.core.component_config import PolicyConfig
 from mmrl.errors import ConfigError
 from mmrl.policies.text_lm.config import TinyLMConfig
 

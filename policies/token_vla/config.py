@@ -8,7 +8,7 @@ from typing import Literal
 from mmrl.config import option
 from mmrl.errors import ConfigError
 from mmrl.policies.vla.backbone import VLABackboneConfig
-from mmrl.core.config import PolicyConfig
+from mmrl.core.component_config import PolicyConfig
 
 
 @dataclass

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from mmrl.config import option
 from mmrl.denoising.options import DenoisingOptions
 from mmrl.errors import ConfigError
-from mmrl.core.config import PolicyConfig
+from mmrl.core.component_config import PolicyConfig
 
 
 @dataclass

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from mmrl.config import option
-from mmrl.core.config import PolicyConfig
+from mmrl.core.component_config import PolicyConfig
 from mmrl.denoising.options import DenoisingOptions
 from mmrl.denoising.transitions import DIFFUSION_TRANSITIONS
 from mmrl.errors import ConfigError

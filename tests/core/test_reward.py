@@ -8,13 +8,13 @@ import torch
 from safetensors.torch import save_file
 
 from mmrl.config import from_dict, option
-from mmrl.core.config import RewardConfig
+from mmrl.core.component_config import RewardConfig
 from mmrl.core.reward import FunctionReward, Reward, RewardContext, RewardSet, build_reward
 from mmrl.core.rollout import Rollout
 from mmrl.core.weights import resolve_weights_dir
 from mmrl.errors import NonFiniteError
 from mmrl.registry import REWARDS
-from mmrl.train.config import TrainConfig
+from mmrl.train.run_config import TrainConfig
 from mmrl.train.metrics import read_metrics
 from mmrl.train.trainer import Trainer
 

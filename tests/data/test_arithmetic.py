@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from mmrl.data.arithmetic import TEMPLATES, completion, has_carry, implied_answer, is_consistent, main, make_splits, stated_answer
+from mmrl.tasks.arithmetic.world import TEMPLATES, completion, has_carry, implied_answer, is_consistent, main, make_splits, stated_answer
 
 
 def test_completions_work_the_sum_column_by_column_and_state_it():

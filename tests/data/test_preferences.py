@@ -6,13 +6,16 @@ import json
 import numpy as np
 import pytest
 
-from mmrl.data.preferences import main, read_info, read_pairs, write_arithmetic_pairs, write_shapes_pairs
+from mmrl.data.preferences import read_info, read_pairs
+from mmrl.pairs import main
+from mmrl.tasks.arithmetic.pairs import write_arithmetic_pairs
+from mmrl.tasks.shapes.pairs import write_shapes_pairs
 from tests.conftest import ROOT
 
 
 def _partial(scene_text, image):
-    from mmrl.data.shapes import parse_prompt
-    from mmrl.rewards.shapes import check_criteria, detect_shapes
+    from mmrl.tasks.shapes.world import parse_prompt
+    from mmrl.tasks.shapes.rewards import check_criteria, detect_shapes
 
     met = check_criteria(parse_prompt(scene_text), detect_shapes(image, min_chroma=60, min_area=0.01, min_fill=0.8)).values()
     return sum(met) / len(met)
@@ -43,7 +46,7 @@ def test_image_sets_and_label_noise(tmp_path):
 
 
 def test_arithmetic_pairs_choose_the_exactly_correct_completion(tmp_path):
-    from mmrl.data.arithmetic import implied_answer, stated_answer
+    from mmrl.tasks.arithmetic.world import implied_answer, stated_answer
 
     info = write_arithmetic_pairs(tmp_path, ROOT / "examples" / "arithmetic", flip=0.1, seed=0)
     assert info["train"] == 2000 and info["held_out"] == 200
@@ -67,7 +70,7 @@ def test_the_command_writes_pairs_and_refuses_bad_input(tmp_path, capsys):
 
 def test_held_out_pairs_may_come_from_the_train_prompts_with_new_images(tmp_path):
     pytest.importorskip("cv2")
-    from mmrl.data.shapes import split_scenes
+    from mmrl.tasks.shapes.world import split_scenes
 
     write_shapes_pairs(tmp_path, num_train=4, num_held_out=6, held_out_prompts="train", render_seed=1000)
     train_prompts = {s.text() for s in split_scenes(0.2, 0)[0]}

@@ -13,7 +13,7 @@ import pytest
 
 from mmrl.config import from_dict
 from mmrl.data.prompts import PromptData, PromptDataConfig
-from mmrl.data.shapes import (
+from mmrl.tasks.shapes.world import (
     CATEGORIES,
     COLOURS,
     MISTAKES,
@@ -97,7 +97,7 @@ def test_prompt_sets_are_jsonl_records_the_prompt_sampler_reads(tmp_path):
 
 def test_the_command_line_writes_the_prompt_sets(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "mmrl.data.shapes", "--out", tmp_path / "shapes", "--num-train", "12", "--num-eval", "8"],
+        [sys.executable, "-m", "mmrl.tasks.shapes.world", "--out", tmp_path / "shapes", "--num-train", "12", "--num-eval", "8"],
         capture_output=True, text=True, cwd=ROOT, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr

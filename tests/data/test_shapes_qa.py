@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from mmrl.data.shapes import COLOURS, SHAPES, Scene, all_scenes, parse_prompt, render_scene
-from mmrl.data.shapes_qa import CATEGORIES, main, questions
+from mmrl.tasks.shapes.world import COLOURS, SHAPES, Scene, all_scenes, parse_prompt, render_scene
+from mmrl.tasks.shapes_qa.world import CATEGORIES, main, questions
 
 
 def test_questions_have_the_answers_the_scene_implies():

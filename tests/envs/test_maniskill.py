@@ -62,7 +62,7 @@ def test_maniskill_pushcube_state_collects_a_small_rollout(mani_skill):
     from mmrl.core.weights import build_policy
     from mmrl.policies.gaussian_mlp import GaussianMLPConfig
     from mmrl.samplers.env import EnvSampler, EnvSamplerConfig
-    from mmrl.train.config import AlgoConfig, TrainConfig
+    from mmrl.train.run_config import AlgoConfig, TrainConfig
 
     cfg = TrainConfig(
         env=ManiSkillEnvConfig(id="PushCube-v1", num_envs=2),
@@ -163,7 +163,7 @@ class ImageRecorder:
 
 def test_pick_cube_rgb_observations_reach_the_policy_as_image_proprio_state_and_instruction(mani_skill):
     from mmrl.samplers.env import EnvSampler, EnvSamplerConfig
-    from mmrl.train.config import AlgoConfig, PolicyConfig, TrainConfig
+    from mmrl.train.run_config import AlgoConfig, PolicyConfig, TrainConfig
 
     instruction = "pick up the cube and move it to the goal"
     cfg = TrainConfig(

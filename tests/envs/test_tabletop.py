@@ -353,7 +353,7 @@ def test_a_chunked_policy_samples_the_same_rollout_with_image_every_set_to_its_c
     from mmrl.config import from_dict
     from mmrl.core.weights import build_policy
     from mmrl.samplers.env import EnvSampler
-    from mmrl.train.config import TrainConfig
+    from mmrl.train.run_config import TrainConfig
 
     rollouts = []
     for every in (1, 3):

@@ -248,10 +248,11 @@ def test_exact_kl_is_zero_to_an_identical_reference_and_positive_after_a_perturb
     assert all(p.grad is None for p in reference.parameters())
 
 
-def test_sft_makes_deterministic_actions_follow_the_instruction():
+@pytest.mark.learning
+def test_sft_makes_deterministic_actions_follow_the_instruction(learning_seed, learned):
     """Same image and state, two instructions, two expert chunks: flow matching learns both."""
     spec = {**SPEC, "action_low": [-1.0, -1.0], "action_high": [1.0, 1.0], "state_dim": 2, "obs_dim": 2, "image_shape": [8, 8, 3]}
-    torch.manual_seed(0)
+    torch.manual_seed(learning_seed)
     policy = build_policy(config(backbone={"vision_channels": [8]}), spec)
     batch = {
         "image": torch.full((32, 8, 8, 3), 100, dtype=torch.uint8),
@@ -273,8 +274,9 @@ def test_sft_makes_deterministic_actions_follow_the_instruction():
     after = policy.sample(first_two, deterministic=True).output
     error_before = (before - batch["actions"][:2])[valid].abs().max()
     error_after = (after - batch["actions"][:2])[valid].abs().max()
-    assert error_after < 0.2 and error_before > 0.4, (error_before, error_after)
-    assert (after[0] - after[1])[:2].abs().min() > 0.3  # the two instructions get different chunks
+    learned(error_before.item(), 0.4, name="max error before")
+    learned(error_after.item(), 0.2, higher=False, name="max error after")
+    learned((after[0] - after[1])[:2].abs().min().item(), 0.3, name="gap between the two instructions' chunks")  # they get different chunks
 
 
 @pytest.mark.parametrize("transition", ["flow_sde", "flow_noise"])
@@ -318,7 +320,7 @@ def test_env_sampler_rollout_replays_exactly_and_a_train_step_runs(tmp_path, gra
     """A flat-state env through the env sampler (waves of different lengths right-padded)
     and two steps of the trainer."""
     from mmrl.samplers.env import EnvSampler
-    from mmrl.train.config import TrainConfig
+    from mmrl.train.run_config import TrainConfig
     from mmrl.train.metrics import read_metrics
     from mmrl.train.trainer import train
     from tests.conftest import point_reach_config
@@ -346,7 +348,8 @@ def test_env_sampler_rollout_replays_exactly_and_a_train_step_runs(tmp_path, gra
     assert len(steps) == 2 and all(math.isfinite(r["loss/policy"]) and math.isfinite(r["grad_norm"]) for r in steps)
 
 
-def test_grpo_with_lr_warmup_raises_a_flow_vlas_success_on_point_reach(tmp_path):
+@pytest.mark.learning
+def test_grpo_with_lr_warmup_raises_a_flow_vlas_success_on_point_reach(tmp_path, learning_seed, learned):
     """Flow-SDE RL end to end (env sampler, the chain's Gaussian log-likelihood, GRPO, PPO
     clip) learns a state-conditioned skill from the binary success reward alone. The first
     Adam update moves every parameter by about lr whatever its gradient; without the
@@ -358,5 +361,6 @@ def test_grpo_with_lr_warmup_raises_a_flow_vlas_success_on_point_reach(tmp_path)
               "backbone": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}}
     # 40 updates gave 0.16 -> 0.70 with one set of package versions and 0.16 -> 0.41 with
     # another (float rounding changes the seeded run); 60 gave 0.52 with the latter
-    before, after = point_reach_success_before_after(tmp_path / "run", policy, 60, {"lr": 0.001, "warmup_steps": 5})
-    assert after >= 0.4 and after >= before + 0.25, (before, after)
+    before, after = point_reach_success_before_after(tmp_path / "run", policy, 60, {"lr": 0.001, "warmup_steps": 5}, seed=learning_seed)
+    learned(after, 0.4, name="success after")
+    learned(after - before, 0.25, name="gain")

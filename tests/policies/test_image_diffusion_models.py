@@ -218,8 +218,9 @@ def test_the_final_latent_is_decoded_once_per_sample_without_grad_with_the_vae_s
     assert all(p.grad is None and not p.requires_grad for p in policy.vae.parameters())
 
 
-def test_sft_loss_in_latent_space_encodes_the_images_with_the_scaling_and_a_step_lowers_it():
-    policy = make(tiny={**DIT, "vae": True, "vae_scaling_factor": 0.5, "vae_shift_factor": 0.1}, denoising={"clip_denoised": None}, condition_dropout=0.0)
+@pytest.mark.learning
+def test_sft_loss_in_latent_space_encodes_the_images_with_the_scaling_and_a_step_lowers_it(learning_seed, learned):
+    policy = make(seed=learning_seed, tiny={**DIT, "vae": True, "vae_scaling_factor": 0.5, "vae_shift_factor": 0.1}, denoising={"clip_denoised": None}, condition_dropout=0.0)
     images = torch.zeros(8, 16, 16, 3, dtype=torch.uint8)
     images[:, 4:12, 4:12, 0] = 255
     pixels = images.permute(0, 3, 1, 2).float() / 127.5 - 1
@@ -231,18 +232,20 @@ def test_sft_loss_in_latent_space_encodes_the_images_with_the_scaling_and_a_step
     batch = {"images": images, "condition": torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])}
     optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=3e-3)
     losses = []
-    for i in range(30):
-        torch.manual_seed(i % 3)
+    for i in range(60):
+        torch.manual_seed(3 * learning_seed + i % 3)
         loss = policy.sft_loss(batch)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    assert math.isfinite(losses[0]) and sum(losses[-3:]) < 0.7 * sum(losses[:3])
+    assert math.isfinite(losses[0])
+    learned(sum(losses[-3:]) / sum(losses[:3]), 0.75, higher=False, name="loss, last 3 / first 3 steps")
 
 
-def test_sd3_guidance_through_both_branches_and_its_sft_loss_with_dropped_prompts():
-    policy = make(spec={}, tiny=SD3, denoising=FLOW, guidance_scale=3.0, guidance_grad="both", condition_dropout=0.5)
+@pytest.mark.learning
+def test_sd3_guidance_through_both_branches_and_its_sft_loss_with_dropped_prompts(learning_seed, learned):
+    policy = make(seed=learning_seed, spec={}, tiny=SD3, denoising=FLOW, guidance_scale=3.0, guidance_grad="both", condition_dropout=0.5)
     sample = policy.sample(PROMPTS, torch.Generator().manual_seed(0))
     logp = policy.log_prob(sample.replay)
     torch.testing.assert_close(torch.exp(logp - sample.logp), torch.ones_like(logp), atol=RATIO_ATOL, rtol=0)
@@ -252,13 +255,13 @@ def test_sd3_guidance_through_both_branches_and_its_sft_loss_with_dropped_prompt
     optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=3e-3)
     losses = []
     for i in range(30):
-        torch.manual_seed(i % 3)  # the same noise, times and dropped prompts every third step
+        torch.manual_seed(3 * learning_seed + i % 3)  # the same noise, times and dropped prompts every third step
         loss = policy.sft_loss(batch)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    assert sum(losses[-3:]) < 0.7 * sum(losses[:3])
+    learned(sum(losses[-3:]) / sum(losses[:3]), 0.7, higher=False, name="loss, last 3 / first 3 steps")
     assert all(p.grad is None for p in policy.text_encoder.parameters())
 
 
@@ -475,20 +478,23 @@ def _brightness_training(policy, inputs, lr: float, steps: int = 12, seed: int =
 LEARN = {"transition": "flow_sde", "noise_level": 0.7, "min_std": 0.0, "num_inference_steps": 4, "logp_reduction": "mean"}
 
 
+@pytest.mark.learning
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_lora_on_the_sd3_transformer_raises_a_brightness_reward(seed):
+def test_lora_on_the_sd3_transformer_raises_a_brightness_reward(seed, learning_seed, learned):
     # measured: mean reward of steps 1-3 -> 10-12 went 0.526 -> 0.780, 0.520 -> 0.598, 0.524 -> 0.898 for seeds 0, 1, 2
     lora = {"r": 4, "alpha": 8.0, "target_modules": ["to_q", "to_k", "to_v", "to_out.0", "proj_out"]}
+    seed += 3 * learning_seed
     policy = make(seed=seed, spec={}, tiny={**SD3, "resolution": 8}, denoising=LEARN, lora=lora)
-    rewards = _brightness_training(policy, ["a red circle", "two blue squares", "a green triangle", "x"] * 4, lr=3e-2, seed=seed)
-    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.05
+    rewards = _brightness_training(policy, ["a red circle", "two blue squares", "a green triangle", "x"] * 4, lr=2e-2, steps=16, seed=seed)
+    learned(sum(rewards[-3:]) / 3 - sum(rewards[:3]) / 3, 0.05, name="gain, steps 14-16 over 1-3")
 
 
-def test_full_fine_tuning_of_a_dit_raises_a_brightness_reward():
+@pytest.mark.learning
+def test_full_fine_tuning_of_a_dit_raises_a_brightness_reward(learning_seed, learned):
     # measured: 0.563 -> 0.696 (seed 0), 0.531 -> 0.707 (1), 0.514 -> 0.725 (2)
-    policy = make(tiny={**DIT, "resolution": 8}, denoising=LEARN)
-    rewards = _brightness_training(policy, torch.arange(16) % 3, lr=1e-2)
-    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.05
+    policy = make(seed=learning_seed, tiny={**DIT, "resolution": 8}, denoising=LEARN)
+    rewards = _brightness_training(policy, torch.arange(16) % 3, lr=1e-2, steps=16, seed=learning_seed)
+    learned(sum(rewards[-3:]) / 3 - sum(rewards[:3]) / 3, 0.05, name="gain, steps 14-16 over 1-3")
 
 
 def test_a_lora_run_resumes_from_its_checkpoint_exactly(tmp_path):
@@ -497,7 +503,7 @@ def test_a_lora_run_resumes_from_its_checkpoint_exactly(tmp_path):
     import yaml
 
     from mmrl.config import load_config
-    from mmrl.train.config import TrainConfig
+    from mmrl.train.run_config import TrainConfig
     from mmrl.train.metrics import read_metrics
     from mmrl.train.trainer import Trainer
 

@@ -34,16 +34,17 @@ def test_the_shipped_pipeline_pretrains_then_rl_starts_from_it_and_evaluates_per
     assert (tmp_path / "eval" / "samples" / "images.png").is_file()
 
 
-def test_a_short_pretraining_on_rendered_shapes_lowers_the_loss_and_draws_the_prompted_colours(tmp_path):
+@pytest.mark.learning
+def test_a_short_pretraining_on_rendered_shapes_lowers_the_loss_and_draws_the_prompted_colours(tmp_path, learning_seed, learned):
     """Ground truth of two prompts (data.type: shapes) teaches a tiny text-conditioned UNet
     by flow matching: the loss falls and, from the same noise, the objects the verifier
     detects take the prompt's colour far more often than at the random start."""
     import torch
 
     from mmrl.config import from_dict
-    from mmrl.data.shapes import parse_prompt
-    from mmrl.rewards.shapes import detect_shapes
-    from mmrl.train.config import TrainConfig
+    from mmrl.tasks.shapes.world import parse_prompt
+    from mmrl.tasks.shapes.rewards import detect_shapes
+    from mmrl.train.run_config import TrainConfig
     from mmrl.train.metrics import read_metrics
     from mmrl.train.trainer import Trainer
 
@@ -51,7 +52,7 @@ def test_a_short_pretraining_on_rendered_shapes_lowers_the_loss_and_draws_the_pr
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     cfg = {
-        "name": "shapes_sft", "seed": 0, "total_steps": 160,
+        "name": "shapes_sft", "seed": learning_seed, "total_steps": 160,
         "policy": {"type": "image_diffusion", "train_text_encoder": True, "denoising": {"transition": "flow_sde", "num_inference_steps": 6},
                    "tiny": {"conditioning": "text", "text_injection": "pooled", "resolution": 16, "block_out_channels": [16, 32], "norm_num_groups": 8, "max_prompt_tokens": 16}},
         "sampler": {"type": "prompt", "data": {"train": str(path)}}, "rewards": [{"type": "shapes_geneval"}],
@@ -68,13 +69,14 @@ def test_a_short_pretraining_on_rendered_shapes_lowers_the_loss_and_draws_the_pr
             hits += colours == {parse_prompt(prompt).groups[0].colour}
         return hits / len(asked)
 
-    before = colour_hits(Trainer(from_dict(TrainConfig, {**cfg, "total_steps": 0})).policy)
+    before = colour_hits(Trainer(from_dict(TrainConfig, {**cfg, "total_steps": 0}), tmp_path / "init").policy)
     trainer = Trainer(from_dict(TrainConfig, cfg), tmp_path / "run")
     trainer.train()
     losses = [m["loss/sft"] for m in read_metrics(tmp_path / "run") if "loss/sft" in m]
     after = colour_hits(trainer.policy)
-    assert sum(losses[-10:]) < 0.6 * sum(losses[:10]), (losses[:10], losses[-10:])
-    assert before <= 0.1 and after >= 0.35, (before, after)
+    learned(sum(losses[-10:]) / sum(losses[:10]), 0.6, higher=False, name="loss, last 10 / first 10 steps")
+    learned(before, 0.1, higher=False, name="colour hits before")
+    learned(after, 0.35, name="colour hits after")
 
 
 def _detections(config: str, asset: str, prompts: list[str]) -> list[list]:
@@ -84,8 +86,8 @@ def _detections(config: str, asset: str, prompts: list[str]) -> list[list]:
 
     from mmrl.config import load_config
     from mmrl.core.weights import build_policy
-    from mmrl.rewards.shapes import detect_shapes
-    from mmrl.train.config import TrainConfig
+    from mmrl.tasks.shapes.rewards import detect_shapes
+    from mmrl.train.run_config import TrainConfig
 
     cfg = load_config(TrainConfig, ROOT / "configs" / config, [f"policy.pretrained={ROOT / asset}"])
     policy = build_policy(cfg.policy, {}).eval()

@@ -40,7 +40,7 @@ def test_one_step_on_the_bt_loss_raises_the_winners_score_over_the_losers():
 def _colour_pairs(n, seed):
     """Prompt-conditioned pairs: an image showing the prompt's single object beats one of the
     same shape in another colour (shapes renderer, 16x16)."""
-    from mmrl.data.shapes import COLOURS, SHAPES, ObjectGroup, Scene, render_scene
+    from mmrl.tasks.shapes.world import COLOURS, SHAPES, ObjectGroup, Scene, render_scene
 
     rng = np.random.RandomState(seed)
     colours = list(COLOURS)
@@ -54,15 +54,16 @@ def _colour_pairs(n, seed):
     return prompts, torch.from_numpy(np.stack(chosen)), torch.from_numpy(np.stack(rejected))
 
 
-def test_training_on_noiseless_pairs_reaches_high_held_out_accuracy():
+@pytest.mark.learning
+def test_training_on_noiseless_pairs_reaches_high_held_out_accuracy(learning_seed, learned):
     pytest.importorskip("cv2")
-    torch.manual_seed(0)
+    torch.manual_seed(learning_seed)
     model = BTImageModel(from_dict(BTImageConfig, TINY, "policy"))
-    prompts, chosen, rejected = _colour_pairs(256, seed=0)
-    test_prompts, test_chosen, test_rejected = _colour_pairs(200, seed=1)
+    prompts, chosen, rejected = _colour_pairs(1024, seed=2 * learning_seed)  # even seeds: never the held-out pairs'
+    test_prompts, test_chosen, test_rejected = _colour_pairs(400, seed=1)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(150):
+    gen = torch.Generator().manual_seed(learning_seed)
+    for _ in range(300):
         idx = torch.randint(len(prompts), (32,), generator=gen)
         loss = model.sft_loss({"prompt": [prompts[i] for i in idx], "chosen": chosen[idx], "rejected": rejected[idx]})
         opt.zero_grad()
@@ -70,7 +71,7 @@ def test_training_on_noiseless_pairs_reaches_high_held_out_accuracy():
         opt.step()
     with torch.no_grad():
         accuracy = (model.score(test_prompts, test_chosen) > model.score(test_prompts, test_rejected)).float().mean().item()
-    assert accuracy >= 0.9, accuracy
+    learned(accuracy, 0.9, name="held-out accuracy")
 
 
 def test_a_set_scores_the_mean_of_its_pairs_and_group_scores_average_to_it():
@@ -87,11 +88,12 @@ def test_a_set_scores_the_mean_of_its_pairs_and_group_scores_average_to_it():
     assert torch.allclose(shuffled, set_scores, atol=1e-5)  # a set, not a sequence
 
 
-def test_text_reward_model_scores_prompt_and_completion_learns_a_preference_and_round_trips(tmp_path):
+@pytest.mark.learning
+def test_text_reward_model_scores_prompt_and_completion_learns_a_preference_and_round_trips(tmp_path, learning_seed, learned):
     pytest.importorskip("transformers")
     from mmrl.policies.reward_model import BTTextConfig, BTTextModel
 
-    torch.manual_seed(0)
+    torch.manual_seed(learning_seed)
     cfg = from_dict(BTTextConfig, {"tiny": {"hidden_size": 32, "num_heads": 2, "num_layers": 1, "intermediate_size": 64, "max_position_embeddings": 64}, "max_length": 64}, "policy")
     model = BTTextModel(cfg)
     # the completion that repeats the prompt's last word wins
@@ -106,7 +108,7 @@ def test_text_reward_model_scores_prompt_and_completion_learns_a_preference_and_
         loss.backward()
         opt.step()
     with torch.no_grad():
-        assert (model.score(prompts, chosen) > model.score(prompts, rejected)).all()
+        learned((model.score(prompts, chosen) - model.score(prompts, rejected)).min().item(), 0.0, name="smallest score gap, chosen - rejected")
         ids, mask = model.encode(["p" * 100], ["c"])
     assert ids.shape[1] == 64 and mask.sum() == 64  # cut from the left to max_length
     from mmrl.core.weights import load_pretrained, save_pretrained

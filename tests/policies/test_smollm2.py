@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mmrl.config import load_config
-from mmrl.train.config import TrainConfig
+from mmrl.train.run_config import TrainConfig
 from tests.conftest import ROOT
 
 pytestmark = [

@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 from mmrl.config import from_dict, option  # noqa: E402
-from mmrl.core.config import RewardConfig  # noqa: E402
+from mmrl.core.component_config import RewardConfig  # noqa: E402
 from mmrl.core.rollout import Rollout  # noqa: E402
 from mmrl.core.weights import build_policy, load_pretrained, save_pretrained  # noqa: E402
 from mmrl.errors import ConfigError  # noqa: E402
@@ -505,7 +505,7 @@ def _digit_fraction(rollout, cfg):
 
 @pytest.mark.parametrize("variant", ["full", "lora"])
 def test_trains_end_to_end_through_the_trainer_on_a_jsonl_of_prompts(tmp_path, variant):
-    from mmrl.train.config import TrainConfig
+    from mmrl.train.run_config import TrainConfig
     from mmrl.train.metrics import read_metrics
     from mmrl.train.trainer import Trainer
 

@@ -11,7 +11,7 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("PIL")
 
 from mmrl.config import from_dict, option  # noqa: E402
-from mmrl.core.config import RewardConfig  # noqa: E402
+from mmrl.core.component_config import RewardConfig  # noqa: E402
 from mmrl.core.rollout import Rollout  # noqa: E402
 from mmrl.core.weights import build_policy, load_pretrained, save_pretrained  # noqa: E402
 from mmrl.data.prompts import ImagePrompt  # noqa: E402
@@ -285,7 +285,7 @@ def test_config_errors_name_the_field(tmp_path):
 
 @pytest.fixture(scope="module")
 def shapes_qa(tmp_path_factory):
-    from mmrl.data.shapes_qa import write_prompt_sets
+    from mmrl.tasks.shapes_qa.world import write_prompt_sets
 
     pytest.importorskip("cv2")
     out = tmp_path_factory.mktemp("shapes_qa")
@@ -326,7 +326,7 @@ def _vowel_fraction(rollout, cfg):
 
 def test_lora_grpo_with_a_kl_to_the_adapter_disabled_model_trains_through_the_trainer(tmp_path, shapes_qa):
     pytest.importorskip("peft")
-    from mmrl.train.config import TrainConfig
+    from mmrl.train.run_config import TrainConfig
     from mmrl.train.metrics import read_metrics
     from mmrl.train.trainer import Trainer
 
@@ -357,7 +357,7 @@ def test_sft_learns_to_read_the_colour_of_objects_in_images_it_has_not_seen(lear
     pytest.importorskip("cv2")
     import random
 
-    from mmrl.data.shapes import COLOURS, SHAPES, ObjectGroup, Scene, render_scene
+    from mmrl.tasks.shapes.world import COLOURS, SHAPES, ObjectGroup, Scene, render_scene
 
     def questions(n, seed):
         rng = random.Random(seed)

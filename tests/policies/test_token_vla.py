@@ -32,9 +32,9 @@ VARIANTS = {
 }
 
 
-def make(spec_changes=None, backbone=None, **fields) -> TokenVLAPolicy:
+def make(spec_changes=None, backbone=None, seed: int = 0, **fields) -> TokenVLAPolicy:
     spec = {k: v for k, v in {**SPEC, **(spec_changes or {})}.items() if v is not None}
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     cfg = TokenVLAConfig(backbone=VLABackboneConfig(**{**TINY_BACKBONE, **(backbone or {})}), action_bins=8, action_chunk=2, **fields)
     return build_policy(cfg, spec)
 
@@ -229,10 +229,11 @@ def test_positive_advantage_raises_that_chunks_log_prob_after_one_adam_step():
     assert after[2, 0] > sample.logp[2, 0] + 1e-3
 
 
-def test_sft_learns_instruction_conditioned_actions():
+@pytest.mark.learning
+def test_sft_learns_instruction_conditioned_actions(learning_seed, learned):
     """Same image and state, two instructions, two expert chunks: after SFT the greedy
     actions fall in the expert's bins for each instruction."""
-    policy = make({"image_shape": [8, 8, 3]}, backbone={"vision_channels": [4]})
+    policy = make({"image_shape": [8, 8, 3]}, backbone={"vision_channels": [4]}, seed=learning_seed)
     n = 8
     inputs = {
         "image": torch.full((n, 8, 8, 3), 128, dtype=torch.uint8),
@@ -250,9 +251,9 @@ def test_sft_learns_instruction_conditioned_actions():
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    assert loss.item() < 0.1 * first
+    learned(loss.item() / first, 0.1, higher=False, name="final / first loss")
     greedy = policy.sample(inputs, deterministic=True).output
-    assert torch.equal(policy.actions_to_tokens(greedy), policy.actions_to_tokens(actions))
+    learned((policy.actions_to_tokens(greedy) == policy.actions_to_tokens(actions)).float().mean().item(), 1.0, name="greedy action tokens in the expert's bins")
 
 
 def test_sft_loss_ignores_padded_actions_past_the_episode_end():
@@ -307,16 +308,17 @@ def _dot_images(n, generator):
     return image, target
 
 
-def test_behaviour_cloning_reads_a_small_object_off_a_uniform_background():
+@pytest.mark.learning
+def test_behaviour_cloning_reads_a_small_object_off_a_uniform_background(learning_seed, learned):
     # The image is the only input that tells the action: a policy that ignores it cannot
     # beat guessing the centre. (Without normalized inputs and features the tiny CNN's
     # patch tokens barely differed between images and cloning ignored them.)
     spec = {"action_dim": 2, "action_low": [-1.0, -1.0], "action_high": [1.0, 1.0], "image_shape": [16, 16, 3], "instructions": ["go to the dot"]}
-    torch.manual_seed(0)
+    torch.manual_seed(learning_seed)
     cfg = TokenVLAConfig(backbone=VLABackboneConfig(**TINY_BACKBONE, patch_grid=4), action_bins=8, action_chunk=1)
     policy = build_policy(cfg, spec)
     optimizer = torch.optim.Adam(policy.parameters(), lr=3e-3)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(2 * learning_seed)  # even seeds: never the held-out images' stream
     for _ in range(250):
         image, target = _dot_images(32, g)
         loss = policy.sft_loss({"image": image, "instruction": ["go to the dot"] * 32, "actions": target[:, None]})
@@ -328,10 +330,11 @@ def test_behaviour_cloning_reads_a_small_object_off_a_uniform_background():
         action = policy.sample({"image": image, "instruction": ["go to the dot"] * 64}, deterministic=True).output[:, 0]
     error = (action - target).abs().mean().item()
     blind = (target - target.mean(0)).abs().mean().item()  # the best image-blind guess
-    assert error < 0.5 * blind, (error, blind)
+    learned(error / blind, 0.5, higher=False, name="error / best image-blind error")
 
 
-def test_grpo_from_scratch_raises_a_token_vlas_success_on_point_reach(tmp_path):
+@pytest.mark.learning
+def test_grpo_from_scratch_raises_a_token_vlas_success_on_point_reach(tmp_path, learning_seed, learned):
     """The whole RL path of a token VLA (env sampler, summed token log-probs, group-relative
     advantages, PPO clip) learns a state-conditioned skill from the binary success reward
     alone: on mmrl/PointReach-v0 a fresh token VLA goes from chance to most goals in 30
@@ -340,5 +343,6 @@ def test_grpo_from_scratch_raises_a_token_vlas_success_on_point_reach(tmp_path):
 
     policy = {"type": "token_vla", "action_bins": 16, "action_chunk": 1,
               "backbone": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}}
-    before, after = point_reach_success_before_after(tmp_path / "run", policy, 30, {"lr": 0.003})
-    assert after >= 0.7 and after >= before + 0.4, (before, after)
+    before, after = point_reach_success_before_after(tmp_path / "run", policy, 30, {"lr": 0.003}, seed=learning_seed)
+    learned(after, 0.7, name="success after")
+    learned(after - before, 0.4, name="gain")

@@ -17,8 +17,8 @@ SPEC = {"num_prompts": 4}
 PROMPTS = torch.arange(32) % 4
 
 
-def make(kind: str, **fields):
-    torch.manual_seed(0)
+def make(kind: str, seed: int = 0, **fields):
+    torch.manual_seed(seed)
     if kind == "categorical_sequence":
         return build_policy(CategoricalSequenceConfig(type=kind, **fields), SPEC)
     return build_policy(from_dict(GaussianChainConfig, {"type": kind, **fields}, "policy"), SPEC)
@@ -254,12 +254,12 @@ def test_reward_on_the_wrong_policy_names_the_policy_it_needs():
 # ---------------------------------------------------------------- behaviour
 
 
-def reinforce(policy, reward_fn, steps: int, lr: float, groups: int = 8, group_size: int = 8) -> None:
+def reinforce(policy, reward_fn, steps: int, lr: float, groups: int = 8, group_size: int = 8, seed: int = 0) -> None:
     """Group-mean-baseline REINFORCE: minimise −mean(A · Σ_t m_t logp_t), A = r − mean_group(r)."""
     optimizer = torch.optim.Adam(policy.parameters(), lr=lr)
     prompts = (torch.arange(groups) % 4).repeat_interleave(group_size)
     for step in range(steps):
-        sample = policy.sample(prompts, gen(1000 + step))
+        sample = policy.sample(prompts, gen(1000 * (seed + 1) + step))
         reward = reward_fn(rollout_of(sample, prompts)).view(groups, group_size)
         advantage = (reward - reward.mean(1, keepdim=True)).view(-1)
         mask = sample.mask if sample.mask is not None else torch.ones_like(sample.logp)
@@ -274,21 +274,25 @@ def mean_reward(policy, reward_fn) -> float:
     return reward_fn(rollout_of(policy.sample(prompts, gen(7)), prompts)).mean().item()
 
 
-def test_reinforce_makes_the_rewarded_token_more_frequent():
-    policy = make("categorical_sequence")
+@pytest.mark.learning
+def test_reinforce_makes_the_rewarded_token_more_frequent(learning_seed, learned):
+    policy = make("categorical_sequence", seed=learning_seed)
     cfg = TokenFractionConfig(type="token_fraction", token=3)
     reward = lambda rollout: token_fraction(rollout, cfg)  # noqa: E731
     before = mean_reward(policy, reward)
-    reinforce(policy, reward, steps=30, lr=3e-2)
+    reinforce(policy, reward, steps=30, lr=3e-2, seed=learning_seed)
     after = mean_reward(policy, reward)
-    assert before < 0.2 and after > 0.6, (before, after)
+    learned(before, 0.2, higher=False, name="token fraction before")
+    learned(after, 0.6, name="token fraction after")
 
 
-def test_reinforce_moves_the_chain_towards_the_target():
-    policy = make("gaussian_chain")
+@pytest.mark.learning
+def test_reinforce_moves_the_chain_towards_the_target(learning_seed, learned):
+    policy = make("gaussian_chain", seed=learning_seed)
     cfg = TargetDistanceConfig(type="target_distance", target=2.0)
     reward = lambda rollout: target_distance(rollout, cfg)  # noqa: E731
     before = mean_reward(policy, reward)
-    reinforce(policy, reward, steps=30, lr=1e-2)
+    reinforce(policy, reward, steps=30, lr=1e-2, seed=learning_seed)
     after = mean_reward(policy, reward)
-    assert before < -1.5 and after > -0.7, (before, after)
+    learned(before, -1.5, higher=False, name="reward (minus distance) before")
+    learned(after, -0.7, name="reward (minus distance) after")

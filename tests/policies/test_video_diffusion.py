@@ -145,23 +145,25 @@ def test_exact_kl_is_zero_to_itself_and_positive_after_an_update():
     assert kl.shape == sample.logp.shape and (kl > 0).all()
 
 
+@pytest.mark.learning
 @pytest.mark.parametrize("transition, conditioning", [("ddim", "class"), ("flow_sde", "class"), ("ddim", "text")])
-def test_sft_loss_is_the_denoising_loss_and_a_step_lowers_it(transition, conditioning):
-    policy = make(denoising=TRANSITIONS[transition], condition_dropout=0.5 if conditioning == "text" else 0.0, tiny={"conditioning": conditioning}, spec={} if conditioning == "text" else None)
+def test_sft_loss_is_the_denoising_loss_and_a_step_lowers_it(transition, conditioning, learning_seed, learned):
+    policy = make(seed=learning_seed, denoising=TRANSITIONS[transition], condition_dropout=0.5 if conditioning == "text" else 0.0, tiny={"conditioning": conditioning}, spec={} if conditioning == "text" else None)
     videos = torch.zeros(6, 4, 8, 8, 3, dtype=torch.uint8)
     for t in range(4):
         videos[:, t, 2:6, t : t + 4, 0] = 255  # a red square moving right
     batch = {"videos": videos, "condition": torch.tensor([0, 1, 2, 0, 1, 2]), "prompt": ["a red square moving right"] * 6}
     optimizer = torch.optim.Adam(policy.parameters(), lr=3e-3)
     losses = []
-    for i in range(30):
-        torch.manual_seed(i % 3)
+    for i in range(45):
+        torch.manual_seed(3 * learning_seed + i % 3)
         loss = policy.sft_loss(batch)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    assert math.isfinite(losses[0]) and sum(losses[-3:]) < 0.5 * sum(losses[:3])
+    assert math.isfinite(losses[0])
+    learned(sum(losses[-3:]) / sum(losses[:3]), 0.65, higher=False, name="loss, last 3 / first 3 steps")
 
 
 @pytest.mark.parametrize("conditioning", ["class", "text", "none"])
@@ -209,7 +211,7 @@ def test_inputs_of_the_wrong_kind_are_config_errors():
 
 def _train_cfg(run_steps: int, **over):
     from mmrl.config import load_config
-    from mmrl.train.config import TrainConfig
+    from mmrl.train.run_config import TrainConfig
 
     from tests.conftest import ROOT
 
@@ -237,7 +239,8 @@ def test_trains_end_to_end_and_writes_eval_videos_into_the_run_directory(tmp_pat
     assert sorted(p.name for p in (tmp_path / "run" / "eval" / "samples").iterdir()) == ["videos.mp4", "videos.png"]
 
 
-def test_fifteen_steps_on_a_smaller_setting_raise_the_temporal_consistency_reward(tmp_path):
+@pytest.mark.learning
+def test_fifteen_steps_on_a_smaller_setting_raise_the_temporal_consistency_reward(tmp_path, learning_seed, learned):
     """4 groups of 4 videos, 4 DDIM steps (the first 3 decisions), one UNet level, lr 3e-3:
     about 15 s of CPU on one thread. Steps 1-3 → 13-15 measured 0.549 → 0.568, 0.552 → 0.681
     and 0.549 → 0.623 for seeds 0, 1, 2 (after 10 steps seed 0 was only at 0.560)."""
@@ -248,25 +251,27 @@ def test_fifteen_steps_on_a_smaller_setting_raise_the_temporal_consistency_rewar
         "algo.group_size": 4, "sampler.batch_groups": 4, "policy.tiny.block_out_channels": "[8]", "policy.denoising.num_inference_steps": 4,
         "policy.denoising.window_size": 3, "optim.lr": 0.003, "eval.at_end": "false",
     }
-    train(_train_cfg(15, seed=0, **smaller), tmp_path / "run")
+    train(_train_cfg(15, seed=learning_seed, **smaller), tmp_path / "run")
     rewards = [m["reward/total"] for m in read_metrics(tmp_path / "run") if "reward/total" in m]
     assert len(rewards) == 15
-    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.01, rewards
+    learned(sum(rewards[-3:]) / 3 - sum(rewards[:3]) / 3, 0.01, name="gain, steps 13-15 over 1-3")
 
 
 @pytest.mark.slow
+@pytest.mark.learning
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_training_with_the_temporal_consistency_reward_raises_it(tmp_path, seed):
-    """The shipped config (20 steps, about 2 minutes a seed on one thread)."""
+def test_training_with_the_temporal_consistency_reward_raises_it(tmp_path, seed, learning_seed, learned):
+    """The shipped config (20 steps, about 2 minutes a seed on one thread); seeds 0-2 shift
+    by 3 per learning seed."""
     from mmrl.train.metrics import read_metrics
     from mmrl.train.trainer import train
 
-    cfg = _train_cfg(20, seed=seed)
+    cfg = _train_cfg(20, seed=seed + 3 * learning_seed)
     train(cfg, tmp_path / "run")
     rewards = [m["reward/total"] for m in read_metrics(tmp_path / "run") if "reward/total" in m]
     assert len(rewards) == 20
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    assert last > first + 0.03, rewards
+    learned(last - first, 0.03, name="gain, last 5 over first 5 steps")
 
 
 def test_the_activation_estimate_is_the_first_unet_level_over_all_frames_times_the_steps_one_call_evaluates():

@@ -6,7 +6,7 @@ import torch
 
 from mmrl.algo.reward_aggregation import aggregate_rewards
 from mmrl.config import from_dict
-from mmrl.core.config import RewardConfig
+from mmrl.core.component_config import RewardConfig
 from mmrl.core.reward import RewardContext, RewardSet, build_reward
 from mmrl.core.rollout import Rollout
 from mmrl.core.weights import latest_checkpoint
@@ -47,8 +47,8 @@ def test_win_rate_lies_in_0_1_sums_to_half_the_group_size_and_is_antisymmetric()
 def trained_run(tmp_path_factory):
     """A bt_image model trained for a few steps through the loop on written pairs."""
     from mmrl.data.preferences import write_preferences
-    from mmrl.data.shapes import ObjectGroup, Scene, render_scene
-    from mmrl.train.config import TrainConfig
+    from mmrl.tasks.shapes.world import ObjectGroup, Scene, render_scene
+    from mmrl.train.run_config import TrainConfig
     from mmrl.train.trainer import Trainer
 
     root = tmp_path_factory.mktemp("rm")
@@ -65,7 +65,7 @@ def trained_run(tmp_path_factory):
 
 def test_a_trained_model_round_trips_through_its_checkpoint_and_loads_as_a_reward(trained_run):
     from mmrl.core.weights import load_pretrained
-    from mmrl.data.shapes import ObjectGroup, Scene, render_scene
+    from mmrl.tasks.shapes.world import ObjectGroup, Scene, render_scene
 
     run, summary = trained_run
     assert 0 <= summary["eval"]["pairwise_accuracy"] <= 1 and summary["eval"]["pairs"] == 3
@@ -86,7 +86,7 @@ def test_a_trained_model_round_trips_through_its_checkpoint_and_loads_as_a_rewar
 
 
 def test_the_bt_reward_and_the_verifier_combine_through_log_tamed(trained_run):
-    from mmrl.data.shapes import ObjectGroup, Scene, render_scene
+    from mmrl.tasks.shapes.world import ObjectGroup, Scene, render_scene
 
     run, _ = trained_run
     scenes = [Scene((ObjectGroup(1, c, "circle"),)) for c in ("red", "blue", "red", "green")]
@@ -111,7 +111,7 @@ def test_a_run_that_is_not_a_reward_model_or_a_missing_one_is_a_config_error(tmp
 
 
 def test_visual_consistency_scores_identical_images_above_varied_ones():
-    from mmrl.data.shapes import ObjectGroup, Scene, render_scene
+    from mmrl.tasks.shapes.world import ObjectGroup, Scene, render_scene
 
     same = [render_scene(Scene((ObjectGroup(1, "red", "circle"),)), 32, 0)] * 4
     varied = [render_scene(Scene((ObjectGroup(1, c, "circle"),)), 32, k) for k, c in enumerate(["red", "blue", "green", "yellow"])]

@@ -10,10 +10,10 @@ import torch
 from mmrl.config import from_dict
 from mmrl.core.reward import RewardContext, build_reward
 from mmrl.core.rollout import Rollout
-from mmrl.data.shapes import CATEGORIES, MISTAKES, ObjectGroup, Scene, all_scenes, draw, layout, mistaken_scene, render_scene
+from mmrl.tasks.shapes.world import CATEGORIES, MISTAKES, ObjectGroup, Scene, all_scenes, draw, layout, mistaken_scene, render_scene
 from mmrl.errors import ConfigError
 from mmrl.registry import REWARDS
-from mmrl.rewards.shapes import UNRECOGNISED, ShapesGenevalConfig, detect_shapes
+from mmrl.tasks.shapes.rewards import UNRECOGNISED, ShapesGenevalConfig, detect_shapes
 
 DEFAULTS = ShapesGenevalConfig()
 BY_CATEGORY = {c: [s for s in all_scenes() if s.category == c] for c in CATEGORIES}

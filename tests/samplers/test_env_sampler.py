@@ -14,7 +14,7 @@ from mmrl.registry import REWARDS, SAMPLERS
 from mmrl.rewards.env import ReturnRewardConfig, SuccessRewardConfig
 from mmrl.samplers.env import EnvSampler, EnvSamplerConfig
 from mmrl.algo.advantage import GroupNormConfig
-from mmrl.train.config import AlgoConfig, TrainConfig
+from mmrl.train.run_config import AlgoConfig, TrainConfig
 
 # Episodes end after 3..10 steps (or on success), so waves hold episodes of different
 # lengths and finished envs keep being stepped (and auto-reset) while others run.
@@ -265,7 +265,7 @@ def test_stochastic_evaluation_is_seeded_and_differs_from_the_mean_action():
     from mmrl.config import from_dict
     from mmrl.core.weights import build_policy
     from mmrl.registry import SAMPLERS
-    from mmrl.train.config import TrainConfig
+    from mmrl.train.run_config import TrainConfig
 
     def evaluate(deterministic):
         cfg = from_dict(
@@ -347,7 +347,7 @@ def test_success_keys_are_looked_up_in_their_documented_order_and_success_key_ov
     custom = named_success_sampler("goal_reached", success_key="goal_reached")
     assert custom.collect(make_policy(custom), num_groups=1, group_size=2, step=0).info["success"].tolist() == [1.0, 1.0]
     from mmrl.samplers.env import SUCCESS_KEYS
-    from mmrl.train.config import EnvConfig
+    from mmrl.train.run_config import EnvConfig
 
     doc = EnvConfig.__dataclass_fields__["success_key"].metadata["doc"]
     assert doc.index(SUCCESS_KEYS[0]) < doc.index(SUCCESS_KEYS[1]) < doc.index(SUCCESS_KEYS[2])  # `mmrl train --help` tells the order

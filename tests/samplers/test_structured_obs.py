@@ -8,7 +8,7 @@ from gymnasium import spaces
 from mmrl.core.policy import Sample
 from mmrl.envs.gym import GymEnvConfig
 from mmrl.samplers.env import EnvSampler, EnvSamplerConfig
-from mmrl.train.config import AlgoConfig, PolicyConfig, TrainConfig
+from mmrl.train.run_config import AlgoConfig, PolicyConfig, TrainConfig
 
 INSTRUCTIONS = ["go left", "go right"]
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from mmrl.config import from_dict
-from mmrl.core.config import RewardConfig
+from mmrl.core.component_config import RewardConfig
 from mmrl.registry import REWARDS
-from mmrl.train.config import TrainConfig
+from mmrl.train.run_config import TrainConfig
 from mmrl.train.trainer import Trainer
 from tests.conftest import ROOT
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mmrl.registry import REWARDS
-from mmrl.train.config import RewardConfig
+from mmrl.train.run_config import RewardConfig
 from mmrl.train.diagnostics import gradient_agreement
 from mmrl.train.trainer import Trainer
 from tests.train.test_trainer import toy_config
@@ -25,13 +25,14 @@ if "test_coin" not in REWARDS:
     REWARDS.register("test_coin", config=CoinConfig)(coin)
 
 
-def test_batches_of_a_learnable_reward_agree_and_those_of_a_noise_reward_do_not(tmp_path):
-    signal = Trainer(toy_config("sequence", algo={"group_size": 8, "groups_per_step": 8}), tmp_path / "signal")
-    noise = Trainer(toy_config("sequence", algo={"group_size": 8, "groups_per_step": 8}, rewards=[{"type": "test_coin"}]), tmp_path / "noise")
+@pytest.mark.learning
+def test_batches_of_a_learnable_reward_agree_and_those_of_a_noise_reward_do_not(tmp_path, learning_seed, learned):
+    signal = Trainer(toy_config("sequence", seed=learning_seed, algo={"group_size": 8, "groups_per_step": 8}), tmp_path / "signal")
+    noise = Trainer(toy_config("sequence", seed=learning_seed, algo={"group_size": 8, "groups_per_step": 8}, rewards=[{"type": "test_coin"}]), tmp_path / "noise")
     learnable = gradient_agreement(signal, num_batches=3)
     random = gradient_agreement(noise, num_batches=3)
-    assert learnable["cosine"] > 0.5, learnable
-    assert abs(random["cosine"]) < 0.3, random
+    learned(learnable["cosine"], 0.5, name="gradient cosine, learnable reward")
+    learned(abs(random["cosine"]), 0.3, higher=False, name="|gradient cosine|, noise reward")
     assert len(learnable["pairs"]) == 3 and set(learnable["modules"]) and learnable["grad_norm"] > 0
     assert all(0 < b["informative"] <= 1 and "entropy" in b for b in learnable["batches"])
 

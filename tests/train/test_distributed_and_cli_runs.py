@@ -122,15 +122,15 @@ def test_the_robot_configuration_shape_with_two_processes_matches_one_process(tm
     assert "obs_stats.mean" in a and "sampled_decisions.value" in a
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
-    assert any(r.get("filter/kept_fraction", 1) < 1 for r in ra) and any("loss/replay" in r for r in ra)
+    assert any(r.get("filter/kept_fraction", 1) < 1 for r in ra) and any("loss/self_imitation" in r for r in ra)
     for x, y in zip(ra, rb):
         assert set(x) == set(y)
         for key in x:
             if not key.startswith("time/"):
                 assert math.isclose(x[key], y[key], rel_tol=1e-5, abs_tol=1e-6), (x["step"], key, x[key], y[key])
     # the two-process checkpoint holds the memory of both processes: one process resumes it
-    two = torch.load(tmp_path / "two/checkpoints/step_00000004/state.pt", weights_only=True)["replay_memory"]
-    one = torch.load(tmp_path / "one/checkpoints/step_00000004/state.pt", weights_only=True)["replay_memory"]
+    two = torch.load(tmp_path / "two/checkpoints/step_00000004/state.pt", weights_only=True)["self_imitation_memory"]
+    one = torch.load(tmp_path / "one/checkpoints/step_00000004/state.pt", weights_only=True)["self_imitation_memory"]
     assert torch.equal(two["keys"], one["keys"]) and torch.equal(two["all_keys"], one["all_keys"])
     torch.testing.assert_close(two["adv"], one["adv"])
 

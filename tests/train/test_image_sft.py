@@ -13,11 +13,11 @@ cv2 = pytest.importorskip("cv2")
 
 from mmrl.config import from_dict  # noqa: E402
 from mmrl.core.weights import build_policy  # noqa: E402
-from mmrl.data.shapes import parse_prompt, render_scene, write_prompt_sets  # noqa: E402
+from mmrl.tasks.shapes.world import parse_prompt, render_scene, write_prompt_sets  # noqa: E402
 from mmrl.errors import ConfigError  # noqa: E402
 from mmrl.policies.image_diffusion import ImageDiffusionConfig  # noqa: E402
 from mmrl.registry import DATA_SOURCES  # noqa: E402
-from mmrl.rewards.shapes import check_criteria, detect_shapes  # noqa: E402
+from mmrl.tasks.shapes.rewards import check_criteria, detect_shapes  # noqa: E402
 
 TEXT_POLICY = {"type": "image_diffusion", "tiny": {"conditioning": "text", "text_injection": "pooled", "resolution": 16, "max_prompt_tokens": 24}}
 

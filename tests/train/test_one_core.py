@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from mmrl.config import load_config, option, to_dict
-from mmrl.core.config import RewardConfig
+from mmrl.core.component_config import RewardConfig
 from mmrl.registry import REWARDS
-from mmrl.train.config import TrainConfig
+from mmrl.train.run_config import TrainConfig
 from mmrl.train.metrics import read_metrics
 from mmrl.train.trainer import Trainer
 from tests.conftest import ROOT

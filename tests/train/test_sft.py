@@ -9,7 +9,7 @@ from mmrl.config import from_dict
 from mmrl.demos import Episode, write_demos
 from mmrl.envs.point_reach import PointReachEnv
 from mmrl.errors import ConfigError
-from mmrl.train.config import TrainConfig
+from mmrl.train.run_config import TrainConfig
 from mmrl.train.trainer import Trainer, train
 from tests.conftest import point_reach_config
 
@@ -56,11 +56,13 @@ def demos(tmp_path_factory):
     return directory
 
 
-def test_sft_from_expert_demos_raises_success_and_rl_continues_from_the_run_dir(tmp_path, demos):
-    before = Trainer(_sft_config(tmp_path, demos, total_steps=0, run_dir=str(tmp_path / "init"))).evaluate(0)["success_rate"]
-    summary = train(_sft_config(tmp_path, demos))
+@pytest.mark.learning
+def test_sft_from_expert_demos_raises_success_and_rl_continues_from_the_run_dir(tmp_path, demos, learning_seed, learned):
+    before = Trainer(_sft_config(tmp_path, demos, seed=learning_seed, total_steps=0, run_dir=str(tmp_path / "init"))).evaluate(0)["success_rate"]
+    summary = train(_sft_config(tmp_path, demos, seed=learning_seed))
     after = summary["eval"]["success_rate"]
-    assert after >= 0.7 and after >= before + 0.4, (before, after)
+    learned(after, 0.7, name="success after")
+    learned(after - before, 0.4, name="gain")
 
     # RL from the SFT run: the policy starts where SFT ended (weights equal before any update).
     rl = point_reach_config(run_dir=str(tmp_path / "rl"), total_steps=0, policy={"type": "gaussian_mlp", "hidden_sizes": [32, 32], "pretrained": str(tmp_path / "sft")})
@@ -69,7 +71,7 @@ def test_sft_from_expert_demos_raises_success_and_rl_continues_from_the_run_dir(
     saved = load_file(str(tmp_path / "sft" / "checkpoints" / latest / "model.safetensors"))
     state = trainer.policy.state_dict()
     assert all(np.allclose(saved[k].numpy(), state[k].detach().cpu().numpy()) for k in saved)
-    assert trainer.evaluate(0)["success_rate"] >= after - 0.25
+    learned(trainer.evaluate(0)["success_rate"] - after, -0.25, name="RL start success (4 episodes) - SFT end success")
     # the run's checkpoints/latest pointer file names the same weights
     from mmrl.core.weights import resolve_weights_dir
 
@@ -87,7 +89,8 @@ def test_sft_without_demonstrations_is_a_config_error_naming_data_path(tmp_path)
         Trainer(_sft_config(tmp_path, None, data={"path": None})).train()
 
 
-def test_completions_source_fine_tunes_a_text_policy_then_rl_starts_from_that_run(tmp_path):
+@pytest.mark.learning
+def test_completions_source_fine_tunes_a_text_policy_then_rl_starts_from_that_run(tmp_path, learning_seed, learned):
     """data.type: completions — (prompt, completion) pairs teach a tiny text LM its answers;
     the SFT run directory is then the RL run's starting point, evaluated by exact match."""
     import json
@@ -96,13 +99,14 @@ def test_completions_source_fine_tunes_a_text_policy_then_rl_starts_from_that_ru
     path = tmp_path / "sums.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     policy = {"type": "text_lm", "tiny": {"hidden_size": 32, "num_heads": 2, "intermediate_size": 64}, "generation": {"max_new_tokens": 3}}
-    common = {"seed": 0, "policy": policy, "sampler": {"type": "prompt", "data": {"train": str(path)}, "batch_groups": 2},
+    common = {"seed": learning_seed, "policy": policy, "sampler": {"type": "prompt", "data": {"train": str(path)}, "batch_groups": 2},
               "rewards": [{"type": "exact_match"}], "eval": {"episodes": 9}, "log": {"progress": False, "tensorboard": False}}
     sft = from_dict(TrainConfig, {**common, "name": "sft", "total_steps": 400, "algo": {"type": "sft"},
                                   "data": {"type": "completions", "path": str(path), "batch_size": 9}, "optim": {"lr": 0.003}})
-    before = Trainer(from_dict(TrainConfig, {**common, "name": "init", "total_steps": 0})).evaluate(0)["accuracy"]
+    before = Trainer(from_dict(TrainConfig, {**common, "name": "init", "total_steps": 0}), tmp_path / "init").evaluate(0)["accuracy"]
     after = train(sft, tmp_path / "sft")["eval"]["accuracy"]
-    assert before < 0.5 and after >= 0.9, (before, after)
+    learned(before, 0.5, higher=False, name="accuracy before")
+    learned(after, 0.9, name="accuracy after")
     rl = from_dict(TrainConfig, {**common, "name": "rl", "total_steps": 1, "policy": {**policy, "pretrained": str(tmp_path / "sft")},
                                  "algo": {"group_size": 2, "groups_per_step": 2}})
     assert Trainer(rl, tmp_path / "rl").evaluate(0)["accuracy"] == after
@@ -124,7 +128,7 @@ def test_a_completions_source_with_images_gives_image_prompts(tmp_path):
     from PIL import Image
 
     from mmrl.data.prompts import ImagePrompt
-    from mmrl.train.sft import Completions, CompletionsConfig
+    from mmrl.data.sources import Completions, CompletionsConfig
 
     Image.fromarray(np.full((8, 8, 3), 7, dtype=np.uint8)).save(tmp_path / "a.png")
     path = tmp_path / "qa.jsonl"

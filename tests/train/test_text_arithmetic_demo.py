@@ -16,19 +16,21 @@ def _last_eval(run_dir) -> dict:
 
 
 @pytest.mark.slow
-def test_sft_then_grpo_raises_held_out_accuracy(tmp_path):
+@pytest.mark.learning
+def test_sft_then_grpo_raises_held_out_accuracy(tmp_path, learning_seed, learned):
     sft, grpo = tmp_path / "sft", tmp_path / "grpo"
-    done = run_mmrl("train", ROOT / "configs" / "text_arithmetic_sft.yaml", "--run-dir", sft, *QUIET, cwd=ROOT, timeout=1800)
+    done = run_mmrl("train", ROOT / "configs" / "text_arithmetic_sft.yaml", "--run-dir", sft, f"seed={learning_seed}", *QUIET, cwd=ROOT, timeout=1800)
     assert done.returncode == 0, done.stderr[-3000:]
     start = _last_eval(sft)
-    assert 0.1 <= start["eval/accuracy"] <= 0.6, start  # middling: room for RL
+    learned(start["eval/accuracy"], 0.1, name="SFT accuracy (at least)")  # middling: room for RL
+    learned(start["eval/accuracy"], 0.6, higher=False, name="SFT accuracy (at most)")
 
     done = run_mmrl(
         "train", ROOT / "configs" / "text_arithmetic_grpo.yaml", "--run-dir", grpo, f"policy.pretrained={sft}",
-        "total_steps=20", "eval.every=0", *QUIET, cwd=ROOT, timeout=1800,
+        "total_steps=20", "eval.every=0", f"seed={learning_seed}", *QUIET, cwd=ROOT, timeout=1800,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     end = _last_eval(grpo)
     assert end["eval/episodes"] == start["eval/episodes"] == 200  # the whole held-out set, greedy
-    assert end["eval/accuracy"] >= start["eval/accuracy"] + 0.15, (start["eval/accuracy"], end["eval/accuracy"])
-    assert end["eval/reward/arithmetic_consistency"] > start["eval/reward/arithmetic_consistency"]
+    learned(end["eval/accuracy"] - start["eval/accuracy"], 0.15, name="accuracy gain")
+    learned(end["eval/reward/arithmetic_consistency"] - start["eval/reward/arithmetic_consistency"], 0.0, name="consistency gain")

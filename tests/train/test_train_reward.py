@@ -15,7 +15,7 @@ TINY = {"type": "bt_image", "image_size": 16, "channels": [8, 16], "hidden": 16,
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
     from mmrl.data.preferences import write_preferences
-    from mmrl.data.shapes import ObjectGroup, Scene, render_scene
+    from mmrl.tasks.shapes.world import ObjectGroup, Scene, render_scene
 
     root = tmp_path_factory.mktemp("pairs")
     images, rows = [], {"train": [], "held_out": []}

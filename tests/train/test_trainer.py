@@ -10,7 +10,7 @@ from mmrl.config import from_dict, option
 from mmrl.denoising.policy import DenoisingPolicy
 from mmrl.errors import NonFiniteError
 from mmrl.registry import REWARDS
-from mmrl.train.config import RewardConfig, TrainConfig
+from mmrl.train.run_config import RewardConfig, TrainConfig
 from mmrl.train.metrics import read_metrics
 from mmrl.train.trainer import Trainer, train
 from tests.conftest import ROOT, point_reach_config

@@ -16,8 +16,7 @@ it: one process and N train on the same samples.
 - ``images``: (image file, prompt) pairs from a JSONL or CSV file; a batch is
   ``{"images": uint8 [B, H, W, 3], "prompt": [...]}`` (or ``"condition"``: LongTensor [B]
   when every prompt is an integer class id), what image generators' ``sft_loss`` takes.
-- ``shapes``: the same batches, rendered from a shapes prompt set (:mod:`mmrl.data.shapes`):
-  ``images_per_prompt`` seeded renderings of every record, drawn once when the run starts.
+- ``shapes`` (:mod:`mmrl.tasks.shapes.sft`): the same batches, rendered from a shapes prompt set.
 
 A source may also hold out data of its own: ``evaluate(policy)`` returns metrics on it
 (the ``preferences`` source: held-out pairwise accuracy), which the trainer adds to each
@@ -136,7 +135,7 @@ class Completions(DataSource):
 @dataclass
 class PreferencesConfig(DataSourceConfig):
     type: str = option("preferences", "data source (mmrl list data)")
-    path: str | None = option(None, "a preference directory (info.json, train.jsonl, held_out.jsonl, images.npz) written by python -m mmrl.data.preferences")
+    path: str | None = option(None, "a preference directory (info.json, train.jsonl, held_out.jsonl, images.npz) written by python -m mmrl.pairs")
     eval_batch_size: int = option(256, "held-out pairs scored per forward pass at evaluation", ge=1)
     category_key: str | None = option("category", "metadata key whose values get their own held-out accuracy pairwise_accuracy/<value> (null = none)")
 
@@ -202,7 +201,8 @@ class Preferences(DataSource):
                 out.update({name: sum(hits) / len(hits), f"{name}/ci_low": low, f"{name}/ci_high": high, f"{name}/n": len(hits)})
         return out
 
-def _policy_resolution(policy, field: str, value) -> tuple[int, int] | None:
+def policy_resolution(policy, field: str, value) -> tuple[int, int] | None:
+    """The (H, W) of the images ``policy`` generates, or None for a policy without a resolution."""
     res = getattr(policy, "resolution", None)
     if res is None:
         return None
@@ -242,7 +242,7 @@ class Images(DataSource):
         if not records:
             raise ConfigError("data.path", cfg.path, "holds no records")
         root = Path(cfg.path).parent
-        size = _policy_resolution(policy, "data.path", cfg.path)
+        size = policy_resolution(policy, "data.path", cfg.path)
         images = []
         for r in records:
             if r.answer is None:
@@ -264,52 +264,3 @@ class Images(DataSource):
         else:
             self.samples["prompt"] = [str(p) for p in prompts]
         self.info = {"samples": self.num_samples}
-
-
-@dataclass
-class ShapesConfig(DataSourceConfig):
-    type: str = option("shapes", "data source (mmrl list data)")
-    path: str | None = option(None, "a shapes prompt set (.jsonl written by `python -m mmrl.data.shapes`): each record's metadata scene, else its parsed prompt")
-    images_per_prompt: int = option(64, "seeded renderings of each record, drawn once when the run starts (the layouts, colours and backgrounds vary)", ge=1)
-    resolution: int | None = option(None, "side of the rendered images in pixels (null = the policy's resolution)", ge=4)
-    render_seed: int = option(0, "seed of the renderings (not the run seed: every run trains on the same images)", ge=0)
-
-
-@DATA_SOURCES.register("shapes", config=ShapesConfig)
-class Shapes(DataSource):
-    """Ground-truth images of the shapes world rendered from a prompt set: supervised
-    pretraining of an image generator that the ``shapes_geneval`` verifier then scores."""
-
-    def __init__(self, cfg: ShapesConfig, policy, seed: int, world: int, rank: int):
-        from mmrl.data.prompts import PromptDataConfig, read_records
-        from mmrl.data.shapes import Scene, parse_prompt, render_scene
-
-        super().__init__(cfg, seed, world, rank)
-        records = read_records(PromptDataConfig(train=cfg.path, prompt_kind="text", image_field=None), "train", "data")
-        if not records:
-            raise ConfigError("data.path", cfg.path, "holds no records")
-        size = cfg.resolution
-        policy_size = _policy_resolution(policy, "data.resolution", cfg.resolution)
-        if size is None:
-            if policy_size is None:
-                raise ConfigError("data.resolution", None, f"policy {type(policy).__name__} has no resolution; set one")
-            if policy_size[0] != policy_size[1]:
-                raise ConfigError("data.resolution", None, f"the shapes renderer draws square images; the policy generates {policy_size}")
-            size = policy_size[0]
-        elif policy_size is not None and policy_size != (size, size):
-            raise ConfigError("data.resolution", size, f"the policy generates {policy_size[0]}x{policy_size[1]} images")
-        n = cfg.images_per_prompt
-        images = np.empty((len(records) * n, size, size, 3), dtype=np.uint8)
-        prompts: list[str] = []
-        for i, r in enumerate(records):
-            spec = r.metadata.get("scene")
-            try:
-                scene = Scene.from_dict(spec) if spec is not None else parse_prompt(str(r.prompt))
-            except ValueError as e:
-                raise ConfigError("data.path", cfg.path, f"record {r.record_id}: {e}") from None
-            for k in range(n):
-                # one seed per (render_seed, record, copy), within numpy's 32-bit seeds
-                images[i * n + k] = render_scene(scene, size, seed=(cfg.render_seed * 1_000_003 + i * n + k) % 2**32)
-            prompts.extend([str(r.prompt)] * n)
-        self.samples = {"images": torch.from_numpy(images), "prompt": prompts}
-        self.info = {"prompts": len(records), "samples": self.num_samples}

@@ -11,9 +11,10 @@ from mmrl.algo.filters import FilterConfig
 from mmrl.algo.kl import KLConfig
 from mmrl.algo.objective import ObjectiveConfig, PPOClipConfig
 from mmrl.config import MovedKey, option
-from mmrl.core.config import EnvConfig, PolicyConfig, RewardConfig, SamplerConfig
+from mmrl.core.component_config import EnvConfig, PolicyConfig, RewardConfig, SamplerConfig
+from mmrl.data.sources import DataSourceConfig, DemonstrationsConfig
 from mmrl.errors import ConfigError
-from mmrl.train.sft import DataSourceConfig, DemonstrationsConfig
+from mmrl.registry import ADVANTAGES
 
 
 @dataclass
@@ -103,8 +104,9 @@ class AlgoConfig:
 
     def validate(self, path: str) -> None:
         p = f"{path}." if path else ""
-        if self.advantage.type in ("grpo", "rloo", "median") and self.group_size < 2:
-            raise ConfigError(p + "group_size", self.group_size, f"must be >= 2 for the group-relative advantage {self.advantage.type!r}")
+        needed = ADVANTAGES.entry(self.advantage.type, p + "advantage.type").traits.get("min_group_size", 1)
+        if self.group_size < needed:  # declared where the advantage registers
+            raise ConfigError(p + "group_size", self.group_size, f"must be >= {needed} for the group-relative advantage {self.advantage.type!r}")
         if self.reuse_sampling_graph is True:
             if self.ppo_epochs != 1 or self.num_minibatches != 1:
                 raise ConfigError(

@@ -1,7 +1,7 @@
 """``shapes_geneval``: a GenEval-style verifier of images of the shapes world.
 
-The prompt's scene (:mod:`mmrl.data.shapes`) comes from the record's ``metadata["scene"]``
-when the record has one (the prompt sets written by ``python -m mmrl.data.shapes`` do), else
+The prompt's scene (:mod:`mmrl.tasks.shapes.world`) comes from the record's ``metadata["scene"]``
+when the record has one (the prompt sets written by ``python -m mmrl.tasks.shapes.world`` do), else
 from parsing the prompt text. The image (``rollout.info["images"]``, uint8 [B, H, W, 3] RGB)
 is read by :func:`detect_shapes`:
 
@@ -52,9 +52,9 @@ import torch
 from torch import Tensor
 
 from mmrl.config import option
-from mmrl.core.config import RewardConfig
+from mmrl.core.component_config import RewardConfig
 from mmrl.core.rollout import Rollout
-from mmrl.data.shapes import COLOURS, SHAPES, Scene, parse_prompt
+from mmrl.tasks.shapes.world import COLOURS, SHAPES, Scene, parse_prompt
 from mmrl.errors import ConfigError
 from mmrl.registry import REWARDS
 from mmrl.rewards.images import opencv, rollout_images
@@ -222,7 +222,7 @@ def shapes_geneval(rollout: Rollout, cfg: ShapesGenevalConfig) -> Tensor:
     multisets (averaged with [position holds] under a relation)."""
     images = rollout_images(rollout, "shapes_geneval")
     if "prompt" not in rollout.info:
-        raise ConfigError("rewards", "shapes_geneval", "reads each sample's prompt record; use it with sampler.type: prompt and a shapes prompt set (python -m mmrl.data.shapes)")
+        raise ConfigError("rewards", "shapes_geneval", "reads each sample's prompt record; use it with sampler.type: prompt and a shapes prompt set (python -m mmrl.tasks.shapes.world)")
     scores = []
     for i, image in enumerate(images):
         detections = detect_shapes(image, min_chroma=cfg.min_chroma, min_area=cfg.min_area, min_fill=cfg.min_fill)

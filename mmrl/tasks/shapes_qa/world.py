@@ -1,6 +1,6 @@
 """Questions about rendered shapes scenes, with exact answers: prompt sets for vision-language RL.
 
-Each scene of the shapes world (:mod:`mmrl.data.shapes`) is rendered once and asked every
+Each scene of the shapes world (:mod:`mmrl.tasks.shapes.world`) is rendered once and asked every
 question that has one exact answer in it; a record is the question, its answer, the image and
 the metadata::
 
@@ -17,14 +17,14 @@ the metadata::
   (``above`` / ``below``, or ``left`` / ``right``).
 
 ``metadata.category`` is the question type (the key ``mmrl eval`` breaks accuracy down by),
-``metadata.scene`` the scene (:meth:`~mmrl.data.shapes.Scene.to_dict`) and
-``metadata.scene_id`` its index in :func:`~mmrl.data.shapes.all_scenes`, which also seeds its
+``metadata.scene`` the scene (:meth:`~mmrl.tasks.shapes.world.Scene.to_dict`) and
+``metadata.scene_id`` its index in :func:`~mmrl.tasks.shapes.world.all_scenes`, which also seeds its
 rendering. Train and held-out scenes are the shapes world's compositional split
-(:func:`~mmrl.data.shapes.split_scenes`): held-out images show (colour, shape, count)
+(:func:`~mmrl.tasks.shapes.world.split_scenes`): held-out images show (colour, shape, count)
 combinations never seen in training. Each record's ``completion`` is its answer, the target of
 supervised fine-tuning.
 
-    python -m mmrl.data.shapes_qa --out data/shapes_qa [--num-train 400 --num-eval 100 --size 32 --seed 0]
+    python -m mmrl.tasks.shapes_qa.world --out data/shapes_qa [--num-train 400 --num-eval 100 --size 32 --seed 0]
 
 writes ``images/*.png``, ``train.jsonl`` and ``held_out.jsonl``; ``--num-train`` / ``--num-eval``
 cap the scenes of a split (balanced over the scene categories). Rendering needs the ``image``
@@ -38,7 +38,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from mmrl.data.shapes import Scene, all_scenes, balanced, render_scene, split_scenes
+from mmrl.tasks.shapes.world import Scene, all_scenes, balanced, render_scene, split_scenes
 
 CATEGORIES: tuple[str, ...] = ("count", "colour", "shape", "position")
 
@@ -85,7 +85,7 @@ def records(scene: Scene, scene_id: int, image: str) -> list[dict[str, Any]]:
 
 
 def write_prompt_sets(out_dir: str | Path, *, size: int = 32, held_out_fraction: float = 0.2, seed: int = 0, num_train: int | None = None, num_eval: int | None = None) -> dict[str, int]:
-    """Render the scenes of the split (capped per split by :func:`~mmrl.data.shapes.balanced`)
+    """Render the scenes of the split (capped per split by :func:`~mmrl.tasks.shapes.world.balanced`)
     into ``out_dir/images`` and write ``train.jsonl`` and ``held_out.jsonl``; returns the number
     of records (questions) of each."""
     from PIL import Image
@@ -109,7 +109,7 @@ def write_prompt_sets(out_dir: str | Path, *, size: int = 32, held_out_fraction:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mmrl.data.shapes_qa", description="Write questions about rendered shapes scenes, with their images and answers (train and held-out JSONL).")
+    parser = argparse.ArgumentParser(prog="python -m mmrl.tasks.shapes_qa.world", description="Write questions about rendered shapes scenes, with their images and answers (train and held-out JSONL).")
     parser.add_argument("--out", required=True, help="output directory (images/, train.jsonl, held_out.jsonl)")
     parser.add_argument("--size", type=int, default=32, help="side of the rendered images (pixels)")
     parser.add_argument("--held-out-fraction", type=float, default=0.2, help="fraction of (colour, shape, count) combinations whose scenes are held out")

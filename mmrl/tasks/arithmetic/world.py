@@ -20,7 +20,7 @@ pairs. Every problem has ``paraphrases`` wordings (``metadata.question_id`` link
 several ways. ``metadata.category`` is ``carry`` or ``no_carry`` (whether any column carries),
 the key ``mmrl eval`` breaks accuracy down by.
 
-    python -m mmrl.data.arithmetic --out data/arithmetic [--digits 2 --train 2000 --held-out 200 --paraphrases 1 --seed 0]
+    python -m mmrl.tasks.arithmetic.world --out data/arithmetic [--digits 2 --train 2000 --held-out 200 --paraphrases 1 --seed 0]
 
 writes ``train.jsonl`` and ``held_out.jsonl`` (prompt records: ``prompt``, ``answer``,
 ``completion`` and the metadata fields), the files ``configs/text_arithmetic_*.yaml`` read.
@@ -132,7 +132,7 @@ def write_splits(out: str | Path, **kwargs) -> tuple[Path, Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mmrl.data.arithmetic", description="Write train / held-out JSONL prompt sets of multi-digit addition.")
+    parser = argparse.ArgumentParser(prog="python -m mmrl.tasks.arithmetic.world", description="Write train / held-out JSONL prompt sets of multi-digit addition.")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--digits", type=int, default=2)
     parser.add_argument("--train", type=int, default=2000, help="training problems")

@@ -2,7 +2,7 @@
 
 The world exists so that image generators can be trained and verified with no network: the
 renderer draws ground truth for any prompt (pretraining data, and the images the verifier
-``shapes_geneval`` in :mod:`mmrl.rewards.shapes` is measured on), and the verifier checks a
+``shapes_geneval`` in :mod:`mmrl.tasks.shapes.rewards` is measured on), and the verifier checks a
 generated image against the prompt exactly.
 
 Grammar. A scene is one or two object groups, at most three objects in all; a group is a
@@ -24,7 +24,7 @@ sampler: ``{"prompt": ..., "metadata": {"category": ..., "scene": {...}}}`` with
 (colour, shape, count) combinations is never seen in training (every colour, shape, count
 and colour–shape pair still is), and a scene is held out when any of its groups uses such a
 combination: with the default fraction 0.2 and seed 0, 11 of the 54 combinations, and 2,913
-train and 1,731 held-out scenes of the grammar's 4,644. ``python -m mmrl.data.shapes --out
+train and 1,731 held-out scenes of the grammar's 4,644. ``python -m mmrl.tasks.shapes.world --out
 DIR`` writes them (``--num-train`` / ``--num-eval`` cap a split, balanced over categories).
 
 Rendering (:func:`render_scene`, needs the ``image`` extra: OpenCV) draws RGB uint8 images
@@ -451,7 +451,7 @@ def render_scene(scene: Scene, size: int = 32, seed: int = 0, **layout_options) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mmrl.data.shapes", description="Write the shapes world's train and held-out prompt sets (JSONL).")
+    parser = argparse.ArgumentParser(prog="python -m mmrl.tasks.shapes.world", description="Write the shapes world's train and held-out prompt sets (JSONL).")
     parser.add_argument("--out", required=True, help="output directory (train.jsonl, eval.jsonl)")
     parser.add_argument("--held-out-fraction", type=float, default=0.2, help="fraction of (colour, shape, count) combinations never seen in training")
     parser.add_argument("--seed", type=int, default=0, help="seed of the split and the record order")

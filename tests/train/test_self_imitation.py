@@ -59,21 +59,23 @@ def _remembered_logp(trainer) -> float:
     return float((mem.adv * mem.data.mask * logp).sum() / (mem.adv * mem.data.mask).sum())
 
 
-def test_self_imitation_steps_raise_the_log_prob_of_remembered_good_samples(tmp_path):
+@pytest.mark.learning
+def test_self_imitation_steps_raise_the_log_prob_of_remembered_good_samples(tmp_path, learning_seed, learned):
     """The self-imitation steps move the policy only through the memory: the remembered
     positive-advantage samples become more likely, the more so the more steps."""
     gains = {}
     for steps in (1, 4):
-        cfg = toy_config("sequence", algo={"group_size": 8, "groups_per_step": 4, "self_imitation": {"size": 64, "steps": steps, "batch": 16}}, optim={"lr": 0.01})
+        cfg = toy_config("sequence", seed=learning_seed, algo={"group_size": 8, "groups_per_step": 4, "self_imitation": {"size": 64, "steps": steps, "batch": 16}}, optim={"lr": 0.01})
         trainer = Trainer(cfg, tmp_path / f"steps{steps}")
         rollout = trainer.collect(0).rollout
         adv, keep = trainer.advantages(rollout)
         assert trainer.memory.add(rollout, adv, step=0) == int((adv > 0).sum()) > 0
         before = _remembered_logp(trainer)
         stats = trainer.self_imitation(step=0)
-        assert stats["loss/replay"] > 0
+        assert stats["loss/self_imitation"] > 0
         gains[steps] = _remembered_logp(trainer) - before
-    assert 0.02 < gains[1] < gains[4], gains
+    learned(gains[1], 0.02, name="log-prob gain after 1 step")
+    learned(gains[4] - gains[1], 0.0, name="gain of 4 steps beyond 1")
 
 
 def test_a_run_with_self_imitation_logs_its_memory_and_resumes_exactly(tmp_path):
@@ -86,9 +88,9 @@ def test_a_run_with_self_imitation_logs_its_memory_and_resumes_exactly(tmp_path)
         return {r["step"]: {k: v for k, v in r.items() if not k.startswith("time/")} for r in read_metrics(tmp_path / run)}
 
     a, b = records("full"), records("part")
-    assert any(r.get("replay/size", 0) > 0 for r in a.values())
-    assert all(r["replay/size"] <= 6 for r in a.values() if "replay/size" in r)
-    assert any("loss/replay" in r for r in a.values())
+    assert any(r.get("self_imitation/size", 0) > 0 for r in a.values())
+    assert all(r["self_imitation/size"] <= 6 for r in a.values() if "self_imitation/size" in r)
+    assert any("loss/self_imitation" in r for r in a.values())
     for step in (4, 5, 6):
         assert a[step] == b[step], step
     wa = load_file(str(tmp_path / "full/checkpoints/step_00000006/model.safetensors"))
@@ -100,12 +102,12 @@ def test_a_memory_left_out_of_checkpoints_is_refilled_on_resume(tmp_path):
     algo = {"group_size": 4, "groups_per_step": 2, "self_imitation": {"size": 6, "batch": 4, "in_checkpoint": False}}
     train(env_config(total_steps=3, algo=algo), tmp_path / "run")
     state = torch.load(tmp_path / "run/checkpoints/step_00000003/state.pt", weights_only=True)
-    assert "replay_memory" not in state
+    assert "self_imitation_memory" not in state
     kept = torch.load(tmp_path / "run/checkpoints/step_00000003/state.pt", weights_only=True)
     trainer = Trainer(env_config(total_steps=5, algo=algo), tmp_path / "run", resume=True)
     assert len(trainer.memory) == 0 and kept["step"] == 3
     trainer.train()
-    sizes = [r["replay/size"] for r in read_metrics(tmp_path / "run") if r["step"] > 3 and "replay/size" in r]
+    sizes = [r["self_imitation/size"] for r in read_metrics(tmp_path / "run") if r["step"] > 3 and "self_imitation/size" in r]
     assert sizes and sizes[-1] > 0
 
 
@@ -121,9 +123,9 @@ ROBOT_POLICIES = {
 }
 
 
-def _robot_trainer(tmp_path, policy: str, **algo):
+def _robot_trainer(tmp_path, policy: str, seed: int = 0, **algo):
     from mmrl.config import from_dict
-    from mmrl.train.config import TrainConfig
+    from mmrl.train.run_config import TrainConfig
     from tests.conftest import point_reach_config
 
     data = point_reach_config(
@@ -132,6 +134,7 @@ def _robot_trainer(tmp_path, policy: str, **algo):
         optim={"lr": 0.003},
     )
     data["policy"] = ROBOT_POLICIES[policy]
+    data["seed"] = seed
     return Trainer(from_dict(TrainConfig, data), tmp_path / policy)
 
 
@@ -151,11 +154,12 @@ def test_imitation_batch_holds_the_executed_actions_of_every_replayed_decision(t
     trainer.sampler.close()
 
 
+@pytest.mark.learning
 @pytest.mark.parametrize("policy", sorted(ROBOT_POLICIES))
-def test_sft_self_imitation_fits_the_remembered_actions_and_ignores_zero_weights(tmp_path, policy):
-    """replay_loss: sft is the policy's supervised loss on the remembered decisions with
+def test_sft_self_imitation_fits_the_remembered_actions_and_ignores_zero_weights(tmp_path, policy, learning_seed, learned):
+    """self_imitation.loss: sft is the policy's supervised loss on the remembered decisions with
     A+ > 0, A+-weighted; its steps lower that loss on the memory."""
-    trainer = _robot_trainer(tmp_path, policy, steps=20)
+    trainer = _robot_trainer(tmp_path, policy, seed=learning_seed, steps=20)
     rollout = trainer.collect(0).rollout
     adv, keep = trainer.advantages(rollout)
     rollout = rollout.with_(mask=trainer.train_mask(rollout, keep))
@@ -192,12 +196,12 @@ def test_sft_self_imitation_fits_the_remembered_actions_and_ignores_zero_weights
 
     before = memory_loss()
     stats = trainer.self_imitation(step=0)
-    assert math.isfinite(stats["loss/replay"])
-    assert memory_loss() < 0.8 * before, (before, memory_loss())
+    assert math.isfinite(stats["loss/self_imitation"])
+    learned(memory_loss() / before, 0.8, higher=False, name="memory loss after / before")
     trainer.sampler.close()
 
 
-def test_sft_replay_loss_needs_a_policy_with_an_imitation_batch(tmp_path):
+def test_sft_self_imitation_loss_needs_a_policy_with_an_imitation_batch(tmp_path):
     from mmrl.errors import ConfigError
 
     cfg = env_config(algo={"self_imitation": {"size": 8, "loss": "sft"}})

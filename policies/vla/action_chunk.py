@@ -1,0 +1,124 @@
+"""``ActionChunkPolicy``: the base of the denoising policies over robot action chunks
+(``diffusion_policy``, ``flow_vla``).
+
+Such a policy denoises a chunk x ∈ R^{C×A} (``config.action_chunk`` actions of the env's
+``action_dim``) in the normalized action space: env = center + half_range·x where the
+env's bounds are finite (x = ±1 are the bounds), env = x on unbounded dimensions. The
+action sent to the env is the chain's final latent clipped to [−1, 1]; the log-probs are
+those of the unclipped chain. ``deterministic=True`` runs the chain from x = 0 without
+noise, so the action depends on the observation only.
+
+A subclass says what of an observation it keeps (:meth:`~ActionChunkPolicy.observation`,
+whose keys ``obs_keys`` lists), what every denoising step of a chunk reuses
+(:meth:`~ActionChunkPolicy.conditioning`), its denoiser given that (``_denoiser``), and
+its supervised error per action (:meth:`~ActionChunkPolicy.sft_errors`). This base
+samples (the replay: each observation tensor and the chain, with a call dim 1),
+recomputes a replay's chains (``chain_denoiser``), behaviour-clones (``sft_loss``) and
+turns a replay into a ``sft_loss`` batch (``imitation_batch``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mmrl.core.policy import Sample
+from mmrl.denoising import DenoisingPolicy
+from mmrl.denoising.chain import Denoiser
+
+
+class ActionChunkPolicy(DenoisingPolicy):
+    """A denoising policy whose samples are action chunks [N, C, A] in env units."""
+
+    obs_keys: tuple[str, ...] = ()  # the keys :meth:`observation` may return (what replay stores)
+
+    def __init__(self, config: Any, spec: dict):
+        super().__init__()
+        config.validate("policy")
+        self.config, self.spec = config, dict(spec)
+        self.action_dim = int(spec["action_dim"])
+        self.chunk = config.action_chunk
+        low = torch.as_tensor(spec.get("action_low", [-math.inf] * self.action_dim), dtype=torch.float32)
+        high = torch.as_tensor(spec.get("action_high", [math.inf] * self.action_dim), dtype=torch.float32)
+        finite = torch.isfinite(low) & torch.isfinite(high)
+        # Derived from the spec and config, not learned: kept out of the saved weights.
+        self.register_buffer("action_center", torch.where(finite, (low + high) / 2, 0.0), persistent=False)
+        self.register_buffer("action_half_range", torch.where(finite, (high - low) / 2, 1.0), persistent=False)
+
+    # ------------------------------------------------------------------ what a subclass says
+
+    def observation(self, inputs) -> dict[str, Tensor]:
+        """The policy's observation tensors [N, …] for a batch of inputs (what replay stores,
+        without the call dim)."""
+        raise NotImplementedError
+
+    def conditioning(self, obs: dict[str, Tensor]) -> Any:
+        """What every denoising step of a chunk reuses, computed once per chunk from ``obs``."""
+        raise NotImplementedError
+
+    def _denoiser(self, cond: Any) -> Denoiser:
+        """The denoiser ``(x, t, rows) -> output`` of the chunks whose conditioning is ``cond``."""
+        raise NotImplementedError
+
+    def sft_errors(self, cond: Any, x0: Tensor) -> Tensor:
+        """The supervised error [B, C] of each action of the expert chunks ``x0`` [B, C, A]
+        (normalized) given their conditioning ``cond``."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ actions
+
+    def normalize_actions(self, actions: Tensor) -> Tensor:
+        """Env-unit actions [..., A] → normalized actions (not clipped)."""
+        return (actions.to(self.action_center.device, torch.float32) - self.action_center) / self.action_half_range
+
+    def env_actions(self, latents: Tensor) -> Tensor:
+        """Final latents [..., C, A] → the env-unit chunks they execute (clipped to [−1, 1] first)."""
+        return self.action_center + self.action_half_range * latents.clamp(-1.0, 1.0)
+
+    # ------------------------------------------------------------------ protocol
+
+    def chain_denoiser(self, replay: dict):
+        """The denoiser conditioned on the replayed observations: one conditioning per chunk (call)."""
+        obs = {key: replay[key].flatten(0, 1) for key in self.obs_keys if key in replay}
+        return self._denoiser(self.conditioning(obs))
+
+    @torch.no_grad()
+    def sample(self, inputs, generator: torch.Generator | None = None, deterministic: bool = False) -> Sample:
+        """Actions [N, C, A] (env units); logp / entropy per decision of the chunk's chain:
+        [N, 1] with ``logp_granularity: chain`` (the chain's joint log-likelihood and the
+        summed entropy of its stochastic steps), [N, W] with ``step`` (one per stored
+        denoising step, with a mask of the stochastic ones)."""
+        obs = self.observation(inputs)
+        cond = self.conditioning(obs)
+        device = self.action_center.device
+        shape = (next(iter(obs.values())).shape[0], self.chunk, self.action_dim)
+        x_init = torch.zeros(shape, device=device) if deterministic else torch.randn(shape, generator=generator).to(device)
+        out = self.sample_chain(self._denoiser(cond), x_init, generator, deterministic)
+        replay = {key: value.unsqueeze(1) for key, value in obs.items()}
+        replay["chain"] = {key: value.unsqueeze(1) for key, value in out.chain.items()}
+        return Sample(output=self.env_actions(out.final), logp=out.logp, replay=replay, mask=out.mask, entropy=out.entropy)
+
+    def sft_loss(self, batch: dict) -> Tensor:
+        """Behaviour cloning on expert chunks ``batch["actions"]`` [B, C, A] (env units;
+        normalized and clipped to [−1, 1]): :meth:`sft_errors` averaged over the valid
+        actions of ``batch["action_mask"]`` [B, C] (all valid if absent)."""
+        cond = self.conditioning(self.observation(batch))
+        x0 = self.normalize_actions(batch["actions"]).clamp(-1.0, 1.0)
+        if tuple(x0.shape[1:]) != (self.chunk, self.action_dim):
+            raise ValueError(f"expected actions [B, {self.chunk}, {self.action_dim}], got {list(x0.shape)}")
+        mask = batch.get("action_mask")
+        mask = torch.ones(x0.shape[0], self.chunk, device=x0.device) if mask is None else mask.to(x0.device, torch.float32)
+        return (self.sft_errors(cond, x0) * mask).sum() / mask.sum().clamp(min=1.0)
+
+    def imitation_batch(self, replay: dict) -> dict:
+        """The N·T replayed decisions as a ``sft_loss`` batch: each one's observations and
+        the chunk its chain executed (:meth:`env_actions` of the final latent), so a chunk
+        is imitated with the supervised loss rather than through its chain's likelihood."""
+        chain = replay["chain"]
+        flat = {key: self.per_decision(replay[key], chain) for key in self.obs_keys if key in replay}
+        final = self.per_decision(chain["latents"][:, :, -1], chain).to(self.action_center.device)
+        flat["actions"] = self.env_actions(final)
+        return flat
