@@ -17,7 +17,7 @@ step, see ``success_at``; read from the env's ``info[env.success_key]``, by defa
 of :data:`SUCCESS_KEYS` the env reports), ``return`` (undiscounted sum of env rewards), ``length`` (env
 steps) and ``truncated`` (ended by a time limit or ``max_decisions``, not by the task).
 ``step_rewards[b, t]`` is decision t's chunk reward discounted to its first env step,
-sum_j gamma^j r_{t,j} (gamma = ``algo.gamma``), for step-level advantages.
+sum_j gamma^j r_{t,j} (gamma = ``algo.advantage.gamma``), for step-level advantages.
 
 Randomness of a group depends only on (run seed, step, global group index): the reset
 seed is ``group_seed(seed, step, group) % 2**31`` and the policy's noise comes from a

@@ -266,7 +266,7 @@ def test_sft_makes_deterministic_actions_follow_the_instruction(learning_seed, l
     valid = batch["action_mask"][:2, :, None].expand(2, 3, 2).bool()
     before = policy.sample(first_two, deterministic=True).output
     optimizer = torch.optim.Adam(policy.parameters(), lr=1e-2)
-    for _ in range(150):
+    for _ in range(300):
         loss = policy.sft_loss(batch)
         optimizer.zero_grad()
         loss.backward()

@@ -319,7 +319,7 @@ def test_behaviour_cloning_reads_a_small_object_off_a_uniform_background(learnin
     policy = build_policy(cfg, spec)
     optimizer = torch.optim.Adam(policy.parameters(), lr=3e-3)
     g = torch.Generator().manual_seed(2 * learning_seed)  # even seeds: never the held-out images' stream
-    for _ in range(250):
+    for _ in range(400):
         image, target = _dot_images(32, g)
         loss = policy.sft_loss({"image": image, "instruction": ["go to the dot"] * 32, "actions": target[:, None]})
         optimizer.zero_grad()

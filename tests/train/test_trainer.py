@@ -325,15 +325,15 @@ def test_exact_kl_of_a_denoising_chain_pulls_the_policy_back_to_its_reference(tm
     """kl.type: exact takes the policy's closed-form per-step KL (through the distributed
     forward); a large coefficient holds the chain near its reference while the reward
     alone moves it away."""
-    free = toy_config("denoising", seed=learning_seed, total_steps=12)
-    held = toy_config("denoising", seed=learning_seed, total_steps=12, algo={"group_size": 8, "groups_per_step": 4, "kl": {"type": "exact", "coef": 50.0}})
+    free = toy_config("denoising", seed=learning_seed, total_steps=16)
+    held = toy_config("denoising", seed=learning_seed, total_steps=16, algo={"group_size": 8, "groups_per_step": 4, "kl": {"type": "exact", "coef": 50.0}})
     train(free, tmp_path / "free")
     train(held, tmp_path / "held")
     kl = [r["kl/ref"] for r in read_metrics(tmp_path / "held") if "kl/ref" in r]
     assert kl and all(v >= 0 for v in kl) and max(v for v in kl) > 0
     moved = lambda run: _first_last(read_metrics(tmp_path / run), "reward/total")  # noqa: E731
     (free_first, free_last), (held_first, held_last) = moved("free"), moved("held")
-    learned(free_last - free_first, 1.0, name="reward change without KL")
+    learned(free_last - free_first, 0.8, name="reward change without KL")
     learned(abs(held_last - held_first), 0.2, higher=False, name="|reward change| with KL coef 50")
 
 
