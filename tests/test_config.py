@@ -170,3 +170,15 @@ def test_every_shipped_config_and_preset_loads():
         load_config(TrainConfig, path)
     for preset in sorted((ROOT / "configs" / "presets").glob("*.yaml")):
         load_config(TrainConfig, ROOT / "configs" / "point_reach_grpo.yaml", [f"defaults=presets/{preset.stem}", "algo.group_size=5"])
+
+
+def test_a_group_relative_advantage_declares_the_group_it_needs_where_it_registers():
+    from mmrl.registry import ADVANTAGES, for_section
+
+    needs_group = {e.name for e in ADVANTAGES.entries() if e.traits.get("min_group_size", 1) > 1}
+    assert {"grpo", "rloo", "median"} <= needs_group and "passk" not in needs_group
+    for name in sorted(needs_group):
+        with pytest.raises(ConfigError, match="algo.group_size: got 1; must be >= 2"):
+            from_dict(TrainConfig, point_reach_config(algo={"group_size": 1, "advantage": {"type": name}}))
+    # the section a registry fills is declared with it: the config engine asks the registry
+    assert for_section("policy") is not None and for_section("advantage") is ADVANTAGES and for_section("no_such_section") is None

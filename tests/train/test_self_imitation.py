@@ -98,6 +98,20 @@ def test_a_run_with_self_imitation_logs_its_memory_and_resumes_exactly(tmp_path)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_a_checkpoint_written_before_the_memory_had_its_own_name_resumes_with_its_memory(tmp_path):
+    """Checkpoints of earlier runs keep the memory under ``replay_memory``."""
+    from mmrl.train.checkpoint import CHECKPOINT_STATE
+
+    algo = {"group_size": 4, "groups_per_step": 2, "self_imitation": {"size": 6, "batch": 4}}
+    train(env_config(total_steps=3, algo=algo), tmp_path / "run")
+    path = tmp_path / "run/checkpoints/step_00000003" / CHECKPOINT_STATE
+    state = torch.load(path, weights_only=True)
+    state["replay_memory"] = state.pop("self_imitation_memory")
+    torch.save(state, path)
+    trainer = Trainer(env_config(total_steps=4, algo=algo), tmp_path / "run", resume=True)
+    assert len(trainer.memory) > 0
+
+
 def test_a_memory_left_out_of_checkpoints_is_refilled_on_resume(tmp_path):
     algo = {"group_size": 4, "groups_per_step": 2, "self_imitation": {"size": 6, "batch": 4, "in_checkpoint": False}}
     train(env_config(total_steps=3, algo=algo), tmp_path / "run")
