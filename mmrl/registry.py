@@ -114,3 +114,4 @@ OBJECTIVES = Registry("objectives", ("mmrl.algo.objective",), section="objective
 AGGREGATIONS = Registry("aggregations", ("mmrl.algo.aggregation",), section="aggregation")
 KL_ESTIMATORS = Registry("kl estimators", ("mmrl.algo.kl",))
 FILTERS = Registry("filters", ("mmrl.algo.filters",), section="filters")
+CORRECTIONS = Registry("corrections", ("mmrl.algo.correction",), section="correction")

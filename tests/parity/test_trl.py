@@ -33,8 +33,9 @@ class OneProcess:
         return tensor
 
 
-def trl_loss(module, b: Batch, loss_type: str, **config):
-    """TRL's ``_compute_loss`` as a function of the current log-probs, for ``GRPOConfig(loss_type=..., **config)``."""
+def trl_loss(module, b: Batch, loss_type: str, extra_inputs: dict | None = None, **config):
+    """TRL's ``_compute_loss`` as a function of the current log-probs, for ``GRPOConfig(loss_type=..., **config)``;
+    ``extra_inputs`` join the batch the generation step would hand over (``importance_sampling_ratio``)."""
     args = module.GRPOConfig(
         output_dir="unused", use_cpu=True, bf16=False, report_to=[], loss_type=loss_type,
         **{"max_completion_length": b.mask.shape[1], "beta": 0.0, **config},
@@ -68,6 +69,7 @@ def trl_loss(module, b: Batch, loss_type: str, **config):
         "old_per_token_logps": b.old_logp,
         "ref_per_token_logps": b.ref_logp,
         "num_items_in_batch": b.mask.sum(),
+        **(extra_inputs or {}),
     }
 
     def loss(logp):
