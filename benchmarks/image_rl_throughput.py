@@ -331,8 +331,8 @@ def _serve(side: str, size: int, transition: str, args, conn) -> None:
             else:
                 info = None
                 step = iter(range(1_000_000))
-                forward = trainer.model.forward
-                trainer.model.forward = lambda *a, **kw: passes.append(1) or forward(*a, **kw)
+                forward = trainer.learner.model.forward
+                trainer.learner.model.forward = lambda *a, **kw: passes.append(1) or forward(*a, **kw)
 
                 def update():
                     metrics = trainer.rl_step(next(step))

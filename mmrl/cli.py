@@ -154,6 +154,7 @@ def listed_registries() -> dict:
         "objectives": registry.OBJECTIVES,
         "aggregations": registry.AGGREGATIONS,
         "filters": registry.FILTERS,
+        "corrections": registry.CORRECTIONS,
         "kl": registry.KL_ESTIMATORS,
         "data": registry.DATA_SOURCES,
     }
@@ -300,7 +301,7 @@ def _train_help() -> str:
     sections = (
         ("env", registry.ENVS), ("policy", registry.POLICIES), ("sampler", registry.SAMPLERS), ("rewards[i]", registry.REWARDS),
         ("algo.advantage", registry.ADVANTAGES), ("algo.objective", registry.OBJECTIVES), ("algo.aggregation", registry.AGGREGATIONS),
-        ("algo.filters[i]", registry.FILTERS), ("data", registry.DATA_SOURCES),
+        ("algo.filters[i]", registry.FILTERS), ("algo.correction", registry.CORRECTIONS), ("data", registry.DATA_SOURCES),
     )
     for section, reg in sections:
         for entry in reg.entries():
@@ -355,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("list", help="list registered components, presets, task suites or tasks")
-    p.add_argument("kind", choices=["envs", "policies", "rewards", "samplers", "presets", "suites", "tasks", "advantages", "objectives", "aggregations", "filters", "kl", "data"])
+    p.add_argument("kind", choices=["envs", "policies", "rewards", "samplers", "presets", "suites", "tasks", "advantages", "objectives", "aggregations", "filters", "corrections", "kl", "data"])
     p.set_defaults(func=cmd_list)
 
     p = sub.add_parser("doctor", help="check rendering backends, simulators and extras")

@@ -239,6 +239,33 @@ def discounted_returns(step_rewards: Tensor, mask: Tensor, gamma: float) -> Tens
     return returns
 
 
+def step_advantages(
+    advantage_fn, terminal: Tensor, group_id: Tensor, mask: Tensor, step_rewards: Tensor | None = None,
+    *, gamma: float = 1.0, step_reward_weight: float = 0.0, **options,
+) -> tuple[Tensor, Tensor]:
+    """Per-decision advantages [B, T] for env episodes: the combined terminal reward sits on
+    each sample's last valid decision, ``step_reward_weight`` × the env's step rewards on every
+    decision; the discounted returns-to-go G_t (:func:`discounted_returns`) are compared within
+    the cell (group, t) by ``advantage_fn`` (a registered advantage, with its ``options``).
+    Returns the advantages (0 on invalid decisions) and per sample whether any decision was
+    kept."""
+    B, T = mask.shape
+    per_step = torch.zeros(B, T)
+    last = (mask * torch.arange(1, T + 1)).argmax(1)
+    per_step[torch.arange(B), last] = terminal
+    if step_reward_weight > 0:
+        per_step = per_step + step_reward_weight * step_rewards
+    returns = discounted_returns(per_step, mask, gamma)
+    valid = mask.reshape(-1) > 0
+    cell = (group_id[:, None] * T + torch.arange(T)).reshape(-1)
+    adv_valid, keep_valid = advantage_fn(returns.reshape(-1)[valid], cell[valid], **options)
+    adv = torch.zeros(B * T)
+    adv[valid] = adv_valid
+    keep = torch.zeros(B * T, dtype=torch.bool)
+    keep[valid] = keep_valid
+    return adv.view(B, T), keep.view(B, T).any(1)
+
+
 @dataclass
 class CopoConfig(AdvantageConfig):
     type: str = option("copo", "advantage estimator (mmrl list advantages)")

@@ -147,8 +147,9 @@ def apply_correction(per_decision_loss: Tensor, weight: Tensor) -> Tensor:
 def no_correction(
     old_logp: Tensor, behaviour_logp: Tensor | None, mask: Tensor, *, log_ratio_clamp: float = 20.0
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-    """No correction: w = 1, the mask unchanged (samples taken as on-policy). Reads no
-    behaviour log-probs (``behaviour_logp`` may be None) and returns no stats."""
+    """No correction: weight 1, the mask unchanged (samples taken as on-policy).
+
+    Reads no behaviour log-probs (``behaviour_logp`` may be None) and returns no stats."""
     return torch.ones_like(old_logp, requires_grad=False), mask.bool(), {}
 
 
@@ -163,8 +164,9 @@ def tis(
     floor: float | None = None,
     log_ratio_clamp: float = 20.0,
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-    """Truncated importance sampling: w = sg(min(ρ, cap)), ρ = exp(clamp(ℓ)) at ``level``;
-    with ``floor``, w = sg(clamp(ρ, floor, cap)) (Ionides 2008; Yao et al. 2025, "Your
+    """Truncated importance sampling: each decision's loss weighted by min(ρ, cap).
+
+    w = sg(min(ρ, cap)), ρ = exp(clamp(ℓ)) at ``level``; with ``floor``, w = sg(clamp(ρ, floor, cap)) (Ionides 2008; Yao et al. 2025, "Your
     Efficient RL Framework Secretly Brings You Off-Policy RL Training").
 
     TRL's ``token_truncate`` / ``sequence_truncate`` (``clip_max`` = cap, ``clip_min`` =
@@ -194,8 +196,10 @@ def mis(
     reweight: bool = True,
     log_ratio_clamp: float = 20.0,
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-    """Masked importance sampling: decisions whose ratio ρ at ``level`` lies outside
-    [lo, hi] (bounds included in the kept range) are masked, w = 0. The kept ones get
+    """Masked importance sampling: decisions whose ratio lies outside [lo, hi] are removed.
+
+    Decisions whose ratio ρ at ``level`` lies outside [lo, hi] (bounds included in the kept
+    range) are masked, w = 0. The kept ones get
     w = sg(ρ), ρ = exp(clamp(ℓ)), or w = 1 with ``reweight=False`` (Liu, Li et al. 2025, "When
     Speed Kills Stability"; IcePop, Ling Team 2025).
 

@@ -71,6 +71,11 @@ class Rollout:
     # policy's parameters (the trainer asked for them: algo.reuse_sampling_graph); old_logp
     # is their detached copy
     sampling_graph_logp: Tensor | None = None
+    # [B] long: the version of the learner's weights that sampled each sample
+    policy_version: Tensor | None = None
+    # [B, T] the sampler's own log-probs, kept beside the learner's exact old_logp when an
+    # off-policy correction (algo.correction) reads both
+    behaviour_logp: Tensor | None = None
 
     @property
     def batch_size(self) -> int:

@@ -29,16 +29,16 @@ def _module_of(name: str) -> str:
 def batch_gradient(trainer: Trainer, step: int) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """One training batch (groups seeded as training step ``step``) and its loss gradient at
     ratio 1, per parameter; plus the batch's success/reward statistics."""
-    rollout = trainer.collect(step).rollout
-    adv, keep = trainer.advantages(rollout)
+    rollout = trainer.worker.collect(step).rollout
+    adv, keep = trainer.learner.advantages(rollout)
     device = trainer.accelerator.device
     sampled = rollout.mask
-    rollout = rollout.with_(mask=trainer.train_mask(rollout, keep)).to(device)
+    rollout = rollout.with_(mask=trainer.learner.train_mask(rollout, keep)).to(device)
     adv = adv.to(device)
     adv = adv[:, None] if adv.dim() == 1 else adv
-    model = trainer.model
+    model = trainer.learner.model
     model.zero_grad(set_to_none=True)
-    loss, _, _, _ = trainer.policy_loss(rollout, adv, trainer.normalizers(rollout), at_sampling_weights=True)
+    loss, _, _, _ = trainer.learner.policy_loss(rollout, adv, trainer.learner.normalizers(rollout), at_sampling_weights=True)
     loss.backward()
     grads = {n: p.grad.detach().flatten().cpu().clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)

@@ -49,12 +49,13 @@ class Collectives:
             return t
         return self.accelerator.reduce(t.to(self.device), "sum").cpu()
 
-    def max(self, value: int) -> int:
+    def max(self, value: int | float) -> int | float:
+        """The largest ``value`` over processes (an int stays an int)."""
         if self.world == 1:
             return value
-        t = torch.tensor(value, device=self.device)
+        t = torch.tensor(value, device=self.device, dtype=torch.float64 if isinstance(value, float) else torch.long)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        return int(t)
+        return type(value)(t.item())
 
     def gather_objects(self, obj) -> list:
         """Every process's picklable ``obj``, in rank order (for checkpoints, not hot paths)."""

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from mmrl.algo.advantage import AdvantageConfig, GroupNormConfig
+from mmrl.algo.correction import CorrectionConfig
 from mmrl.algo.aggregation import AggregationConfig
 from mmrl.algo.filters import FilterConfig
 from mmrl.algo.kl import KLConfig
@@ -82,6 +83,9 @@ class AlgoConfig:
     log_tamed_threshold: Literal["mean", "median"] = option("mean", "log_tamed: tame components whose coefficient of variation exceeds the mean or the median of all components'")
     advantage: AdvantageConfig = option(factory=GroupNormConfig, doc="advantage estimator and its options")
     filters: list[FilterConfig] = option(factory=list, doc="group filters applied before the update, e.g. [{type: zero_variance}]")
+    correction: CorrectionConfig = option(
+        factory=CorrectionConfig, doc="off-policy correction of samples whose sampler log-probs differ from the learner's: tis, mis (mmrl list corrections); none"
+    )
     resample_rounds: int = option(0, "extra collection rounds to refill the batch after filtering (DAPO dynamic sampling)", ge=0)
     objective: ObjectiveConfig = option(factory=PPOClipConfig, doc="per-decision surrogate and its options")
     aggregation: AggregationConfig = option(factory=AggregationConfig, doc="how per-decision losses become one number")
@@ -104,6 +108,8 @@ class AlgoConfig:
 
     def validate(self, path: str) -> None:
         p = f"{path}." if path else ""
+        if self.correction.type != "none" and self.objective.type == "decoupled_ppo":
+            raise ConfigError(p + "correction.type", self.correction.type, "decoupled_ppo already weights stale samples by their behaviour ratio; use correction none with it, or ppo_clip with the correction")
         needed = ADVANTAGES.entry(self.advantage.type, p + "advantage.type").traits.get("min_group_size", 1)
         if self.group_size < needed:  # declared where the advantage registers
             raise ConfigError(p + "group_size", self.group_size, f"must be >= {needed} for the group-relative advantage {self.advantage.type!r}")

@@ -2,7 +2,7 @@ import math
 import pytest
 import torch
 
-from mmrl.algo.advantage import best_worst, clip_advantages, discounted_returns, grpo, median, passk, psr_nsr, rloo
+from mmrl.algo.advantage import best_worst, clip_advantages, discounted_returns, grpo, median, passk, psr_nsr, rloo, step_advantages
 from mmrl.registry import ADVANTAGES
 
 # Two groups with non-contiguous, negative and interleaved ids:
@@ -179,3 +179,17 @@ def test_copo_gives_groups_that_all_agree_a_signal_and_mixed_groups_grpo():
     # the order of samples and the values of group ids do not matter
     perm = torch.randperm(16, generator=torch.Generator().manual_seed(0))
     assert torch.allclose(copo(rewards[perm], group[perm] * 7 + 3)[0], adv[perm])
+
+
+def test_step_advantages_compare_discounted_returns_within_group_and_decision():
+    """Two samples of one group, 2 and 3 decisions: the terminal reward sits on each one's
+    last decision, half the step rewards on every decision, returns-to-go with gamma 0.5;
+    decision t of the two samples are compared by rloo (A = r - mean of the others)."""
+    terminal = torch.tensor([1.0, 0.0])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    step = torch.tensor([[0.0, 2.0, 0.0], [2.0, 0.0, 0.0]])
+    adv, keep = step_advantages(rloo, terminal, torch.tensor([0, 0]), mask, step, gamma=0.5, step_reward_weight=0.5)
+    # per-step rewards: [0, 1 + 1, -] and [1, 0, 0]; returns-to-go: [1.0, 2.0, -] and [1.0, 0.0, 0.0]
+    # rloo within (group, t): t=0 -> 1-1, 1-1; t=1 -> 2-0, 0-2; t=2 -> a cell of one sample: 0
+    assert torch.allclose(adv, torch.tensor([[0.0, 2.0, 0.0], [0.0, -2.0, 0.0]]))
+    assert keep.tolist() == [True, True]

@@ -60,10 +60,10 @@ def _one_step(cfg: TrainConfig, run_dir):
     log_prob = trainer.policy.log_prob
     trainer.policy.log_prob = lambda *a, **kw: recomputed.append(1) or log_prob(*a, **kw)
     grads = []
-    step = trainer.optimizer.step
-    trainer.optimizer.step = lambda *a, **kw: grads.append({n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}) or step(*a, **kw)
+    step = trainer.learner.optimizer.step
+    trainer.learner.optimizer.step = lambda *a, **kw: grads.append({n: p.grad.clone() for n, p in trainer.learner.model.named_parameters() if p.grad is not None}) or step(*a, **kw)
     metrics = trainer.rl_step(0)
-    weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    weights = {n: p.detach().clone() for n, p in trainer.learner.model.named_parameters()}
     return trainer, grads, weights, metrics, len(recomputed)
 
 
@@ -81,7 +81,7 @@ def test_the_reused_sampling_graph_gives_the_recomputed_update(tmp_path, float64
     results = {}
     for reuse in (True, False):
         trainer, grads, weights, metrics, recomputed = _one_step(_image(transition, reuse_sampling_graph=reuse, **algo), tmp_path / str(reuse))
-        assert trainer.reuse_graph is reuse
+        assert trainer.learner.reuse_graph is reuse
         results[reuse] = grads, weights, metrics, recomputed
     (g_reuse, w_reuse, m_reuse, n_reuse), (g_recompute, w_recompute, m_recompute, n_recompute) = results[True], results[False]
     assert n_reuse == 0 and n_recompute >= 1  # the hook ran no log_prob at all
@@ -90,7 +90,7 @@ def test_the_reused_sampling_graph_gives_the_recomputed_update(tmp_path, float64
     assert scale > 1e-6
     for name, g in g_recompute[0].items():
         torch.testing.assert_close(g_reuse[0][name], g, rtol=0, atol=1e-10 * scale, msg=name)
-    initial = Trainer(_image(transition, **algo), tmp_path / "initial").model.state_dict()
+    initial = Trainer(_image(transition, **algo), tmp_path / "initial").learner.model.state_dict()
     assert any(not torch.equal(w_recompute[name], initial[name]) for name in w_recompute)  # the step moved the weights
     for name, w in w_recompute.items():
         torch.testing.assert_close(w_reuse[name], w, rtol=1e-9, atol=1e-12, msg=name)
@@ -103,14 +103,14 @@ def test_the_reused_sampling_graph_gives_the_recomputed_update(tmp_path, float64
 
 
 def test_auto_engages_for_one_pass_and_not_for_two_epochs(tmp_path):
-    assert not Trainer(_image("ddim"), tmp_path / "default").reuse_graph  # opt-in: it holds the whole sampling graph
-    assert Trainer(_image("ddim", reuse_sampling_graph="auto"), tmp_path / "one").reuse_graph
+    assert not Trainer(_image("ddim"), tmp_path / "default").learner.reuse_graph  # opt-in: it holds the whole sampling graph
+    assert Trainer(_image("ddim", reuse_sampling_graph="auto"), tmp_path / "one").learner.reuse_graph
     trainer, grads, _, metrics, recomputed = _one_step(_image("ddim", ppo_epochs=2, reuse_sampling_graph="auto"), tmp_path / "two")
-    assert not trainer.reuse_graph and recomputed >= 2 and len(grads) == 2 and metrics["approx_kl"] > 0
-    assert not Trainer(_image("ddim", num_minibatches=2, reuse_sampling_graph="auto"), tmp_path / "mb").reuse_graph
-    assert not Trainer(_image("ddim", micro_batches=2, reuse_sampling_graph="auto"), tmp_path / "pieces").reuse_graph
-    assert not Trainer(_image("ddim", kl={"type": "exact", "coef": 0.1}, reuse_sampling_graph="auto"), tmp_path / "exact").reuse_graph  # its forward runs anyway
-    assert not Trainer(_image("ddim", reuse_sampling_graph=False), tmp_path / "off").reuse_graph
+    assert not trainer.learner.reuse_graph and recomputed >= 2 and len(grads) == 2 and metrics["approx_kl"] > 0
+    assert not Trainer(_image("ddim", num_minibatches=2, reuse_sampling_graph="auto"), tmp_path / "mb").learner.reuse_graph
+    assert not Trainer(_image("ddim", micro_batches=2, reuse_sampling_graph="auto"), tmp_path / "pieces").learner.reuse_graph
+    assert not Trainer(_image("ddim", kl={"type": "exact", "coef": 0.1}, reuse_sampling_graph="auto"), tmp_path / "exact").learner.reuse_graph  # its forward runs anyway
+    assert not Trainer(_image("ddim", reuse_sampling_graph=False), tmp_path / "off").learner.reuse_graph
 
 
 @pytest.mark.parametrize(

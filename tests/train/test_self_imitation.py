@@ -53,9 +53,9 @@ def test_memory_keeps_positive_samples_first_in_first_out_across_lengths():
 
 
 def _remembered_logp(trainer) -> float:
-    mem = trainer.memory
+    mem = trainer.learner.memory
     with torch.no_grad():
-        logp = trainer.model(mem.data.replay)
+        logp = trainer.learner.model(mem.data.replay)
     return float((mem.adv * mem.data.mask * logp).sum() / (mem.adv * mem.data.mask).sum())
 
 
@@ -67,11 +67,11 @@ def test_self_imitation_steps_raise_the_log_prob_of_remembered_good_samples(tmp_
     for steps in (1, 4):
         cfg = toy_config("sequence", seed=learning_seed, algo={"group_size": 8, "groups_per_step": 4, "self_imitation": {"size": 64, "steps": steps, "batch": 16}}, optim={"lr": 0.01})
         trainer = Trainer(cfg, tmp_path / f"steps{steps}")
-        rollout = trainer.collect(0).rollout
-        adv, keep = trainer.advantages(rollout)
-        assert trainer.memory.add(rollout, adv, step=0) == int((adv > 0).sum()) > 0
+        rollout = trainer.worker.collect(0).rollout
+        adv, keep = trainer.learner.advantages(rollout)
+        assert trainer.learner.memory.add(rollout, adv, step=0) == int((adv > 0).sum()) > 0
         before = _remembered_logp(trainer)
-        stats = trainer.self_imitation(step=0)
+        stats = trainer.learner.self_imitation(step=0)
         assert stats["loss/self_imitation"] > 0
         gains[steps] = _remembered_logp(trainer) - before
     learned(gains[1], 0.02, name="log-prob gain after 1 step")
@@ -109,7 +109,7 @@ def test_a_checkpoint_written_before_the_memory_had_its_own_name_resumes_with_it
     state["replay_memory"] = state.pop("self_imitation_memory")
     torch.save(state, path)
     trainer = Trainer(env_config(total_steps=4, algo=algo), tmp_path / "run", resume=True)
-    assert len(trainer.memory) > 0
+    assert len(trainer.learner.memory) > 0
 
 
 def test_a_memory_left_out_of_checkpoints_is_refilled_on_resume(tmp_path):
@@ -119,7 +119,7 @@ def test_a_memory_left_out_of_checkpoints_is_refilled_on_resume(tmp_path):
     assert "self_imitation_memory" not in state
     kept = torch.load(tmp_path / "run/checkpoints/step_00000003/state.pt", weights_only=True)
     trainer = Trainer(env_config(total_steps=5, algo=algo), tmp_path / "run", resume=True)
-    assert len(trainer.memory) == 0 and kept["step"] == 3
+    assert len(trainer.learner.memory) == 0 and kept["step"] == 3
     trainer.train()
     sizes = [r["self_imitation/size"] for r in read_metrics(tmp_path / "run") if r["step"] > 3 and "self_imitation/size" in r]
     assert sizes and sizes[-1] > 0
@@ -173,24 +173,24 @@ def test_imitation_batch_holds_the_executed_actions_of_every_replayed_decision(t
 def test_sft_self_imitation_fits_the_remembered_actions_and_ignores_zero_weights(tmp_path, policy, learning_seed, learned):
     """self_imitation.loss: sft is the policy's supervised loss on the remembered decisions with
     A+ > 0, A+-weighted; its steps lower that loss on the memory."""
-    trainer = _robot_trainer(tmp_path, policy, seed=learning_seed, steps=20)
-    rollout = trainer.collect(0).rollout
-    adv, keep = trainer.advantages(rollout)
-    rollout = rollout.with_(mask=trainer.train_mask(rollout, keep))
-    assert trainer.memory.add(rollout, adv, step=0) > 0
-    mem = trainer.memory
+    trainer = _robot_trainer(tmp_path, policy, seed=learning_seed, steps=40)
+    rollout = trainer.worker.collect(0).rollout
+    adv, keep = trainer.learner.advantages(rollout)
+    rollout = rollout.with_(mask=trainer.learner.train_mask(rollout, keep))
+    assert trainer.learner.memory.add(rollout, adv, step=0) > 0
+    mem = trainer.learner.memory
     weight = mem.adv * mem.data.mask
 
     def memory_loss() -> float:
         torch.manual_seed(123)  # the same flow-matching noise every time
         with torch.no_grad():
-            return float(sil_sft_loss(trainer.model, trainer.policy, mem.data.replay, weight, weight.sum()))
+            return float(sil_sft_loss(trainer.learner.model, trainer.policy, mem.data.replay, weight, weight.sum()))
 
     # a weighted mean: scaling every weight (up, or down to sums far below 1) changes nothing
     for scale in (2.0, 1e-3):
         torch.manual_seed(123)
         with torch.no_grad():
-            scaled = float(sil_sft_loss(trainer.model, trainer.policy, mem.data.replay, scale * weight, scale * weight.sum()))
+            scaled = float(sil_sft_loss(trainer.learner.model, trainer.policy, mem.data.replay, scale * weight, scale * weight.sum()))
         assert scaled == pytest.approx(memory_loss(), rel=1e-5), scale
     # the actions of decisions without a positive advantage (padding, the failures' and
     # zero-advantage decisions) do not count
@@ -205,11 +205,11 @@ def test_sft_self_imitation_fits_the_remembered_actions_and_ignores_zero_weights
         replay["chain"] = {**replay["chain"], "latents": torch.where(zero, torch.randn_like(latents), latents)}
     torch.manual_seed(123)
     with torch.no_grad():
-        assert float(sil_sft_loss(trainer.model, trainer.policy, replay, weight, weight.sum())) == pytest.approx(memory_loss(), rel=1e-5)
+        assert float(sil_sft_loss(trainer.learner.model, trainer.policy, replay, weight, weight.sum())) == pytest.approx(memory_loss(), rel=1e-5)
     assert (weight == 0).any() and (weight > 0).any()
 
     before = memory_loss()
-    stats = trainer.self_imitation(step=0)
+    stats = trainer.learner.self_imitation(step=0)
     assert math.isfinite(stats["loss/self_imitation"])
     learned(memory_loss() / before, 0.8, higher=False, name="memory loss after / before")
     trainer.sampler.close()

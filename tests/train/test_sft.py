@@ -81,7 +81,7 @@ def test_sft_from_expert_demos_raises_success_and_rl_continues_from_the_run_dir(
 
 def test_few_shot_keeps_the_first_n_demonstrations_of_each_task(tmp_path, demos):
     trainer = Trainer(_sft_config(tmp_path, demos, total_steps=0, data={"path": str(demos), "max_episodes_per_task": 3}))
-    assert trainer.data.info["episodes"] == 3
+    assert trainer.learner.data.info["episodes"] == 3
 
 
 def test_sft_without_demonstrations_is_a_config_error_naming_data_path(tmp_path):

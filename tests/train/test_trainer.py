@@ -173,10 +173,10 @@ def test_every_preset_applies_its_options_in_the_loop(tmp_path, preset):
         wrapped.needs_proximal = getattr(fn, "needs_proximal", False)
         return wrapped
 
-    trainer.advantage_fn = spy(adv_type, trainer.advantage_fn)
-    trainer.objective_fn = spy(objective_type, trainer.objective_fn)
-    trainer.aggregate_fn = spy(aggregation, trainer.aggregate_fn)
-    trainer.filters = [(spy(name, fn), options) for (fn, options), name in zip(trainer.filters, filters)]
+    trainer.learner.advantage_fn = spy(adv_type, trainer.learner.advantage_fn)
+    trainer.learner.objective_fn = spy(objective_type, trainer.learner.objective_fn)
+    trainer.learner.aggregate_fn = spy(aggregation, trainer.learner.aggregate_fn)
+    trainer.worker.filters = [(spy(name, fn), options) for (fn, options), name in zip(trainer.worker.filters, filters)]
     summary = trainer.train()
     assert summary["step"] == 2
     assert calls[adv_type] == adv_options
@@ -240,7 +240,7 @@ def test_a_resumed_run_takes_a_new_learning_rate_and_records_it(tmp_path):
     train(env_config(total_steps=3, optim={"lr": 0.01}, checkpoint={"every": 3, "keep": 2}), run)
     resumed = Trainer(env_config(total_steps=5, optim={"lr": 0.003}), run, resume=True)
     resumed.train()
-    assert all(g["lr"] == pytest.approx(0.003) for g in resumed.optimizer.param_groups)
+    assert all(g["lr"] == pytest.approx(0.003) for g in resumed.learner.optimizer.param_groups)
     lrs = {r["step"]: r["optim/lr"] for r in read_metrics(run) if "optim/lr" in r}
     assert [lrs[s] for s in range(1, 6)] == pytest.approx([0.01, 0.01, 0.01, 0.003, 0.003])
     saved = yaml.safe_load((run / "config.yaml").read_text())
@@ -250,9 +250,9 @@ def test_a_resumed_run_takes_a_new_learning_rate_and_records_it(tmp_path):
 def test_frozen_parameters_stay_fixed_while_the_others_train(tmp_path):
     cfg = env_config(total_steps=2, optim={"lr": 0.01, "frozen": ["net.0", "log_std"]})
     trainer = Trainer(cfg, tmp_path / "run")
-    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    before = {n: p.detach().clone() for n, p in trainer.learner.model.named_parameters()}
     trainer.train()
-    after = dict(trainer.model.named_parameters())
+    after = dict(trainer.learner.model.named_parameters())
     for name, value in before.items():
         frozen = name.startswith("net.0.") or name == "log_std"
         assert torch.equal(value, after[name]) == frozen, name
@@ -269,7 +269,7 @@ def test_metrics_log_the_sampling_policys_entropy_per_decision(tmp_path):
     train(toy_config("sequence", total_steps=2), tmp_path / "run")
     rows = [r for r in read_metrics(tmp_path / "run") if "loss/policy" in r]
     trainer = Trainer(toy_config("sequence"), tmp_path / "fresh")
-    vocab = trainer.model.config.vocab_size
+    vocab = trainer.learner.model.config.vocab_size
     assert len(rows) == 2 and all(0 < r["entropy"] <= math.log(vocab) + 1e-6 for r in rows)
 
 
@@ -282,15 +282,15 @@ def test_micro_batches_accumulate_to_the_same_update(tmp_path, aggregation):
         cfg = env_config(total_steps=2, algo={"group_size": 4, "groups_per_step": 4, "ppo_epochs": 2, "num_minibatches": 2, "micro_batches": k, "aggregation": aggregation})
         trainer = Trainer(cfg, tmp_path / f"run{k}")
         calls = []
-        forward = trainer.model.forward
-        trainer.model.forward = lambda *a, **kw: calls.append(1) or forward(*a, **kw)
+        forward = trainer.learner.model.forward
+        trainer.learner.model.forward = lambda *a, **kw: calls.append(1) or forward(*a, **kw)
         trainer.train()
         assert len(calls) == 2 * 2 * 2 * k  # steps x epochs x minibatches x pieces
-        results[k] = ({n: p.detach().clone() for n, p in trainer.model.named_parameters()}, [r for r in read_metrics(tmp_path / f"run{k}") if "loss/policy" in r])
+        results[k] = ({n: p.detach().clone() for n, p in trainer.learner.model.named_parameters()}, [r for r in read_metrics(tmp_path / f"run{k}") if "loss/policy" in r])
     (w1, m1), (w3, m3) = results[1], results[3]
     for name in w1:
         torch.testing.assert_close(w3[name], w1[name], atol=1e-5, rtol=1e-4)
-    assert not torch.equal(w1["net.0.weight"], Trainer(env_config(), tmp_path / "fresh").model.net[0].weight)  # training moved it
+    assert not torch.equal(w1["net.0.weight"], Trainer(env_config(), tmp_path / "fresh").learner.model.net[0].weight)  # training moved it
     for a, b in zip(m1, m3):
         for key in ("loss/policy", "approx_kl", "objective/clipped", "grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
@@ -310,11 +310,11 @@ def test_micro_batches_null_cuts_minibatches_by_the_policys_activation_estimate(
         if estimate is not None:  # the policy class implements the hook
             monkeypatch.setattr(type(trainer.policy), "activation_bytes", lambda self, replay, estimate=estimate: estimate, raising=False)
         calls = []
-        forward = trainer.model.forward
-        trainer.model.forward = lambda *a, **kw: calls.append(1) or forward(*a, **kw)
+        forward = trainer.learner.model.forward
+        trainer.learner.model.forward = lambda *a, **kw: calls.append(1) or forward(*a, **kw)
         trainer.train()
         assert len(calls) == 2 * 2 * pieces, name  # steps x minibatches x pieces
-        results[name] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        results[name] = {n: p.detach().clone() for n, p in trainer.learner.model.named_parameters()}
     for name in results["one"]:
         torch.testing.assert_close(results["none"][name], results["one"][name], atol=0, rtol=0)
         torch.testing.assert_close(results["estimated"][name], results["one"][name], atol=1e-5, rtol=1e-4)
@@ -346,9 +346,9 @@ def test_exact_kl_on_a_policy_without_one_is_a_config_error(tmp_path):
 
 def test_a_minibatch_whose_decisions_are_all_masked_gives_a_zero_loss_not_nan(tmp_path):
     trainer = Trainer(toy_config("sequence", algo={"group_size": 8, "groups_per_step": 4, "aggregation": "token_mean"}), tmp_path / "run")
-    rollout = trainer.collect(0).rollout
+    rollout = trainer.worker.collect(0).rollout
     masked = rollout.with_(mask=torch.zeros_like(rollout.mask))
-    loss, *_ = trainer.policy_loss(masked, torch.ones(rollout.batch_size, 1), trainer.normalizers(masked))
+    loss, *_ = trainer.learner.policy_loss(masked, torch.ones(rollout.batch_size, 1), trainer.learner.normalizers(masked))
     assert loss.item() == 0.0
 
 
@@ -371,3 +371,15 @@ def test_the_evaluation_before_training_leaves_the_run_as_it_would_be_without_it
     assert untimed(with_start) == untimed(without)
     weights = [load_file(str(tmp_path / run / "checkpoints" / "step_00000002" / "model.safetensors")) for run in ("True", "False")]
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+def test_every_sample_carries_the_version_of_the_weights_that_sampled_it_and_resume_keeps_the_count(tmp_path):
+    """Each update publishes a version of the learner's weights (0: the initial ones); the
+    worker tags what it samples with the version it holds; checkpoints keep the count."""
+    trainer = Trainer(env_config(total_steps=2, checkpoint={"every": 2}), tmp_path / "run")
+    assert trainer.learner.version == 0 and trainer.worker.collect(0).rollout.policy_version.unique().tolist() == [0]
+    trainer.train()
+    assert trainer.learner.version == trainer.worker.version == 2
+    assert trainer.worker.collect(2).rollout.policy_version.unique().tolist() == [2]
+    resumed = Trainer(env_config(total_steps=3), tmp_path / "run", resume=True)
+    assert resumed.learner.version == resumed.worker.version == 2

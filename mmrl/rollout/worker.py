@@ -1,0 +1,109 @@
+"""A rollout worker: a copy of the policy at a published version, a sampler and the rewards.
+It returns whole groups, scored and filtered (DAPO refill rounds included), each sample
+tagged with the ``policy_version`` whose weights sampled it.
+
+In ``rollout.mode: sync`` with ``engine: local`` the worker samples in the learner's process
+with the learner's own policy object (no copy): the run is the single-process loop, bit for
+bit. Imports nothing of the loop or the learner: it receives a policy and weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mmrl.algo.filters import FilterConfig, apply_filters
+from mmrl.config import own_options
+from mmrl.core.rollout import Rollout
+
+
+@dataclass
+class Collected:
+    """A step's kept samples, plus sums over everything collected (for the metrics)."""
+
+    rollout: Rollout
+    spare: Rollout  # one collected sample with an empty mask: a no-op forward for DDP
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)  # metric -> [sum, count]
+    num_collected: int = 0
+
+
+def add_metric(sums: dict[str, torch.Tensor], name: str, values: torch.Tensor) -> None:
+    """Add ``values`` to the float64 [sum, count] pair of metric ``name``."""
+    values = torch.as_tensor(values, dtype=torch.float64).reshape(-1).cpu()
+    pair = torch.stack([values.sum(), torch.tensor(float(values.numel()), dtype=torch.float64)])
+    sums[name] = sums[name] + pair if name in sums else pair
+
+
+class RolloutWorker:
+    """Collects this process's whole groups with ``policy`` (at ``version``) and ``sampler``;
+    ``rewards`` score them (with the ``reference``'s log-probs for a sampled-log-prob KL);
+    ``algo`` gives the group size, the groups per step, the filters and their refill rounds;
+    ``dist`` the collectives across learner processes (the refill decision is global)."""
+
+    def __init__(self, sampler, policy, rewards, algo, dist, *, reference=None, kl_fn=None, device=None, keep_graph: bool = False):
+        self.sampler, self.policy, self.rewards, self.algo, self.dist = sampler, policy, rewards, algo, dist
+        self.reference, self.kl_fn = reference, kl_fn
+        self.device = device if device is not None else torch.device("cpu")
+        self.reuse_graph = keep_graph
+        self.rank = dist.rank
+        self.local_groups = algo.groups_per_step // dist.world
+        self.filters = [(f.type, own_options(f, FilterConfig)) for f in algo.filters]
+        self.version = 0
+
+    def load_weights(self, state: dict[str, torch.Tensor] | None, version: int) -> None:
+        """Take the learner's published weights (None: the policy object is the learner's own)."""
+        if state is not None:
+            self.policy.load_state_dict(state)
+        self.version = version
+
+    def collect(self, step: int) -> Collected:
+        """Whole groups for this process, scored and filtered. With ``resample_rounds``
+        (DAPO dynamic sampling) more groups are collected until the processes together keep
+        ``groups_per_step`` groups; the kept samples are the first ones in (round, process)
+        order, which is the order one process would collect them in."""
+        cfg = self.algo
+        target = cfg.groups_per_step * cfg.group_size
+        policy = self.policy
+        sums: dict[str, torch.Tensor] = {}
+        kept_parts: list[Rollout] = []
+        kept_total, num_collected, spare = 0, 0, None
+        keep_graph = {"keep_graph": True} if self.reuse_graph else {}  # only samplers that keep it take the argument
+        with torch.no_grad():
+            for round_ in range(cfg.resample_rounds + 1 if self.filters else 1):
+                # refill groups get indices past the step's batch: every process count draws the same groups
+                offset = round_ * cfg.groups_per_step + self.rank * self.local_groups
+                part = self.sampler.collect(policy, self.local_groups, cfg.group_size, step, offset, **keep_graph)
+                part = self.score(part.with_(policy_version=torch.full((part.batch_size,), self.version, dtype=torch.long)), step)
+                num_collected += part.batch_size
+                for name, values in self.sampler.metrics(part).items():
+                    add_metric(sums, name, values)
+                combined = self.rewards.combine(part.rewards, part.group_id)
+                for k, name in enumerate(self.rewards.names):
+                    add_metric(sums, f"reward/{name}", part.rewards[:, k])
+                add_metric(sums, "reward/total", combined)
+                if spare is None:
+                    spare = part[:1].with_(mask=torch.zeros_like(part.mask[:1]))
+                if not self.filters:
+                    kept_parts.append(part)
+                    break
+                kept = part[self._keep(combined, part.group_id)]
+                sizes = self.dist.sizes(kept.batch_size)
+                room = max(0, target - kept_total - self.dist.offset(sizes))
+                kept_parts.append(kept[: min(kept.batch_size, room)])
+                kept_total += sum(sizes)
+                if kept_total >= target:
+                    break
+        return Collected(Rollout.cat(kept_parts), spare, sums, num_collected)
+
+    def score(self, rollout: Rollout, step: int) -> Rollout:
+        """Reward columns [B, K] and, for a sampled-log-prob KL, the reference's log-probs."""
+        rewards = self.rewards.score(rollout, policy=self.policy, reference=self.reference, step=step)
+        rollout = rollout.with_(rewards=rewards, reward_names=list(self.rewards.names))
+        if self.reference is not None and self.kl_fn is not None:
+            ref_logp = self.reference.log_prob(rollout.to(self.device).replay).detach().cpu()
+            rollout = rollout.with_(ref_logp=ref_logp)
+        return rollout
+
+    def _keep(self, reward: torch.Tensor, group_id: torch.Tensor) -> torch.Tensor:
+        return apply_filters(self.filters, reward, group_id).cpu()
