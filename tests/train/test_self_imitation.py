@@ -62,7 +62,10 @@ def _remembered_logp(trainer) -> float:
 @pytest.mark.learning
 def test_self_imitation_steps_raise_the_log_prob_of_remembered_good_samples(tmp_path, learning_seed, learned):
     """The self-imitation steps move the policy only through the memory: the remembered
-    positive-advantage samples become more likely, the more so the more steps."""
+    positive-advantage samples become more likely, the more so the more steps.
+
+    Measured over seeds x kernels (default 0-4, avx2 0-4, avx512 0-4; 15 runs): log-prob gain after 1 step 0.111 to
+    0.158 (>= 0.02); gain of 4 steps beyond 1 0.22 to 0.295 (>= 0)."""
     gains = {}
     for steps in (1, 4):
         cfg = toy_config("sequence", seed=learning_seed, algo={"group_size": 8, "groups_per_step": 4, "self_imitation": {"size": 64, "steps": steps, "batch": 16}}, optim={"lr": 0.01})
@@ -172,7 +175,10 @@ def test_imitation_batch_holds_the_executed_actions_of_every_replayed_decision(t
 @pytest.mark.parametrize("policy", sorted(ROBOT_POLICIES))
 def test_sft_self_imitation_fits_the_remembered_actions_and_ignores_zero_weights(tmp_path, policy, learning_seed, learned):
     """self_imitation.loss: sft is the policy's supervised loss on the remembered decisions with
-    A+ > 0, A+-weighted; its steps lower that loss on the memory."""
+    A+ > 0, A+-weighted; its steps lower that loss on the memory.
+
+    Measured over seeds x kernels (default 0-4, avx2 0-4, avx512 0-4; 15 runs): memory loss after / before 0.185 to
+    0.651 (<= 0.8)."""
     trainer = _robot_trainer(tmp_path, policy, seed=learning_seed, steps=40)
     rollout = trainer.worker.collect(0).rollout
     adv, keep = trainer.learner.advantages(rollout)
@@ -227,10 +233,10 @@ def test_best_worst_takes_advantages_over_the_whole_group_and_trains_only_its_ex
     """algo.advantage.best_worst (DanceGRPO): the advantages are the full group's, the k best
     and k worst samples of each group keep them, the others leave the update."""
     full = Trainer(toy_config("sequence"), tmp_path / "full")
-    rollout = full.collect(0).rollout
-    adv_all, keep_all = full.advantages(rollout)
+    rollout = full.worker.collect(0).rollout
+    adv_all, keep_all = full.learner.advantages(rollout)
     picked = Trainer(toy_config("sequence", algo={"advantage": {"best_worst": 2}}), tmp_path / "picked")
-    adv, keep = picked.advantages(rollout)
+    adv, keep = picked.learner.advantages(rollout)
     reward = picked.rewards.combine(rollout.rewards, rollout.group_id)
     for g in rollout.group_id.unique():
         rows = (rollout.group_id == g).nonzero().flatten()
@@ -241,4 +247,4 @@ def test_best_worst_takes_advantages_over_the_whole_group_and_trains_only_its_ex
         torch.testing.assert_close(adv[kept], adv_all[kept])  # computed over all 8, not the 4 kept
         assert (adv[rows[~keep[rows]]] == 0).all()
     assert keep_all.all()
-    assert (picked.train_mask(rollout, keep).sum(1) > 0).sum() == keep.sum() == 16
+    assert (picked.learner.train_mask(rollout, keep).sum(1) > 0).sum() == keep.sum() == 16

@@ -53,7 +53,11 @@ def test_one_loop_one_preset_trains_tokens_denoising_steps_and_actions(tmp_path,
     """The core is modality-agnostic: the GRPO preset, unchanged but for a smaller KL
     coefficient, and the same Trainer raise the reward of a token policy and of a Gaussian
     denoising chain (both fed by the prompt-dataset sampler; the chain through
-    mmrl/denoising) and of an env policy."""
+    mmrl/denoising) and of an env policy.
+
+    Measured over seeds x kernels (default 0-4, avx2 0-4, avx512 0-4; 15 runs): sequence: reward gain beyond 10% of the
+    start 0.578 to 0.694 (>= 0.05); denoising: reward gain beyond 10% of the start 0.942 to 1.4 (>= 0.05); env: reward
+    gain beyond 10% of the start 1.27 to 1.61 (>= 0.05)."""
     from mmrl.config import resolve_defaults
 
     runs = {
@@ -155,7 +159,7 @@ def test_every_shipped_preset_is_in_the_table():
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
-def test_every_preset_applies_its_options_in_the_loop(tmp_path, preset):
+def test_every_preset_applies_its_options_in_the_loop(tmp_path, preset, monkeypatch):
     """The trainer calls each axis's function with exactly the preset's options (spied
     calls, not the config object), and the run's metrics are finite."""
     from mmrl.config import load_config
@@ -176,7 +180,10 @@ def test_every_preset_applies_its_options_in_the_loop(tmp_path, preset):
     trainer.learner.advantage_fn = spy(adv_type, trainer.learner.advantage_fn)
     trainer.learner.objective_fn = spy(objective_type, trainer.learner.objective_fn)
     trainer.learner.aggregate_fn = spy(aggregation, trainer.learner.aggregate_fn)
-    trainer.worker.filters = [(spy(name, fn), options) for (fn, options), name in zip(trainer.worker.filters, filters)]
+    from mmrl.registry import FILTERS
+
+    for name in filters:  # the worker looks its filters up by name (mmrl.algo.filters.apply_filters)
+        monkeypatch.setattr(FILTERS.entry(name), "obj", spy(name, FILTERS.entry(name).obj))
     summary = trainer.train()
     assert summary["step"] == 2
     assert calls[adv_type] == adv_options
@@ -273,6 +280,7 @@ def test_metrics_log_the_sampling_policys_entropy_per_decision(tmp_path):
     assert len(rows) == 2 and all(0 < r["entropy"] <= math.log(vocab) + 1e-6 for r in rows)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
 def test_micro_batches_accumulate_to_the_same_update(tmp_path, aggregation):
     """Gradient accumulation changes memory, not the update: the weights after two steps and
@@ -288,6 +296,10 @@ def test_micro_batches_accumulate_to_the_same_update(tmp_path, aggregation):
         assert len(calls) == 2 * 2 * 2 * k  # steps x epochs x minibatches x pieces
         results[k] = ({n: p.detach().clone() for n, p in trainer.learner.model.named_parameters()}, [r for r in read_metrics(tmp_path / f"run{k}") if "loss/policy" in r])
     (w1, m1), (w3, m3) = results[1], results[3]
+    # pieces reorder the float32 sums; Adam could turn a rounding difference in a gradient entry
+    # near 0 into a step of up to lr = 3e-4, which a tanh MLP's dense gradients do not have here
+    # (measured: at most 3e-8 apart after 8 optimizer steps, under ATEN_CPU_CAPABILITY default,
+    # avx2 and avx512)
     for name in w1:
         torch.testing.assert_close(w3[name], w1[name], atol=1e-5, rtol=1e-4)
     assert not torch.equal(w1["net.0.weight"], Trainer(env_config(), tmp_path / "fresh").learner.model.net[0].weight)  # training moved it
@@ -296,6 +308,7 @@ def test_micro_batches_accumulate_to_the_same_update(tmp_path, aggregation):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
 
 
+@pytest.mark.numerics
 def test_micro_batches_null_cuts_minibatches_by_the_policys_activation_estimate(tmp_path, monkeypatch):
     """The default (null): one piece for a policy without an activation estimate; with one,
     on a CPU, as many pieces as keep each under micro_batch_mb — the same update."""
@@ -317,14 +330,17 @@ def test_micro_batches_null_cuts_minibatches_by_the_policys_activation_estimate(
         results[name] = {n: p.detach().clone() for n, p in trainer.learner.model.named_parameters()}
     for name in results["one"]:
         torch.testing.assert_close(results["none"][name], results["one"][name], atol=0, rtol=0)
-        torch.testing.assert_close(results["estimated"][name], results["one"][name], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(results["estimated"][name], results["one"][name], atol=1e-5, rtol=1e-4)  # pieces: as above
 
 
 @pytest.mark.learning
 def test_exact_kl_of_a_denoising_chain_pulls_the_policy_back_to_its_reference(tmp_path, learning_seed, learned):
     """kl.type: exact takes the policy's closed-form per-step KL (through the distributed
     forward); a large coefficient holds the chain near its reference while the reward
-    alone moves it away."""
+    alone moves it away.
+
+    Measured over seeds x kernels (default 0-4, avx2 0-4, avx512 0-4; 15 runs): reward change without KL 1.16 to 1.42
+    (>= 0.8); |reward change| with KL coef 50 0.0852 to 0.121 (<= 0.2)."""
     free = toy_config("denoising", seed=learning_seed, total_steps=16)
     held = toy_config("denoising", seed=learning_seed, total_steps=16, algo={"group_size": 8, "groups_per_step": 4, "kl": {"type": "exact", "coef": 50.0}})
     train(free, tmp_path / "free")
