@@ -25,6 +25,8 @@ class Sampler:
     # collect(..., keep_graph=True) asks a policy that ``keeps_sampling_graph`` to keep it
     # and carries its log-probs to ``Rollout.sampling_graph_logp`` (algo.reuse_sampling_graph)
     keeps_sampling_graph: bool = False
+    # what the progress bar shows of a training step's and an evaluation's metrics (short name -> key)
+    progress_metrics: dict[str, str] = {"success": "success_rate", "eval_success": "eval/success_rate"}
 
     def policy_spec(self) -> dict[str, Any]:
         """What the policy must know about inputs and outputs (observation and action sizes,

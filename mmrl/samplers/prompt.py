@@ -94,6 +94,7 @@ class PromptSampler(Sampler):
     """Groups of G samples per prompt record (texts or conditions), batched across groups."""
 
     keeps_sampling_graph = True
+    progress_metrics = {"success": "success_rate", "eval_acc": "eval/accuracy"}
 
     def __init__(self, sampler_cfg: PromptSamplerConfig, train_cfg):
         self.config = sampler_cfg

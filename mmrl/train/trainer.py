@@ -159,7 +159,7 @@ class Trainer:
                     self.metrics.write(done, metrics)
                 if progress is not None:
                     progress.update(1)
-                    progress.set_postfix(_postfix(metrics), refresh=False)
+                    progress.set_postfix(_postfix(metrics, self.sampler.progress_metrics), refresh=False)
                 if cfg.checkpoint.every and done % cfg.checkpoint.every == 0:
                     self.save(done)
                 if self.stop.signum is not None:
@@ -277,9 +277,10 @@ def _inner(optimizer):
     return optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
 
 
-def _postfix(metrics: dict[str, Any]) -> dict[str, str]:
+def _postfix(metrics: dict[str, Any], shown: dict[str, str]) -> dict[str, str]:
+    """The progress bar's numbers: the reward, the SFT loss and what the sampler shows."""
     out = {}
-    for key, short in (("success_rate", "success"), ("reward/total", "reward"), ("loss/sft", "loss"), ("eval/success_rate", "eval_success"), ("eval/accuracy", "eval_acc")):
+    for short, key in {"reward": "reward/total", "loss": "loss/sft", **shown}.items():
         if key in metrics and isinstance(metrics[key], float) and math.isfinite(metrics[key]):
             out[short] = f"{metrics[key]:.3f}"
     return out
