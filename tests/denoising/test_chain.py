@@ -130,6 +130,7 @@ class ElementwiseDenoiser(nn.Module):
         return (out, 0.05 + 0.2 * torch.sigmoid(self.s * h)) if self.learned_std else out
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("name", ["ddim", "flow_sde", "flow_noise"])
 @pytest.mark.parametrize("chunk_steps", [1, 2, 3])
 def test_chunked_recomputation_equals_one_call_exactly_with_equal_gradients(name, chunk_steps):
@@ -164,6 +165,7 @@ def test_chunked_recomputation_equals_one_call_exactly_with_equal_gradients(name
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)  # the same terms, summed in another order
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("name", ["ddim", "flow_sde"])
 def test_uncheckpointed_chunks_run_each_chunk_once_with_the_same_values_and_gradients(name):
     transition, min_std = transitions()[name]

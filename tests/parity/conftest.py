@@ -19,6 +19,9 @@ from torch import Tensor
 
 # The versions docs/parity.md describes; another version may have moved on.
 REFERENCE_VERSIONS = {"trl": "1.16.0", "verl": "0.9.1"}
+# docs/parity.md's "equal": two libraries' float32 losses over B x T = 48 decisions of size ~1,
+# summed in each one's own order (measured: at most 1.2e-7 under ATEN_CPU_CAPABILITY default,
+# avx2 and avx512, 10% of it)
 TOLERANCE = {"rtol": 1e-6, "atol": 1e-6}
 
 

@@ -12,6 +12,8 @@ import torch
 from mmrl.algo import advantage, aggregation, kl, objective
 from tests.parity.conftest import TOLERANCE, assert_same_value_and_grad, random_batch
 
+pytestmark = pytest.mark.numerics  # two libraries' float32 arithmetic on the same tensors
+
 # Six groups of four, ids neither contiguous nor sorted; group 11 has equal rewards.
 GROUP_ID = torch.tensor([7, 3, 7, 11, 3, 5, 7, 11, 5, 3, 11, 7, 5, 3, 11, 5, 2, 2, 9, 9, 2, 9, 2, 9])
 REWARDS = torch.tensor(

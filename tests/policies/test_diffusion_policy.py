@@ -73,6 +73,7 @@ def test_registered_under_its_type_name():
     assert POLICIES.entry("diffusion_policy").config is DiffusionPolicyConfig
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_sample_shapes_and_log_prob_of_replay_equals_sampling_logp(variant):
     spec, fields = VARIANTS[variant]
@@ -94,6 +95,8 @@ def test_sample_shapes_and_log_prob_of_replay_equals_sampling_logp(variant):
     other = policy.sample(inputs(spec, seed=2), torch.Generator().manual_seed(1))
     logp = policy.log_prob(concat_calls(sample.replay, other.replay))
     assert logp.shape == (6, 2 * decisions) and logp.requires_grad
+    # one denoiser pass over both calls' chunks: another batch, other float32 sums (measured: at
+    # most 2.6e-6 under ATEN_CPU_CAPABILITY default, avx2 and avx512, 6% of the tolerance)
     torch.testing.assert_close(logp, torch.cat([sample.logp, other.logp], 1), atol=1e-5, rtol=1e-5)
 
 
@@ -164,6 +167,9 @@ def test_positive_advantage_raises_that_chunks_chain_log_prob_after_one_adam_ste
 
 @pytest.mark.learning
 def test_sft_makes_deterministic_actions_reach_the_expert_chunks_of_two_states(learning_seed, learned):
+    """Measured over seeds x kernels (default 0-4, avx2 0-4, avx512 0-4; 15 runs): max error before 1.4 to 1.6 (>= 0.3);
+    max error after 0.0232 to 0.0903 (<= 0.15); gap between the two states' chunks 0.685 to 0.752 (>= 0.3).
+    """
     torch.manual_seed(learning_seed)
     policy = build_policy(config(), STATE_ONLY)
     state = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]).repeat(32, 1)
@@ -256,6 +262,7 @@ def test_a_spec_without_observations_is_a_config_error():
         make({"action_dim": 2, "obs_dim": 0})
 
 
+@pytest.mark.numerics
 def test_env_sampler_rollout_replays_exactly_and_a_train_step_runs(tmp_path):
     """Through the env sampler (k = 3 decisions per chunk, waves of different lengths
     right-padded) and two steps of the trainer on PointReach."""
@@ -278,6 +285,7 @@ def test_env_sampler_rollout_replays_exactly_and_a_train_step_runs(tmp_path):
     rollout = sampler.collect(policy, num_groups=4, group_size=2, step=0)
     assert rollout.old_logp.shape[1] % 3 == 0
     logp = policy.log_prob(rollout.replay)
+    # one pass over the rollout's decisions against the env waves' passes: other batches (measured: equal)
     torch.testing.assert_close(logp * rollout.mask, rollout.old_logp * rollout.mask, atol=1e-5, rtol=1e-5)
     sampler.close()
     train(cfg, tmp_path / "run")

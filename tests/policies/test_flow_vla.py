@@ -84,6 +84,7 @@ def test_registered_under_its_type_name():
     assert POLICIES.entry("flow_vla").config is FlowVLAConfig
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_sample_shapes_and_log_prob_of_replay_equals_sampling_logp(variant):
     spec, fields = VARIANTS[variant]
@@ -103,9 +104,11 @@ def test_sample_shapes_and_log_prob_of_replay_equals_sampling_logp(variant):
     other = policy.sample(inputs(spec, seed=2), torch.Generator().manual_seed(1))
     logp = policy.log_prob(concat_calls(sample.replay, other.replay))
     assert logp.shape == (6, 2) and logp.requires_grad
+    # one expert pass over both calls' chunks: another batch may sum in another order (measured: equal)
     torch.testing.assert_close(logp, torch.cat([sample.logp, other.logp], 1), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("stochastic_steps", ["all", "random"])
 def test_step_granularity_makes_every_stochastic_denoising_step_a_decision(stochastic_steps):
     chunk, step = make(stochastic_steps=stochastic_steps), make(stochastic_steps=stochastic_steps, logp_granularity="step")
@@ -120,7 +123,7 @@ def test_step_granularity_makes_every_stochastic_denoising_step_a_decision(stoch
     other = step.sample(inputs(SPEC, seed=2), torch.Generator().manual_seed(1))
     logp = step.log_prob(concat_calls(per_step.replay, other.replay))
     assert logp.shape == (6, 8) and logp.requires_grad
-    torch.testing.assert_close(logp, torch.cat([per_step.logp, other.logp], 1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logp, torch.cat([per_step.logp, other.logp], 1), atol=1e-5, rtol=1e-5)  # as above: another batch
 
 
 def test_one_stochastic_step_is_chosen_at_random_per_chunk():
@@ -250,7 +253,11 @@ def test_exact_kl_is_zero_to_an_identical_reference_and_positive_after_a_perturb
 
 @pytest.mark.learning
 def test_sft_makes_deterministic_actions_follow_the_instruction(learning_seed, learned):
-    """Same image and state, two instructions, two expert chunks: flow matching learns both."""
+    """Same image and state, two instructions, two expert chunks: flow matching learns both.
+
+    Measured over seeds x kernels (default 0-4, avx2 0-4, avx512 0-4; 15 runs): max error before 0.765 to 1.5 (>= 0.4);
+    max error after 0.0501 to 0.114 (<= 0.2); gap between the two instructions' chunks 0.615 to 0.742 (>= 0.3).
+    """
     spec = {**SPEC, "action_low": [-1.0, -1.0], "action_high": [1.0, 1.0], "state_dim": 2, "obs_dim": 2, "image_shape": [8, 8, 3]}
     torch.manual_seed(learning_seed)
     policy = build_policy(config(backbone={"vision_channels": [8]}), spec)
@@ -265,8 +272,8 @@ def test_sft_makes_deterministic_actions_follow_the_instruction(learning_seed, l
     first_two = {key: value[:2] for key, value in batch.items() if key not in ("actions", "action_mask")}
     valid = batch["action_mask"][:2, :, None].expand(2, 3, 2).bool()
     before = policy.sample(first_two, deterministic=True).output
-    optimizer = torch.optim.Adam(policy.parameters(), lr=1e-2)
-    for _ in range(300):
+    optimizer = torch.optim.Adam(policy.parameters(), lr=3e-3)  # at 1e-2 Adam spikes now and then (max error > 1 at some steps)
+    for _ in range(250):
         loss = policy.sft_loss(batch)
         optimizer.zero_grad()
         loss.backward()
@@ -315,6 +322,7 @@ def test_bad_config_is_a_config_error_naming_the_field(fields, field):
         from_dict(FlowVLAConfig, {"type": "flow_vla", **fields}, "policy")
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("granularity", ["chain", "step"])
 def test_env_sampler_rollout_replays_exactly_and_a_train_step_runs(tmp_path, granularity):
     """A flat-state env through the env sampler (waves of different lengths right-padded)
@@ -337,6 +345,7 @@ def test_env_sampler_rollout_replays_exactly_and_a_train_step_runs(tmp_path, gra
     policy = build_policy(cfg.policy, sampler.policy_spec())
     rollout = sampler.collect(policy, num_groups=4, group_size=2, step=0)
     logp = policy.log_prob(rollout.replay)
+    # one pass over the rollout's decisions against the env waves' passes: other batches (measured: equal)
     torch.testing.assert_close(logp * rollout.mask, rollout.old_logp * rollout.mask, atol=1e-5, rtol=1e-5)
     if granularity == "step":  # one stochastic step of 3 per chunk is a decision, the ODE ones are masked
         assert rollout.old_logp.shape[1] % 3 == 0
@@ -354,7 +363,11 @@ def test_grpo_with_lr_warmup_raises_a_flow_vlas_success_on_point_reach(tmp_path,
     clip) learns a state-conditioned skill from the binary success reward alone. The first
     Adam update moves every parameter by about lr whatever its gradient; without the
     learning-rate warm-up that first update moves this policy by an approximate KL > 1 and
-    learning stalls."""
+    learning stalls.
+
+    NOT ROBUST. Measured (seed 0 avx512, seeds 1-4 default): success after 0.22 to 1.00 (>= 0.4; seed 3 fails at 0.22),
+    gain 0.36 to 0.94 (>= 0.25). With lr 0.002 (same 60 steps, evaluated every 10) seeds 0-4 ended at 1.00, 0.86, 0.56,
+    0.03, 0.70: seed 3 stalls there too, so neither more lr nor a lower threshold gives a margin; open."""
     from tests.conftest import point_reach_success_before_after
 
     policy = {"type": "flow_vla", "action_chunk": 1, "denoising": {"transition": "flow_sde", "noise_level": 0.5},

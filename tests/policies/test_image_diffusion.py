@@ -17,10 +17,12 @@ from tests.conftest import assert_kept_sampling_graph_matches_recompute  # noqa:
 
 CONDITIONS = torch.tensor([0, 1, 2, 0])
 PROMPTS = ["a red circle", "two blue squares", "", "a red circle"]
-# the diffusion default floors the last step's std at 0.01 (its std is 0 otherwise); a
-# float32 UNet run on another batch composition moves its log-prob by ~1e-3 of ~1000
-# (docs/images.md; measured: at most 7.3e-4 under ATEN_CPU_CAPABILITY default, avx2, avx512)
-RATIO_ATOL = 5e-3
+# the diffusion default floors the last step's std at 0.01 (its std is 0 otherwise): a float32
+# UNet run on another batch composition moves its mean by a few ulps k, and each of the
+# n = 3 x 16 x 16 pixel terms of that step's log-prob by z k u / 0.01, ~sqrt(n) k u / 0.01 ~ 1e-3
+# in all (docs/images.md; measured: at most 7.3e-4 under ATEN_CPU_CAPABILITY default, avx2 and
+# avx512, 1.2e-3 with MKL and oneDNN also on their SSE4 kernels)
+RATIO_ATOL = 1e-2
 
 
 def make(seed: int = 0, spec: dict | None = None, **fields) -> ImageDiffusionPolicy:
@@ -56,6 +58,7 @@ def test_recomputing_one_step_per_call_reproduces_old_logp_exactly(transition, g
         assert torch.equal(policy.log_prob(sample.replay), sample.logp)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(("stochastic_steps", "guidance"), [("all", 1.0), ("random", 1.0), ("all", 3.0)])
 @pytest.mark.parametrize("transition", ["ddim", "flow_sde"])
 def test_the_kept_sampling_graph_gives_the_recomputed_log_probs_and_gradient(transition, stochastic_steps, guidance):
@@ -229,6 +232,9 @@ def test_exact_kl_is_zero_to_itself_and_positive_after_an_update():
 @pytest.mark.learning
 @pytest.mark.parametrize("transition, prediction_type", [("ddim", "epsilon"), ("ddim", "v_prediction"), ("ddpm", "sample"), ("flow_sde", "velocity")])
 def test_sft_loss_is_the_denoising_loss_and_a_step_lowers_it(transition, prediction_type, learning_seed, learned):
+    """Measured over seeds x kernels (default 0-4, avx2 0-4, avx512 0-4; 15 runs): loss, last 3 / first 3 steps 0.0359 to
+    0.346 (<= 0.55).
+    """
     policy = make(seed=learning_seed, denoising=TRANSITIONS[transition], prediction_type=prediction_type, condition_dropout=0.0)
     images = torch.zeros(8, 16, 16, 3, dtype=torch.uint8)
     images[:, 4:12, 4:12, 0] = 255  # a red square on black

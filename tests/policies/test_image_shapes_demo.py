@@ -38,7 +38,10 @@ def test_the_shipped_pipeline_pretrains_then_rl_starts_from_it_and_evaluates_per
 def test_a_short_pretraining_on_rendered_shapes_lowers_the_loss_and_draws_the_prompted_colours(tmp_path, learning_seed, learned):
     """Ground truth of two prompts (data.type: shapes) teaches a tiny text-conditioned UNet
     by flow matching: the loss falls and, from the same noise, the objects the verifier
-    detects take the prompt's colour far more often than at the random start."""
+    detects take the prompt's colour far more often than at the random start.
+
+    Measured over seeds x kernels (default 0-4, avx2 0-4, avx512 0-4; 15 runs): loss, last 10 / first 10 steps 0.189 to
+    0.243 (<= 0.6); colour hits before 0 to 0 (<= 0.1); colour hits after 0.75 to 0.938 (>= 0.35)."""
     import torch
 
     from mmrl.config import from_dict
@@ -52,7 +55,7 @@ def test_a_short_pretraining_on_rendered_shapes_lowers_the_loss_and_draws_the_pr
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     cfg = {
-        "name": "shapes_sft", "seed": learning_seed, "total_steps": 160,
+        "name": "shapes_sft", "seed": learning_seed, "total_steps": 240,
         "policy": {"type": "image_diffusion", "train_text_encoder": True, "denoising": {"transition": "flow_sde", "num_inference_steps": 6},
                    "tiny": {"conditioning": "text", "text_injection": "pooled", "resolution": 16, "block_out_channels": [16, 32], "norm_num_groups": 8, "max_prompt_tokens": 16}},
         "sampler": {"type": "prompt", "data": {"train": str(path)}}, "rewards": [{"type": "shapes_geneval"}],

@@ -21,6 +21,11 @@ from mmrl.registry import POLICIES, REWARDS  # noqa: E402
 
 TINY = {"hidden_size": 32, "num_heads": 2, "intermediate_size": 64}
 PROMPTS = ["What is 2 + 3?", "Hi", "Name a fruit that is red and round.", "7 * 6 ="]
+# Two float32 computations of a token's log-prob (the key/value-cache loop and one teacher-forced
+# pass, or passes over other rows and padding) sum in other orders: docs/text.md bounds the
+# difference by 1e-4 per token (measured on these tiny models: at most 2.4e-6 under
+# ATEN_CPU_CAPABILITY default, avx2 and avx512).
+PER_TOKEN_ATOL = 1e-4
 
 
 def make(seed: int = 0, tiny: dict | None = None, **fields) -> TextLMPolicy:
@@ -127,6 +132,7 @@ def _reference_log_prob(logits: torch.Tensor, token: int, temperature: float, to
     return math.log(probs[token] / sum(probs[v] for v in kept))
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.6, 0.7), (2.0, 0.95)])
 def test_old_logp_is_the_log_prob_of_the_tempered_nucleus_that_was_sampled_from(temperature, top_p):
     policy = make(generation={"max_new_tokens": 6, "temperature": temperature, "top_p": top_p})
@@ -139,10 +145,12 @@ def test_old_logp_is_the_log_prob_of_the_tempered_nucleus_that_was_sampled_from(
             with torch.no_grad():
                 logits = policy.language_model(input_ids=torch.tensor([sequence])).logits[0, -1]
             token = int(sample.replay["completion_ids"][row, t])
-            assert sample.logp[row, t].item() == pytest.approx(_reference_log_prob(logits, token, temperature, top_p), abs=2e-5)
+            # the decoding loop's number (old_logp: deferred) against one uncached pass's logits
+            assert sample.logp[row, t].item() == pytest.approx(_reference_log_prob(logits, token, temperature, top_p), abs=PER_TOKEN_ATOL)
             sequence.append(token)
 
 
+@pytest.mark.numerics
 def test_the_decoding_loops_log_probs_match_the_recomputed_ones():
     """The built-in backend's key/value-cache loop reports the same log-probs as one
     teacher-forced pass, up to float rounding (old_logp: backend uses them as they are)."""
@@ -151,8 +159,8 @@ def test_the_decoding_loops_log_probs_match_the_recomputed_ones():
     a, b = recomputed.sample(PROMPTS, generator(1)), from_backend.sample(PROMPTS, generator(1))
     assert torch.equal(a.replay["completion_ids"], b.replay["completion_ids"])
     assert torch.equal(b.logp * (1 - b.mask), torch.zeros_like(b.logp)) and torch.equal(b.entropy * (1 - b.mask), torch.zeros_like(b.entropy))
-    assert torch.allclose(a.logp, b.logp, atol=1e-5)
-    assert torch.allclose(a.entropy, b.entropy, atol=1e-5)  # the loop reports the entropy of q too
+    assert torch.allclose(a.logp, b.logp, atol=PER_TOKEN_ATOL, rtol=0)
+    assert torch.allclose(a.entropy, b.entropy, atol=PER_TOKEN_ATOL, rtol=0)  # the loop reports the entropy of q too
     assert not a.logp_deferred and not b.logp_deferred
     assert not torch.equal(a.logp, b.logp)  # two computations, not one copied
 
@@ -186,12 +194,13 @@ def test_same_generator_seed_gives_the_same_completions_and_another_seed_differs
     assert greedy[0] == greedy[1]
 
 
+@pytest.mark.numerics
 def test_a_prompts_completion_does_not_depend_on_the_padding_of_its_batch():
     policy = make(generation={"max_new_tokens": 8})
     alone = policy.sample(["Hi"], deterministic=True)
     batched = policy.sample(["Hi", "A much longer prompt that pads the first one on the left"], deterministic=True)
     assert batched.output[0] == alone.output[0]
-    assert torch.allclose(batched.logp[0, :8], alone.logp[0], atol=1e-5)
+    assert torch.allclose(batched.logp[0, :8], alone.logp[0], atol=PER_TOKEN_ATOL, rtol=0)  # another batch: other float32 sums
 
 
 def test_eos_ends_a_sample_masks_the_rest_and_only_samples_without_it_are_truncated():
@@ -348,6 +357,7 @@ def test_a_tokenizer_without_padding_pads_with_eos_and_one_without_chat_template
         make(model_path=str(tmp_path / "base"), generation={"chat_template": True})
 
 
+@pytest.mark.numerics
 def test_lora_trains_only_the_adapters_and_the_reference_is_the_model_without_them():
     pytest.importorskip("peft")
     policy = make(generation={"max_new_tokens": 8}, lora={"r": 4, "alpha": 8})
@@ -370,12 +380,17 @@ def test_lora_trains_only_the_adapters_and_the_reference_is_the_model_without_th
     assert not torch.allclose(moved, sample.logp, atol=1e-4)
     ref_logp = reference.log_prob(sample.replay)
     assert not ref_logp.requires_grad
-    assert torch.allclose(ref_logp, sample.logp, atol=1e-6)  # the untouched base model = the policy before its adapters moved
+    # the untouched base model = the policy before its adapters moved; sample.logp are the
+    # decoding loop's (old_logp: deferred), the reference's a teacher-forced pass
+    assert torch.allclose(ref_logp, sample.logp, atol=PER_TOKEN_ATOL, rtol=0)
     assert torch.equal(policy.log_prob(sample.replay).detach(), moved)  # the adapters are back on
 
 
 @pytest.mark.learning
 def test_sft_loss_is_the_completion_tokens_cross_entropy_and_teaches_the_completion(learning_seed, learned):
+    """Measured over seeds x kernels (default 0-4, avx2 0-4, avx512 0-4; 15 runs): final loss 0.00362 to 0.00691 (<= 0.02);
+    greedy completions right and stopped 1 to 1 (>= 1).
+    """
     policy = make(seed=learning_seed, generation={"max_new_tokens": 4})
     batch = {"prompt": ["2+3=", "7*6="], "completion": ["5", "42"]}
     optimizer = torch.optim.Adam(policy.parameters(), lr=1e-2)
@@ -392,6 +407,7 @@ def test_sft_loss_is_the_completion_tokens_cross_entropy_and_teaches_the_complet
     learned(sum(right) / len(right), 1.0, name="greedy completions right and stopped")  # it also learned to stop
 
 
+@pytest.mark.numerics
 def test_log_prob_of_replays_concatenated_across_sample_calls():
     """Rollout.cat right-pads the prompts of calls with different widths; log_prob moves
     the padding back to the left, so the log-probs stay those of each call."""
@@ -402,7 +418,8 @@ def test_log_prob_of_replays_concatenated_across_sample_calls():
         parts.append(Rollout(group_id=torch.zeros(len(prompts), dtype=torch.long), old_logp=s.logp, mask=s.mask, replay=s.replay))
     joined = Rollout.cat(parts)
     assert joined.replay["prompt_mask"][2:, -1].eq(0).all()  # the short call's prompts got padding on the right
-    assert torch.allclose(policy.log_prob(joined.replay) * joined.mask, joined.old_logp, atol=1e-5)
+    # old_logp: deferred, so these are the decoding loop's numbers
+    assert torch.allclose(policy.log_prob(joined.replay) * joined.mask, joined.old_logp, atol=PER_TOKEN_ATOL, rtol=0)
 
 
 @dataclass
@@ -552,6 +569,7 @@ def test_length_buckets_cut_rows_of_very_different_lengths_and_keep_similar_ones
     assert sorted(r for g in groups for r in g) == list(range(8))
 
 
+@pytest.mark.numerics
 def test_log_prob_and_its_gradient_in_length_buckets_equal_one_padded_pass(monkeypatch):
     """The teacher-forced pass runs rows of similar lengths together, each group cut to its own
     longest prompt and completion: the same log-probs, entropies and gradients as one pass over
@@ -578,8 +596,14 @@ def test_log_prob_and_its_gradient_in_length_buckets_equal_one_padded_pass(monke
     bucketed = scores()
     monkeypatch.setattr(text_model, "length_buckets", lambda p, c: [list(range(len(c)))])
     whole = scores()
-    torch.testing.assert_close(bucketed[0], whole[0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(bucketed[1], whole[1], atol=1e-5, rtol=1e-5)
+    # passes over other rows, cut to other lengths, sum in other orders
+    torch.testing.assert_close(bucketed[0], whole[0], atol=PER_TOKEN_ATOL, rtol=0)
+    torch.testing.assert_close(bucketed[1], whole[1], atol=PER_TOKEN_ATOL, rtol=0)
     assert (bucketed[0][replay["completion_mask"] == 0] == 0).all()
+    # each gradient entry sums m = rows x token positions terms no larger than the largest
+    # entry G; reordering m float32 terms moves a sum by at most m u G (measured: at most 0.009
+    # of the bound)
+    m, u = replay["prompt_mask"].numel() + replay["completion_mask"].numel(), torch.finfo(torch.float32).eps / 2
+    bound = m * u * max(float(g.abs().max()) for g in whole[2])
     for a, b in zip(bucketed[2], whole[2]):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+        assert float((a - b).abs().max()) <= bound

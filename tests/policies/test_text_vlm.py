@@ -21,6 +21,10 @@ from mmrl.registry import POLICIES, REWARDS  # noqa: E402
 from tests.conftest import ROOT, run_mmrl  # noqa: E402
 
 TINY = {"hidden_size": 32, "num_heads": 2, "intermediate_size": 64}
+# the key/value-cache loop against one teacher-forced pass, or passes over other rows: float32
+# sums in other orders, within docs/text.md's 1e-4 per token (measured here: at most 4.8e-7
+# under ATEN_CPU_CAPABILITY default, avx2 and avx512)
+PER_TOKEN_ATOL = 1e-4
 
 
 def make(seed: int = 0, tiny: dict | None = None, **fields) -> TextVLMPolicy:
@@ -88,6 +92,7 @@ def test_log_prob_of_the_replay_equals_old_logp_exactly_after_sampling(temperatu
     assert (sample.logp <= 0).all() and torch.isfinite(sample.entropy).all()
 
 
+@pytest.mark.numerics
 def test_the_image_reaches_the_model_and_the_decoding_loop_sees_what_log_prob_sees():
     policy = make(generation={"max_new_tokens": 6})
     a, b = images(2, seed=3)
@@ -99,7 +104,7 @@ def test_the_image_reaches_the_model_and_the_decoding_loop_sees_what_log_prob_se
     # the key/value-cache loop's own log-probs (the backend's) agree with the teacher-forced pass
     backend = make(generation={"max_new_tokens": 6, "old_logp": "backend"})
     fast = backend.sample([ImagePrompt("What is this?", (a,))], generator(0))
-    assert fast.output == sample.output and torch.allclose(fast.logp, sample.logp, atol=1e-5)
+    assert fast.output == sample.output and torch.allclose(fast.logp, policy.log_prob(sample.replay), atol=PER_TOKEN_ATOL, rtol=0)
 
 
 def test_the_image_placeholder_is_never_sampled_even_when_the_model_favours_it():
@@ -194,13 +199,16 @@ def test_lora_trains_only_the_adapters_and_the_reference_is_the_model_without_th
     moved = policy.log_prob(sample.replay).detach()
     assert not torch.allclose(moved, sample.logp, atol=1e-4)
     ref_logp = reference.log_prob(sample.replay)
-    assert torch.allclose(ref_logp, sample.logp, atol=1e-6)  # the base model = the policy before its adapters moved
+    assert torch.allclose(ref_logp, sample.logp, atol=1e-6)  # the base model = the policy before its adapters moved (B = 0 added zeros)
     assert torch.equal(policy.log_prob(sample.replay).detach(), moved)  # the adapters are back on
 
 
 @pytest.mark.learning
 def test_sft_loss_on_image_prompts_teaches_answers_that_depend_on_the_image(learning_seed, learned):
-    """Two images, one question: the model must read the image to answer."""
+    """Two images, one question: the model must read the image to answer.
+
+    Measured over seeds x kernels (default 0-4, avx2 0-4, avx512 0-4; 15 runs): greedy answers right 1 to 1 (>= 1).
+    """
     policy = make(seed=learning_seed, generation={"max_new_tokens": 6})
     red, blue = np.zeros((32, 32, 3), np.uint8), np.zeros((32, 32, 3), np.uint8)
     red[..., 0], blue[..., 2] = 220, 220
@@ -216,6 +224,7 @@ def test_sft_loss_on_image_prompts_teaches_answers_that_depend_on_the_image(lear
     learned(sum(a == b for a, b in zip(greedy.output, ["red", "blue"])) / 2, 1.0, name="greedy answers right")
 
 
+@pytest.mark.numerics
 def test_log_prob_of_replays_concatenated_across_sample_calls():
     """Rollout.cat pads prompts and per-row images of calls of different widths; log_prob
     realigns the prompts and takes each row's own images."""
@@ -226,9 +235,10 @@ def test_log_prob_of_replays_concatenated_across_sample_calls():
         parts.append(Rollout(group_id=torch.zeros(len(batch), dtype=torch.long), old_logp=sample.logp, mask=sample.mask, replay=sample.replay))
     rollout = Rollout.cat(parts)
     assert rollout.replay["pixel_values"].shape[1] == 3 and rollout.replay["image_count"].tolist() == [1, 2, 0, 0, 0, 1, 3]
-    assert torch.allclose(policy.log_prob(rollout.replay), rollout.old_logp, atol=1e-5)
+    # old_logp: deferred, so these are the decoding loop's numbers
+    assert torch.allclose(policy.log_prob(rollout.replay), rollout.old_logp, atol=PER_TOKEN_ATOL, rtol=0)
     rows = rollout[torch.tensor([6, 1, 3])]  # a minibatch
-    assert torch.allclose(policy.log_prob(rows.replay), rows.old_logp, atol=1e-5)
+    assert torch.allclose(policy.log_prob(rows.replay), rows.old_logp, atol=PER_TOKEN_ATOL, rtol=0)
 
 
 def test_save_and_load_pretrained_round_trip_exactly(tmp_path):

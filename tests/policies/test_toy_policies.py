@@ -44,6 +44,7 @@ def test_toy_policies_and_rewards_are_registered():
     assert POLICIES.entry("gaussian_chain").config is GaussianChainConfig
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("kind", KINDS)
 def test_log_prob_of_replay_equals_sampling_logp(kind):
     policy = make(kind, **({"eos_token": 0} if kind == "categorical_sequence" else {}))
@@ -51,7 +52,7 @@ def test_log_prob_of_replay_equals_sampling_logp(kind):
     logp = policy.log_prob(sample.replay)
     assert logp.shape == sample.logp.shape
     assert logp.requires_grad and not sample.logp.requires_grad
-    torch.testing.assert_close(logp, sample.logp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(logp, sample.logp, atol=1e-5, rtol=0)  # the sampling loop against one pass (measured: equal)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -160,6 +161,7 @@ def test_chain_log_prob_of_replay_equals_sampling_logp_exactly(variant):
     assert logp.requires_grad and torch.equal(logp, sample.logp)  # ratio 1 exactly
 
 
+@pytest.mark.numerics
 def test_chain_step_log_prob_is_the_gaussian_of_the_mmrl_denoising_transition():
     from mmrl.denoising import make_transition
 
@@ -173,7 +175,7 @@ def test_chain_step_log_prob_is_the_gaussian_of_the_mmrl_denoising_transition():
         out = policy.chain_denoiser(sample.replay)(chain["latents"][:, k], transition.model_time(step), torch.arange(32))
         mean, std = transition.mean_std(step, chain["latents"][:, k], out, torch.ones(32, dtype=torch.bool))
     expected = torch.distributions.Normal(mean, std).log_prob(chain["latents"][:, k + 1]).sum(-1)
-    torch.testing.assert_close(sample.logp[:, k], expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(sample.logp[:, k], expected, atol=1e-5, rtol=0)  # torch's Normal sums in its own order (measured: 2.4e-7)
 
 
 def test_deterministic_chain_has_no_decisions_and_follows_the_ode():
@@ -276,6 +278,9 @@ def mean_reward(policy, reward_fn) -> float:
 
 @pytest.mark.learning
 def test_reinforce_makes_the_rewarded_token_more_frequent(learning_seed, learned):
+    """Measured over seeds x kernels (default 0-4, avx2 0-4, avx512 0-4; 15 runs): token fraction before 0.113 to 0.149 (<=
+    0.2); token fraction after 1 to 1 (>= 0.6).
+    """
     policy = make("categorical_sequence", seed=learning_seed)
     cfg = TokenFractionConfig(type="token_fraction", token=3)
     reward = lambda rollout: token_fraction(rollout, cfg)  # noqa: E731
@@ -288,6 +293,9 @@ def test_reinforce_makes_the_rewarded_token_more_frequent(learning_seed, learned
 
 @pytest.mark.learning
 def test_reinforce_moves_the_chain_towards_the_target(learning_seed, learned):
+    """Measured over seeds x kernels (default 0-4, avx2 0-4, avx512 0-4; 15 runs): reward (minus distance) before -1.99 to
+    -1.96 (<= -1.5); reward (minus distance) after -0.251 to -0.12 (>= -0.7).
+    """
     policy = make("gaussian_chain", seed=learning_seed)
     cfg = TargetDistanceConfig(type="target_distance", target=2.0)
     reward = lambda rollout: target_distance(rollout, cfg)  # noqa: E731

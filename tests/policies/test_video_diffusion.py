@@ -14,7 +14,8 @@ from tests.conftest import assert_kept_sampling_graph_matches_recompute  # noqa:
 CONDITIONS = torch.tensor([0, 1, 2, 0])
 PROMPTS = ["a red circle moving right", "two blue squares", "", "a red circle moving right"]
 # summed over a 3×4×8×8 video, the last DDIM step (std floored at 0.01) has a log-prob of
-# ~+2500; a float32 UNet run on another batch composition moves it by ~1e-3
+# ~+2500; a float32 UNet run on another batch composition moves it by ~1e-3 (measured: at most
+# 1.2e-4 under ATEN_CPU_CAPABILITY default, avx2 and avx512)
 RATIO_ATOL = 5e-3
 TRANSITIONS = {
     "ddim": {"transition": "ddim", "eta": 1.0},
@@ -28,6 +29,7 @@ def make(seed: int = 0, spec: dict | None = None, **fields) -> VideoDiffusionPol
     return build_policy(from_dict(VideoDiffusionConfig, {"type": "video_diffusion", **fields}, "policy"), {"num_prompts": 3} if spec is None else spec)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("guidance", [1.0, 3.0])
 @pytest.mark.parametrize("transition", sorted(TRANSITIONS))
 def test_recomputed_log_probs_give_ratio_one_right_after_sampling(transition, guidance):
@@ -39,6 +41,7 @@ def test_recomputed_log_probs_give_ratio_one_right_after_sampling(transition, gu
     torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=RATIO_ATOL, rtol=0)
 
 
+@pytest.mark.numerics
 def test_text_prompts_with_guidance_give_ratio_one_and_the_gradient_reaches_the_unet_only():
     policy = make(spec={}, tiny={"conditioning": "text"}, guidance_scale=2.0)
     sample = policy.sample(PROMPTS, torch.Generator().manual_seed(0))
@@ -52,6 +55,7 @@ def test_text_prompts_with_guidance_give_ratio_one_and_the_gradient_reaches_the_
     assert not torch.allclose(other.output[0], sample.output[0]) and torch.equal(other.output[1], sample.output[1])
 
 
+@pytest.mark.numerics
 def test_in_train_mode_two_passes_over_one_chain_agree_once_the_temporal_layers_have_trained():
     """diffusers' temporal convolutions carry dropout 0.1 and start with a zero last layer;
     once that layer is non-zero, dropout would make the recompute differ from sampling."""
@@ -66,6 +70,7 @@ def test_in_train_mode_two_passes_over_one_chain_agree_once_the_temporal_layers_
     torch.testing.assert_close(torch.exp(first - sample.logp), torch.ones_like(first), atol=RATIO_ATOL, rtol=0)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("transition", ["ddim", "flow_sde"])
 def test_the_kept_sampling_graph_gives_the_recomputed_log_probs_and_gradient(transition):
     """sample(keep_graph=True): the log-probs log_prob recomputes, and their gradient (float64)."""
@@ -148,6 +153,9 @@ def test_exact_kl_is_zero_to_itself_and_positive_after_an_update():
 @pytest.mark.learning
 @pytest.mark.parametrize("transition, conditioning", [("ddim", "class"), ("flow_sde", "class"), ("ddim", "text")])
 def test_sft_loss_is_the_denoising_loss_and_a_step_lowers_it(transition, conditioning, learning_seed, learned):
+    """Measured over seeds x kernels (default 0-4, avx2 0-4, avx512 0-4; 15 runs): loss, last 3 / first 3 steps 0.223 to
+    0.445 (<= 0.65).
+    """
     policy = make(seed=learning_seed, denoising=TRANSITIONS[transition], condition_dropout=0.5 if conditioning == "text" else 0.0, tiny={"conditioning": conditioning}, spec={} if conditioning == "text" else None)
     videos = torch.zeros(6, 4, 8, 8, 3, dtype=torch.uint8)
     for t in range(4):
@@ -240,21 +248,24 @@ def test_trains_end_to_end_and_writes_eval_videos_into_the_run_directory(tmp_pat
 
 
 @pytest.mark.learning
-def test_fifteen_steps_on_a_smaller_setting_raise_the_temporal_consistency_reward(tmp_path, learning_seed, learned):
+def test_twenty_steps_on_a_smaller_setting_raise_the_temporal_consistency_reward(tmp_path, learning_seed, learned):
     """4 groups of 4 videos, 4 DDIM steps (the first 3 decisions), one UNet level, lr 3e-3:
-    about 15 s of CPU on one thread. Steps 1-3 → 13-15 measured 0.549 → 0.568, 0.552 → 0.681
-    and 0.549 → 0.623 for seeds 0, 1, 2 (after 10 steps seed 0 was only at 0.560)."""
+    about 10 s of CPU on one thread. After 15 steps the gain was as small as 0.019 (seed 0
+    against a threshold of 0.01), hence 20.
+
+    Measured over seeds x kernels (default 0-4, avx2 0-4, avx512 0-4; 15 runs): gain, steps 18-20 over 1-3 0.0449 to
+    0.167 (>= 0.02)."""
     from mmrl.train.metrics import read_metrics
     from mmrl.train.trainer import train
 
     smaller = {
         "algo.group_size": 4, "sampler.batch_groups": 4, "policy.tiny.block_out_channels": "[8]", "policy.denoising.num_inference_steps": 4,
-        "policy.denoising.window_size": 3, "optim.lr": 0.003, "eval.at_end": "false",
+        "policy.denoising.window_size": 3, "optim.lr": 0.003, "eval.at_start": "false", "eval.at_end": "false",
     }
-    train(_train_cfg(15, seed=learning_seed, **smaller), tmp_path / "run")
+    train(_train_cfg(20, seed=learning_seed, **smaller), tmp_path / "run")
     rewards = [m["reward/total"] for m in read_metrics(tmp_path / "run") if "reward/total" in m]
-    assert len(rewards) == 15
-    learned(sum(rewards[-3:]) / 3 - sum(rewards[:3]) / 3, 0.01, name="gain, steps 13-15 over 1-3")
+    assert len(rewards) == 20
+    learned(sum(rewards[-3:]) / 3 - sum(rewards[:3]) / 3, 0.02, name="gain, steps 18-20 over 1-3")
 
 
 @pytest.mark.slow

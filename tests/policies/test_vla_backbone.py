@@ -172,6 +172,7 @@ def test_each_camera_and_the_state_change_the_features_and_padding_does_not():
         torch.testing.assert_close(last_real_hidden(image, state, repadded), base, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_incremental_decoding_with_the_cache_equals_one_full_pass(attn):
     backbone = make(attn_implementation=attn)
@@ -185,6 +186,7 @@ def test_incremental_decoding_with_the_cache_equals_one_full_pass(attn):
         for j in range(4):
             running = torch.cat([running, torch.ones(3, 1)], 1)
             steps.append(backbone(extra[:, j : j + 1], running, cache))
+    # the key/value cache against one pass: float32 sums in another order (measured: at most 2.4e-7)
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
 
 

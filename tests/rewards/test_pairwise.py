@@ -63,6 +63,7 @@ def trained_run(tmp_path_factory):
     return root / "run", summary
 
 
+@pytest.mark.numerics
 def test_a_trained_model_round_trips_through_its_checkpoint_and_loads_as_a_reward(trained_run):
     from mmrl.core.weights import load_pretrained
     from mmrl.tasks.shapes.world import ObjectGroup, Scene, render_scene

@@ -268,10 +268,11 @@ def test_an_answer_reward_names_the_record_without_an_answer():
         RewardSet([AnswerTokenConfig()], "weighted_sum", RewardContext()).score(rollout)
 
 
+@pytest.mark.numerics
 def test_rollout_logp_is_what_the_policy_recomputes_from_replay():
     sampler, policy = sequence_setup()
     rollout = sampler.collect(policy, 4, 8, step=0)[torch.arange(5, 20)]
-    torch.testing.assert_close(policy.log_prob(rollout.replay), rollout.old_logp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(policy.log_prob(rollout.replay), rollout.old_logp, atol=1e-5, rtol=0)  # one pass against the sampling loop (measured: equal)
 
 
 def test_metrics_pass_the_policys_success_per_sample():
@@ -381,6 +382,9 @@ def example_config(**changes) -> TrainConfig:
 
 @pytest.mark.learning
 def test_the_answers_example_learns_every_records_answer(tmp_path, learning_seed, learned):
+    """Measured over seeds x kernels (default 0-4, avx2 0-4, avx512 0-4; 15 runs): accuracy before 0 to 0 (<= 0); reward
+    before 0 to 0.229 (<= 0.4); accuracy after, worst category 1 to 1 (>= 1).
+    """
     cfg = example_config(total_steps=30, seed=learning_seed)
     sampler = PromptSampler(cfg.sampler, cfg)
     torch.manual_seed(cfg.seed)

@@ -27,6 +27,9 @@ if "test_coin" not in REWARDS:
 
 @pytest.mark.learning
 def test_batches_of_a_learnable_reward_agree_and_those_of_a_noise_reward_do_not(tmp_path, learning_seed, learned):
+    """Measured over seeds x kernels (default 0-4, avx2 [0, 4], avx512 0-4; 12 runs): gradient cosine, learnable reward
+    0.699 to 0.779 (>= 0.5); |gradient cosine|, noise reward 0.00414 to 0.0948 (<= 0.3).
+    """
     signal = Trainer(toy_config("sequence", seed=learning_seed, algo={"group_size": 8, "groups_per_step": 8}), tmp_path / "signal")
     noise = Trainer(toy_config("sequence", seed=learning_seed, algo={"group_size": 8, "groups_per_step": 8}, rewards=[{"type": "test_coin"}]), tmp_path / "noise")
     learnable = gradient_agreement(signal, num_batches=3)

@@ -67,6 +67,7 @@ def _one_step(cfg: TrainConfig, run_dir):
     return trainer, grads, weights, metrics, len(recomputed)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(
     "algo",
     [

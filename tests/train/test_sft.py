@@ -58,6 +58,9 @@ def demos(tmp_path_factory):
 
 @pytest.mark.learning
 def test_sft_from_expert_demos_raises_success_and_rl_continues_from_the_run_dir(tmp_path, demos, learning_seed, learned):
+    """Measured over seeds x kernels (default 0-4, avx2 0-4, avx512 0-4; 15 runs): success after 1 to 1 (>= 0.7); gain 1 to
+    1 (>= 0.4); RL start success (4 episodes) - SFT end success 0 to 0 (>= -0.25).
+    """
     before = Trainer(_sft_config(tmp_path, demos, seed=learning_seed, total_steps=0, run_dir=str(tmp_path / "init"))).evaluate(0)["success_rate"]
     summary = train(_sft_config(tmp_path, demos, seed=learning_seed))
     after = summary["eval"]["success_rate"]
@@ -92,7 +95,10 @@ def test_sft_without_demonstrations_is_a_config_error_naming_data_path(tmp_path)
 @pytest.mark.learning
 def test_completions_source_fine_tunes_a_text_policy_then_rl_starts_from_that_run(tmp_path, learning_seed, learned):
     """data.type: completions — (prompt, completion) pairs teach a tiny text LM its answers;
-    the SFT run directory is then the RL run's starting point, evaluated by exact match."""
+    the SFT run directory is then the RL run's starting point, evaluated by exact match.
+
+    Measured over seeds x kernels (default 0-4, avx2 0-4, avx512 0-4; 15 runs): accuracy before 0 to 0 (<= 0.5);
+    accuracy after 1 to 1 (>= 0.9)."""
     import json
 
     records = [{"prompt": f"{a}+{b}=", "completion": str(a + b), "answer": str(a + b)} for a in range(3) for b in range(3)]
