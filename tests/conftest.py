@@ -103,9 +103,9 @@ def point_reach_config(**sections) -> dict:
     return cfg
 
 
-def point_reach_success_before_after(run_dir, policy: dict, total_steps: int, optim: dict, seed: int = 0) -> tuple[float, float]:
+def point_reach_success_before_after(run_dir, policy: dict, total_steps: int, optim: dict, seed: int = 0, groups_per_step: int = 8) -> tuple[float, float]:
     """Eval success (64 episodes) of ``policy`` on mmrl/PointReach-v0 before and after
-    ``total_steps`` GRPO updates from the binary success reward alone (8 groups of 8, 4 PPO
+    ``total_steps`` GRPO updates from the binary success reward alone (``groups_per_step`` groups of 8, 4 PPO
     epochs, no KL): the end-to-end check that a policy family learns under RL. ``seed`` is
     the run's (initial weights, training and evaluation episodes)."""
     from mmrl.config import from_dict
@@ -116,8 +116,8 @@ def point_reach_success_before_after(run_dir, policy: dict, total_steps: int, op
         name="rl_check", seed=seed, total_steps=total_steps, run_dir=str(run_dir),
         env={"type": "gym", "id": "mmrl/PointReach-v0", "num_envs": 32},
         rewards=[{"type": "success"}],
-        algo={"group_size": 8, "groups_per_step": 8, "ppo_epochs": 4, "num_minibatches": 4, "kl": {"coef": 0.0}},
-        optim=optim, eval={"every": 1000, "episodes": 64}, checkpoint={"every": 1000},
+        algo={"group_size": 8, "groups_per_step": groups_per_step, "ppo_epochs": 4, "num_minibatches": 4, "kl": {"coef": 0.0}},
+        optim=optim, eval={"every": 1000, "episodes": 64, "at_start": False}, checkpoint={"every": 1000},
     )
     cfg["policy"] = policy
     trainer = Trainer(from_dict(TrainConfig, cfg))
