@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from mmrl.config import from_dict
@@ -66,7 +67,7 @@ TINY_LM = {"tiny": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "interme
 
 
 def tiny_policy(seed=0):
-    import pytest
+
 
     pytest.importorskip("transformers")
     from mmrl.core.weights import build_policy
