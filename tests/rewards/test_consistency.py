@@ -67,8 +67,6 @@ TINY_LM = {"tiny": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "interme
 
 
 def tiny_policy(seed=0):
-
-
     pytest.importorskip("transformers")
     from mmrl.core.weights import build_policy
     from mmrl.policies.text_lm import TextLMConfig
