@@ -129,3 +129,10 @@ def test_core_algo_and_train_import_no_demo_world_and_no_plugin():
         if name.startswith(("mmrl.core", "mmrl.algo", "mmrl.train")) and any(t.startswith(forbidden) for t in targets)
     }
     assert offenders == {}
+
+
+def test_no_role_imports_the_loop_and_the_rollout_workers_import_nothing_of_training():
+    graph = _import_graph()
+    assert "mmrl.train.trainer" not in graph["mmrl.train.learner"]
+    rollout = {name: targets for name, targets in graph.items() if name.startswith("mmrl.rollout")}
+    assert rollout and not any(t.startswith("mmrl.train") for targets in rollout.values() for t in targets)
