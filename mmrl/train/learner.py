@@ -50,9 +50,11 @@ class Learner:
     """Owns the trained model (wrapped by ``accelerator``), its optimizer and the frozen
     reference; ``version`` counts the optimizer's published states (0: the initial weights)."""
 
-    def __init__(self, cfg: TrainConfig, policy: PolicyModule, accelerator, dist, rewards, sampler_keeps_graph: bool = False):
+    def __init__(self, cfg: TrainConfig, policy: PolicyModule, accelerator, dist, rewards, data=None, sampler_keeps_graph: bool = False):
+        """``rewards`` (a RewardSet) combines the reward columns; ``data`` is the SFT data source
+        of ``algo.type: sft`` (None for RL)."""
         algo = cfg.algo
-        self.cfg, self.accelerator, self.dist, self.rewards = cfg, accelerator, dist, rewards
+        self.cfg, self.accelerator, self.dist, self.rewards, self.data = cfg, accelerator, dist, rewards, data
         self.world, self.rank = dist.world, dist.rank
         self.reference = None
         if algo.kl.coef > 0:
@@ -80,7 +82,6 @@ class Learner:
         self.correction_options = {**own_options(algo.correction, CorrectionConfig), "log_ratio_clamp": algo.correction.log_ratio_clamp}
         self.reuse_graph = algo.type == "rl" and self._reuses_sampling_graph(policy, sampler_keeps_graph)
         self.memory = sil.SelfImitationMemory(si.size, dist) if si.size and algo.type == "rl" else None
-        self.data = None  # the SFT data source (algo.type sft), set by the loop once the model exists
         self.version = 0
 
     @property

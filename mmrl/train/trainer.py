@@ -101,10 +101,9 @@ class Trainer:
         self.sampler = build_sampler(cfg)
         policy = build_policy(cfg.policy, self.sampler.policy_spec())
         context = RewardContext(device=self.accelerator.device, run_dir=self.run_dir, seed=cfg.seed)
-        self.learner = Learner(cfg, policy, self.accelerator, self.dist, rewards=None, sampler_keeps_graph=getattr(self.sampler, "keeps_sampling_graph", False))
-        self.rewards = self.learner.rewards = RewardSet(cfg.rewards, algo.reward_aggregation, context, algo.log_tamed_threshold)
-        if algo.type == "sft":
-            self.learner.data = registry.DATA_SOURCES.get(cfg.data.type, "data.type")(cfg.data, self.policy, cfg.seed, self.world, self.rank)
+        self.rewards = RewardSet(cfg.rewards, algo.reward_aggregation, context, algo.log_tamed_threshold)
+        data = registry.DATA_SOURCES.get(cfg.data.type, "data.type")(cfg.data, policy, cfg.seed, self.world, self.rank) if algo.type == "sft" else None
+        self.learner = Learner(cfg, policy, self.accelerator, self.dist, self.rewards, data, sampler_keeps_graph=getattr(self.sampler, "keeps_sampling_graph", False))
         # sync, local: the worker samples with the learner's own policy object, in this process
         self.worker = RolloutWorker(
             self.sampler, self.policy, self.rewards, algo, self.dist,
