@@ -13,7 +13,7 @@ import signal
 import sys
 from pathlib import Path
 
-from mmrl.errors import ConfigError, MissingExtraError, NonFiniteError
+from mmrl.errors import ConfigError, MissingExtraError, NonFiniteError, RolloutWorkerError
 
 EXIT_USAGE = 2
 
@@ -156,6 +156,7 @@ def listed_registries() -> dict:
         "filters": registry.FILTERS,
         "corrections": registry.CORRECTIONS,
         "kl": registry.KL_ESTIMATORS,
+        "engines": registry.ENGINES,
         "data": registry.DATA_SOURCES,
     }
 
@@ -356,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("list", help="list registered components, presets, task suites or tasks")
-    p.add_argument("kind", choices=["envs", "policies", "rewards", "samplers", "presets", "suites", "tasks", "advantages", "objectives", "aggregations", "filters", "corrections", "kl", "data"])
+    p.add_argument("kind", choices=["envs", "policies", "rewards", "samplers", "presets", "suites", "tasks", "advantages", "objectives", "aggregations", "filters", "corrections", "kl", "engines", "data"])
     p.set_defaults(func=cmd_list)
 
     p = sub.add_parser("doctor", help="check rendering backends, simulators and extras")
@@ -398,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, MissingExtraError) as e:
         print(f"mmrl: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except NonFiniteError as e:
+    except (NonFiniteError, RolloutWorkerError) as e:
         print(f"mmrl: stopped: {e}; the last checkpoint is left intact", file=sys.stderr)
         return 1
 

@@ -20,3 +20,8 @@ class MissingExtraError(ImportError):
 
 class NonFiniteError(RuntimeError):
     """A reward or loss became NaN/inf; names the step and the component."""
+
+
+class RolloutWorkerError(RuntimeError):
+    """A rollout worker failed or died; names the worker, its env or sampler, the seed and
+    the step. The run stops; the last checkpoint is left intact."""

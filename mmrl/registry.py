@@ -114,4 +114,5 @@ OBJECTIVES = Registry("objectives", ("mmrl.algo.objective",), section="objective
 AGGREGATIONS = Registry("aggregations", ("mmrl.algo.aggregation",), section="aggregation")
 KL_ESTIMATORS = Registry("kl estimators", ("mmrl.algo.kl",))
 FILTERS = Registry("filters", ("mmrl.algo.filters",), section="filters")
+ENGINES = Registry("engines", ("mmrl.rollout",))  # rollout.engine: where rollout workers run
 CORRECTIONS = Registry("corrections", ("mmrl.algo.correction",), section="correction")

@@ -26,7 +26,8 @@ Reduce = Callable[[Tensor], Tensor]  # sums a tensor over processes (identity fo
 
 
 class SyncedStatistic(nn.Module):
-    """Base of statistics committed by the trainer (:func:`commit_statistics`)."""
+    """Base of statistics committed by the trainer (:func:`commit_statistics`). A subclass
+    keeps what it observed and has not committed in one float64 tensor ``_pending``."""
 
     def commit(self, reduce: Reduce) -> None:
         raise NotImplementedError
@@ -101,6 +102,30 @@ def commit_statistics(module: nn.Module, reduce: Reduce) -> None:
     for m in module.modules():
         if isinstance(m, SyncedStatistic):
             m.commit(reduce)
+
+
+def take_pending(module: nn.Module) -> list[Tensor]:
+    """The pending sums of every :class:`SyncedStatistic` inside ``module`` (module order),
+    cleared: what a rollout worker's policy copy observed while sampling, for the learner's
+    policy to commit (:func:`add_pending`)."""
+    out = []
+    for m in module.modules():
+        if isinstance(m, SyncedStatistic):
+            out.append(m._pending.clone())
+            m._pending.zero_()
+    return out
+
+
+def add_pending(module: nn.Module, pending: list[Tensor]) -> None:
+    """Add sums taken by :func:`take_pending` from a copy of ``module`` to its pending sums
+    (none: nothing to add)."""
+    if not pending:
+        return
+    stats = [m for m in module.modules() if isinstance(m, SyncedStatistic)]
+    if len(stats) != len(pending):
+        raise ValueError(f"{len(pending)} pending statistics for a module with {len(stats)}")
+    for m, sums in zip(stats, pending):
+        m._pending += sums.to(m._pending)
 
 
 def wilson_interval(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:

@@ -9,7 +9,7 @@ bit. Imports nothing of the loop or the learner: it receives a policy and weight
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -26,6 +26,23 @@ class Collected:
     spare: Rollout  # one collected sample with an empty mask: a no-op forward for DDP
     sums: dict[str, torch.Tensor] = field(default_factory=dict)  # metric -> [sum, count]
     num_collected: int = 0
+    # from worker processes: the pending sums of the policy copy's running statistics (for
+    # the learner's policy to commit), the samples dropped as too stale, seconds per role
+    statistics: list[torch.Tensor] = field(default_factory=list)
+    dropped: int = 0
+    times: dict[str, float] = field(default_factory=dict)
+
+
+class OneProcess:
+    """The collectives of a worker that decides alone (a worker process): no communication."""
+
+    world, rank = 1, 0
+
+    def sizes(self, n: int) -> list[int]:
+        return [n]
+
+    def offset(self, sizes: list[int]) -> int:
+        return 0
 
 
 def add_metric(sums: dict[str, torch.Tensor], name: str, values: torch.Tensor) -> None:
@@ -39,15 +56,17 @@ class RolloutWorker:
     """Collects this process's whole groups with ``policy`` (at ``version``) and ``sampler``;
     ``rewards`` score them (with the ``reference``'s log-probs for a sampled-log-prob KL);
     ``algo`` gives the group size, the groups per step, the filters and their refill rounds;
-    ``dist`` the collectives across learner processes (the refill decision is global)."""
+    ``dist`` the collectives across learner processes (the refill decision is global);
+    ``groups`` (first global group index, count) this worker's share of a step's groups (by
+    default this learner process's)."""
 
-    def __init__(self, sampler, policy, rewards, algo, dist, *, reference=None, kl_fn=None, device=None, keep_graph: bool = False):
+    def __init__(self, sampler, policy, rewards, algo, dist, *, reference=None, kl_fn=None, device=None, keep_graph: bool = False, groups: tuple[int, int] | None = None):
         self.sampler, self.policy, self.rewards, self.algo, self.dist = sampler, policy, rewards, algo, dist
         self.reference, self.kl_fn = reference, kl_fn
         self.device = device if device is not None else torch.device("cpu")
         self.reuse_graph = keep_graph
-        self.rank = dist.rank
-        self.local_groups = algo.groups_per_step // dist.world
+        local = algo.groups_per_step // dist.world
+        self.first_group, self.local_groups = groups if groups is not None else (dist.rank * local, local)
         self.filters = [(f.type, own_options(f, FilterConfig)) for f in algo.filters]
         self.version = 0
 
@@ -57,33 +76,28 @@ class RolloutWorker:
             self.policy.load_state_dict(state)
         self.version = version
 
-    def collect(self, step: int) -> Collected:
+    def collect(self, step: int, score: bool = True) -> Collected:
         """Whole groups for this process, scored and filtered. With ``resample_rounds``
         (DAPO dynamic sampling) more groups are collected until the processes together keep
         ``groups_per_step`` groups; the kept samples are the first ones in (round, process)
-        order, which is the order one process would collect them in."""
+        order, which is the order one process would collect them in. ``score=False``
+        (``rollout.score_on: learner``): the sampled groups as they are, for the learner's
+        side to score, measure and filter (:meth:`finish`)."""
         cfg = self.algo
         target = cfg.groups_per_step * cfg.group_size
-        policy = self.policy
         sums: dict[str, torch.Tensor] = {}
         kept_parts: list[Rollout] = []
         kept_total, num_collected, spare = 0, 0, None
-        keep_graph = {"keep_graph": True} if self.reuse_graph else {}  # only samplers that keep it take the argument
         with torch.no_grad():
-            for round_ in range(cfg.resample_rounds + 1 if self.filters else 1):
-                # refill groups get indices past the step's batch: every process count draws the same groups
-                offset = round_ * cfg.groups_per_step + self.rank * self.local_groups
-                part = self.sampler.collect(policy, self.local_groups, cfg.group_size, step, offset, **keep_graph)
-                part = self.score(part.with_(policy_version=torch.full((part.batch_size,), self.version, dtype=torch.long)), step)
-                num_collected += part.batch_size
-                for name, values in self.sampler.metrics(part).items():
-                    add_metric(sums, name, values)
-                combined = self.rewards.combine(part.rewards, part.group_id)
-                for k, name in enumerate(self.rewards.names):
-                    add_metric(sums, f"reward/{name}", part.rewards[:, k])
-                add_metric(sums, "reward/total", combined)
+            for round_ in range(cfg.resample_rounds + 1 if self.filters and score else 1):
+                part = self._sample(step, round_)
                 if spare is None:
                     spare = part[:1].with_(mask=torch.zeros_like(part.mask[:1]))
+                if not score:
+                    return Collected(part, spare)
+                part = self.score(part, step)
+                num_collected += part.batch_size
+                combined = self._measure(part, sums)
                 if not self.filters:
                     kept_parts.append(part)
                     break
@@ -95,6 +109,36 @@ class RolloutWorker:
                 if kept_total >= target:
                     break
         return Collected(Rollout.cat(kept_parts), spare, sums, num_collected)
+
+    def finish(self, collected: Collected, step: int) -> Collected:
+        """Score, measure and filter samples a worker process returned unscored
+        (``rollout.score_on: learner``: e.g. a reward model on the learner's GPU); the rest of
+        ``collected`` is kept as it is."""
+        with torch.no_grad():
+            part = self.score(collected.rollout, step)
+            sums: dict[str, torch.Tensor] = {}
+            combined = self._measure(part, sums)
+            kept = part[self._keep(combined, part.group_id)] if self.filters else part
+        return replace(collected, rollout=kept, sums=sums, num_collected=part.batch_size)
+
+    def _sample(self, step: int, round_: int) -> Rollout:
+        """Round ``round_``'s groups of ``step``, tagged with this worker's version."""
+        # refill groups get indices past the step's batch: every process count draws the same groups
+        offset = round_ * self.algo.groups_per_step + self.first_group
+        keep_graph = {"keep_graph": True} if self.reuse_graph else {}  # only samplers that keep it take the argument
+        part = self.sampler.collect(self.policy, self.local_groups, self.algo.group_size, step, offset, **keep_graph)
+        return part.with_(policy_version=torch.full((part.batch_size,), self.version, dtype=torch.long))
+
+    def _measure(self, part: Rollout, sums: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Add the sampler's metrics and the rewards of scored ``part`` to ``sums``; returns
+        the combined reward per sample."""
+        for name, values in self.sampler.metrics(part).items():
+            add_metric(sums, name, values)
+        combined = self.rewards.combine(part.rewards, part.group_id)
+        for k, name in enumerate(self.rewards.names):
+            add_metric(sums, f"reward/{name}", part.rewards[:, k])
+        add_metric(sums, "reward/total", combined)
+        return combined
 
     def score(self, rollout: Rollout, step: int) -> Rollout:
         """Reward columns [B, K] and, for a sampled-log-prob KL, the reference's log-probs."""

@@ -29,7 +29,7 @@ def _module_of(name: str) -> str:
 def batch_gradient(trainer: Trainer, step: int) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """One training batch (groups seeded as training step ``step``) and its loss gradient at
     ratio 1, per parameter; plus the batch's success/reward statistics."""
-    rollout = trainer.worker.collect(step).rollout
+    rollout = trainer.engine.collect(step, trainer.learner.version).rollout
     adv, keep = trainer.learner.advantages(rollout)
     device = trainer.accelerator.device
     sampled = rollout.mask

@@ -88,6 +88,14 @@ class Learner:
     def policy(self):
         return self.accelerator.unwrap_model(self.model)
 
+    def set_lr(self, step: int) -> float:
+        """Set the optimizer's learning rate for training step ``step``; returns it."""
+        o = self.cfg.optim
+        lr = o.lr * lr_factor(step, self.cfg.total_steps, o.lr_schedule, o.warmup_steps, o.final_lr_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
     def publish(self) -> int:
         """Mark the current weights as a new version (after an optimizer's update); returns it."""
         self.version += 1
@@ -97,9 +105,15 @@ class Learner:
         """One RL update on ``rollout`` (this process's kept samples): advantages, masks, the
         update, the self-imitation memory and its steps. Returns the rollout with its training
         mask, the advantages and the update's metrics."""
+        if rollout.policy_version is not None and bool((rollout.policy_version != self.version).any()) and self.correction_fn is None:
+            # samples of an earlier version (async rollouts): the sampler's numbers are the
+            # behaviour policy's and, without a correction, the old log-probs of the ratio
+            # (decoupled_ppo: the behaviour side of its weight); nothing is recomputed
+            rollout = rollout.with_(old_logp_deferred=False)
         if self.correction_fn is not None and rollout.behaviour_logp is None:
             # the sampler's numbers are the behaviour policy's; the exact old log-probs (the
-            # learner's at the sampling version) are computed as deferred ones are
+            # learner's current weights: the sampling version in sync mode, the proximal
+            # policy of an async sample) are computed as deferred ones are
             rollout = rollout.with_(behaviour_logp=rollout.old_logp.clone(), old_logp_deferred=True)
         if rollout.old_logp_deferred and self.cfg.algo.kl.in_reward_penalty:
             rollout = self.exact_old_logp(rollout)  # the KL penalty in the reward reads them now
@@ -466,6 +480,27 @@ class Learner:
         out["time/step_s"] = time.time() - t0
         self.publish()
         return out
+
+
+def lr_factor(step: int, total_steps: int, schedule: str = "constant", warmup_steps: int = 0, final_ratio: float = 0.0) -> float:
+    """Learning rate of training step ``step`` (0-based) as a fraction of ``optim.lr``.
+
+    Warm-up: ``(step + 1) / (warmup_steps + 1)`` for the first ``warmup_steps`` steps. Then,
+    with progress ``p = (step - warmup) / max(1, total - warmup - 1)`` in [0, 1]:
+    constant 1; linear ``1 - (1 - r) p``; cosine ``r + (1 - r) (1 + cos(pi p)) / 2``, where
+    ``r`` is ``final_ratio``. A pure function of the step, so ``--resume`` needs no scheduler
+    state and continues the schedule exactly.
+    """
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    if schedule == "constant":
+        return 1.0
+    p = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps - 1))
+    if schedule == "linear":
+        return 1.0 - (1.0 - final_ratio) * p
+    if schedule == "cosine":
+        return final_ratio + (1.0 - final_ratio) * 0.5 * (1.0 + math.cos(math.pi * p))
+    raise ValueError(f"unknown lr schedule {schedule!r}")
 
 
 def split_rows(n: int, k: int) -> list[torch.Tensor]:

@@ -15,7 +15,8 @@ from mmrl.config import MovedKey, option
 from mmrl.core.component_config import EnvConfig, PolicyConfig, RewardConfig, SamplerConfig
 from mmrl.data.sources import DataSourceConfig, DemonstrationsConfig
 from mmrl.errors import ConfigError
-from mmrl.registry import ADVANTAGES
+from mmrl.registry import ADVANTAGES, ENGINES
+from mmrl.rollout.config import RolloutConfig
 
 
 @dataclass
@@ -174,6 +175,7 @@ class TrainConfig:
     rewards: list[RewardConfig] = option(factory=list, doc="reward components, each with a type and a weight")
     algo: AlgoConfig = option(factory=AlgoConfig, doc="the group-relative core: advantage, filters, objective, aggregation, KL")
     data: DataSourceConfig = option(factory=DemonstrationsConfig, doc="where algo.type: sft takes its batches (data.type: demonstrations, completions, preferences)")
+    rollout: RolloutConfig = option(factory=RolloutConfig, doc="rollout workers: sync or async, where they run, how stale a sample may be")
     optim: OptimConfig = option(factory=OptimConfig, doc="optimizer")
     eval: EvalConfig = option(factory=EvalConfig, doc="evaluation")
     log: LogConfig = option(factory=LogConfig, doc="logging")
@@ -189,5 +191,20 @@ class TrainConfig:
                 raise ConfigError("data.path", None, f"algo.type sft needs data: the {self.data.type} source reads data.path")
         elif not self.rewards:
             raise ConfigError("rewards", [], "at least one reward component is required; see `mmrl list rewards`")
+        self._validate_rollout()
         if self.device not in ("auto", "cpu", "mps") and not self.device.startswith("cuda"):
             raise ConfigError("device", self.device, "allowed: auto, cpu, cuda, cuda:N, mps")
+
+    def _validate_rollout(self) -> None:
+        ro, algo = self.rollout, self.algo
+        ENGINES.entry(ro.engine, "rollout.engine")
+        if algo.type == "sft" and ro.mode == "async":
+            raise ConfigError("rollout.mode", "async", "algo.type sft samples nothing; use mode: sync")
+        if ro.num_workers and algo.reuse_sampling_graph is True:
+            raise ConfigError("algo.reuse_sampling_graph", True, f"the sampling graph cannot leave a worker process (rollout.workers: {ro.num_workers}); use auto or false")
+        if ro.num_workers > 1 and algo.resample_rounds:
+            raise ConfigError("rollout.workers", ro.num_workers, f"refill rounds (algo.resample_rounds: {algo.resample_rounds}) decide over one worker's groups: use 1 worker, or no refill rounds")
+        if ro.num_workers and ro.score_on == "learner" and algo.resample_rounds:
+            raise ConfigError("rollout.score_on", "learner", "refill rounds (algo.resample_rounds) score while they sample: use score_on: worker, or no refill rounds")
+        if ro.mode == "async" and ro.schedule == "free" and ro.stale == "correct" and algo.correction.type == "none" and algo.objective.type != "decoupled_ppo":
+            raise ConfigError("rollout.stale", "correct", "keeps stale samples for a correction to weight: set algo.correction (tis, mis) or algo.objective decoupled_ppo, or use stale: drop")

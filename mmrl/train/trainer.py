@@ -2,17 +2,19 @@
 token, a denoising step, an action chunk); read it top to bottom.
 
     for step in range(total_steps):
-        collected = worker.collect(step)                  # whole groups at the published weights, scored, filtered
-        rollout, adv, stats = learner.learn(collected)    # advantages, masks, update, self-imitation: a new version
-        worker.load_weights(None, learner.version)        # sync, local: the worker holds the learner's own policy
+        collected = engine.collect(step, learner.version)  # whole groups, scored, filtered, tagged with their version
+        rollout, adv, stats = learner.learn(collected)     # advantages, masks, update, self-imitation: a new version
+        engine.publish(policy, learner.version)            # the workers' next weights
         log(); maybe_eval(); maybe_checkpoint()
 
-The roles have one home each: the rollout worker (``mmrl/rollout/worker.py``: a policy, a
-sampler and the rewards) and the learner (``mmrl/train/learner.py``: advantages, the update
-and its speed-ups, self-imitation, SFT steps, the optimizer). Everything modality-specific
-sits behind a hook: the sampler (``collect``, ``metrics``, ``counters``, ``evaluate``), the
-policy (``log_prob`` as its forward, ``sft_loss``, ``media``, ``exact_kl``), the reward
-components, and the SFT data source.
+The roles have one home each: the rollout workers (``mmrl/rollout/worker.py``: a policy, a
+sampler and the rewards), run by an engine (``rollout.engine``, ``mmrl/rollout/engine.py``:
+in this process, or in spawned processes that sample ahead in async mode), and the learner
+(``mmrl/train/learner.py``: advantages, the update and its speed-ups, self-imitation, SFT
+steps, the optimizer). Everything modality-specific sits behind a hook: the sampler
+(``collect``, ``metrics``, ``counters``, ``evaluate``), the policy (``log_prob`` as its
+forward, ``sft_loss``, ``media``, ``exact_kl``), the reward components, and the SFT data
+source.
 
 N processes = 1 process: every process samples whole groups seeded by their global index;
 rewards, advantages and filter decisions are taken over the samples of all processes; the
@@ -36,44 +38,21 @@ import yaml
 from mmrl import registry
 from mmrl.config import to_dict
 from mmrl.core.reward import RewardContext, RewardSet
-from mmrl.core.rollout import Rollout
 from mmrl.core.sampler import build_sampler
-from mmrl.core.statistics import commit_statistics
+from mmrl.core.statistics import add_pending, commit_statistics
 from mmrl.core.weights import build_policy
 from mmrl.errors import ConfigError
 from mmrl.media import write_media
-from mmrl.rollout.worker import Collected, RolloutWorker
 from mmrl.train.checkpoint import Checkpointer, rng_state, set_rng_state
 from mmrl.train.distributed import Collectives
 from mmrl.train.learner import Learner
-from mmrl.train.metrics import MetricsWriter
+from mmrl.train.metrics import MetricsWriter, rl_metrics
 from mmrl.train.run_config import TrainConfig
 
 
 @dataclass
 class StopRequest:
     signum: int | None = None
-
-
-def lr_factor(step: int, total_steps: int, schedule: str = "constant", warmup_steps: int = 0, final_ratio: float = 0.0) -> float:
-    """Learning rate of training step ``step`` (0-based) as a fraction of ``optim.lr``.
-
-    Warm-up: ``(step + 1) / (warmup_steps + 1)`` for the first ``warmup_steps`` steps. Then,
-    with progress ``p = (step - warmup) / max(1, total - warmup - 1)`` in [0, 1]:
-    constant 1; linear ``1 - (1 - r) p``; cosine ``r + (1 - r) (1 + cos(pi p)) / 2``, where
-    ``r`` is ``final_ratio``. A pure function of the step, so ``--resume`` needs no scheduler
-    state and continues the schedule exactly.
-    """
-    if step < warmup_steps:
-        return (step + 1) / (warmup_steps + 1)
-    if schedule == "constant":
-        return 1.0
-    p = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps - 1))
-    if schedule == "linear":
-        return 1.0 - (1.0 - final_ratio) * p
-    if schedule == "cosine":
-        return final_ratio + (1.0 - final_ratio) * 0.5 * (1.0 + math.cos(math.pi * p))
-    raise ValueError(f"unknown lr schedule {schedule!r}")
 
 
 class Trainer:
@@ -103,11 +82,13 @@ class Trainer:
         context = RewardContext(device=self.accelerator.device, run_dir=self.run_dir, seed=cfg.seed)
         self.rewards = RewardSet(cfg.rewards, algo.reward_aggregation, context, algo.log_tamed_threshold)
         data = registry.DATA_SOURCES.get(cfg.data.type, "data.type")(cfg.data, policy, cfg.seed, self.world, self.rank) if algo.type == "sft" else None
-        self.learner = Learner(cfg, policy, self.accelerator, self.dist, self.rewards, data, sampler_keeps_graph=getattr(self.sampler, "keeps_sampling_graph", False))
-        # sync, local: the worker samples with the learner's own policy object, in this process
-        self.worker = RolloutWorker(
-            self.sampler, self.policy, self.rewards, algo, self.dist,
-            reference=self.learner.reference, kl_fn=self.learner.kl_fn, device=self.accelerator.device, keep_graph=self.learner.reuse_graph,
+        keeps_graph = getattr(self.sampler, "keeps_sampling_graph", False) and cfg.rollout.num_workers == 0  # a graph stays in its process
+        self.learner = Learner(cfg, policy, self.accelerator, self.dist, self.rewards, data, sampler_keeps_graph=keeps_graph)
+        # the rollout workers: in this process with the learner's own policy object (sync,
+        # workers: 0), or spawned with copies of it (rollout.engine, mmrl/rollout/engine.py)
+        self.engine = registry.ENGINES.get(cfg.rollout.engine, "rollout.engine")(
+            cfg, sampler=self.sampler, policy=self.policy, rewards=self.rewards, reference=self.learner.reference, kl_fn=self.learner.kl_fn,
+            dist=self.dist, device=self.accelerator.device, keep_graph=self.learner.reuse_graph, run_dir=self.run_dir,
         )
         self.start_step = 0
         self.stop = StopRequest()
@@ -116,7 +97,8 @@ class Trainer:
         self.config_text = yaml.safe_dump(to_dict(cfg), sort_keys=False)
         if resume:
             self._resume(latest)
-        self.worker.load_weights(None, self.learner.version)
+        if algo.type == "rl":
+            self.engine.start(self.start_step, self.learner.version)
         if self.rank == 0:
             (self.run_dir / "config.yaml").write_text(self.config_text)
         self.metrics = MetricsWriter(self.run_dir, cfg.log.tensorboard, enabled=self.rank == 0)
@@ -144,9 +126,7 @@ class Trainer:
             if cfg.eval.at_start and self.start_step == 0 and cfg.total_steps > 0:
                 self.metrics.write(0, {f"eval/{k}": v for k, v in self.evaluate_aside(0).items()})
             for step in range(self.start_step, cfg.total_steps):
-                lr = cfg.optim.lr * lr_factor(step, cfg.total_steps, cfg.optim.lr_schedule, cfg.optim.warmup_steps, cfg.optim.final_lr_ratio)
-                for group in self.learner.optimizer.param_groups:
-                    group["lr"] = lr
+                lr = self.learner.set_lr(step)
                 metrics = self.learner.sft_step(step) if self.learner.data is not None else self.rl_step(step)
                 metrics["optim/lr"] = lr
                 done = step + 1
@@ -173,17 +153,22 @@ class Trainer:
             if progress is not None:
                 progress.close()
             self.metrics.close()
+            self.engine.close()
             self.sampler.close()
         return {"step": step, "eval": last_eval, "wall_clock": time.time() - t_start, "run_dir": str(self.run_dir)}
 
     def rl_step(self, step: int) -> dict[str, Any]:
-        t0 = time.time()
-        collected = self.worker.collect(step)
+        t0, version = time.time(), self.learner.version
+        collected = self.engine.collect(step, version)
+        add_pending(self.policy, collected.statistics)  # what a worker's policy copy observed
         commit_statistics(self.policy, self.dist.sum)  # what the step's samples taught running statistics
         t_sample = time.time() - t0
         rollout, adv, stats = self.learner.learn(collected.rollout, collected.spare, step)
-        self.worker.load_weights(None, self.learner.version)  # the same policy object: only the version moves
-        return self._rl_metrics(collected, rollout, adv, stats, t_sample, time.time() - t0)
+        t_update = time.time() - t0 - t_sample
+        self.engine.publish(self.policy, self.learner.version)  # inline: the same policy object, only the version moves
+        times = {"time/sample_s": t_sample, "time/update_s": t_update, "time/step_s": time.time() - t0}
+        staleness = version if self.cfg.rollout.mode == "async" else None
+        return rl_metrics(self.dist, collected, rollout, adv, stats, self.engine, staleness, times)
 
     # ------------------------------------------------------------------ evaluation, checkpoints
 
@@ -218,7 +203,7 @@ class Trainer:
         keep_memory = self.learner.memory is not None and self.cfg.algo.self_imitation.in_checkpoint
         memory = self.learner.memory.state_dict() if keep_memory else None  # gathers from every process
         if self.rank == 0:
-            state = {"sampler": self.sampler.state_dict(), "rewards": self.rewards.state_dict(), "policy_version": self.learner.version}
+            state = {**self.engine.state_dict(), "policy_version": self.learner.version}
             if keep_memory:
                 state["self_imitation_memory"] = memory
             self.checkpointer.save(step, self.policy, _inner(self.learner.optimizer), state, self.config_text)
@@ -226,8 +211,7 @@ class Trainer:
 
     def _resume(self, path: Path) -> None:
         state = Checkpointer.load(path, self.policy, _inner(self.learner.optimizer))
-        self.sampler.load_state_dict(state.get("sampler", {}))
-        self.rewards.load_state_dict(state.get("rewards", {}))
+        self.engine.load_state_dict(state)
         if self.learner.memory is not None:
             # "replay_memory": the key of checkpoints written before the memory had its own name
             self.learner.memory.load_state_dict(state.get("self_imitation_memory", state.get("replay_memory", {})))
@@ -246,31 +230,6 @@ class Trainer:
                 signal.signal(sig, handler)
             except ValueError:  # not the main thread
                 pass
-
-    # ------------------------------------------------------------------ metrics
-
-    def _rl_metrics(self, collected: Collected, rollout: Rollout, adv: torch.Tensor, update: dict[str, float], t_sample: float, t_step: float) -> dict[str, Any]:
-        """Global values: sums and counts of every process, reduced."""
-        out: dict[str, Any] = {}
-        for name, pair in collected.sums.items():
-            total, count = self.dist.sum(pair).tolist()
-            out[name] = total / max(count, 1.0)
-        kept, num_collected = self.dist.sum(rollout.batch_size).item(), self.dist.sum(collected.num_collected).item()
-        if self.worker.filters:
-            out["filter/kept_fraction"] = kept / max(num_collected, 1.0)
-        out["adv/abs_mean"] = (self.dist.sum(adv.abs().sum()) / max(self.dist.sum(adv.numel()).item(), 1.0)).item()
-        out["decisions"] = self.dist.sum(rollout.mask.sum()).item()
-        if rollout.entropy is not None:
-            # the sampling policy's entropy per decision (sharpening or spreading under RL)
-            mask = rollout.mask.to(rollout.entropy.device)
-            out["entropy"] = (self.dist.sum((rollout.entropy * mask).sum()) / self.dist.sum(mask.sum()).clamp_min(1)).item()
-        out.update(update)
-        for name, value in self.sampler.counters().items():
-            out[name] = self.dist.sum(value).item()
-        out["time/sample_s"] = t_sample
-        out["time/step_s"] = t_step
-        return out
-
 
 def _inner(optimizer):
     return optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer

@@ -70,7 +70,7 @@ def test_self_imitation_steps_raise_the_log_prob_of_remembered_good_samples(tmp_
     for steps in (1, 4):
         cfg = toy_config("sequence", seed=learning_seed, algo={"group_size": 8, "groups_per_step": 4, "self_imitation": {"size": 64, "steps": steps, "batch": 16}}, optim={"lr": 0.01})
         trainer = Trainer(cfg, tmp_path / f"steps{steps}")
-        rollout = trainer.worker.collect(0).rollout
+        rollout = trainer.engine.worker.collect(0).rollout
         adv, keep = trainer.learner.advantages(rollout)
         assert trainer.learner.memory.add(rollout, adv, step=0) == int((adv > 0).sum()) > 0
         before = _remembered_logp(trainer)
@@ -180,7 +180,7 @@ def test_sft_self_imitation_fits_the_remembered_actions_and_ignores_zero_weights
     Measured over seeds x kernels (default 0-4, avx2 0-4, avx512 0-4; 15 runs): memory loss after / before 0.185 to
     0.651 (<= 0.8)."""
     trainer = _robot_trainer(tmp_path, policy, seed=learning_seed, steps=40)
-    rollout = trainer.worker.collect(0).rollout
+    rollout = trainer.engine.worker.collect(0).rollout
     adv, keep = trainer.learner.advantages(rollout)
     rollout = rollout.with_(mask=trainer.learner.train_mask(rollout, keep))
     assert trainer.learner.memory.add(rollout, adv, step=0) > 0
@@ -233,7 +233,7 @@ def test_best_worst_takes_advantages_over_the_whole_group_and_trains_only_its_ex
     """algo.advantage.best_worst (DanceGRPO): the advantages are the full group's, the k best
     and k worst samples of each group keep them, the others leave the update."""
     full = Trainer(toy_config("sequence"), tmp_path / "full")
-    rollout = full.worker.collect(0).rollout
+    rollout = full.engine.worker.collect(0).rollout
     adv_all, keep_all = full.learner.advantages(rollout)
     picked = Trainer(toy_config("sequence", algo={"advantage": {"best_worst": 2}}), tmp_path / "picked")
     adv, keep = picked.learner.advantages(rollout)

@@ -212,7 +212,7 @@ def test_metrics_tensorboard_and_checkpoint_layout(tmp_path):
 
 
 def test_lr_schedules_warm_up_then_decay_to_the_final_ratio():
-    from mmrl.train.trainer import lr_factor
+    from mmrl.train.learner import lr_factor
 
     assert [lr_factor(s, 10, "constant", 2) for s in (0, 1, 2, 9)] == [1 / 3, 2 / 3, 1.0, 1.0]
     linear = [lr_factor(s, 6, "linear", 1, 0.2) for s in range(6)]
@@ -362,7 +362,7 @@ def test_exact_kl_on_a_policy_without_one_is_a_config_error(tmp_path):
 
 def test_a_minibatch_whose_decisions_are_all_masked_gives_a_zero_loss_not_nan(tmp_path):
     trainer = Trainer(toy_config("sequence", algo={"group_size": 8, "groups_per_step": 4, "aggregation": "token_mean"}), tmp_path / "run")
-    rollout = trainer.worker.collect(0).rollout
+    rollout = trainer.engine.worker.collect(0).rollout
     masked = rollout.with_(mask=torch.zeros_like(rollout.mask))
     loss, *_ = trainer.learner.policy_loss(masked, torch.ones(rollout.batch_size, 1), trainer.learner.normalizers(masked))
     assert loss.item() == 0.0
@@ -393,9 +393,9 @@ def test_every_sample_carries_the_version_of_the_weights_that_sampled_it_and_res
     """Each update publishes a version of the learner's weights (0: the initial ones); the
     worker tags what it samples with the version it holds; checkpoints keep the count."""
     trainer = Trainer(env_config(total_steps=2, checkpoint={"every": 2}), tmp_path / "run")
-    assert trainer.learner.version == 0 and trainer.worker.collect(0).rollout.policy_version.unique().tolist() == [0]
+    assert trainer.learner.version == 0 and trainer.engine.worker.collect(0).rollout.policy_version.unique().tolist() == [0]
     trainer.train()
-    assert trainer.learner.version == trainer.worker.version == 2
-    assert trainer.worker.collect(2).rollout.policy_version.unique().tolist() == [2]
+    assert trainer.learner.version == trainer.engine.worker.version == 2
+    assert trainer.engine.worker.collect(2).rollout.policy_version.unique().tolist() == [2]
     resumed = Trainer(env_config(total_steps=3), tmp_path / "run", resume=True)
-    assert resumed.learner.version == resumed.worker.version == 2
+    assert resumed.learner.version == resumed.engine.worker.version == 2

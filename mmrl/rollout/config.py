@@ -1,0 +1,56 @@
+"""The ``rollout:`` section: where samples are collected and how far they may lag behind the
+learner (``docs/architecture.md``, "Rollouts and the learner")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from mmrl.config import option
+from mmrl.errors import ConfigError
+
+
+@dataclass
+class RolloutConfig:
+    """Rollout workers and the learner: sync (sample, then update) or async (workers sample
+    the next steps while the learner updates)."""
+
+    mode: Literal["sync", "async"] = option(
+        "sync",
+        "sync: each step's samples come from the weights the learner has just published, then the workers wait (bit for bit the single-process loop); async: workers sample ahead while the learner updates, at most max_staleness versions behind",
+    )
+    engine: str = option("local", "where workers run (mmrl list engines): local = in this process (workers: 0) or in spawned processes sharing weights through shared memory")
+    workers: int | None = option(
+        None, "worker processes, each sampling its share of every step's groups; 0 = sample in the learner's process with its own policy object (sync only); null = 0 in sync mode, 1 in async mode", ge=0
+    )
+    max_staleness: int = option(1, "async: the most versions a trained sample may lag behind the learner's weights (k; 1 = one-step-off)", ge=0)
+    schedule: Literal["lockstep", "free"] = option(
+        "lockstep",
+        "async: lockstep = step s always trains on samples of weights max(0, s - max_staleness), deterministic; free = workers sample with the newest weights whenever they have room (prefetch), so what lags how much depends on timing",
+    )
+    prefetch: int | None = option(None, "async free: steps a worker may sample ahead of the learner (null = max_staleness, at least 1)", ge=1)
+    stale: Literal["drop", "correct"] = option(
+        "drop", "async free: a sample older than max_staleness versions is dropped (counted in staleness/dropped) or kept for algo.correction / decoupled_ppo to weight"
+    )
+    score_on: Literal["worker", "learner"] = option(
+        "worker", "worker processes: where rewards score samples (and filters run); learner: in the learner's process with its policy and device (a reward model on the learner's GPU)"
+    )
+    worker_threads: int | None = option(None, "torch threads of each worker process (null = the learner process's count)", ge=1)
+    start_timeout_s: float = option(600.0, "seconds a worker process may take to build its sampler, policy and rewards", gt=0)
+
+    @property
+    def num_workers(self) -> int:
+        return self.workers if self.workers is not None else (0 if self.mode == "sync" else 1)
+
+    @property
+    def lag(self) -> int:
+        """Versions between the weights that sample a step and the learner's at that step
+        (lockstep); 0 in sync mode."""
+        return self.max_staleness if self.mode == "async" else 0
+
+    def validate(self, path: str) -> None:
+        p = f"{path}." if path else ""
+        if self.mode == "async" and self.workers == 0:
+            raise ConfigError(p + "workers", 0, "async mode samples in worker processes: use 1 or more (or mode: sync to sample in the learner's process)")
+        if self.schedule == "free" and self.mode != "async":
+            raise ConfigError(p + "schedule", "free", "free-running workers need mode: async")
