@@ -24,6 +24,7 @@ kept so that a checkpoint resumes the schedule exactly (:meth:`ProcessEngine.sta
 
 from __future__ import annotations
 
+import atexit
 import copy
 import importlib
 import os
@@ -200,9 +201,13 @@ class ProcessEngine:
                 j, self.groups[j], config, self.modules, str(self.run_dir), start_step, self.cfg.total_steps, self.lag, self.offset, self.free, self.scorer is None, threads, device, states[j],
             )
             args = (spec, self.shared, self.reference, self.version, self.lock, self.loaded[j], self.credits[j], self.stop, self.results)
+            # not daemonic: a worker's simulator may start processes of its own
             proc = ctx.Process(target=worker_main, args=args, name=f"mmrl-rollout-worker-{j}")
             proc.start()
             self.procs.append(proc)
+        # a learner that exits without closing (an error before the loop) must not wait on its
+        # workers at exit: stop them first (atexit runs this before multiprocessing joins them)
+        atexit.register(self.close)
         ready = 0
         deadline = time.monotonic() + self.ro.start_timeout_s
         while ready < self.m:
@@ -226,9 +231,10 @@ class ProcessEngine:
                 except queue.Empty:
                     pass
             if proc.is_alive():
-                proc.terminate()
+                proc.kill()
             proc.join(timeout=5)
         self.procs = []
+        atexit.unregister(self.close)
 
     # ------------------------------------------------------------------ the two calls
 
@@ -366,7 +372,8 @@ def _combine(parts: list[Collected]) -> Collected:
 
 def worker_main(spec: _WorkerSpec, shared, reference_state, version, lock, loaded, credits, stop, results) -> None:
     """A worker process: build the sampler, policy and rewards, then sample steps."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the learner decides when to stop
+    for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C or a scheduler's SIGTERM to the group: the learner checkpoints, then stops its workers
+        signal.signal(sig, signal.SIG_IGN)
     torch.set_num_threads(spec.threads)
     send = lambda **msg: results.put(pickle.dumps({"worker": spec.index, **msg}))  # noqa: E731
     parent = os.getppid()

@@ -279,6 +279,26 @@ def test_a_killed_worker_is_reported_with_its_signal(tmp_path):
     assert not any(p.is_alive() for p in procs)
 
 
+def test_sigterm_to_the_whole_process_group_checkpoints_and_leaves_no_worker(tmp_path, write_config):
+    """A scheduler's SIGTERM reaches the learner and its workers: the workers ignore it, the
+    learner finishes its step, writes a final checkpoint and stops them."""
+    path = write_config(toy(total_steps=2000, rollout={"mode": "async", "workers": 2}, eval={"at_start": False, "at_end": False}))
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "mmrl", "train", path, "--run-dir", run], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 3):
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    stopped = int((run / "checkpoints/latest").read_text().split("_")[1])
+    assert stopped >= 3
+    time.sleep(0.5)
+    group = subprocess.run(["ps", "-o", "pid=,stat=,args=", "-g", str(proc.pid)], capture_output=True, text=True).stdout.splitlines()
+    alive = [line for line in group if line.split()[1][0] != "Z"]  # a zombie is gone, waiting for the container's init to reap it
+    assert alive == [], alive
+
+
 @pytest.mark.numerics
 @pytest.mark.parametrize("schedule", ["lockstep", "free"])
 def test_a_sigkilled_async_run_resumes_from_its_checkpoint(tmp_path, write_config, schedule):
