@@ -242,11 +242,13 @@ class ProcessEngine:
         """The step's samples from every worker (lockstep: sampled for this step; free: the
         next step each worker has ready, without the samples lagging by more than
         ``max_staleness``, which are dropped or kept per ``rollout.stale``)."""
-        dropped = 0
+        dropped, statistics = 0, []
         while True:
             batch = step if not self.free else self.next_batch
             parts = [self._part(batch, j) for j in range(self.m)]
             self.next_batch = batch + 1
+            # what the policy copies observed counts, whether their samples are trained or dropped
+            statistics = [sum(t) for t in zip(*(m["statistics"] for m in parts), *([statistics] if statistics else []))]
             for j, msg in enumerate(parts):
                 self.worker_states[j], self.worker_counters[j] = msg["state"], msg["counters"]
                 if self.free:
@@ -263,16 +265,15 @@ class ProcessEngine:
         out = _combine([m["collected"] for m in kept])
         if self.scorer is not None:
             out = self.scorer.finish(out, step)
-        out.statistics = [sum(t) for t in zip(*(m["statistics"] for m in parts))] if parts[0]["statistics"] else []
+        out.statistics = statistics
         out.dropped = dropped
         out.times = {k: sum(m["times"][k] for m in parts) / len(parts) for k in parts[0]["times"]}
         return out
 
     def publish(self, policy, version: int) -> None:
         state = {k: v.detach() for k, v in policy.state_dict().items()}
-        if not self.free:
-            keep = {k: v.to("cpu", copy=True) for k, v in state.items()}
-            self.history.append((version, keep))
+        if not self.free:  # lockstep: keep the versions the next `lag` steps sample from (for checkpoints)
+            self.history.append((version, {k: v.to("cpu", copy=True) for k, v in state.items()} if self.lag else None))
             while len(self.history) > self.lag + 1:
                 self.history.popleft()
         self._write(version, state)
