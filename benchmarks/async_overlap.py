@@ -77,11 +77,12 @@ def records(run_dir: Path) -> list[dict]:
 
 def modes(args, cores: int) -> list[tuple[str, list[str], int]]:
     """(name, overrides, OMP threads of the learner process) of each compared mode."""
-    w = args.workers
+    w, extra = args.workers, args.worker_overrides
+    threads = f"{args.learner_threads or args.async_threads}+{w}x{args.async_threads} threads"
     out = {
-        "sync": ("sync", [], cores),
-        "async": (f"async k=1, {w} worker{'s' * (w > 1)}", [*ASYNC, f"rollout.workers={w}", f"rollout.worker_threads={args.async_threads}"], args.learner_threads or args.async_threads),
-        "sync-workers": (f"sync, {w} worker processes", [f"rollout.workers={w}", f"rollout.worker_threads={args.async_threads}"], args.learner_threads or args.async_threads),
+        "sync": (f"sync, {cores} threads", [], cores),
+        "async": (f"async k=1, {threads}", [*ASYNC, f"rollout.workers={w}", f"rollout.worker_threads={args.async_threads}", *extra], args.learner_threads or args.async_threads),
+        "sync-workers": (f"sync, {threads}", [f"rollout.workers={w}", f"rollout.worker_threads={args.async_threads}", *extra], args.learner_threads or args.async_threads),
     }
     return [out[m] for m in args.modes]
 
@@ -132,7 +133,7 @@ def quality(args) -> None:
     start = start_overrides(args.demo, args.init, out)
     results: dict[str, list[tuple[float, int]]] = {"sync": [], "async": []}
     for seed in args.seeds:
-        for mode, extra, threads in (("sync", [], cores), ("async", [*ASYNC, f"rollout.workers={args.workers}", f"rollout.worker_threads={args.async_threads}"], args.learner_threads or args.async_threads)):
+        for mode, extra, threads in (("sync", [], cores), ("async", [*ASYNC, f"rollout.workers={args.workers}", f"rollout.worker_threads={args.async_threads}", *args.worker_overrides], args.learner_threads or args.async_threads)):
             run_dir = out / f"{args.demo}_{mode}_s{seed}"
             if not (run_dir / "checkpoints" / "latest").exists():
                 wall = mmrl(["train", config, "--run-dir", str(run_dir), f"seed={seed}", *start, *QUIET, *args.overrides, *extra], threads, out)
@@ -159,6 +160,7 @@ def main() -> None:
         s.add_argument("--init", default=None, help="the run directory the demo starts from (text, tabletop)")
         s.add_argument("--async-threads", type=int, default=1, help="torch threads of the learner and of each worker when workers are processes")
         s.add_argument("--learner-threads", type=int, default=None, help="torch threads of the learner when workers are processes (default: --async-threads)")
+        s.add_argument("--worker-overrides", nargs="*", default=[], help="config overrides of the modes with worker processes (e.g. env.num_envs=32: each worker's share)")
         s.add_argument("--workers", type=int, default=1, help="worker processes of the async (and sync-workers) mode")
         s.add_argument("overrides", nargs="*", help="config overrides for both modes")
     sub.choices["throughput"].add_argument("--updates", type=int, default=12)

@@ -135,6 +135,12 @@ class EnvSampler(Sampler):
         seeds = [group_seed(self.seed, step, group_offset + g) for g in range(num_groups)]
         episodes = num_groups * group_size
         wave = (self.num_envs // group_size) * group_size or self.num_envs
+        if episodes < self.num_envs and not getattr(self, "_warned_idle_envs", False):
+            self._warned_idle_envs = True
+            logger.warning(
+                "env.num_envs is %d but a collection holds %d episodes: %d envs step with nothing to record (and count in env_steps); "
+                "set env.num_envs to %d (each learner process and each rollout worker builds its own env)", self.num_envs, episodes, self.num_envs - episodes, episodes,
+            )
         parts = []
         self.success_reported = False
         for start in range(0, episodes, wave):
