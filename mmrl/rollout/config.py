@@ -35,6 +35,7 @@ class RolloutConfig:
     score_on: Literal["worker", "learner"] = option(
         "worker", "worker processes: where rewards score samples (and filters run); learner: in the learner's process with its policy and device (a reward model on the learner's GPU)"
     )
+    worker_device: str | None = option(None, "device of the worker processes' policy copies: cpu, cuda, cuda:N (null = the learner process's device; e.g. cuda:1 samples beside a learner on cuda:0)", choices=None)
     worker_threads: int | None = option(None, "torch threads of each worker process (null = the learner process's count)", ge=1)
     start_timeout_s: float = option(600.0, "seconds a worker process may take to build its sampler, policy and rewards", gt=0)
 
@@ -52,5 +53,7 @@ class RolloutConfig:
         p = f"{path}." if path else ""
         if self.mode == "async" and self.workers == 0:
             raise ConfigError(p + "workers", 0, "async mode samples in worker processes: use 1 or more (or mode: sync to sample in the learner's process)")
+        if self.worker_device is not None and self.worker_device not in ("cpu", "mps") and not self.worker_device.startswith("cuda"):
+            raise ConfigError(p + "worker_device", self.worker_device, "allowed: cpu, cuda, cuda:N, mps, or null for the learner's device")
         if self.schedule == "free" and self.mode != "async":
             raise ConfigError(p + "schedule", "free", "free-running workers need mode: async")

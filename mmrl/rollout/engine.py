@@ -192,7 +192,7 @@ class ProcessEngine:
         self.results = ctx.Queue()
         config = pickle.dumps(self.cfg)
         threads = self.ro.worker_threads or torch.get_num_threads()
-        device = "cpu" if self.dist.device.type == "cpu" else str(self.dist.device)
+        device = self.ro.worker_device or ("cpu" if self.dist.device.type == "cpu" else str(self.dist.device))
         states = self.resume.get("workers") or [{} for _ in range(self.m)]
         if len(states) != self.m:
             raise ConfigError("rollout.workers", self.m, f"the checkpoint was written with {len(states)} workers; resume with as many")
