@@ -45,7 +45,7 @@ from mmrl.core.sampler import build_sampler
 from mmrl.core.statistics import take_pending
 from mmrl.core.weights import build_policy
 from mmrl.errors import ConfigError, RolloutWorkerError
-from mmrl.registry import ENGINES
+from mmrl.registry import ENGINES, KL_ESTIMATORS
 from mmrl.rollout.worker import Collected, OneProcess, RolloutWorker
 
 _POLL_S = 0.05
@@ -375,33 +375,12 @@ def worker_main(spec: _WorkerSpec, shared, reference_state, version, lock, loade
     """A worker process: build the sampler, policy and rewards, then sample steps."""
     for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C or a scheduler's SIGTERM to the group: the learner checkpoints, then stops its workers
         signal.signal(sig, signal.SIG_IGN)
-    torch.set_num_threads(spec.threads)
     send = lambda **msg: results.put(pickle.dumps({"worker": spec.index, **msg}))  # noqa: E731
     parent = os.getppid()
     orphaned = lambda: stop.is_set() or os.getppid() != parent  # noqa: E731 - a SIGKILLed learner leaves no worker behind
     batch = spec.start_step
     try:
-        for name in spec.modules:
-            importlib.import_module(name)
-        cfg = pickle.loads(spec.config)
-        torch.manual_seed(cfg.seed)
-        sampler = build_sampler(cfg)
-        policy = build_policy(cfg.policy, sampler.policy_spec()).to(spec.device)
-        rewards = None
-        if spec.score:
-            context = RewardContext(device=torch.device(spec.device), run_dir=Path(spec.run_dir), seed=cfg.seed)
-            rewards = RewardSet(cfg.rewards, cfg.algo.reward_aggregation, context, cfg.algo.log_tamed_threshold)
-            rewards.load_state_dict(spec.state.get("rewards", {}))
-        sampler.load_state_dict(spec.state.get("sampler", {}))
-        reference = None
-        if reference_state is not None:
-            reference = policy.reference() or copy.deepcopy(policy)
-            reference.load_state_dict(reference_state)
-            reference.requires_grad_(False).eval()
-        from mmrl.registry import KL_ESTIMATORS
-
-        kl_fn = KL_ESTIMATORS.get(cfg.algo.kl.type) if cfg.algo.kl.coef > 0 and cfg.algo.kl.type != "exact" else None
-        worker = RolloutWorker(sampler, policy, rewards, cfg.algo, OneProcess(), reference=reference, kl_fn=kl_fn, device=torch.device(spec.device), groups=spec.groups)
+        sampler, policy, rewards, worker = build_worker(spec, reference_state)
         send(kind="ready", batch=-1)
         while not orphaned() and (spec.free or batch < spec.total_steps):
             t0 = time.monotonic()
@@ -422,13 +401,7 @@ def worker_main(spec: _WorkerSpec, shared, reference_state, version, lock, loade
                     policy.load_state_dict(shared)
                 worker.load_weights(None, want)
                 loaded.value = want
-            t1 = time.monotonic()
-            collected = worker.collect(batch, score=spec.score)
-            state = {"sampler": sampler.state_dict(), "rewards": rewards.state_dict() if rewards is not None else {}}
-            send(
-                kind="batch", batch=batch, version=want, collected=collected, statistics=take_pending(policy), state=state,
-                counters=sampler.counters(), times={"worker_idle_s": t1 - t0, "worker_sample_s": time.monotonic() - t1},
-            )
+            send(**sample_message(spec, sampler, policy, rewards, worker, batch, want, time.monotonic() - t0))
             batch += 1
     except ConfigError as e:
         send(kind="error", batch=batch, error=str(e), config_error=(e.field, e.value, e.allowed))
@@ -441,6 +414,43 @@ def worker_main(spec: _WorkerSpec, shared, reference_state, version, lock, loade
             sampler.close()  # noqa: F821 - may not exist if building failed
         except Exception:  # noqa: BLE001
             pass
+
+
+def build_worker(spec: _WorkerSpec, reference_state):
+    """Build a worker's sampler, policy copy and rewards from ``spec`` (in its process)."""
+    torch.set_num_threads(spec.threads)
+    for name in spec.modules:
+        importlib.import_module(name)
+    cfg = pickle.loads(spec.config)
+    torch.manual_seed(cfg.seed)
+    sampler = build_sampler(cfg)
+    policy = build_policy(cfg.policy, sampler.policy_spec()).to(spec.device)
+    rewards = None
+    if spec.score:
+        context = RewardContext(device=torch.device(spec.device), run_dir=Path(spec.run_dir), seed=cfg.seed)
+        rewards = RewardSet(cfg.rewards, cfg.algo.reward_aggregation, context, cfg.algo.log_tamed_threshold)
+        rewards.load_state_dict(spec.state.get("rewards", {}))
+    sampler.load_state_dict(spec.state.get("sampler", {}))
+    reference = None
+    if reference_state is not None:
+        reference = policy.reference() or copy.deepcopy(policy)
+        reference.load_state_dict(reference_state)
+        reference.requires_grad_(False).eval()
+    kl_fn = KL_ESTIMATORS.get(cfg.algo.kl.type) if cfg.algo.kl.coef > 0 and cfg.algo.kl.type != "exact" else None
+    worker = RolloutWorker(sampler, policy, rewards, cfg.algo, OneProcess(), reference=reference, kl_fn=kl_fn, device=torch.device(spec.device), groups=spec.groups)
+    return sampler, policy, rewards, worker
+
+
+def sample_message(spec: _WorkerSpec, sampler, policy, rewards, worker: RolloutWorker, batch: int, version: int, idle_s: float) -> dict[str, Any]:
+    """Sample step ``batch`` with the worker's weights (``version``): the message a worker
+    returns to the learner."""
+    t0 = time.monotonic()
+    collected = worker.collect(batch, score=spec.score)
+    state = {"sampler": sampler.state_dict(), "rewards": rewards.state_dict() if rewards is not None else {}}
+    return {
+        "kind": "batch", "batch": batch, "version": version, "collected": collected, "statistics": take_pending(policy), "state": state,
+        "counters": sampler.counters(), "times": {"worker_idle_s": idle_s, "worker_sample_s": time.monotonic() - t0},
+    }
 
 
 def _flush_and_exit(results, code: int) -> None:

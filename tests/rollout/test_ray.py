@@ -1,0 +1,71 @@
+"""``rollout.engine: ray``: workers as Ray actors on a local Ray instance (mmrl/rollout/ray_engine.py)."""
+
+import pytest
+import torch
+
+from mmrl.config import from_dict
+from mmrl.errors import ConfigError, RolloutWorkerError
+from mmrl.train.run_config import TrainConfig
+from mmrl.train.trainer import Trainer, train
+from tests.rollout.test_engine import _same, _steps, _train, toy
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    """One local Ray instance for the module (it takes seconds to start); the engine joins it."""
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("rollout", [{"workers": 1}, {"workers": 2, "mode": "async", "max_staleness": 1}])
+def test_ray_actors_train_as_the_local_engine_bit_for_bit(tmp_path, rollout):
+    """The same lockstep schedule through the object store: sync with one actor, and
+    one-step-off with two, equal the local engine's runs (metrics and weights)."""
+    sampler = {"type": "prompt", "batch_groups": 2}
+    _, local, w_local = _train(tmp_path, "local", toy(sampler=sampler, rollout=rollout))
+    _, actors, w_actors = _train(tmp_path, "ray", toy(sampler=sampler, rollout={**rollout, "engine": "ray"}))
+    _same(local, actors)
+    for k in w_local:
+        assert torch.equal(w_local[k], w_actors[k]), k
+
+
+@pytest.mark.numerics
+def test_a_ray_run_resumes_exactly(tmp_path):
+    """One-step-off on actors: 3 steps, then --resume to 6, equals 6 steps straight."""
+    data = toy(total_steps=6, checkpoint={"every": 3}, rollout={"engine": "ray", "workers": 1, "mode": "async", "max_staleness": 1}, eval={"at_start": False, "at_end": False})
+    _, straight, w_straight = _train(tmp_path, "straight", data)
+    train(from_dict(TrainConfig, {**data, "total_steps": 3}), tmp_path / "split")
+    train(from_dict(TrainConfig, {**data, "total_steps": 6}), tmp_path / "split", resume=True)
+    from mmrl.train.metrics import read_metrics
+    from safetensors.torch import load_file
+
+    _same(_steps(read_metrics(tmp_path / "split")), _steps(straight))
+    w_split = load_file(str(tmp_path / "split/checkpoints/step_00000006/model.safetensors"))
+    for k in w_straight:
+        assert torch.equal(w_straight[k], w_split[k]), k
+
+
+def test_a_dead_actor_stops_the_run_naming_it(tmp_path):
+    trainer = Trainer(from_dict(TrainConfig, toy(total_steps=50, rollout={"engine": "ray", "workers": 1, "mode": "async"})), tmp_path / "run")
+    ray.kill(trainer.engine.actors[0])
+    with pytest.raises(RolloutWorkerError, match=r"^rollout worker 0 \(ray actor, sampler 'prompt', seed 0, groups 0-3\) died while sampling step \d+"):
+        trainer.train()
+
+
+def test_free_running_is_refused_by_the_ray_engine(tmp_path):
+    with pytest.raises(ConfigError, match="^rollout.schedule: got 'free'"):
+        Trainer(from_dict(TrainConfig, toy(rollout={"engine": "ray", "mode": "async", "schedule": "free"})), tmp_path / "run")
+
+
+def test_without_ray_installed_the_engine_names_the_extra(tmp_path, monkeypatch):
+    import sys
+
+    from mmrl.errors import MissingExtraError
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    with pytest.raises(MissingExtraError, match=r"pip install 'mmrl\[ray\]'"):
+        Trainer(from_dict(TrainConfig, toy(rollout={"engine": "ray", "workers": 1})), tmp_path / "run")
