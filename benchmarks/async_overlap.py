@@ -24,7 +24,7 @@ every advantage is 0 and the update has nothing to do) and ``pushcube``
 (configs/maniskill_pushcube_grpo.yaml). ``--modes`` picks what is compared (the first is the
 baseline): ``sync`` (in the learner's process, every core), ``async`` (k = 1 with
 ``--workers`` worker processes) and ``sync-workers`` (sync with ``--workers`` processes: more
-parallel envs).
+parallel envs); ``--engine ray`` runs those workers as Ray actors.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def records(run_dir: Path) -> list[dict]:
 
 def modes(args, cores: int) -> list[tuple[str, list[str], int]]:
     """(name, overrides, OMP threads of the learner process) of each compared mode."""
-    w, extra = args.workers, args.worker_overrides
+    w, extra = args.workers, [*args.worker_overrides, f"rollout.engine={args.engine}"]
     threads = f"{args.learner_threads or args.async_threads}+{w}x{args.async_threads} threads"
     out = {
         "sync": (f"sync, {cores} threads", [], cores),
@@ -161,6 +161,7 @@ def main() -> None:
         s.add_argument("--async-threads", type=int, default=1, help="torch threads of the learner and of each worker when workers are processes")
         s.add_argument("--learner-threads", type=int, default=None, help="torch threads of the learner when workers are processes (default: --async-threads)")
         s.add_argument("--worker-overrides", nargs="*", default=[], help="config overrides of the modes with worker processes (e.g. env.num_envs=32: each worker's share)")
+        s.add_argument("--engine", default="local", help="rollout.engine of the modes with workers (local, ray)")
         s.add_argument("--workers", type=int, default=1, help="worker processes of the async (and sync-workers) mode")
         s.add_argument("overrides", nargs="*", help="config overrides for both modes")
     sub.choices["throughput"].add_argument("--updates", type=int, default=12)
