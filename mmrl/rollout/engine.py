@@ -59,7 +59,6 @@ class InlineEngine:
 
     def __init__(self, worker: RolloutWorker):
         self.worker = worker
-        self.filters_on = bool(worker.filters)
 
     def start(self, start_step: int, version: int) -> None:
         self.worker.load_weights(None, version)
@@ -146,7 +145,6 @@ class ProcessEngine:
         self.scorer = scorer
         check_runs_in_worker(sampler, policy, rewards if scorer is None else None, cfg)
         self.cfg, self.ro, self.dist = cfg, ro, dist
-        self.filters_on = bool(cfg.algo.filters)
         self.m = ro.num_workers
         local = cfg.algo.groups_per_step // dist.world
         if local < self.m:
@@ -159,7 +157,6 @@ class ProcessEngine:
         self.lag = ro.lag
         self.prefetch = ro.prefetch or max(1, ro.max_staleness)
         self.policy, self.run_dir = policy, run_dir
-        self.shared = {k: v.detach().to("cpu", copy=True).share_memory_() for k, v in policy.state_dict().items()}
         # a worker that scores needs the frozen reference (sampled-log-prob KL, rewards that read it)
         worker_reference = reference if reference is not None and scorer is None else None
         self.reference = {k: v.detach().to("cpu", copy=True).share_memory_() for k, v in worker_reference.state_dict().items()} if worker_reference is not None else None
@@ -181,8 +178,8 @@ class ProcessEngine:
         current = {k: v.detach().to("cpu", copy=True) for k, v in self.policy.state_dict().items()}
         # lockstep: the versions the next steps sample from (a resumed run's), in order, then ours
         sequence = [(int(h["version"]), h["weights"]) for h in self.resume.get("history", [])] + [(version, current)]
-        for k, v in sequence[0][1].items():
-            self.shared[k].copy_(v)
+        # the one copy of the weights every worker process reads
+        self.shared = {k: v.clone().share_memory_() for k, v in sequence[0][1].items()}
         self.history = deque(sequence)
         self.version = ctx.Value("q", sequence[0][0])
         self.lock = ctx.Lock()

@@ -75,10 +75,10 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def rl_metrics(dist, collected, rollout, adv, update: dict[str, float], engine, version: int | None, times: dict[str, float]) -> dict[str, Any]:
+def rl_metrics(dist, collected, rollout, adv, update: dict[str, float], filters_on: bool, counters: dict[str, float], version: int | None, times: dict[str, float]) -> dict[str, Any]:
     """A training step's metrics, global values (sums and counts of every process, reduced):
     the sampler's and the rewards' means over everything collected, the filters' kept
-    fraction, the advantages, the update's metrics, the engine's counters (env steps), the
+    fraction, the advantages, the update's metrics, the workers' ``counters`` (env steps), the
     version lag of the trained samples behind ``version`` (async runs; None: not logged) and
     the seconds of each role."""
     out: dict[str, Any] = {}
@@ -86,7 +86,7 @@ def rl_metrics(dist, collected, rollout, adv, update: dict[str, float], engine, 
         total, count = dist.sum(pair).tolist()
         out[name] = total / max(count, 1.0)
     kept, num_collected = dist.sum(rollout.batch_size).item(), dist.sum(collected.num_collected).item()
-    if engine.filters_on:
+    if filters_on:
         out["filter/kept_fraction"] = kept / max(num_collected, 1.0)
     out["adv/abs_mean"] = (dist.sum(adv.abs().sum()) / max(dist.sum(adv.numel()).item(), 1.0)).item()
     out["decisions"] = dist.sum(rollout.mask.sum()).item()
@@ -95,7 +95,7 @@ def rl_metrics(dist, collected, rollout, adv, update: dict[str, float], engine, 
         mask = rollout.mask.to(rollout.entropy.device)
         out["entropy"] = (dist.sum((rollout.entropy * mask).sum()) / dist.sum(mask.sum()).clamp_min(1)).item()
     out.update(update)
-    for name, value in engine.counters().items():
+    for name, value in counters.items():
         out[name] = dist.sum(value).item()
     if version is not None and rollout.policy_version is not None:
         lag = (version - rollout.policy_version).double()

@@ -168,7 +168,7 @@ class Trainer:
         self.engine.publish(self.policy, self.learner.version)  # inline: the same policy object, only the version moves
         times = {"time/sample_s": t_sample, "time/update_s": t_update, "time/step_s": time.time() - t0}
         staleness = version if self.cfg.rollout.mode == "async" else None
-        return rl_metrics(self.dist, collected, rollout, adv, stats, self.engine, staleness, times)
+        return rl_metrics(self.dist, collected, rollout, adv, stats, bool(self.cfg.algo.filters), self.engine.counters(), staleness, times)
 
     # ------------------------------------------------------------------ evaluation, checkpoints
 
