@@ -24,7 +24,8 @@ every advantage is 0 and the update has nothing to do) and ``pushcube``
 (configs/maniskill_pushcube_grpo.yaml). ``--modes`` picks what is compared (the first is the
 baseline): ``sync`` (in the learner's process, every core), ``async`` (k = 1 with
 ``--workers`` worker processes) and ``sync-workers`` (sync with ``--workers`` processes: more
-parallel envs); ``--engine ray`` runs those workers as Ray actors.
+parallel envs); ``--engine ray`` runs those workers as Ray actors, and ``--engine local ray`` runs each such
+mode once per engine (the ratios of Ray actors against local processes, in one invocation).
 """
 
 from __future__ import annotations
@@ -76,15 +77,21 @@ def records(run_dir: Path) -> list[dict]:
 
 
 def modes(args, cores: int) -> list[tuple[str, list[str], int]]:
-    """(name, overrides, OMP threads of the learner process) of each compared mode."""
-    w, extra = args.workers, [*args.worker_overrides, f"rollout.engine={args.engine}"]
+    """(name, overrides, OMP threads of the learner process) of each compared mode; the modes
+    with workers run once per ``--engine``, in that order."""
+    w = args.workers
     threads = f"{args.learner_threads or args.async_threads}+{w}x{args.async_threads} threads"
-    out = {
-        "sync": (f"sync, {cores} threads", [], cores),
-        "async": (f"async k=1, {threads}", [*ASYNC, f"rollout.workers={w}", f"rollout.worker_threads={args.async_threads}", *extra], args.learner_threads or args.async_threads),
-        "sync-workers": (f"sync, {threads}", [f"rollout.workers={w}", f"rollout.worker_threads={args.async_threads}", *extra], args.learner_threads or args.async_threads),
-    }
-    return [out[m] for m in args.modes]
+    learner = args.learner_threads or args.async_threads
+    out = []
+    for m in args.modes:
+        if m == "sync":
+            out.append((f"sync, {cores} threads", [], cores))
+            continue
+        for engine in args.engine:
+            extra = [f"rollout.workers={w}", f"rollout.worker_threads={args.async_threads}", *args.worker_overrides, f"rollout.engine={engine}"]
+            name = f"async k=1, {threads}" if m == "async" else f"sync, {threads}"
+            out.append((f"{name}, {engine}", [*ASYNC, *extra] if m == "async" else extra, learner))
+    return out
 
 
 def throughput(args) -> None:
@@ -133,8 +140,10 @@ def quality(args) -> None:
     start = start_overrides(args.demo, args.init, out)
     results: dict[str, list[tuple[float, int]]] = {"sync": [], "async": []}
     for seed in args.seeds:
-        for mode, extra, threads in (("sync", [], cores), ("async", [*ASYNC, f"rollout.workers={args.workers}", f"rollout.worker_threads={args.async_threads}", *args.worker_overrides], args.learner_threads or args.async_threads)):
-            run_dir = out / f"{args.demo}_{mode}_s{seed}"
+        engine = args.engine[0]
+        workers = [f"rollout.workers={args.workers}", f"rollout.worker_threads={args.async_threads}", *args.worker_overrides, f"rollout.engine={engine}"]
+        for mode, extra, threads in (("sync", [], cores), ("async", [*ASYNC, *workers], args.learner_threads or args.async_threads)):
+            run_dir = out / f"{args.demo}_{mode}{'' if mode == 'sync' or engine == 'local' else '_' + engine}_s{seed}"
             if not (run_dir / "checkpoints" / "latest").exists():
                 wall = mmrl(["train", config, "--run-dir", str(run_dir), f"seed={seed}", *start, *QUIET, *args.overrides, *extra], threads, out)
                 print(f"{mode} seed {seed}: {wall / 60:.1f} min", flush=True)
@@ -161,7 +170,7 @@ def main() -> None:
         s.add_argument("--async-threads", type=int, default=1, help="torch threads of the learner and of each worker when workers are processes")
         s.add_argument("--learner-threads", type=int, default=None, help="torch threads of the learner when workers are processes (default: --async-threads)")
         s.add_argument("--worker-overrides", nargs="*", default=[], help="config overrides of the modes with worker processes (e.g. env.num_envs=32: each worker's share)")
-        s.add_argument("--engine", default="local", help="rollout.engine of the modes with workers (local, ray)")
+        s.add_argument("--engine", nargs="+", default=["local"], help="rollout.engine of the modes with workers (local, ray); throughput runs them once per engine given")
         s.add_argument("--workers", type=int, default=1, help="worker processes of the async (and sync-workers) mode")
         s.add_argument("overrides", nargs="*", help="config overrides for both modes")
     sub.choices["throughput"].add_argument("--updates", type=int, default=12)

@@ -37,6 +37,11 @@ class RolloutConfig:
     )
     worker_device: str | None = option(None, "device of the worker processes' policy copies: cpu, cuda, cuda:N (null = the learner process's device; e.g. cuda:1 samples beside a learner on cuda:0)", choices=None)
     worker_threads: int | None = option(None, "torch threads of each worker process (null = the learner process's count)", ge=1)
+    over_provision: float = option(
+        1.0,
+        "partial rollouts (APRIL): start this many times a step's groups; when groups_per_step have finished, the rest pause and continue in the next step where they stopped (text: the generated prefix), each decision tagged with the version that sampled it; 1 = off",
+        ge=1,
+    )
     start_timeout_s: float = option(600.0, "seconds a worker process may take to build its sampler, policy and rewards", gt=0)
 
     @property

@@ -182,7 +182,7 @@ class ProcessEngine:
         self.shared = {k: v.clone().share_memory_() for k, v in sequence[0][1].items()}
         self.history = deque(sequence)
         self.version = ctx.Value("q", sequence[0][0])
-        self.lock = ctx.Lock()
+        self.lock = ctx.Condition()  # guards the shared weights; notified at each publish
         self.stop = ctx.Event()
         self.loaded = [ctx.Value("q", -1) for _ in range(self.m)]
         self.credits = [ctx.Semaphore(self.prefetch) for _ in range(self.m)]
@@ -315,7 +315,8 @@ class ProcessEngine:
         with self.lock:
             for k, v in state.items():
                 self.shared[k].copy_(v)
-        self.version.value = version
+            self.version.value = version
+            self.lock.notify_all()
 
     def _part(self, batch: int, worker: int) -> dict[str, Any]:
         while (batch, worker) not in self.pending:
@@ -388,10 +389,11 @@ def worker_main(spec: _WorkerSpec, shared, reference_state, version, lock, loade
                 want = version.value
             else:
                 want = spec.version_offset + max(0, batch - spec.lag)
-                while version.value < want:
-                    if orphaned():
-                        return
-                    time.sleep(0.001)
+                with lock:  # woken by the learner's publish (no polling while the learner updates)
+                    while version.value < want:
+                        if orphaned():
+                            return
+                        lock.wait(_POLL_S)
             if loaded.value != (version.value if spec.free else want):
                 with lock:
                     want = version.value

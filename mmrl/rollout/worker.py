@@ -125,8 +125,12 @@ class RolloutWorker:
         """Round ``round_``'s groups of ``step``, tagged with this worker's version."""
         # refill groups get indices past the step's batch: every process count draws the same groups
         offset = round_ * self.algo.groups_per_step + self.first_group
-        keep_graph = {"keep_graph": True} if self.reuse_graph else {}  # only samplers that keep it take the argument
-        part = self.sampler.collect(self.policy, self.local_groups, self.algo.group_size, step, offset, **keep_graph)
+        options = {"keep_graph": True} if self.reuse_graph else {}  # only samplers that keep it take the argument
+        if getattr(self.sampler, "over_provision", 1) > 1:  # partial rollouts tag each decision with its version
+            options["version"] = self.version
+        part = self.sampler.collect(self.policy, self.local_groups, self.algo.group_size, step, offset, **options)
+        if part.policy_version is not None:  # a partial rollout's oldest decision
+            return part
         return part.with_(policy_version=torch.full((part.batch_size,), self.version, dtype=torch.long))
 
     def _measure(self, part: Rollout, sums: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -26,6 +26,20 @@ group index), so one process and N processes give identical samples whenever the
 hold the same groups: when every process's first group and group count are multiples of
 ``batch_groups`` (e.g. ``groups_per_step / processes`` is), and always with batch_groups 1.
 
+Partial rollouts (``rollout.over_provision`` o > 1, APRIL): a process holding groups
+[f, f + L) of a step keeps ⌈(f + L)·o⌉ − ⌈f·o⌉ groups in flight and decodes them in one
+batch, whatever ``batch_groups`` says; the call ends as soon as L groups have finished every
+sample, and the step trains on those (the oldest first). The other groups stay in flight:
+their unfinished completions pause with the tokens generated so far and continue in the next
+step's batch under the weights of then, beside fresh records that refill the batch. Every
+token is tagged with the policy version that sampled it (``info["decision_version"]`` [B, T]),
+and a sample's ``policy_version`` is its oldest token's, so the staleness metrics and the
+learner's old log-probs treat it by its oldest part. The groups in flight are part of
+``state_dict``: ``--resume`` continues them. The first such step takes its fresh records at
+stream positions P + ⌈f·o⌉ and advances the stream by ⌈groups_per_step·o⌉; later steps take L
+fresh records at P + f (a group out for each group in) and advance by groups_per_step. One
+process and N processes sample different batches here (the batch decides when to stop).
+
 Per sample, ``rollout.info`` holds the policy's own info plus the record: ``prompt`` (what
 the policy received), ``answer`` (list, None where the record has none), ``metadata``
 (list of dicts, shared by a group's samples: read them, do not change them) and
@@ -36,6 +50,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+import math
 
 import torch
 from torch import Tensor, nn
@@ -94,6 +110,7 @@ class PromptSampler(Sampler):
     """Groups of G samples per prompt record (texts or conditions), batched across groups."""
 
     keeps_sampling_graph = True
+    partial_rollouts = True  # rollout.over_provision (with a policy that has sample_partial)
     progress_metrics = {"success": "success_rate", "eval_acc": "eval/accuracy"}
 
     def __init__(self, sampler_cfg: PromptSamplerConfig, train_cfg):
@@ -109,6 +126,11 @@ class PromptSampler(Sampler):
         self.order = EpochOrder(len(self.data.train), self.seed, clusters_by(self.data.train, key) if key else None)
         # the step that the stream position `next_position` starts (see the module docstring)
         self.next_step, self.next_position = 0, 0
+        self.over_provision = train_cfg.rollout.over_provision
+        # partial rollouts: the groups in flight, each {"record": train index, "born": step,
+        # "rows": [policy state or None] * G, "versions": [[version per decision]] * G}
+        self.in_flight: list[dict[str, Any]] = []
+        self.provisioned = False  # the first partial-rollout step has taken its ⌈·o⌉ records
 
     def policy_spec(self) -> dict:
         n = self.data.num_conditions
@@ -140,17 +162,21 @@ class PromptSampler(Sampler):
             },
         )
 
-    def _step_start(self, step: int) -> int:
-        """Stream position of global group 0 of ``step``; moves the anchor to ``step + 1``."""
+    def _step_start(self, step: int, advance: int | None = None) -> int:
+        """Stream position of global group 0 of ``step``; moves the anchor to ``step + 1``
+        (``advance`` records on: ``groups_per_step`` unless partial rollouts say otherwise)."""
         start = self.next_position + (step - self.next_step) * self.groups_per_step
-        self.next_step, self.next_position = step + 1, start + self.groups_per_step
+        self.next_step, self.next_position = step + 1, start + (self.groups_per_step if advance is None else advance)
         return start
 
     @torch.no_grad()
-    def collect(self, policy: Policy, num_groups: int, group_size: int, step: int, group_offset: int = 0, keep_graph: bool = False) -> Rollout:
+    def collect(self, policy: Policy, num_groups: int, group_size: int, step: int, group_offset: int = 0, keep_graph: bool = False, version: int = 0) -> Rollout:
         """This process's groups of ``step`` (the module docstring); ``keep_graph`` asks the
         policy (``keeps_sampling_graph``) to keep its log-probs' autograd graph and carries them
-        to ``Rollout.sampling_graph_logp``."""
+        to ``Rollout.sampling_graph_logp``. ``version``: the policy's weights version, which
+        tags each decision of a partial rollout."""
+        if self.over_provision > 1:
+            return self._collect_partial(policy, num_groups, group_size, step, group_offset, version)
         start = self._step_start(step)
         device = _device(policy)
         options = {"keep_graph": True} if keep_graph else {}
@@ -166,6 +192,59 @@ class PromptSampler(Sampler):
             parts.append(self._rollout(sample, inputs, records, group_size, group_id, keep_graph))
         return Rollout.cat(parts)
 
+    def _collect_partial(self, policy: Policy, num_groups: int, group_size: int, step: int, group_offset: int, version: int) -> Rollout:
+        """Partial rollouts (module docstring): finish ``num_groups`` groups of the ones in
+        flight and the fresh ones, keep the rest in flight."""
+        o = self.over_provision
+        provision = math.ceil((group_offset + num_groups) * o) - math.ceil(group_offset * o)
+        if self.provisioned:
+            first, advance = group_offset, self.groups_per_step
+        else:
+            first, advance = math.ceil(group_offset * o), math.ceil(self.groups_per_step * o)
+        start = self._step_start(step, advance)
+        fresh = max(0, provision - len(self.in_flight))
+        self.provisioned = True
+        groups = self.in_flight + [
+            {"record": i, "born": step, "rows": [None] * group_size, "versions": [[] for _ in range(group_size)]} for i in self.order.indices(start + first, fresh)
+        ]
+        active = [(g, r) for g, group in enumerate(groups) for r, st in enumerate(group["rows"]) if st is None or st["reason"] == "paused"]
+        open_rows = [0] * len(groups)
+        for g, _ in active:
+            open_rows[g] += 1
+        done_before = sum(1 for n in open_rows if n == 0)
+        if active and done_before < num_groups:
+
+            def enough(ended: list[int]) -> bool:
+                closed = [0] * len(groups)
+                for i in ended:
+                    closed[active[i][0]] += 1
+                return done_before + sum(1 for g, n in enumerate(open_rows) if n and closed[g] == n) >= num_groups
+
+            records = [self.data.train[groups[g]["record"]] for g, _ in active]
+            generator = torch.Generator().manual_seed(group_seed(self.seed, step, group_offset))
+            states = policy.sample_partial(self._inputs(records, 1, _device(policy)), [groups[g]["rows"][r] for g, r in active], generator, enough)
+            for (g, r), st in zip(active, states):
+                old = groups[g]["rows"][r]
+                groups[g]["versions"][r] += [version] * (len(st["logp"]) - (len(old["logp"]) if old else 0))
+                groups[g]["rows"][r] = st
+        finished = [g for g, group in enumerate(groups) if all(st is not None and st["reason"] != "paused" for st in group["rows"])][:num_groups]
+        if len(finished) < num_groups:
+            raise RuntimeError(f"partial rollouts: {len(finished)} of {num_groups} groups finished (the policy's sample_partial stopped early)")
+        self.in_flight = [group for g, group in enumerate(groups) if g not in set(finished)]
+        out = [groups[g] for g in finished]
+        records = [self.data.train[group["record"]] for group in out]
+        inputs = self._inputs(records, group_size, _device(policy))
+        sample = policy.sample_of_states(inputs, [st for group in out for st in group["rows"]])
+        group_id = torch.arange(group_offset, group_offset + num_groups).repeat_interleave(group_size)
+        rollout = self._rollout(sample, inputs, records, group_size, group_id)
+        versions = [v for group in out for v in group["versions"]]
+        tags = torch.zeros(rollout.mask.shape, dtype=torch.long)
+        for row, v in enumerate(versions):
+            tags[row, : len(v)] = torch.tensor(v, dtype=torch.long)
+        oldest = torch.tensor([min(v) if v else version for v in versions], dtype=torch.long)
+        born = torch.tensor([group["born"] for group in out for _ in range(group_size)], dtype=torch.long)
+        return rollout.with_(policy_version=oldest, info={**rollout.info, "decision_version": tags.to(rollout.mask.device), "steps_in_flight": (step - born + 1).to(rollout.mask.device)})
+
     def metrics(self, rollout: Rollout) -> dict[str, Tensor]:
         """Per-sample values the trainer averages over all collected samples: ``success_rate``
         when the policy reports success; for text completions, ``completion_length`` (tokens,
@@ -178,6 +257,13 @@ class PromptSampler(Sampler):
             out["completion_length"] = rollout.mask.float().sum(1).cpu()
         if "truncated" in rollout.info:
             out["truncated_rate"] = torch.as_tensor(rollout.info["truncated"]).float().reshape(-1).cpu()
+        if "steps_in_flight" in rollout.info:  # partial rollouts: how many steps a sample took, and its versions' spread
+            spans = rollout.info["steps_in_flight"].cpu()
+            out["partial/resumed_rate"] = (spans > 1).float()
+            out["partial/steps_in_flight"] = spans.float()
+            tags, mask = rollout.info["decision_version"].cpu(), rollout.mask.cpu() > 0
+            newest = tags.masked_fill(~mask, -1).amax(1)
+            out["partial/version_span"] = (newest - rollout.policy_version.cpu()).clamp(min=0).float()
         return out
 
     @torch.no_grad()
@@ -245,8 +331,13 @@ class PromptSampler(Sampler):
         return metrics
 
     def state_dict(self) -> dict[str, Any]:
-        return {"next_step": self.next_step, "next_position": self.next_position}
+        state: dict[str, Any] = {"next_step": self.next_step, "next_position": self.next_position}
+        if self.provisioned:
+            state.update(in_flight=[{**g, "rows": [dict(st) if st else None for st in g["rows"]], "versions": [list(v) for v in g["versions"]]} for g in self.in_flight], provisioned=True)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.next_step = int(state.get("next_step", 0))
         self.next_position = int(state.get("next_position", 0))
+        self.in_flight = list(state.get("in_flight", []))
+        self.provisioned = bool(state.get("provisioned", False))

@@ -208,3 +208,20 @@ class TrainConfig:
             raise ConfigError("rollout.score_on", "learner", "refill rounds (algo.resample_rounds) score while they sample: use score_on: worker, or no refill rounds")
         if ro.mode == "async" and ro.schedule == "free" and ro.stale == "correct" and algo.correction.type == "none" and algo.objective.type != "decoupled_ppo":
             raise ConfigError("rollout.stale", "correct", "keeps stale samples for a correction to weight: set algo.correction (tis, mis) or algo.objective decoupled_ppo, or use stale: drop")
+        if ro.over_provision > 1:
+            self._validate_partial_rollouts()
+
+    def _validate_partial_rollouts(self) -> None:
+        from mmrl.registry import POLICIES, SAMPLERS
+
+        ro, algo, o = self.rollout, self.algo, self.rollout.over_provision
+        sampler = SAMPLERS.get(self.sampler.type, "sampler.type") if self.sampler.type else None
+        if algo.type == "sft" or sampler is None or not getattr(sampler, "partial_rollouts", False):
+            raise ConfigError("rollout.over_provision", o, f"sampler.type {self.sampler.type or '(none)'!r} cannot carry unfinished samples to the next step; partial rollouts need a sampler that can (prompt), or 1")
+        policy = POLICIES.get(self.policy.type, "policy.type") if self.policy.type else None
+        if policy is None or not hasattr(policy, "sample_partial"):
+            raise ConfigError("rollout.over_provision", o, f"policy.type {self.policy.type!r} cannot pause a sample and continue it; partial rollouts need a policy with sample_partial (text_lm, text_vlm), or 1")
+        if algo.resample_rounds:
+            raise ConfigError("rollout.over_provision", o, f"refill rounds (algo.resample_rounds: {algo.resample_rounds}) and partial rollouts both decide which groups a step trains on: use one of them")
+        if algo.reuse_sampling_graph is True:
+            raise ConfigError("algo.reuse_sampling_graph", True, "a partial rollout's earlier tokens were sampled in earlier steps, without a graph: use auto or false with rollout.over_provision")

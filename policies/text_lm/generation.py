@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -109,6 +109,7 @@ class SamplingOptions:
 
 
 FINISH_REASONS = ("eos", "stop", "length")
+PAUSED = "paused"  # a partial rollout's unfinished completion (``stop`` ended the call first)
 
 
 @dataclass
@@ -116,7 +117,8 @@ class Generation:
     """Completions of N prompts. ``token_ids[i]`` are the generated tokens of prompt i, up to
     and including the EOS token or the token that completes a stop string, at most
     ``max_new_tokens``; ``logp[i]`` their log-probs under the sampling distribution q;
-    ``finish_reason[i]`` is "eos", "stop" or "length" (the budget ran out: truncated);
+    ``finish_reason[i]`` is "eos", "stop" or "length" (the budget ran out: truncated), or
+    "paused" when the caller's ``stop`` ended the call first (partial rollouts);
     ``entropy[i]``, if the backend reports it, the entropy of q at each of those tokens."""
 
     token_ids: list[list[int]]
@@ -153,25 +155,44 @@ class BuiltinBackend:
 
     @torch.no_grad()
     def generate(
-        self, prompt_ids: list[list[int]], options: SamplingOptions, generator: torch.Generator | None, deterministic: bool, model_inputs: dict[str, Tensor] | None = None
+        self,
+        prompt_ids: list[list[int]],
+        options: SamplingOptions,
+        generator: torch.Generator | None,
+        deterministic: bool,
+        model_inputs: dict[str, Tensor] | None = None,
+        prefixes: list[list[int]] | None = None,
+        stop: Callable[[list[int]], bool] | None = None,
     ) -> Generation:
+        """Completions of ``prompt_ids``. Partial rollouts (``rollout.over_provision``) pass
+        ``prefixes``, the tokens each row already generated in earlier calls (they join the
+        prompt, count against ``max_new_tokens`` and are not returned), and ``stop``, called
+        with the rows that have ended so far whenever some end: when it returns true the call
+        ends there and the rows still running are "paused"."""
         device = self.policy.device
-        ids, mask = (t.to(device) for t in left_pad(prompt_ids, options.pad_token_id))
-        n, budget = ids.shape[0], options.max_new_tokens
+        n, budget = len(prompt_ids), options.max_new_tokens
+        prefixes = prefixes if prefixes is not None else [[] for _ in range(n)]
+        remaining = [budget - len(p) for p in prefixes]
+        if min(remaining, default=1) < 1:
+            raise ValueError(f"a prefix of {budget - min(remaining)} tokens leaves nothing of max_new_tokens {budget}")
+        ids, mask = (t.to(device) for t in left_pad([list(a) + list(b) for a, b in zip(prompt_ids, prefixes)], options.pad_token_id))
+        horizon = max(remaining)
+        row_budget = torch.tensor(remaining, device=device)
         cache = self.policy.new_cache()
         # the extra inputs (images) enter with the prompts; the cache holds them from then on
         logits = self.policy.forward_logits(ids, mask, cache=cache, logits_to_keep=1, **{k: v.to(device) for k, v in (model_inputs or {}).items()})[:, -1]
         eos = torch.tensor(options.eos_token_ids, dtype=torch.long, device=device)
         stop_window = max((len(s.encode("utf-8")) for s in options.stop_strings), default=0) + 1
-        out_tokens = torch.full((n, budget), options.pad_token_id, dtype=torch.long, device=device)
-        out_logp = torch.zeros((n, budget), device=device)
-        out_entropy = torch.zeros((n, budget), device=device)
-        lengths = [budget] * n
+        out_tokens = torch.full((n, horizon), options.pad_token_id, dtype=torch.long, device=device)
+        out_logp = torch.zeros((n, horizon), device=device)
+        out_entropy = torch.zeros((n, horizon), device=device)
+        lengths = list(remaining)
         reasons = ["length"] * n
+        ended_rows: list[int] = []
         rows = torch.arange(n, device=device)  # the original row of each row still in the batch
         probs = None  # [N, V] sampling distributions of every row (placeholder rows for the ended ones)
         whole = True  # no row has left the batch yet
-        for t in range(budget):
+        for t in range(horizon):
             log_q = sampling_log_probs(logits, options.temperature, options.top_p)
             q = log_q.exp()
             if deterministic:
@@ -196,18 +217,26 @@ class BuiltinBackend:
                 # a stop string of b bytes spans at most b tokens: decode one more than the longest
                 live = (~ended).nonzero().flatten()
                 tails = out_tokens[rows[live], max(0, t + 1 - stop_window) : t + 1].tolist()
+                if t + 1 < stop_window:  # the window reaches back into the prefix
+                    tails = [prefixes[r][len(prefixes[r]) - (stop_window - t - 1) :] + tail if prefixes[r] else tail for r, tail in zip(rows[live].tolist(), tails)]
                 for i, text in zip(live.tolist(), self.policy.tokenizer.batch_decode(tails)):
                     if any(s in text for s in options.stop_strings):
                         reasons[rows[i]] = "stop"
                         ended[i] = True
-            if t + 1 == budget:
+            ended |= row_budget[rows] == t + 1  # the row's budget is spent ("length" unless it ended otherwise)
+            if t + 1 == horizon:
                 break
             if ended.any():
                 for i in ended.nonzero().flatten().tolist():
                     lengths[rows[i]] = t + 1
+                    ended_rows.append(int(rows[i]))
+                keep = (~ended).nonzero().flatten()
+                if stop is not None and keep.numel() and stop(ended_rows):
+                    for i in keep.tolist():
+                        lengths[rows[i]], reasons[rows[i]] = t + 1, PAUSED
+                    break
                 if probs is not None:
                     probs[rows[ended].to(probs.device)] = 1.0
-                keep = (~ended).nonzero().flatten()
                 if keep.numel() == 0:
                     break
                 rows, token, mask, whole = rows[keep], token[keep], mask[keep], False

@@ -22,6 +22,7 @@ with its adapters disabled.
 from __future__ import annotations
 
 import importlib
+import inspect
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +35,7 @@ from mmrl.policies.text_lm.config import TextLMConfig
 from mmrl.policies.text_lm.generation import (
     FINISH_REASONS,
     BuiltinBackend,
+    Generation,
     GenerationBackend,
     SamplingOptions,
     cache_argument,
@@ -370,6 +372,9 @@ class TextLMPolicy(PolicyModule):
         generated = self.backend.generate(prompt_ids, self.sampling, generator, deterministic, **extra)
         if len(generated.token_ids) != len(prompt_ids) or any(r not in FINISH_REASONS for r in generated.finish_reason):
             raise ValueError(f"the generation backend returned {len(generated.token_ids)} completions for {len(prompt_ids)} prompts, finish reasons {set(generated.finish_reason)}")
+        return self._sample_of(prompt_ids, model_inputs, generated)
+
+    def _sample_of(self, prompt_ids: list[list[int]], model_inputs: dict[str, Tensor], generated: Generation) -> Sample:
         replay = self._replay(prompt_ids, generated.token_ids, model_inputs)
         mask = replay["completion_mask"].float()
         source = self.config.generation.old_logp
@@ -391,6 +396,44 @@ class TextLMPolicy(PolicyModule):
             info={"completions": completions, "truncated": truncated},
             logp_deferred=source == "deferred",
         )
+
+    # ------------------------------------------------------------------ partial rollouts
+
+    @property
+    def samples_partially(self) -> bool:
+        """Whether ``sample_partial`` can pause completions (the backend takes ``prefixes``
+        and ``stop``: the builtin one does)."""
+        parameters = inspect.signature(self.backend.generate).parameters
+        return "prefixes" in parameters and "stop" in parameters
+
+    @torch.no_grad()
+    def sample_partial(self, inputs, states: list[dict | None], generator: torch.Generator | None, stop) -> list[dict]:
+        """Partial rollouts (``rollout.over_provision``, APRIL): continue the completion of
+        each prompt in ``inputs`` from its state (None: from the prompt) until ``stop(rows
+        that have ended)`` says enough rows have. Returns each row's state: ``token_ids``,
+        ``logp`` and ``entropy`` so far (the prefix kept, the new tokens appended) and
+        ``reason``, a finish reason or "paused". Finished rows become a sample with
+        :meth:`sample_of_states`."""
+        prompt_ids, model_inputs = self._encode_inputs(inputs)
+        extra = {"model_inputs": model_inputs} if model_inputs else {}
+        prefixes = [list(st["token_ids"]) if st else [] for st in states]
+        generated = self.backend.generate(prompt_ids, self.sampling, generator, False, prefixes=prefixes, stop=stop, **extra)
+        out = []
+        for k, st in enumerate(states):
+            st = st or {"token_ids": [], "logp": [], "entropy": []}
+            entropy = generated.entropy[k] if generated.entropy is not None else [0.0] * len(generated.logp[k])
+            out.append({"token_ids": st["token_ids"] + generated.token_ids[k], "logp": st["logp"] + generated.logp[k], "entropy": st["entropy"] + entropy, "reason": generated.finish_reason[k]})
+        return out
+
+    @torch.no_grad()
+    def sample_of_states(self, inputs, states: list[dict]) -> Sample:
+        """The sample of finished partial-rollout ``states`` (:meth:`sample_partial`), as
+        :meth:`sample` returns it."""
+        if any(st["reason"] not in FINISH_REASONS for st in states):
+            raise ValueError("sample_of_states takes finished states only")
+        prompt_ids, model_inputs = self._encode_inputs(inputs)
+        generated = Generation([st["token_ids"] for st in states], [st["logp"] for st in states], [st["reason"] for st in states], [st["entropy"] for st in states])
+        return self._sample_of(prompt_ids, model_inputs, generated)
 
     @torch.no_grad()
     def continuation_log_prob(self, prompts: list[str], prefixes: list[str], continuations: list[str], reduce: str = "mean") -> Tensor:
