@@ -7,6 +7,11 @@ replay the trainer needs. Prints env steps/s of both and their ratio (target ≥
 
     .venv/bin/python benchmarks/rollout_overhead.py                       # Reacher-v5 (MuJoCo), 16 envs
     .venv/bin/python benchmarks/rollout_overhead.py --env maniskill:PushCube-v1 --num-envs 8
+    .venv/bin/python benchmarks/rollout_overhead.py --env maniskill:PushCube-v1 --sim-backend gpu --device cuda --num-envs 1024
+
+A simulator that returns torch tensors (ManiSkill's GPU backend) is stepped by hand with
+torch ops on its device, as the sampler does; what both leave on the host is one
+``alive.any()`` per env step (the loop's stopping test).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from mmrl.train.run_config import TrainConfig
 
 def hand_loop(env, policy, seeds, low, high):
     obs, _ = env.reset(seed=seeds)
+    if isinstance(obs, torch.Tensor):
+        return tensor_hand_loop(env, policy, obs, low, high)
     alive = np.ones(env.num_envs, dtype=bool)
     steps = 0
     generator = torch.Generator().manual_seed(0)
@@ -33,6 +40,21 @@ def hand_loop(env, policy, seeds, low, high):
         with torch.no_grad():
             action = policy.sample(torch.as_tensor(obs, dtype=torch.float32), generator).output[:, 0].numpy()
         obs, _, term, trunc, _ = env.step(np.clip(action, low, high))
+        alive &= ~(term | trunc)
+        steps += env.num_envs
+    return steps
+
+
+def tensor_hand_loop(env, policy, obs, low, high):
+    device = obs.device
+    low, high = torch.as_tensor(low, device=device), torch.as_tensor(high, device=device)
+    alive = torch.ones(env.num_envs, dtype=torch.bool, device=device)
+    steps = 0
+    generator = torch.Generator().manual_seed(0)
+    while alive.any():
+        with torch.no_grad():
+            action = policy.sample(obs.float(), generator).output[:, 0].to(device)
+        obs, _, term, trunc, _ = env.step(torch.minimum(torch.maximum(action, low), high))
         alive &= ~(term | trunc)
         steps += env.num_envs
     return steps
@@ -67,13 +89,15 @@ def main():
     p.add_argument("--num-envs", type=int, default=16)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--sim-backend", default=None, help="maniskill: physx_cpu (default) or gpu (returns CUDA tensors)")
+    p.add_argument("--device", default="cpu", help="the policy's device (cuda beside a GPU simulator)")
     args = p.parse_args()
     torch.set_num_threads(1)
     adapter, env_id = args.env.split(":", 1)
     cfg = from_dict(
         TrainConfig,
         {
-            "env": {"type": adapter, "id": env_id, "num_envs": args.num_envs},
+            "env": {"type": adapter, "id": env_id, "num_envs": args.num_envs, **({"sim_backend": args.sim_backend} if args.sim_backend else {})},
             "policy": {"type": "gaussian_mlp", "hidden_sizes": [64, 64]},
             "sampler": {"type": "env"},
             "rewards": [{"type": "return"}],
@@ -81,7 +105,7 @@ def main():
         },
     )
     sampler = SAMPLERS.get("env")(cfg.sampler, cfg)
-    policy = build_policy(cfg.policy, sampler.policy_spec())
+    policy = build_policy(cfg.policy, sampler.policy_spec()).to(args.device)
     s, h = interleaved_rates(sampler, policy, hand_loop, args.num_envs // args.group_size, args.group_size, args.rounds)
     sampler.close()
     print(f"{args.env} num_envs={args.num_envs}: EnvSampler {s:.0f} env steps/s, by hand {h:.0f} env steps/s")

@@ -19,6 +19,15 @@ steps) and ``truncated`` (ended by a time limit or ``max_decisions``, not by the
 ``step_rewards[b, t]`` is decision t's chunk reward discounted to its first env step,
 sum_j gamma^j r_{t,j} (gamma = ``algo.advantage.gamma``), for step-level advantages.
 
+A simulator that returns torch tensors (ManiSkill's GPU backend: CUDA tensors) keeps them
+where they are: actions are clipped with torch on the simulator's device and handed to it as
+tensors, rewards and termination and success flags are recorded as tensors there and worked
+out once per wave there, and the policy reads observations from that device (the
+observation tensors move only if the policy sits on another). What crosses to the host is
+one ``alive.any()`` per env step, the loop's stopping test. NumPy envs are stepped with NumPy
+as before; both kinds give the same rollout from the same episodes
+(tests/samplers/test_env_device.py).
+
 Randomness of a group depends only on (run seed, step, global group index): the reset
 seed is ``group_seed(seed, step, group) % 2**31`` and the policy's noise comes from a
 generator seeded by the ``group_seed`` of the wave's first group (plus the index of the
@@ -214,20 +223,30 @@ class EnvSampler(Sampler):
         n, num_envs = len(seeds), self.num_envs
         obs, _ = self.env.reset(seed=seeds + seeds[:1] * (num_envs - n))
         device = _device_of(policy)
-        alive = np.arange(num_envs) < n
-        no_success = np.zeros(num_envs, dtype=bool)
+        on = _tensor_device(obs)  # a simulator that returns torch tensors: bookkeeping stays on its device
+        alive = torch.arange(num_envs, device=on) < n if on is not None else np.arange(num_envs) < n
+        no_success = torch.zeros(num_envs, dtype=torch.bool, device=on) if on is not None else np.zeros(num_envs, dtype=bool)
+        if on is not None:
+            low, high = (torch.as_tensor(b, device=on) for b in (self.action_low, self.action_high))
         samples, rewards, terminated, truncated, success, chunk_index = [], [], [], [], [], []
         cap = self.config.max_decisions
         images = [_first_camera(obs)[:record]] if record else None
         instructions = [str(text) for text in obs["instruction"][:record]] if record and "instruction" in obs else [None] * record
         while alive.any() and (cap is None or len(samples) < cap):
             sample = policy.sample(self.observation(obs, device), generator, deterministic=deterministic)
-            actions = np.minimum(np.maximum(_numpy(sample.output), self.action_low), self.action_high)
+            if on is not None:
+                actions = torch.minimum(torch.maximum(sample.output.to(on), low), high)
+            else:
+                actions = np.minimum(np.maximum(_numpy(sample.output), self.action_low), self.action_high)
             samples.append(sample)
             for j in range(actions.shape[1]):
                 obs, reward, term, trunc, info = self.env.step(actions[:, j])
-                term, trunc = _numpy(term), _numpy(trunc)
-                rewards.append(_numpy(reward))
+                if on is not None:
+                    term, trunc = (torch.as_tensor(x, device=on).bool() for x in (term, trunc))
+                    rewards.append(torch.as_tensor(reward, device=on))
+                else:
+                    term, trunc = _numpy(term), _numpy(trunc)
+                    rewards.append(_numpy(reward))
                 terminated.append(term)
                 truncated.append(trunc)
                 success.append(self._success_flags(info, no_success))
@@ -254,6 +273,8 @@ class EnvSampler(Sampler):
         if key is None or key not in info:
             return no_success
         self.success_reported = True
+        if isinstance(no_success, Tensor):
+            return torch.as_tensor(info[key], device=no_success.device).bool()
         return _numpy(info[key])
 
     def _warn_if_success_unreported(self, collection: str, consequence: str) -> None:
@@ -270,37 +291,50 @@ class EnvSampler(Sampler):
 
     def _wave_rollout(self, samples: list, n: int, rewards: list, terminated: list, truncated: list, success: list, chunk_index: list) -> Rollout:
         """Per-episode stats and the [n, T] decision tensors of one wave (first ``n`` envs).
+        The per-step records are NumPy arrays (host envs) or tensors on the simulator's
+        device; either way they are stacked once and worked out with torch where they are.
 
         A policy call may return k > 1 decisions (e.g. the denoising steps of one action
         chunk); the chunk's reward then sits on the last of them."""
-        # np.array of equal-shape rows is np.stack, several times faster for many small rows
-        term = np.array(terminated)[:, :n].astype(bool)  # [S, n] over env steps S
-        trunc = np.array(truncated)[:, :n].astype(bool)
+        if isinstance(rewards[0], Tensor):
+            stack = lambda rows, dtype: torch.stack(rows)[:, :n].to(dtype)  # noqa: E731
+        else:  # np.array of equal-shape rows is np.stack, several times faster for many small rows
+            stack = lambda rows, dtype: torch.from_numpy(np.array(rows)[:, :n]).to(dtype)  # noqa: E731
+        term = stack(terminated, torch.bool)  # [S, n] over env steps S
+        trunc = stack(truncated, torch.bool)
         done = term | trunc
         # alive[s]: the episode had not ended before step s
-        alive = np.cumsum(done, 0) - done == 0
-        reward = np.array(rewards)[:, :n].astype(np.float64) * alive
-        succ = np.array(success)[:, :n].astype(bool) & alive
+        alive = (torch.cumsum(done.long(), 0) - done.long()) == 0
+        reward = stack(rewards, torch.float64) * alive
+        succ = stack(success, torch.bool) & alive
         lengths = alive.sum(0)
-        last = np.maximum(lengths - 1, 0), np.arange(n)
+        last = (torch.clamp(lengths - 1, min=0), torch.arange(n, device=alive.device))
         ended = done[last]  # the alive steps are a prefix, the last one is lengths - 1
         episode_success = succ.any(0) if self.config.success_at == "any" else succ[last]
         episode_truncated = ~ended | (trunc[last] & ~term[last])  # time limit, or cut by max_decisions
 
-        chunk_index = np.asarray(chunk_index)
-        first_steps = np.flatnonzero(chunk_index == 0)  # each decision's first env step
+        chunk_index = torch.as_tensor(chunk_index, device=alive.device)
+        first_steps = torch.nonzero(chunk_index == 0).flatten()  # each decision's first env step
         num_decisions = len(samples)
-        chunk_reward = np.add.reduceat(reward * (self.gamma ** chunk_index)[:, None], first_steps, axis=0)  # [D, n]
+        # gamma^j with Python's pow (as NumPy's), not a vectorized one that may round differently
+        discount = torch.tensor([self.gamma**j for j in chunk_index.tolist()], dtype=torch.float64, device=alive.device)
+        discounted = reward * discount[:, None]
+        # each decision's chunk reward, summed step by step in order (as np.add.reduceat does)
+        decision = torch.cumsum(chunk_index == 0, 0) - 1  # [S]: the decision of each env step
+        chunk_reward = torch.zeros(num_decisions, n, dtype=torch.float64, device=alive.device)
+        for j in range(int(chunk_index.max()) + 1):
+            at = chunk_index == j
+            chunk_reward[decision[at]] += discounted[at]
         alive_at_decision = alive[first_steps]
 
         logp = torch.cat([s.logp for s in samples], 1)[:n]
         k = samples[0].logp.shape[1]
         device = logp.device
-        mask = torch.as_tensor(np.repeat(alive_at_decision.T, k, axis=1), dtype=torch.float32, device=device)
+        mask = alive_at_decision.T.to(device, torch.float32).repeat_interleave(k, dim=1)
         if samples[0].mask is not None:
             mask = mask * torch.cat([s.mask for s in samples], 1)[:n]
         step_rewards = torch.zeros(n, num_decisions, k, dtype=torch.float32, device=device)
-        step_rewards[:, :, -1] = torch.as_tensor(chunk_reward.T, dtype=torch.float32, device=device)
+        step_rewards[:, :, -1] = chunk_reward.T.to(device, torch.float32)
         entropy = torch.cat([s.entropy for s in samples], 1)[:n] if samples[0].entropy is not None else None
         return Rollout(
             group_id=torch.zeros(n, dtype=torch.long, device=device),
@@ -311,10 +345,10 @@ class EnvSampler(Sampler):
             entropy=entropy,
             old_logp_deferred=any(s.logp_deferred for s in samples),
             info={
-                "success": torch.as_tensor(episode_success, dtype=torch.float32),
-                "return": torch.as_tensor(reward.sum(0), dtype=torch.float32),
-                "length": torch.as_tensor(lengths, dtype=torch.long),
-                "truncated": torch.as_tensor(episode_truncated, dtype=torch.bool),
+                "success": episode_success.float(),
+                "return": torch.cumsum(reward, 0)[-1].float(),  # summed in step order
+                "length": lengths.long(),
+                "truncated": episode_truncated,
             },
         )
 
@@ -388,6 +422,19 @@ def _numpy(x) -> np.ndarray:
     if isinstance(x, Tensor):
         return x.detach().cpu().numpy()
     return np.asarray(x)
+
+
+def _tensor_device(obs) -> torch.device | None:
+    """The device of a simulator's torch observations (ManiSkill: its CPU or GPU backend), or
+    None for NumPy observations."""
+    if isinstance(obs, Tensor):
+        return obs.device
+    if isinstance(obs, dict):
+        for value in obs.values():
+            found = _tensor_device(value)
+            if found is not None:
+                return found
+    return None
 
 
 def _device_of(policy) -> torch.device:
