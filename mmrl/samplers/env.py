@@ -53,6 +53,7 @@ from mmrl.core.sampler import Sampler, group_seed
 from mmrl.core.statistics import wilson_interval
 from mmrl.errors import ConfigError
 from mmrl.registry import ENVS, SAMPLERS
+from mmrl.samplers.partial import EpisodesInFlight, partial_metrics
 from mmrl.core.component_config import SamplerConfig
 
 # Training resets use seeds below 2**31; evaluation uses seeds in [2**31, 2**32) so that
@@ -82,6 +83,8 @@ class EnvSamplerConfig(SamplerConfig):
 class EnvSampler(Sampler):
     """Groups of episodes from a gymnasium vector env; the G copies share an initial state."""
 
+    partial_rollouts = True  # rollout.over_provision: episodes in flight keep stepping (mmrl/samplers/partial.py)
+
     def __init__(self, sampler_cfg: EnvSamplerConfig, train_cfg):
         if train_cfg.env is None:
             raise ConfigError("env", None, "the env sampler needs an env section, e.g. env: {type: gym, id: mmrl/PointReach-v0}")
@@ -103,6 +106,9 @@ class EnvSampler(Sampler):
         self.action_high = space.high.astype(np.float32)
         self.structured = _is_structured(self.env.single_observation_space)
         self.env_steps = 0  # env steps of training rollouts, masked ones included (evaluation not counted)
+        o = train_cfg.rollout.over_provision
+        self.over_provision = o
+        self.partial = EpisodesInFlight(self, o, self.seed) if o > 1 else None
 
     def policy_spec(self) -> dict:
         spec = {
@@ -140,7 +146,9 @@ class EnvSampler(Sampler):
 
     # ------------------------------------------------------------------ sampling
 
-    def collect(self, policy, num_groups: int, group_size: int, step: int, group_offset: int = 0) -> Rollout:
+    def collect(self, policy, num_groups: int, group_size: int, step: int, group_offset: int = 0, version: int = 0) -> Rollout:
+        if self.partial is not None:  # partial rollouts; ``version`` tags each decision
+            return self.partial.collect(policy, num_groups, group_size, step, group_offset, version)
         seeds = [group_seed(self.seed, step, group_offset + g) for g in range(num_groups)]
         episodes = num_groups * group_size
         wave = (self.num_envs // group_size) * group_size or self.num_envs
@@ -168,9 +176,11 @@ class EnvSampler(Sampler):
     def metrics(self, rollout: Rollout) -> dict[str, Tensor]:
         """Per episode: success (``success_rate``), undiscounted return and length."""
         info = rollout.info
-        return {"success_rate": info["success"], "episode_return": info["return"], "episode_length": info["length"]}
+        return {"success_rate": info["success"], "episode_return": info["return"], "episode_length": info["length"], **partial_metrics(rollout)}
 
     def counters(self) -> dict[str, float]:
+        if self.partial is not None:  # groups in flight started afresh (resume, evaluation on this env)
+            return {"env_steps": float(self.env_steps), "partial/restarted": float(self.partial.restarted)}
         return {"env_steps": float(self.env_steps)}
 
     @torch.no_grad()
@@ -184,6 +194,8 @@ class EnvSampler(Sampler):
         if ``videos`` > 0, ``frames``: the camera images [T, H, W, 3] of the first ``videos``
         episodes (image observations only), with ``instructions``: each one's instruction
         (None without language observations)."""
+        if self.partial is not None:  # evaluation resets every env: the groups in flight start afresh
+            self.partial.drop()
         seeds = [_TRAIN_SEEDS + group_seed(seed, 0, i) % _TRAIN_SEEDS for i in range(episodes)]
         deterministic = self.config.eval_deterministic
         generator = None if deterministic else torch.Generator().manual_seed(group_seed(seed, 1, 0))

@@ -66,6 +66,7 @@ from mmrl.core.statistics import wilson_interval
 from mmrl.data.prompts import EpochOrder, PromptData, PromptDataConfig, PromptRecord, clusters_by, prompt_input
 from mmrl.errors import ConfigError
 from mmrl.registry import POLICIES, SAMPLERS
+from mmrl.samplers.partial import partial_metrics
 
 
 @dataclass
@@ -110,7 +111,8 @@ class PromptSampler(Sampler):
     """Groups of G samples per prompt record (texts or conditions), batched across groups."""
 
     keeps_sampling_graph = True
-    partial_rollouts = True  # rollout.over_provision (with a policy that has sample_partial)
+    partial_rollouts = True  # rollout.over_provision
+    partial_rollouts_need = "sample_partial"  # of the policy: it pauses and continues completions
     progress_metrics = {"success": "success_rate", "eval_acc": "eval/accuracy"}
 
     def __init__(self, sampler_cfg: PromptSamplerConfig, train_cfg):
@@ -257,13 +259,7 @@ class PromptSampler(Sampler):
             out["completion_length"] = rollout.mask.float().sum(1).cpu()
         if "truncated" in rollout.info:
             out["truncated_rate"] = torch.as_tensor(rollout.info["truncated"]).float().reshape(-1).cpu()
-        if "steps_in_flight" in rollout.info:  # partial rollouts: how many steps a sample took, and its versions' spread
-            spans = rollout.info["steps_in_flight"].cpu()
-            out["partial/resumed_rate"] = (spans > 1).float()
-            out["partial/steps_in_flight"] = spans.float()
-            tags, mask = rollout.info["decision_version"].cpu(), rollout.mask.cpu() > 0
-            newest = tags.masked_fill(~mask, -1).amax(1)
-            out["partial/version_span"] = (newest - rollout.policy_version.cpu()).clamp(min=0).float()
+        out.update(partial_metrics(rollout))  # partial rollouts: how many steps a sample took, and its versions' spread
         return out
 
     @torch.no_grad()

@@ -217,9 +217,10 @@ class TrainConfig:
         ro, algo, o = self.rollout, self.algo, self.rollout.over_provision
         sampler = SAMPLERS.get(self.sampler.type, "sampler.type") if self.sampler.type else None
         if algo.type == "sft" or sampler is None or not getattr(sampler, "partial_rollouts", False):
-            raise ConfigError("rollout.over_provision", o, f"sampler.type {self.sampler.type or '(none)'!r} cannot carry unfinished samples to the next step; partial rollouts need a sampler that can (prompt), or 1")
+            raise ConfigError("rollout.over_provision", o, f"sampler.type {self.sampler.type or '(none)'!r} cannot carry unfinished samples to the next step; partial rollouts need a sampler that can (prompt, env), or 1")
         policy = POLICIES.get(self.policy.type, "policy.type") if self.policy.type else None
-        if policy is None or not hasattr(policy, "sample_partial"):
+        need = getattr(sampler, "partial_rollouts_need", None)
+        if need is not None and (policy is None or not hasattr(policy, need)):
             raise ConfigError("rollout.over_provision", o, f"policy.type {self.policy.type!r} cannot pause a sample and continue it; partial rollouts need a policy with sample_partial (text_lm, text_vlm), or 1")
         if algo.resample_rounds:
             raise ConfigError("rollout.over_provision", o, f"refill rounds (algo.resample_rounds: {algo.resample_rounds}) and partial rollouts both decide which groups a step trains on: use one of them")

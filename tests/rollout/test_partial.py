@@ -14,7 +14,8 @@ from mmrl.core.component_config import RewardConfig  # noqa: E402
 from mmrl.core.weights import build_policy  # noqa: E402
 from mmrl.errors import ConfigError  # noqa: E402
 from mmrl.policies.text_lm import TextLMConfig, TextLMPolicy  # noqa: E402
-from mmrl.registry import POLICIES, REWARDS  # noqa: E402
+from mmrl.registry import POLICIES, REWARDS, SAMPLERS  # noqa: E402
+from mmrl.samplers.env import EnvSampler, EnvSamplerConfig  # noqa: E402
 from mmrl.samplers.prompt import PromptSampler  # noqa: E402
 from mmrl.train.metrics import read_metrics  # noqa: E402
 from mmrl.train.run_config import TrainConfig  # noqa: E402
@@ -149,11 +150,65 @@ def test_partial_rollouts_in_a_worker_process(tmp_path):
     assert len(records) == 4 and all(r["staleness/lag_max"] >= 1 for r in records[1:])
 
 
+@SAMPLERS.register("_test_no_partial_env", config=EnvSamplerConfig)
+class NoPartialEnvSampler(EnvSampler):
+    """Test-only: an env sampler that cannot keep episodes in flight."""
+
+    partial_rollouts = False
+
+
+def _env_episodes_by_step(cfg, steps):
+    sampler = EnvSampler(cfg.sampler, cfg)
+    torch.manual_seed(0)
+    policy = build_policy(cfg.policy, sampler.policy_spec())
+    try:
+        return sampler, [sampler.collect(policy, 2, 4, step, 0, version=step) for step in range(steps)]
+    finally:
+        sampler.close()
+
+
+def test_env_episodes_in_flight_keep_stepping_into_the_next_step():
+    """Over-provisioned groups of PointReach episodes (which end when the point reaches its
+    target, or at the time limit): each step trains on 2 finished groups, 2 stay in flight on
+    their envs, and a carried episode's decisions carry two versions."""
+    cfg = from_dict(TrainConfig, point_reach_config(env={"num_envs": 16}, rollout={"over_provision": 2.0}))
+    sampler, rollouts = _env_episodes_by_step(cfg, 5)
+    carried = 0
+    for step, rollout in enumerate(rollouts):
+        assert rollout.batch_size == 8 and rollout.group_id.tolist() == [0] * 4 + [1] * 4
+        first_obs = rollout.replay["obs"][:, 0]
+        for g in range(2):  # a group's copies share their initial state, whenever they started
+            assert torch.equal(first_obs[4 * g], first_obs[4 * g + 3])
+        tags, mask = rollout.info["decision_version"], rollout.mask > 0
+        for row in range(8):
+            v = tags[row][mask[row]]
+            assert v.numel() == int(rollout.info["length"][row]) or bool(rollout.info["truncated"][row])
+            assert v[0] == rollout.policy_version[row] and v.max() <= step and bool((v[1:] >= v[:-1]).all())
+        carried += int((rollout.policy_version < step).sum())
+        assert len(sampler.partial.groups) == 2
+    assert carried > 0
+    assert sampler.env_steps > 0
+
+
+def test_env_partial_rollouts_train_through_the_loop_and_evaluation_restarts_the_groups_in_flight(tmp_path):
+    data = point_reach_config(env={"num_envs": 12}, total_steps=4, rollout={"over_provision": 1.5}, eval={"every": 2, "episodes": 4, "at_start": False})
+    train(from_dict(TrainConfig, data), tmp_path / "run")
+    records = _steps(read_metrics(tmp_path / "run"))
+    assert len(records) == 4 and all("partial/resumed_rate" in r for r in records)
+    assert records[-1]["partial/restarted"] >= 1  # the evaluation at step 2 reset the envs in flight
+
+
+def test_too_few_envs_for_the_groups_in_flight_names_num_envs():
+    cfg = from_dict(TrainConfig, point_reach_config(env={"num_envs": 8}, rollout={"over_provision": 2.0}))
+    with pytest.raises(ConfigError, match=r"^env.num_envs: got 8; partial rollouts \(rollout.over_provision 2\) keep 4 groups x 4 episodes in flight, one env each: use at least 16$"):
+        _env_episodes_by_step(cfg, 1)
+
+
 @pytest.mark.parametrize(
     "data, message",
     [
         (toy(rollout={"over_provision": 2.0}), "policy.type 'categorical_sequence' cannot pause a sample"),
-        (point_reach_config(rollout={"over_provision": 2.0}), "sampler.type 'env' cannot carry unfinished samples"),
+        (point_reach_config(sampler={"type": "_test_no_partial_env"}, rollout={"over_provision": 2.0}), "sampler.type '_test_no_partial_env' cannot carry unfinished samples"),
         (text(algo={"filters": [{"type": "zero_variance"}], "resample_rounds": 2}), "refill rounds"),
     ],
 )

@@ -1,0 +1,177 @@
+"""Partial rollouts (``rollout.over_provision`` o > 1, APRIL): the metrics both samplers log,
+and the env sampler's episodes in flight. (The prompt sampler's groups in flight are text
+prefixes, kept in :mod:`mmrl.samplers.prompt`.)
+
+**Env episodes.**
+A process holding groups [f, f + L) of a step keeps P = ⌈(f + L)·o⌉ − ⌈f·o⌉ groups of G
+episodes in flight, one env each (``env.num_envs`` ≥ P·G; envs beyond step along, masked).
+A collection steps them all, one policy call per decision for every env, and stops at the
+first decision boundary where L groups have ended every episode; the step trains on those
+(the oldest first). The others keep their envs: the next collection goes on stepping them
+from where they are, under the weights of then, while the envs of the groups that left are
+reset (gymnasium's ``reset_mask``) with fresh groups. Each decision is tagged with the
+policy version that sampled it (``info["decision_version"]``), and a sample's
+``policy_version`` is its first decision's.
+
+A fresh group's reset seed is ``group_seed(seed, step, g)`` with g its index among the
+step's fresh groups (from ⌈f·o⌉ at the first collection, from f later), as whole waves seed
+theirs. What is in flight lives in the simulator, which cannot be checkpointed: ``--resume``
+and an evaluation on the same env (``workers: 0``) start the groups in flight afresh (counted
+in ``partial/restarted``).
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+
+from mmrl.core.rollout import Rollout
+from mmrl.core.sampler import group_seed
+from mmrl.errors import ConfigError
+
+
+def partial_metrics(rollout: Rollout) -> dict[str, torch.Tensor]:
+    """Per trained sample: ``partial/resumed_rate`` (begun in an earlier step),
+    ``partial/steps_in_flight`` and ``partial/version_span`` (newest minus oldest version of its
+    decisions); empty for a rollout that is not partial."""
+    if "steps_in_flight" not in rollout.info:
+        return {}
+    spans = rollout.info["steps_in_flight"].cpu()
+    tags, mask = rollout.info["decision_version"].cpu(), rollout.mask.cpu() > 0
+    newest = tags.masked_fill(~mask, -1).amax(1)
+    return {
+        "partial/resumed_rate": (spans > 1).float(),
+        "partial/steps_in_flight": spans.float(),
+        "partial/version_span": (newest - rollout.policy_version.cpu()).clamp(min=0).float(),
+    }
+
+
+def _rows(x, row: int):
+    if isinstance(x, dict):
+        return {k: _rows(v, row) for k, v in x.items()}
+    return x[row : row + 1]
+
+
+class EpisodesInFlight:
+    """The groups in flight of one :class:`~mmrl.samplers.env.EnvSampler` and their envs."""
+
+    def __init__(self, sampler, over_provision: float, seed: int):
+        self.sampler, self.o, self.seed = sampler, over_provision, seed
+        self.groups: list[dict[str, Any]] = []  # in flight, oldest first: {"born", "envs": [env index] * G}
+        self.episodes: dict[int, dict[str, Any]] = {}  # env index -> the records of its episode
+        self.obs = None
+        self.started = False  # the first collection has taken its ⌈·o⌉ groups
+        self.restarted = 0
+
+    def drop(self) -> None:
+        """Forget the groups in flight (their envs are about to be reset by someone else)."""
+        if self.groups:
+            self.restarted += len(self.groups)
+        self.groups, self.episodes, self.obs = [], {}, None
+
+    def collect(self, policy, num_groups: int, group_size: int, step: int, group_offset: int, version: int) -> Rollout:
+        s = self.sampler
+        provision = math.ceil((group_offset + num_groups) * self.o) - math.ceil(group_offset * self.o)
+        if s.num_envs < provision * group_size:
+            raise ConfigError(
+                "env.num_envs", s.num_envs,
+                f"partial rollouts (rollout.over_provision {self.o:g}) keep {provision} groups x {group_size} episodes in flight, one env each: use at least {provision * group_size}",
+            )
+        first = math.ceil(group_offset * self.o) if not self.started else group_offset
+        self.started = True
+        busy = {e for g in self.groups for e in g["envs"]}
+        free = [e for e in range(s.num_envs) if e not in busy]
+        fresh = provision - len(self.groups)
+        seeds = [0] * s.num_envs
+        reset = np.zeros(s.num_envs, dtype=bool)
+        for j in range(fresh):
+            envs = free[j * group_size : (j + 1) * group_size]
+            seed = group_seed(self.seed, step, first + j) % 2**31
+            for e in envs:
+                seeds[e], reset[e] = seed, True
+                self.episodes[e] = {"decisions": [], "versions": [], "reward": [], "term": [], "trunc": [], "success": [], "chunk": [], "alive": True}
+            self.groups.append({"born": step, "envs": envs})
+        if reset.any():
+            self._reset(seeds, reset)
+        generator = torch.Generator().manual_seed(group_seed(self.seed, step, group_offset))
+        device = _device_of(policy)
+        cap = s.config.max_decisions
+        no_success = np.zeros(s.num_envs, dtype=bool)
+        while self._finished() < num_groups:
+            sample = policy.sample(s.observation(self.obs, device), generator)
+            actions = np.minimum(np.maximum(_numpy(sample.output), s.action_low), s.action_high)
+            live = [e for e, ep in self.episodes.items() if ep["alive"]]
+            for e in live:
+                self.episodes[e]["decisions"].append((sample, e))
+                self.episodes[e]["versions"].append(version)
+            for j in range(actions.shape[1]):
+                self.obs, reward, term, trunc, info = s.env.step(actions[:, j])
+                s.env_steps += s.num_envs
+                reward, term, trunc = _numpy(reward), _numpy(term), _numpy(trunc)
+                success = s._success_flags(info, no_success)
+                for e in live:
+                    ep = self.episodes[e]
+                    if not ep["alive"]:
+                        continue
+                    ep["reward"].append(reward[e : e + 1])
+                    ep["term"].append(term[e : e + 1])
+                    ep["trunc"].append(trunc[e : e + 1])
+                    ep["success"].append(_numpy(success)[e : e + 1])
+                    ep["chunk"].append(j)
+                    if term[e] or trunc[e]:
+                        ep["alive"] = False
+                if not any(self.episodes[e]["alive"] for e in live):
+                    break
+            if cap is not None:
+                for e in live:
+                    if len(self.episodes[e]["decisions"]) >= cap:
+                        self.episodes[e]["alive"] = False  # cut: truncated
+        done = [g for g in self.groups if all(not self.episodes[e]["alive"] for e in g["envs"])][:num_groups]
+        self.groups = [g for g in self.groups if g not in done]
+        parts = []
+        for k, g in enumerate(done):
+            for e in g["envs"]:
+                part = self._episode_rollout(self.episodes.pop(e))
+                parts.append(part.with_(group_id=torch.full((1,), group_offset + k, dtype=torch.long, device=part.group_id.device),
+                                        info={**part.info, "steps_in_flight": torch.tensor([step - g["born"] + 1])}))
+        return Rollout.cat(parts)
+
+    def _finished(self) -> int:
+        return sum(1 for g in self.groups if all(not self.episodes[e]["alive"] for e in g["envs"]))
+
+    def _reset(self, seeds: list[int], mask: np.ndarray) -> None:
+        env = self.sampler.env
+        if self.obs is None or mask.all():
+            self.obs, _ = env.reset(seed=seeds)
+            return
+        try:
+            self.obs, _ = env.reset(seed=seeds, options={"reset_mask": mask})
+        except (TypeError, ValueError) as e:
+            raise ConfigError("rollout.over_provision", self.o, f"partial rollouts reset some envs while others run on, which this vector env cannot ({type(e).__name__}: {e}); use 1") from None
+
+    def _episode_rollout(self, ep: dict[str, Any]) -> Rollout:
+        decisions = [
+            SimpleNamespace(logp=sample.logp[row : row + 1], replay=_rows(sample.replay, row), mask=None if sample.mask is None else sample.mask[row : row + 1],
+                            entropy=None if sample.entropy is None else sample.entropy[row : row + 1], logp_deferred=sample.logp_deferred)
+            for sample, row in ep["decisions"]
+        ]
+        part = self.sampler._wave_rollout(decisions, 1, ep["reward"], ep["term"], ep["trunc"], ep["success"], ep["chunk"])
+        k = decisions[0].logp.shape[1]
+        tags = torch.tensor(ep["versions"], dtype=torch.long).repeat_interleave(k)[None]
+        return part.with_(policy_version=tags[:, 0].clone(), info={**part.info, "decision_version": tags.to(part.mask.device)})
+
+
+def _numpy(x) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def _device_of(policy) -> torch.device:
+    for p in getattr(policy, "parameters", lambda: iter(()))():
+        return p.device
+    return torch.device("cpu")
