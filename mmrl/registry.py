@@ -109,7 +109,7 @@ REWARDS = Registry("rewards", ("mmrl.rewards", "mmrl.tasks"), "mmrl.rewards", se
 SAMPLERS = Registry("samplers", ("mmrl.samplers",), "mmrl.samplers", section="sampler")
 DATA_SOURCES = Registry("data sources", ("mmrl.data", "mmrl.tasks"), section="data")
 
-ADVANTAGES = Registry("advantages", ("mmrl.algo.advantage",), section="advantage")
+ADVANTAGES = Registry("advantages", ("mmrl.algo.advantage", "mmrl.algo.value"), section="advantage")
 OBJECTIVES = Registry("objectives", ("mmrl.algo.objective",), section="objective")
 AGGREGATIONS = Registry("aggregations", ("mmrl.algo.aggregation",), section="aggregation")
 KL_ESTIMATORS = Registry("kl estimators", ("mmrl.algo.kl",))

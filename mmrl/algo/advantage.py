@@ -239,6 +239,18 @@ def discounted_returns(step_rewards: Tensor, mask: Tensor, gamma: float) -> Tens
     return returns
 
 
+def decision_rewards(terminal: Tensor, mask: Tensor, step_rewards: Tensor | None, step_reward_weight: float) -> Tensor:
+    """Per-decision rewards [B, T] of env episodes: the combined terminal reward on each
+    sample's last valid decision, plus ``step_reward_weight`` × the env's step rewards."""
+    B, T = mask.shape
+    per_step = torch.zeros(B, T)
+    last = (mask * torch.arange(1, T + 1)).argmax(1)
+    per_step[torch.arange(B), last] = terminal
+    if step_reward_weight > 0:
+        per_step = per_step + step_reward_weight * step_rewards
+    return per_step
+
+
 def step_advantages(
     advantage_fn, terminal: Tensor, group_id: Tensor, mask: Tensor, step_rewards: Tensor | None = None,
     *, gamma: float = 1.0, step_reward_weight: float = 0.0, **options,
@@ -250,11 +262,7 @@ def step_advantages(
     Returns the advantages (0 on invalid decisions) and per sample whether any decision was
     kept."""
     B, T = mask.shape
-    per_step = torch.zeros(B, T)
-    last = (mask * torch.arange(1, T + 1)).argmax(1)
-    per_step[torch.arange(B), last] = terminal
-    if step_reward_weight > 0:
-        per_step = per_step + step_reward_weight * step_rewards
+    per_step = decision_rewards(terminal, mask, step_rewards, step_reward_weight)
     returns = discounted_returns(per_step, mask, gamma)
     valid = mask.reshape(-1) > 0
     cell = (group_id[:, None] * T + torch.arange(T)).reshape(-1)

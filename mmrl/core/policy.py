@@ -54,6 +54,18 @@ class PolicyModule(nn.Module):
     def log_prob(self, replay: dict[str, Any]) -> Tensor:
         raise NotImplementedError
 
+    # a critic (mmrl/core/critic.py) reads ``critic_inputs(replay)`` [B, T, critic_input_dim]
+    # (critic.type mlp) or ``value_features(replay)`` [B, T, value_feature_dim] with their
+    # gradient (critic.type value_head); None: the policy does not offer them
+    critic_input_dim: int | None = None
+    value_feature_dim: int | None = None
+
+    def critic_inputs(self, replay: dict[str, Any]) -> Tensor:
+        raise NotImplementedError
+
+    def value_features(self, replay: dict[str, Any]) -> Tensor:
+        raise NotImplementedError
+
     def sft_loss(self, batch: dict[str, Any]) -> Tensor:
         """Behaviour-cloning loss on demonstrations (``algo.type: sft``); ``batch`` holds the
         observations ("image", "state", "instruction" or "obs"), "actions" [B, C, A] in env

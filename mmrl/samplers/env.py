@@ -53,7 +53,7 @@ from mmrl.core.sampler import Sampler, group_seed
 from mmrl.core.statistics import wilson_interval
 from mmrl.errors import ConfigError
 from mmrl.registry import ENVS, SAMPLERS
-from mmrl.samplers.partial import EpisodesInFlight, partial_metrics
+from mmrl.samplers.partial import EpisodesInFlight, observation_row, partial_metrics, stack_observation_rows
 from mmrl.core.component_config import SamplerConfig
 
 # Training resets use seeds below 2**31; evaluation uses seeds in [2**31, 2**32) so that
@@ -84,6 +84,7 @@ class EnvSampler(Sampler):
     """Groups of episodes from a gymnasium vector env; the G copies share an initial state."""
 
     partial_rollouts = True  # rollout.over_provision: episodes in flight keep stepping (mmrl/samplers/partial.py)
+    records_step_rewards = True  # Rollout.step_rewards per decision (step-level advantages, GAE)
 
     def __init__(self, sampler_cfg: EnvSamplerConfig, train_cfg):
         if train_cfg.env is None:
@@ -106,6 +107,8 @@ class EnvSampler(Sampler):
         self.action_high = space.high.astype(np.float32)
         self.structured = _is_structured(self.env.single_observation_space)
         self.env_steps = 0  # env steps of training rollouts, masked ones included (evaluation not counted)
+        # a critic bootstraps an episode cut by a time limit from its final observation's value
+        self.bootstrap = getattr(train_cfg.algo.advantage, "bootstrap_truncated", False)
         o = train_cfg.rollout.over_provision
         self.over_provision = o
         self.partial = EpisodesInFlight(self, o, self.seed) if o > 1 else None
@@ -165,7 +168,7 @@ class EnvSampler(Sampler):
             first_group, first_copy = divmod(start, group_size)
             generator = torch.Generator().manual_seed(seeds[first_group] + first_copy)
             reset_seeds = [seeds[i // group_size] % _TRAIN_SEEDS for i in members]
-            vector_steps, part = self._run_wave(policy, reset_seeds, generator, deterministic=False)
+            vector_steps, part = self._run_wave(policy, reset_seeds, generator, deterministic=False, final=self.bootstrap)
             self.env_steps += vector_steps * self.num_envs
             part.group_id = torch.tensor([group_offset + i // group_size for i in members], device=part.group_id.device)
             parts.append(part)
@@ -225,10 +228,12 @@ class EnvSampler(Sampler):
         return out
 
     @torch.no_grad()
-    def _run_wave(self, policy, seeds: list[int], generator: torch.Generator | None, deterministic: bool, record: int = 0):
+    def _run_wave(self, policy, seeds: list[int], generator: torch.Generator | None, deterministic: bool, record: int = 0, final: bool = False):
         """One episode per seed on the first ``len(seeds)`` envs; the other envs (a last,
         partial wave) step along, masked out. Returns (vector env steps taken, rollout), plus
         the frames and instructions of the first ``record`` episodes if ``record`` > 0.
+        ``final``: keep each episode's final observation, as the policy reads it, in
+        ``info["final_replay"]`` (a critic's bootstrap of an episode a time limit cut).
 
         The step loop only records what the env returned; who was alive when, returns,
         success and truncation are worked out once per wave from those records."""
@@ -244,6 +249,7 @@ class EnvSampler(Sampler):
         cap = self.config.max_decisions
         images = [_first_camera(obs)[:record]] if record else None
         instructions = [str(text) for text in obs["instruction"][:record]] if record and "instruction" in obs else [None] * record
+        last_obs = {}  # env -> its observation after its episode's last step (final=True)
         while alive.any() and (cap is None or len(samples) < cap):
             sample = policy.sample(self.observation(obs, device), generator, deterministic=deterministic)
             if on is not None:
@@ -263,12 +269,20 @@ class EnvSampler(Sampler):
                 truncated.append(trunc)
                 success.append(self._success_flags(info, no_success))
                 chunk_index.append(j)
+                ended = alive & (term | trunc)
                 alive = alive & ~(term | trunc)
+                if final and ended.any():
+                    for e in (ended.nonzero().flatten().tolist() if on is not None else np.flatnonzero(ended).tolist()):
+                        if e < n:
+                            last_obs[e] = observation_row(obs, e)
                 if images is not None:
                     images.append(_first_camera(obs)[:record])
                 if not alive.any():
                     break
         rollout = self._wave_rollout(samples, n, rewards, terminated, truncated, success, chunk_index)
+        if final:  # episodes still running (cut by max_decisions) end at the last observation
+            rows = [last_obs[e] if e in last_obs else observation_row(obs, e) for e in range(n)]
+            rollout.info["final_replay"] = self.final_replay(policy, stack_observation_rows(rows), device)
         if images is None:
             return len(rewards), rollout
         # frame 0 is the reset observation, frame t the one seen after action t; with
@@ -277,6 +291,11 @@ class EnvSampler(Sampler):
         stacked = np.stack(images, 1)  # [record, S + 1, H, W, 3]
         lengths = rollout.info["length"].tolist()
         return len(rewards), rollout, [stacked[i, : lengths[i] + 1] for i in range(record)], instructions
+
+    def final_replay(self, policy, obs, device) -> dict:
+        """The policy's replay [n, 1, ...] of ``obs``, final observations: what a critic
+        reads of them (a deterministic call: no running statistics or clocks move)."""
+        return policy.sample(self.observation(obs, device), None, deterministic=True).replay
 
     def _success_flags(self, info: dict, no_success: np.ndarray) -> np.ndarray:
         """The vector env's per-env success flags of one step, from ``info[env.success_key]``

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from mmrl.core.rollout import Rollout
 from mmrl.core.sampler import group_seed
@@ -124,21 +125,28 @@ class EpisodesInFlight:
                     ep["chunk"].append(j)
                     if term[e] or trunc[e]:
                         ep["alive"] = False
+                        ep["final_obs"] = observation_row(self.obs, e)
                 if not any(self.episodes[e]["alive"] for e in live):
                     break
             if cap is not None:
                 for e in live:
-                    if len(self.episodes[e]["decisions"]) >= cap:
+                    if self.episodes[e]["alive"] and len(self.episodes[e]["decisions"]) >= cap:
                         self.episodes[e]["alive"] = False  # cut: truncated
+                        self.episodes[e]["final_obs"] = observation_row(self.obs, e)
         done = [g for g in self.groups if all(not self.episodes[e]["alive"] for e in g["envs"])][:num_groups]
         self.groups = [g for g in self.groups if g not in done]
-        parts = []
+        parts, finals = [], []
         for k, g in enumerate(done):
             for e in g["envs"]:
-                part = self._episode_rollout(self.episodes.pop(e))
+                ep = self.episodes.pop(e)
+                finals.append(ep["final_obs"])
+                part = self._episode_rollout(ep)
                 parts.append(part.with_(group_id=torch.full((1,), group_offset + k, dtype=torch.long, device=part.group_id.device),
                                         info={**part.info, "steps_in_flight": torch.tensor([step - g["born"] + 1])}))
-        return Rollout.cat(parts)
+        rollout = Rollout.cat(parts)
+        if s.bootstrap:
+            rollout.info["final_replay"] = s.final_replay(policy, stack_observation_rows(finals), device)
+        return rollout
 
     def _finished(self) -> int:
         return sum(1 for g in self.groups if all(not self.episodes[e]["alive"] for e in g["envs"]))
@@ -163,6 +171,29 @@ class EpisodesInFlight:
         k = decisions[0].logp.shape[1]
         tags = torch.tensor(ep["versions"], dtype=torch.long).repeat_interleave(k)[None]
         return part.with_(policy_version=tags[:, 0].clone(), info={**part.info, "decision_version": tags.to(part.mask.device)})
+
+
+def observation_row(obs, e: int):
+    """Env ``e``'s row of a batch of observations (array, tensor, dict of them, list)."""
+    if isinstance(obs, dict):
+        return {k: observation_row(v, e) for k, v in obs.items()}
+    if isinstance(obs, Tensor):
+        return obs[e : e + 1].clone()
+    if isinstance(obs, np.ndarray):
+        return obs[e : e + 1].copy()
+    return [obs[e]]
+
+
+def stack_observation_rows(rows: list):
+    """The batch of single-row observations ``rows`` (:func:`observation_row`)."""
+    first = rows[0]
+    if isinstance(first, dict):
+        return {k: stack_observation_rows([r[k] for r in rows]) for k in first}
+    if isinstance(first, Tensor):
+        return torch.cat(rows)
+    if isinstance(first, np.ndarray):
+        return np.concatenate(rows)
+    return [x for r in rows for x in r]
 
 
 def _numpy(x) -> np.ndarray:

@@ -27,7 +27,9 @@ from typing import Any
 import torch
 
 from mmrl import registry
-from mmrl.algo.advantage import AdvantageConfig, best_worst, clip_advantages, step_advantages
+from mmrl.algo.advantage import AdvantageConfig, best_worst, clip_advantages, decision_rewards, step_advantages
+from mmrl.algo.value import value_loss
+from mmrl.core.critic import ActorCritic, build_critic
 from mmrl.algo.correction import CorrectionConfig, apply_correction
 from mmrl.algo.kl import kl_in_reward
 from mmrl.algo.masks import top_entropy_mask, truncation_mask
@@ -66,10 +68,15 @@ class Learner:
         if algo.kl.coef > 0 and algo.kl.type == "exact" and not overrides(policy, "exact_kl"):
             raise ConfigError("algo.kl.type", "exact", f"policy {cfg.policy.type!r} has no closed-form per-decision KL; use k1, k2 or k3")
         freeze(policy, cfg.optim.frozen)
+        trained: torch.nn.Module = policy
+        self.critic_cfg = cfg.critic if cfg.critic.type != "none" and algo.type == "rl" else None
+        if self.critic_cfg is not None:  # a learned value baseline: the critic trains in the same steps
+            first = next(policy.parameters())
+            trained = ActorCritic(policy, build_critic(cfg.critic, policy).to(first.device, first.dtype))
         optimizer = torch.optim.AdamW(
-            [p for p in policy.parameters() if p.requires_grad], lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.adam_eps, weight_decay=cfg.optim.weight_decay
+            [p for p in trained.parameters() if p.requires_grad], lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.adam_eps, weight_decay=cfg.optim.weight_decay
         )
-        self.model, self.optimizer = accelerator.prepare(policy, optimizer)
+        self.model, self.optimizer = accelerator.prepare(trained, optimizer)
         if self.reference is not None:
             self.reference.to(accelerator.device)
         self.advantage_fn = registry.ADVANTAGES.get(algo.advantage.type)
@@ -86,7 +93,26 @@ class Learner:
 
     @property
     def policy(self):
-        return self.accelerator.unwrap_model(self.model)
+        model = self.accelerator.unwrap_model(self.model)
+        return model.policy if isinstance(model, ActorCritic) else model
+
+    @property
+    def critic(self) -> torch.nn.Module | None:
+        model = self.accelerator.unwrap_model(self.model)
+        return model.critic if isinstance(model, ActorCritic) else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the learner beyond the policy and the optimizer: the
+        critic's weights."""
+        critic = self.critic
+        return {"critic": {k: v.detach().cpu() for k, v in critic.state_dict().items()}} if critic is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        critic = self.critic
+        if critic is not None:
+            if "critic" not in state:
+                raise ConfigError("critic.type", self.cfg.critic.type, "the checkpoint holds no critic (it was written without one): resume without it, or start a new run")
+            critic.load_state_dict(state["critic"])
 
     def set_lr(self, step: int) -> float:
         """Set the optimizer's learning rate for training step ``step``; returns it."""
@@ -172,7 +198,9 @@ class Learner:
             penalty = kl_in_reward(torch.zeros(rollout.batch_size, device=rollout.old_logp.device), rollout.old_logp, rollout.ref_logp, rollout.mask, cfg.kl.coef, cfg.kl.type)
             reward = reward + gather(penalty)
         options = own_options(cfg.advantage, AdvantageConfig)
-        if cfg.advantage.level == "step":
+        if self.critic_cfg is not None:  # a learned value baseline (GAE): per decision
+            adv, keep = self._value_advantages(rollout, reward, groups, gather, pad, rows, options)
+        elif cfg.advantage.level == "step":
             step_rewards = gather(pad(rollout.step_rewards)) if rollout.step_rewards is not None else None
             if cfg.advantage.step_reward_weight > 0 and step_rewards is None:
                 raise ConfigError("algo.advantage.step_reward_weight", cfg.advantage.step_reward_weight, "needs a sampler that records step rewards (the env sampler)")
@@ -185,6 +213,31 @@ class Learner:
             adv, keep = self.advantage_fn(reward, groups, **options)
         adv, keep = best_worst(clip_advantages(adv, cfg.advantage.clip), keep, reward, groups, cfg.advantage.best_worst)
         return adv[rows], keep[rows]
+
+    def _value_advantages(self, rollout: Rollout, reward, groups, gather, pad, rows, options) -> tuple[torch.Tensor, torch.Tensor]:
+        """An advantage that reads values (``needs_values``): the critic's values of every
+        decision (one no-grad pass at the current weights), the per-decision rewards as the
+        step-level returns compose them, over all processes' samples. Keeps this process's
+        critic targets and values in ``rollout.info`` for the value loss."""
+        cfg = self.cfg.algo
+        device = self.accelerator.device
+        with torch.no_grad():
+            values = self.model(rollout.to(device).replay, mode="value").detach().float().cpu()
+            bootstrap = torch.zeros(rollout.batch_size)
+            if options.get("bootstrap_truncated") and "final_replay" in rollout.info:  # episodes a time limit cut: V of the final observation
+                final = self.model(rollout.to(device).info["final_replay"], mode="value").detach().float().cpu()[:, 0]
+                cut = torch.as_tensor(rollout.info["truncated"], dtype=torch.bool).cpu()
+                bootstrap = torch.where(cut, final, bootstrap)
+        mask = gather(pad(rollout.mask))
+        step_rewards = gather(pad(rollout.step_rewards)) if rollout.step_rewards is not None else None
+        per_decision = decision_rewards(reward, mask, step_rewards, cfg.advantage.step_reward_weight)
+        adv, keep, returns = self.advantage_fn(
+            per_decision.double(), groups, values=gather(pad(values)).double(), mask=mask, gamma=cfg.advantage.gamma, bootstrap=gather(bootstrap).double(), **options,
+        )
+        width = rollout.num_decisions
+        rollout.info["_returns"] = returns[rows, :width].float()
+        rollout.info["_old_values"] = values
+        return adv[:, :width].float(), keep
 
     def train_mask(self, rollout: Rollout, keep: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg.algo
@@ -321,10 +374,14 @@ class Learner:
         mask = batch.mask
         kl = None
         sampled = {"sampled_logp": batch.sampling_graph_logp} if self.reuse_graph else {}
+        value = {"value": True} if self.critic_cfg is not None else {}  # the values come from the same forward
+        values = None
         if cfg.kl.in_loss_term and self.kl_fn is None:
-            logp, kl = self.model(batch.replay, mode="log_prob_and_kl", reference=self.reference, **sampled)
+            out = self.model(batch.replay, mode="log_prob_and_kl", reference=self.reference, **sampled, **value)
+            (logp, kl), values = out if value else (out, None)
         else:
-            logp = self.model(batch.replay, **sampled)
+            out = self.model(batch.replay, **sampled, **value)
+            logp, values = out if value else (out, None)
             if cfg.kl.in_loss_term:
                 kl = self.kl_fn(logp, batch.ref_logp)
         old = logp.detach() if at_sampling_weights else batch.old_logp
@@ -345,6 +402,15 @@ class Learner:
             kl_loss = self.aggregate_fn(kl, mask, **agg)
             loss = loss + cfg.kl.coef * kl_loss
             parts["kl/ref"] = kl_loss.detach()
+        if values is not None:
+            c = self.critic_cfg
+            if "_returns" in batch.info:
+                per = value_loss(values, batch.info["_old_values"].to(values), batch.info["_returns"].to(values), c.value_clip)
+                v_loss = (per * mask).sum() / agg["num_tokens"]  # mean over the minibatch's valid decisions, all processes
+            else:  # the no-op piece of a process without rows
+                v_loss = values.sum() * 0.0
+            loss = loss + c.value_coef * v_loss
+            parts["loss/value"] = v_loss.detach()
         return loss, logp, stats, parts
 
     def num_pieces(self, batch: Rollout) -> int:

@@ -16,6 +16,7 @@ from mmrl.core.component_config import EnvConfig, PolicyConfig, RewardConfig, Sa
 from mmrl.data.sources import DataSourceConfig, DemonstrationsConfig
 from mmrl.errors import ConfigError
 from mmrl.registry import ADVANTAGES, ENGINES
+from mmrl.core.critic import CriticConfig
 from mmrl.rollout.config import RolloutConfig
 
 
@@ -175,6 +176,7 @@ class TrainConfig:
     rewards: list[RewardConfig] = option(factory=list, doc="reward components, each with a type and a weight")
     algo: AlgoConfig = option(factory=AlgoConfig, doc="the group-relative core: advantage, filters, objective, aggregation, KL")
     data: DataSourceConfig = option(factory=DemonstrationsConfig, doc="where algo.type: sft takes its batches (data.type: demonstrations, completions, preferences)")
+    critic: CriticConfig = option(factory=CriticConfig, doc="the value network of an advantage that reads values (algo.advantage.type: gae)")
     rollout: RolloutConfig = option(factory=RolloutConfig, doc="rollout workers: sync or async, where they run, how stale a sample may be")
     optim: OptimConfig = option(factory=OptimConfig, doc="optimizer")
     eval: EvalConfig = option(factory=EvalConfig, doc="evaluation")
@@ -192,6 +194,7 @@ class TrainConfig:
         elif not self.rewards:
             raise ConfigError("rewards", [], "at least one reward component is required; see `mmrl list rewards`")
         self._validate_rollout()
+        self._validate_critic()
         if self.device not in ("auto", "cpu", "mps") and not self.device.startswith("cuda"):
             raise ConfigError("device", self.device, "allowed: auto, cpu, cuda, cuda:N, mps")
 
@@ -210,6 +213,23 @@ class TrainConfig:
             raise ConfigError("rollout.stale", "correct", "keeps stale samples for a correction to weight: set algo.correction (tis, mis) or algo.objective decoupled_ppo, or use stale: drop")
         if ro.over_provision > 1:
             self._validate_partial_rollouts()
+
+    def _validate_critic(self) -> None:
+        from mmrl.registry import SAMPLERS
+
+        kind = self.algo.advantage.type
+        needs = ADVANTAGES.entry(kind, "algo.advantage.type").traits.get("needs_values", False) and self.algo.type == "rl"
+        if needs and self.critic.type == "none":
+            raise ConfigError("critic.type", "none", f"algo.advantage.type {kind} learns a value baseline: set critic.type to mlp (a network of its own) or value_head (on the policy's features)")
+        if not needs and self.critic.type != "none":
+            raise ConfigError("critic.type", self.critic.type, f"nothing reads its values: algo.advantage.type {kind} is group-relative (gae trains a critic); use none")
+        if needs:
+            sampler = SAMPLERS.get(self.sampler.type, "sampler.type")
+            if not getattr(sampler, "records_step_rewards", False):
+                raise ConfigError(
+                    "algo.advantage.type", kind,
+                    f"GAE runs over the decisions of env episodes and their step rewards; sampler.type {self.sampler.type!r} records none (a prompt sampler's sample is one outcome: use a group-relative advantage)",
+                )
 
     def _validate_partial_rollouts(self) -> None:
         from mmrl.registry import POLICIES, SAMPLERS

@@ -203,7 +203,7 @@ class Trainer:
         keep_memory = self.learner.memory is not None and self.cfg.algo.self_imitation.in_checkpoint
         memory = self.learner.memory.state_dict() if keep_memory else None  # gathers from every process
         if self.rank == 0:
-            state = {**self.engine.state_dict(), "policy_version": self.learner.version}
+            state = {**self.engine.state_dict(), **self.learner.state_dict(), "policy_version": self.learner.version}
             if keep_memory:
                 state["self_imitation_memory"] = memory
             self.checkpointer.save(step, self.policy, _inner(self.learner.optimizer), state, self.config_text)
@@ -212,6 +212,7 @@ class Trainer:
     def _resume(self, path: Path) -> None:
         state = Checkpointer.load(path, self.policy, _inner(self.learner.optimizer))
         self.engine.load_state_dict(state)
+        self.learner.load_state_dict(state)
         if self.learner.memory is not None:
             # "replay_memory": the key of checkpoints written before the memory had its own name
             self.learner.memory.load_state_dict(state.get("self_imitation_memory", state.get("replay_memory", {})))

@@ -171,6 +171,23 @@ class GaussianMLPPolicy(PolicyModule):
             entropy=entropy,
         )
 
+    @property
+    def critic_input_dim(self) -> int:
+        return self.obs_dim
+
+    @property
+    def value_feature_dim(self) -> int:
+        return self.config.hidden_sizes[-1] if self.config.hidden_sizes else self.obs_dim
+
+    def critic_inputs(self, replay: dict) -> Tensor:
+        """The replayed normalized observations [B, T, obs_dim] (a separate critic's input)."""
+        return replay["obs"]
+
+    def value_features(self, replay: dict) -> Tensor:
+        """The mean MLP's last hidden layer [B, T, F] on the replayed observations (a value
+        head's input; its gradient reaches the shared layers)."""
+        return self.net[:-1](replay["obs"])
+
     def log_prob(self, replay: dict) -> Tensor:
         """Log-probs [B, T] of replayed normalized actions [B, T, C, A] given the replayed
         normalized observations [B, T, obs_dim], under the current parameters."""

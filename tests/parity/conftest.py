@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 # The versions docs/parity.md describes; another version may have moved on.
-REFERENCE_VERSIONS = {"trl": "1.16.0", "verl": "0.9.1"}
+REFERENCE_VERSIONS = {"trl": "1.16.0", "verl": "0.9.1", "torchrl": "0.10.1"}
 # docs/parity.md's "equal": two libraries' float32 losses over B x T = 48 decisions of size ~1,
 # summed in each one's own order (measured: at most 1.2e-7 under ATEN_CPU_CAPABILITY default,
 # avx2 and avx512, 10% of it)
