@@ -10,6 +10,10 @@ any integers, in any order (not necessarily contiguous or sorted). ``keep`` is F
 samples that must get no gradient (the MC-GRPO pivot) and True everywhere else. Every
 advantage accepts ``eps`` so a caller can pass it uniformly; some ignore it. Group
 statistics are vectorised (``torch.unique`` + ``index_add``), never a loop over groups.
+
+An advantage registered with the trait ``needs_values`` (``gae``, mmrl/algo/value.py) is the
+exception: it takes per-decision rewards [B, T] with a critic's values and returns the
+critic's targets as well; the learner calls it with those.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ class RolloutConfig:
     worker_threads: int | None = option(None, "torch threads of each worker process (null = the learner process's count)", ge=1)
     over_provision: float = option(
         1.0,
-        "partial rollouts (APRIL): start this many times a step's groups; when groups_per_step have finished, the rest pause and continue in the next step where they stopped (text: the generated prefix), each decision tagged with the version that sampled it; 1 = off",
+        "partial rollouts (APRIL): start this many times a step's groups; when groups_per_step have finished, the rest pause and continue in the next step where they stopped (text: the generated prefix; env episodes keep stepping), each decision tagged with the version that sampled it; 1 = off",
         ge=1,
     )
     start_timeout_s: float = option(600.0, "seconds a worker process may take to build its sampler, policy and rewards", gt=0)

@@ -53,7 +53,7 @@ from mmrl.core.sampler import Sampler, group_seed
 from mmrl.core.statistics import wilson_interval
 from mmrl.errors import ConfigError
 from mmrl.registry import ENVS, SAMPLERS
-from mmrl.samplers.partial import EpisodesInFlight, observation_row, partial_metrics, stack_observation_rows
+from mmrl.samplers.partial import EpisodesInFlight, as_numpy, device_of, observation_row, partial_metrics, stack_observation_rows
 from mmrl.core.component_config import SamplerConfig
 
 # Training resets use seeds below 2**31; evaluation uses seeds in [2**31, 2**32) so that
@@ -239,7 +239,7 @@ class EnvSampler(Sampler):
         success and truncation are worked out once per wave from those records."""
         n, num_envs = len(seeds), self.num_envs
         obs, _ = self.env.reset(seed=seeds + seeds[:1] * (num_envs - n))
-        device = _device_of(policy)
+        device = device_of(policy)
         on = _tensor_device(obs)  # a simulator that returns torch tensors: bookkeeping stays on its device
         alive = torch.arange(num_envs, device=on) < n if on is not None else np.arange(num_envs) < n
         no_success = torch.zeros(num_envs, dtype=torch.bool, device=on) if on is not None else np.zeros(num_envs, dtype=bool)
@@ -255,7 +255,7 @@ class EnvSampler(Sampler):
             if on is not None:
                 actions = torch.minimum(torch.maximum(sample.output.to(on), low), high)
             else:
-                actions = np.minimum(np.maximum(_numpy(sample.output), self.action_low), self.action_high)
+                actions = np.minimum(np.maximum(as_numpy(sample.output), self.action_low), self.action_high)
             samples.append(sample)
             for j in range(actions.shape[1]):
                 obs, reward, term, trunc, info = self.env.step(actions[:, j])
@@ -263,8 +263,8 @@ class EnvSampler(Sampler):
                     term, trunc = (torch.as_tensor(x, device=on).bool() for x in (term, trunc))
                     rewards.append(torch.as_tensor(reward, device=on))
                 else:
-                    term, trunc = _numpy(term), _numpy(trunc)
-                    rewards.append(_numpy(reward))
+                    term, trunc = as_numpy(term), as_numpy(trunc)
+                    rewards.append(as_numpy(reward))
                 terminated.append(term)
                 truncated.append(trunc)
                 success.append(self._success_flags(info, no_success))
@@ -306,7 +306,7 @@ class EnvSampler(Sampler):
         self.success_reported = True
         if isinstance(no_success, Tensor):
             return torch.as_tensor(info[key], device=no_success.device).bool()
-        return _numpy(info[key])
+        return as_numpy(info[key])
 
     def _warn_if_success_unreported(self, collection: str, consequence: str) -> None:
         """One warning per sampler when a whole collection went by without a success flag:
@@ -397,7 +397,7 @@ class EnvSampler(Sampler):
 
 def _first_camera(obs) -> np.ndarray:
     """[N, H, W, 3] uint8 images of the first camera of a batch of image observations."""
-    image = _numpy(obs["image"])
+    image = as_numpy(obs["image"])
     return image[:, 0] if image.ndim == 5 else image
 
 
@@ -443,16 +443,8 @@ def _flatten(obs) -> np.ndarray:
     """[N, ...] array, or a dict of them (state_dict observations), as [N, D]."""
     if isinstance(obs, dict):
         return np.concatenate([_flatten(v) for v in obs.values()], axis=1)
-    obs = _numpy(obs)
+    obs = as_numpy(obs)
     return obs.reshape(obs.shape[0], -1)
-
-
-def _numpy(x) -> np.ndarray:
-    """numpy view of an env's or a policy's batch (a simulator's batched env may return
-    torch tensors, possibly on a GPU)."""
-    if isinstance(x, Tensor):
-        return x.detach().cpu().numpy()
-    return np.asarray(x)
 
 
 def _tensor_device(obs) -> torch.device | None:
@@ -467,8 +459,3 @@ def _tensor_device(obs) -> torch.device | None:
                 return found
     return None
 
-
-def _device_of(policy) -> torch.device:
-    for p in getattr(policy, "parameters", lambda: iter(()))():
-        return p.device
-    return torch.device("cpu")

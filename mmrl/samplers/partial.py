@@ -99,12 +99,12 @@ class EpisodesInFlight:
         if reset.any():
             self._reset(seeds, reset)
         generator = torch.Generator().manual_seed(group_seed(self.seed, step, group_offset))
-        device = _device_of(policy)
+        device = device_of(policy)
         cap = s.config.max_decisions
         no_success = np.zeros(s.num_envs, dtype=bool)
         while self._finished() < num_groups:
             sample = policy.sample(s.observation(self.obs, device), generator)
-            actions = np.minimum(np.maximum(_numpy(sample.output), s.action_low), s.action_high)
+            actions = np.minimum(np.maximum(as_numpy(sample.output), s.action_low), s.action_high)
             live = [e for e, ep in self.episodes.items() if ep["alive"]]
             for e in live:
                 self.episodes[e]["decisions"].append((sample, e))
@@ -112,7 +112,7 @@ class EpisodesInFlight:
             for j in range(actions.shape[1]):
                 self.obs, reward, term, trunc, info = s.env.step(actions[:, j])
                 s.env_steps += s.num_envs
-                reward, term, trunc = _numpy(reward), _numpy(term), _numpy(trunc)
+                reward, term, trunc = as_numpy(reward), as_numpy(term), as_numpy(trunc)
                 success = s._success_flags(info, no_success)
                 for e in live:
                     ep = self.episodes[e]
@@ -121,7 +121,7 @@ class EpisodesInFlight:
                     ep["reward"].append(reward[e : e + 1])
                     ep["term"].append(term[e : e + 1])
                     ep["trunc"].append(trunc[e : e + 1])
-                    ep["success"].append(_numpy(success)[e : e + 1])
+                    ep["success"].append(as_numpy(success)[e : e + 1])
                     ep["chunk"].append(j)
                     if term[e] or trunc[e]:
                         ep["alive"] = False
@@ -196,13 +196,16 @@ def stack_observation_rows(rows: list):
     return [x for r in rows for x in r]
 
 
-def _numpy(x) -> np.ndarray:
-    if isinstance(x, torch.Tensor):
+def as_numpy(x) -> np.ndarray:
+    """numpy view of an env's or a policy's batch (a simulator's batched env may return
+    torch tensors, possibly on a GPU)."""
+    if isinstance(x, Tensor):
         return x.detach().cpu().numpy()
     return np.asarray(x)
 
 
-def _device_of(policy) -> torch.device:
+def device_of(policy) -> torch.device:
+    """The device of a policy's parameters (the CPU for a policy without any)."""
     for p in getattr(policy, "parameters", lambda: iter(()))():
         return p.device
     return torch.device("cpu")
