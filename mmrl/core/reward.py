@@ -10,7 +10,10 @@ A reward is registered in :data:`mmrl.registry.REWARDS` with a typed config (a s
 - or a plain function ``(rollout, cfg) -> Tensor[B]``, wrapped by :class:`FunctionReward`.
 
 Either way the call is ``reward(rollout, policy=..., reference=...) -> Tensor[B]`` for the
-B samples of a rollout. A rollout from the prompt sampler carries each sample's prompt
+B samples of a rollout. A :class:`Reward` that sets ``learns`` also learns while the policy
+does: after each step's samples are scored, ``update`` sees them (an adversarial
+discriminator: the policy's current samples are its negatives); its state, parameters and
+optimizer included, goes into checkpoints. A rollout from the prompt sampler carries each sample's prompt
 record in ``rollout.info`` (``prompt``, ``answer``, ``metadata``); an env rollout carries the
 episode stats (``success``, ``return``, ``length``).
 """
@@ -53,6 +56,9 @@ class Reward:
 
     needs_policy: ClassVar[bool] = False
     needs_reference: ClassVar[bool] = False
+    # a reward that learns during RL (an adversarial discriminator): ``update`` runs on each
+    # step's samples after they are scored; its parameters and optimizer are its state
+    learns: ClassVar[bool] = False
 
     def __init__(self, cfg: RewardConfig, context: RewardContext):
         self.config = cfg
@@ -60,6 +66,15 @@ class Reward:
 
     def __call__(self, rollout: Rollout, *, policy: Any = None, reference: Any = None) -> Tensor:
         raise NotImplementedError
+
+    def update(self, rollout: Rollout, scores: Tensor, *, step: int, dist: Any) -> dict[str, float]:
+        """Learn from ``rollout``, this process's samples of a step, after they were scored
+        (``scores`` [B], this component's column). Only components that set ``learns`` are
+        called. ``dist`` holds the collectives over learner processes (``sizes``,
+        ``gather_rows``, ``sum``): a component whose update reads every process's samples (or
+        all-reduces its gradients) keeps N processes = 1 process. Returns metrics (logged as
+        ``reward_update/<name>/<key>``)."""
+        raise NotImplementedError(f"{type(self).__name__} sets learns but has no update")
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -143,6 +158,21 @@ class RewardSet:
                 raise NonFiniteError(f"{where}reward '{name}' is {r[bad][0].item()} for {int(bad.sum())} of {r.numel()} samples")
             columns.append(r)
         return torch.stack(columns, dim=1)
+
+    @property
+    def learns(self) -> bool:
+        return any(c.learns for c in self.components)
+
+    def update(self, rollout: Rollout, scores: Tensor, *, step: int, dist: Any) -> dict[str, float]:
+        """Let the components that learn during RL (``Reward.learns``) learn from the scored
+        ``rollout`` (``scores`` the [B, K] columns ``score`` gave); their metrics, named
+        ``reward_update/<name>/<key>``."""
+        out: dict[str, float] = {}
+        for k, (name, component) in enumerate(zip(self.names, self.components)):
+            if component.learns:
+                for key, value in component.update(rollout, scores[:, k], step=step, dist=dist).items():
+                    out[f"reward_update/{name}/{key}"] = float(value)
+        return out
 
     def combine(self, rewards: Tensor, group_id: Tensor) -> Tensor:
         """One reward per sample from the [B, K] columns, by the configured aggregation."""

@@ -102,6 +102,8 @@ def check_runs_in_worker(sampler, policy, rewards, cfg) -> None:
     if not getattr(policy, "runs_in_worker", True):
         raise ConfigError("policy.type", cfg.policy.type, f"cannot be copied into a rollout worker process (rollout.workers: {cfg.rollout.num_workers}); use rollout.mode: sync with workers: 0")
     for i, component in enumerate(rewards.components if rewards is not None else []):
+        if component.learns:
+            raise ConfigError(f"rewards[{i}].type", rewards.names[i], "learns from each step's samples, which worker processes would split between copies of it; use rollout.score_on: learner, or workers: 0")
         if not getattr(component, "runs_in_worker", getattr(getattr(component, "fn", None), "runs_in_worker", True)):
             raise ConfigError(f"rewards[{i}].type", rewards.names[i], "cannot score in a rollout worker process; use rollout.score_on: learner, or workers: 0")
 

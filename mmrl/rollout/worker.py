@@ -96,6 +96,7 @@ class RolloutWorker:
                 if not score:
                     return Collected(part, spare)
                 part = self.score(part, step)
+                self._learn_rewards(part, step, sums)
                 num_collected += part.batch_size
                 combined = self._measure(part, sums)
                 if not self.filters:
@@ -117,6 +118,8 @@ class RolloutWorker:
         with torch.no_grad():
             part = self.score(collected.rollout, step)
             sums: dict[str, torch.Tensor] = {}
+        self._learn_rewards(part, step, sums)
+        with torch.no_grad():
             combined = self._measure(part, sums)
             kept = part[self._keep(combined, part.group_id)] if self.filters else part
         return replace(collected, rollout=kept, sums=sums, num_collected=part.batch_size)
@@ -132,6 +135,14 @@ class RolloutWorker:
         if part.policy_version is not None:  # a partial rollout's oldest decision
             return part
         return part.with_(policy_version=torch.full((part.batch_size,), self.version, dtype=torch.long))
+
+    def _learn_rewards(self, part: Rollout, step: int, sums: dict[str, torch.Tensor]) -> None:
+        """Rewards that learn during RL learn from the scored samples (outside ``no_grad``:
+        they take gradient steps); their metrics join the step's."""
+        if self.rewards.learns:
+            with torch.enable_grad():
+                for name, value in self.rewards.update(part, part.rewards, step=step, dist=self.dist).items():
+                    add_metric(sums, name, torch.tensor([value]))
 
     def _measure(self, part: Rollout, sums: dict[str, torch.Tensor]) -> torch.Tensor:
         """Add the sampler's metrics and the rewards of scored ``part`` to ``sums``; returns
