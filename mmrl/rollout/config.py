@@ -49,6 +49,12 @@ class RolloutConfig:
         return self.workers if self.workers is not None else (0 if self.mode == "sync" else 1)
 
     @property
+    def lags(self) -> bool:
+        """Whether trained samples may lag behind the learner's weights (async workers, or
+        partial rollouts carried over from earlier steps): the staleness metrics are logged."""
+        return self.mode == "async" or self.over_provision > 1
+
+    @property
     def lag(self) -> int:
         """Versions between the weights that sample a step and the learner's at that step
         (lockstep); 0 in sync mode."""

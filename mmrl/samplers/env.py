@@ -269,12 +269,12 @@ class EnvSampler(Sampler):
                 truncated.append(trunc)
                 success.append(self._success_flags(info, no_success))
                 chunk_index.append(j)
-                ended = alive & (term | trunc)
-                alive = alive & ~(term | trunc)
-                if final and ended.any():
+                done = term | trunc
+                if final and (ended := alive & done).any():
                     for e in (ended.nonzero().flatten().tolist() if on is not None else np.flatnonzero(ended).tolist()):
                         if e < n:
                             last_obs[e] = observation_row(obs, e)
+                alive = alive & ~done
                 if images is not None:
                     images.append(_first_camera(obs)[:record])
                 if not alive.any():

@@ -113,7 +113,7 @@ class EpisodesInFlight:
                 self.obs, reward, term, trunc, info = s.env.step(actions[:, j])
                 s.env_steps += s.num_envs
                 reward, term, trunc = as_numpy(reward), as_numpy(term), as_numpy(trunc)
-                success = s._success_flags(info, no_success)
+                success = as_numpy(s._success_flags(info, no_success))
                 for e in live:
                     ep = self.episodes[e]
                     if not ep["alive"]:
@@ -121,18 +121,18 @@ class EpisodesInFlight:
                     ep["reward"].append(reward[e : e + 1])
                     ep["term"].append(term[e : e + 1])
                     ep["trunc"].append(trunc[e : e + 1])
-                    ep["success"].append(as_numpy(success)[e : e + 1])
+                    ep["success"].append(success[e : e + 1])
                     ep["chunk"].append(j)
                     if term[e] or trunc[e]:
                         ep["alive"] = False
-                        ep["final_obs"] = observation_row(self.obs, e)
+                        ep["final_obs"] = observation_row(self.obs, e) if s.bootstrap else None
                 if not any(self.episodes[e]["alive"] for e in live):
                     break
             if cap is not None:
                 for e in live:
                     if self.episodes[e]["alive"] and len(self.episodes[e]["decisions"]) >= cap:
                         self.episodes[e]["alive"] = False  # cut: truncated
-                        self.episodes[e]["final_obs"] = observation_row(self.obs, e)
+                        self.episodes[e]["final_obs"] = observation_row(self.obs, e) if s.bootstrap else None
         done = [g for g in self.groups if all(not self.episodes[e]["alive"] for e in g["envs"])][:num_groups]
         self.groups = [g for g in self.groups if g not in done]
         parts, finals = [], []

@@ -220,12 +220,12 @@ class Learner:
         step-level returns compose them, over all processes' samples. Keeps this process's
         critic targets and values in ``rollout.info`` for the value loss."""
         cfg = self.cfg.algo
-        device = self.accelerator.device
+        on_device = rollout.to(self.accelerator.device)
         with torch.no_grad():
-            values = self.model(rollout.to(device).replay, mode="value").detach().float().cpu()
+            values = self.model(on_device.replay, mode="value").detach().float().cpu()
             bootstrap = torch.zeros(rollout.batch_size)
             if options.get("bootstrap_truncated") and "final_replay" in rollout.info:  # episodes a time limit cut: V of the final observation
-                final = self.model(rollout.to(device).info["final_replay"], mode="value").detach().float().cpu()[:, 0]
+                final = self.model(on_device.info["final_replay"], mode="value").detach().float().cpu()[:, 0]
                 cut = torch.as_tensor(rollout.info["truncated"], dtype=torch.bool).cpu()
                 bootstrap = torch.where(cut, final, bootstrap)
         mask = gather(pad(rollout.mask))

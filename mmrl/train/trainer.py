@@ -167,7 +167,7 @@ class Trainer:
         t_update = time.time() - t0 - t_sample
         self.engine.publish(self.policy, self.learner.version)  # inline: the same policy object, only the version moves
         times = {"time/sample_s": t_sample, "time/update_s": t_update, "time/step_s": time.time() - t0}
-        staleness = version if self.cfg.rollout.mode == "async" or self.cfg.rollout.over_provision > 1 else None  # partial rollouts lag in sync mode too
+        staleness = version if self.cfg.rollout.lags else None
         return rl_metrics(self.dist, collected, rollout, adv, stats, bool(self.cfg.algo.filters), self.engine.counters(), staleness, times)
 
     # ------------------------------------------------------------------ evaluation, checkpoints
