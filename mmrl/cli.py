@@ -127,6 +127,8 @@ def cmd_eval(args) -> int:
     from mmrl.evaluate import evaluate_run
 
     cfg, run_dir = _config_and_dir(args.target, args.overrides)
+    if args.suite and args.save_episodes:
+        raise ConfigError("--save-episodes", args.save_episodes, "saves the episodes of a plain evaluation; leave out --suite")
     if args.suite:
         from mmrl.evaluate import evaluate_suite
         from mmrl.suites import load_suite
@@ -136,7 +138,7 @@ def cmd_eval(args) -> int:
         print((Path(summary["out_dir"]) / "results.md").read_text(), end="")
         print(f"mmrl: tables and videos in {summary['out_dir']}")
         return 0
-    result = evaluate_run(cfg, run_dir, episodes=args.episodes, checkpoint=args.checkpoint, out_dir=args.out)
+    result = evaluate_run(cfg, run_dir, episodes=args.episodes, checkpoint=args.checkpoint, out_dir=args.out, save_episodes=args.save_episodes)
     print(json.dumps(result, indent=2))
     return 0
 
@@ -283,7 +285,7 @@ def cmd_collect(args) -> int:
     summary = collect(
         plan["tasks"], plan["episodes_per_task"], args.out, seed=args.seed, env_kwargs=plan["env_kwargs"],
         max_episode_steps=plan["max_episode_steps"], noise=args.noise, keep_failures=args.keep_failures,
-        append=args.append, env_id=plan["env_id"], report=lambda line: print(line, flush=True),
+        append=args.append, env_id=plan["env_id"], report=lambda line: print(line, flush=True), layout=args.format,
     )
     failed = summary["failed"]
     note = f"{failed} failed" + ("" if args.keep_failures or not failed else " (not written)")
@@ -354,6 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--videos", type=_non_negative_int, default=1, help="with --suite: mp4 videos of the first N episodes of each task")
     p.add_argument("--checkpoint", default=None, help="a checkpoint directory instead of the latest")
     p.add_argument("--out", default=None, help="where to write eval tables (default: <run_dir>/eval)")
+    p.add_argument("--save-episodes", default=None, metavar="DIR", help="write every evaluated episode (frames, actions, state, instruction, success, costs) to a new directory in LeRobotDataset v3's layout")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("list", help="list registered components, presets, task suites or tasks")
@@ -365,7 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("collect", help="write expert demonstrations of mmrl/Tabletop-v0 tasks", description="Run the scripted experts of mmrl/Tabletop-v0 and write demonstrations (only successful episodes unless --keep-failures).")
     p.add_argument("--task", nargs="+", required=True, help="task names, families (spatial, object, goal), all, or one suite (tabletop_spatial, ... or a suite YAML)")
-    p.add_argument("--out", required=True, help="output directory (index.json + one .npz per episode)")
+    p.add_argument("--out", required=True, help="output directory (index.json + one .npz per episode, or a LeRobotDataset v3 layout with --format lerobot)")
+    p.add_argument("--format", choices=("mmrl-demos", "lerobot"), default="mmrl-demos", help="mmrl-demos (npz per episode, appendable) or lerobot (LeRobotDataset v3: parquet + lossless mp4 + meta)")
     p.add_argument("--episodes-per-task", type=_positive_int, default=None, help="episodes per task (default: the suite's, else 50)")
     p.add_argument("--seed", type=_non_negative_int, default=0, help="episode j of each task resets with seed + j (must stay below 2**31, evaluation seeds)")
     p.add_argument("--env-id", default=None, help="env id (default: the suite's, else mmrl/Tabletop-v0, the only one with experts)")

@@ -7,7 +7,9 @@ evaluates with reset seeds at or above 2**31 (``mmrl/samplers/env.py``), so no e
 episode starts from a demonstrated initial state.
 
 Only successful episodes are written unless ``keep_failures``; the summary says how many
-failed. Episodes are written task by task (see :mod:`mmrl.demos` for the format).
+failed. Episodes are written task by task (see :mod:`mmrl.demos` for the format), or, with
+``layout="lerobot"``, all at once at the end in LeRobotDataset v3's layout
+(:mod:`mmrl.episodes`; not appendable).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def collect(
     append: bool = False,
     env_id: str = TABLETOP_ID,
     report: Callable[[str], None] | None = None,
+    layout: str = "mmrl-demos",
 ) -> dict[str, Any]:
     """Collect ``episodes_per_task`` expert episodes of each task into ``out``.
 
@@ -60,6 +63,15 @@ def collect(
         raise ConfigError("seed", seed, "demonstration seeds seed .. seed + episodes_per_task - 1 must lie in [0, 2**31) (evaluation uses seeds >= 2**31)")
     if noise < 0:
         raise ConfigError("noise", noise, "expected a standard deviation >= 0")
+    if layout not in ("mmrl-demos", "lerobot"):
+        raise ConfigError("format", layout, "mmrl-demos or lerobot")
+    if layout == "lerobot":
+        from mmrl.episodes import check_new_directory, write_episodes
+
+        if append:
+            raise ConfigError("append", append, "the lerobot layout is written once; append to an mmrl-demos directory, or collect into a new directory")
+        check_new_directory(out, "out")
+    everything: list[Episode] = []
     kwargs = {k: v for k, v in (env_kwargs or {}).items() if k != "task"}
     out = Path(out)
     previous: list = []
@@ -85,6 +97,11 @@ def collect(
             summary["tasks"][task] = {"succeeded": episodes_per_task - failed, "failed": failed}
             summary["written"] += len(episodes)
             summary["failed"] += failed
+            if layout == "lerobot":
+                everything += episodes
+                if report is not None:
+                    report(f"{task}: {episodes_per_task - failed}/{episodes_per_task} succeeded")
+                continue
             run = {"tasks": tasks[: task_index + 1], "episodes_per_task": episodes_per_task, "seed": seed, "noise": noise, "keep_failures": keep_failures}
             metadata = {
                 "env_id": env_id,
@@ -95,6 +112,13 @@ def collect(
             write_demos(out, episodes, metadata=metadata, append=append or task_index > 0)
             if report is not None:
                 report(f"{task}: {episodes_per_task - failed}/{episodes_per_task} succeeded")
+        if layout == "lerobot":
+            cameras = kwargs.get("cameras", "top")
+            metadata = {"env_id": env_id, "env_kwargs": kwargs, "max_episode_steps": env.spec.max_episode_steps if env.spec else None,
+                        "collections": [{"tasks": tasks, "episodes_per_task": episodes_per_task, "seed": seed, "noise": noise, "keep_failures": keep_failures}]}
+            if not everything:
+                raise ConfigError("out", str(out), "no episode to write: every episode failed (pass keep_failures to write failures)")
+            write_episodes(out, everything, fps=int(env.metadata.get("render_fps", 10)), cameras=[cameras] if isinstance(cameras, str) else list(cameras), metadata=metadata)
     finally:
         env.close()
     return summary
@@ -124,4 +148,5 @@ def run_expert_episode(env, expert_action, task: str, seed: int, noise: float = 
         instruction=str(obs["instruction"]),
         task=task,
         seed=seed,
+        costs={name: float(value) for name, value in info.get("costs", {}).items()},
     )

@@ -22,7 +22,13 @@ key            dtype, shape        meaning
 ``instruction`` str []             the task's language instruction
 ``task``       str []              the task's name
 ``seed``       int64 []            the reset seed of the episode
+``costs``      str []              JSON object of the episode's costs (name →
+                                   number, e.g. ``path_length``); absent in
+                                   files written before costs existed
 =============  ==================  ===========================================
+
+The same episodes can be written in LeRobotDataset v3's layout instead (parquet + mp4 +
+meta): :mod:`mmrl.episodes`; :func:`read_demos` reads either.
 
 Files are written to a temporary name and renamed into place (``os.replace``), episodes
 first and ``index.json`` last, so a reader never sees a half-written file or an index that
@@ -34,11 +40,12 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from mmrl.errors import ConfigError
 
@@ -51,7 +58,8 @@ _RESERVED = ("format", "version", "episodes")
 @dataclass
 class Episode:
     """One demonstration: T steps of observations (``image``, ``state``), ``action`` and
-    ``reward``, and what the episode was (``instruction``, ``task``, ``seed``, ``success``)."""
+    ``reward``, and what the episode was (``instruction``, ``task``, ``seed``, ``success``,
+    and the ``costs`` its env reported, e.g. ``path_length``, ``steps``, ``collisions``)."""
 
     image: np.ndarray
     state: np.ndarray
@@ -61,6 +69,7 @@ class Episode:
     instruction: str
     task: str
     seed: int
+    costs: dict[str, float] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return int(self.action.shape[0])
@@ -137,6 +146,7 @@ def write_demos(directory: str | os.PathLike, episodes: list[Episode], metadata:
             "instruction": np.array(str(episode.instruction)),
             "task": np.array(str(episode.task)),
             "seed": np.array(int(episode.seed), dtype=np.int64),
+            "costs": np.array(json.dumps({k: float(v) for k, v in episode.costs.items()})),
         }
         _atomic_write(directory / name, lambda f, arrays=arrays: np.savez_compressed(f, **arrays))
         names.append(name)
@@ -146,8 +156,13 @@ def write_demos(directory: str | os.PathLike, episodes: list[Episode], metadata:
 
 
 def read_demos(directory: str | os.PathLike) -> list[Episode]:
-    """Every episode of a demonstrations directory, in index order."""
+    """Every episode of a demonstrations directory, in index order (or of a directory in
+    LeRobotDataset v3's layout, :func:`mmrl.episodes.read_episodes`)."""
     directory = Path(directory)
+    if not (directory / INDEX).exists() and (directory / "meta" / "info.json").is_file():
+        from mmrl.episodes import read_episodes
+
+        return read_episodes(directory)
     episodes = []
     for name in read_index(directory)["episodes"]:
         path = directory / name
@@ -164,6 +179,7 @@ def read_demos(directory: str | os.PathLike) -> list[Episode]:
                     instruction=str(data["instruction"]),
                     task=str(data["task"]),
                     seed=int(data["seed"]),
+                    costs=json.loads(str(data["costs"])) if "costs" in data else {},
                 )
             )
     return episodes
@@ -199,3 +215,71 @@ def chunk_samples(episodes: list[Episode], chunk: int) -> dict[str, Any]:
         "actions": np.concatenate(actions).astype(np.float32),
         "action_mask": np.concatenate(masks),
     }
+
+
+def keyframe_indices(length: int, frames: int) -> np.ndarray:
+    """i_k = round(k (T − 1) / (K − 1)), k = 0 .. K−1: K evenly spaced steps of an episode of
+    T steps, its first and last observation included (steps repeat when T < K)."""
+    if frames < 2:
+        raise ValueError(f"keyframes need at least 2 frames (the first and the last), got {frames}")
+    return np.rint(np.linspace(0, length - 1, frames)).astype(np.int64)
+
+
+def keyframes(episode: Episode, frames: int) -> dict[str, np.ndarray]:
+    """What a trajectory reward model reads of an episode (GRAPE-style trajectory
+    preferences): the observations at :func:`keyframe_indices` and what the agent did in
+    between.
+
+    Returns ``image`` uint8 [K, ...] and ``state`` float32 [K, D], the observations at steps
+    i_k; ``action`` float32 [K, A + 1], for each k the mean action over its segment of steps
+    [i_k, i_{k+1}) (the last segment runs to the episode's end; an empty segment, from
+    repeated steps, takes action i_k) followed by the mean action norm there, ‖a‖₂ (how far
+    the agent moved); ``length`` float32 [], T."""
+    steps = len(episode)
+    index = keyframe_indices(steps, frames)
+    ends = np.append(index[1:], steps)
+    action = episode.action.astype(np.float64)
+    norms = np.linalg.norm(action, axis=1, keepdims=True)
+    summed = np.concatenate([np.zeros((1, action.shape[1] + 1)), np.cumsum(np.concatenate([action, norms], axis=1), axis=0)])
+    width = ends - index
+    mean = (summed[ends] - summed[index]) / np.maximum(width, 1)[:, None]
+    single = np.concatenate([action[index], norms[index]], axis=1)
+    segments = np.where((width > 0)[:, None], mean, single)
+    return {"image": episode.image[index], "state": episode.state[index].astype(np.float32), "action": segments.astype(np.float32), "length": np.float32(steps)}
+
+
+class Trajectories:
+    """Rows of a store of episodes' :func:`keyframes` (tensors with one row per episode:
+    ``image`` uint8 [E, K, ...], ``state`` [E, K, D], ``action`` [E, K, A + 1], ``length``
+    [E]): the items a trajectory reward model scores. Indexing and ``+`` (concatenation, as
+    for lists) select rows without copying frames; :meth:`gather` copies the rows out. A
+    preference pair's chosen and rejected items are rows of one store."""
+
+    def __init__(self, store: dict[str, torch.Tensor], index: torch.Tensor | None = None):
+        self.store = store
+        self.index = torch.arange(len(store["length"])) if index is None else index.long().cpu()
+
+    @classmethod
+    def from_episodes(cls, episodes: list[Episode], frames: int) -> "Trajectories":
+        rows = [keyframes(episode, frames) for episode in episodes]
+        return cls({key: torch.from_numpy(np.stack([row[key] for row in rows])) for key in ("image", "state", "action", "length")})
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, rows) -> "Trajectories":
+        return Trajectories(self.store, self.index[torch.as_tensor(rows) if isinstance(rows, list) else rows])
+
+    def __add__(self, other: "Trajectories") -> "Trajectories":
+        if other.store is self.store:
+            return Trajectories(self.store, torch.cat([self.index, other.index]))
+        a, b = self.gather("cpu"), other.gather("cpu")
+        return Trajectories({key: torch.cat([a[key], b[key]]) for key in a})
+
+    def to(self, device) -> "Trajectories":
+        """Itself: rows are gathered onto the scorer's device when scored."""
+        return self
+
+    def gather(self, device) -> dict[str, torch.Tensor]:
+        """The selected rows of every store tensor, on ``device``."""
+        return {key: value[self.index].to(device) for key, value in self.store.items()}

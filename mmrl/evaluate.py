@@ -18,13 +18,21 @@ from mmrl.media import annotate_episode, write_media, write_video
 from mmrl.core.weights import latest_checkpoint
 
 
-def evaluate_run(cfg, run_dir: Path | None, episodes: int | None = None, checkpoint: str | None = None, out_dir: str | None = None) -> dict[str, Any]:
+def evaluate_run(cfg, run_dir: Path | None, episodes: int | None = None, checkpoint: str | None = None, out_dir: str | None = None, save_episodes: str | None = None) -> dict[str, Any]:
     """The run's sampler's evaluation and, for a supervised run whose data source holds out
-    data of its own (``preferences``), that source's held-out metrics."""
+    data of its own (``preferences``), that source's held-out metrics. ``save_episodes``: a
+    new directory where the env sampler's evaluation episodes are written (LeRobotDataset
+    v3's layout, :mod:`mmrl.episodes`)."""
     from mmrl.core.sampler import build_sampler
     from mmrl.data.sources import DataSource
 
     torch.manual_seed(cfg.seed)
+    if save_episodes is not None:
+        from mmrl.episodes import check_new_directory
+
+        if cfg.sampler.type != "env":
+            raise ConfigError("--save-episodes", save_episodes, f"saves the episodes of an env sampler; this config's sampler.type is {cfg.sampler.type!r}")
+        check_new_directory(save_episodes, "--save-episodes")
     sampler = build_sampler(cfg)
     try:
         policy = build_policy(cfg.policy, sampler.policy_spec())
@@ -40,8 +48,14 @@ def evaluate_run(cfg, run_dir: Path | None, episodes: int | None = None, checkpo
         policy.eval()
         n = episodes or cfg.eval.episodes
         rewards = RewardSet(cfg.rewards, cfg.algo.reward_aggregation, RewardContext(run_dir=run_dir, seed=cfg.seed), cfg.algo.log_tamed_threshold)
+        keep = {"keep_episodes": True} if save_episodes is not None else {}
         with torch.no_grad():
-            result = sampler.evaluate(policy, n, seed=cfg.seed + 1_000_003, rewards=rewards)
+            result = sampler.evaluate(policy, n, seed=cfg.seed + 1_000_003, rewards=rewards, **keep)
+        if save_episodes is not None:
+            from mmrl.episodes import write_episodes
+
+            fps = int((getattr(sampler.env, "metadata", None) or {}).get("render_fps") or 10)
+            write_episodes(save_episodes, result.pop("kept_episodes"), fps=fps, cameras=sampler.cameras, metadata={"env": sampler.env_name, "weights": str(ckpt) if ckpt else "config", "seed": cfg.seed + 1_000_003})
         source_cls = registry.DATA_SOURCES.get(cfg.data.type, "data.type") if cfg.algo.type == "sft" else None
         if source_cls is not None and source_cls.evaluate is not DataSource.evaluate:
             result.update(source_cls(cfg.data, policy, cfg.seed, 1, 0).evaluate(policy))

@@ -12,7 +12,12 @@ instructions, initial-state distributions and success predicates are in
   [x, y, vx, vy] of the pusher, instruction=Text)``. Block positions are not in the state:
   the policy sees the blocks only in the image.
 - reward: 1 on the step that solves the task, else 0 (sparse); ``info["success"]`` every
-  step and ``info["task"]`` the task's name. The episode terminates on success and is
+  step and ``info["task"]`` the task's name.
+- costs: ``info["costs"]`` every step, the episode's so far (GRAPE's trajectory costs):
+  ``path_length``, metres the pusher travelled (the sum of its displacement over control
+  steps); ``steps``, control steps taken; ``collisions``, control steps that ended with the
+  pusher touching a block other than the task's target or a block touching a wall (contacts
+  as MuJoCo reports them after the step's last physics step). The episode terminates on success and is
   truncated at the time limit (60 steps unless ``max_episode_steps`` says otherwise).
 - reset seed → task (when the env has several) and initial state, so equal seeds give equal
   tasks, states and observations. ``reset(options={"task": name})`` picks the task (one of
@@ -88,6 +93,9 @@ class _Simulation:
         self.pusher_qpos = np.array([self.model.joint(n).qposadr[0] for n in ("pusher_x", "pusher_y")])
         self.pusher_qvel = np.array([self.model.joint(n).dofadr[0] for n in ("pusher_x", "pusher_y")])
         self.zone_mocap = int(self.model.body("zone").mocapid[0]) if FAMILIES[family].zone else None
+        self.pusher_geom = self.model.geom("pusher").id
+        self.block_geoms = np.array([self.model.geom(f"block_{i}").id for i in range(self.num_blocks)])
+        self.wall_geoms = {self.model.geom(f"wall_{side}").id for side in ("top", "bottom", "left", "right")}
         self.renderers: dict[tuple[int, int], object] = {}
         _live_simulations.add(self)
 
@@ -108,6 +116,19 @@ class _Simulation:
 
     def blocks(self) -> np.ndarray:
         return np.stack([self.data.qpos[adr : adr + 2] for adr in self.block_qpos])
+
+    def collision(self, target: int) -> bool:
+        """Whether a current contact is the pusher on a block other than ``target``, or a
+        block on a wall."""
+        others = {int(g) for i, g in enumerate(self.block_geoms) if i != target}
+        blocks = {int(g) for g in self.block_geoms}
+        for contact in self.data.contact[: self.data.ncon]:
+            pair = {int(contact.geom1), int(contact.geom2)}
+            if self.pusher_geom in pair and pair & others:
+                return True
+            if pair & blocks and pair & self.wall_geoms:
+                return True
+        return False
 
     def render(self, cameras: tuple[str, ...], height: int, width: int) -> np.ndarray:
         global _exit_hook
@@ -149,6 +170,7 @@ class TabletopEnv(gymnasium.Env):
         layout: str = "random",
         layout_noise: float = 0.03,
         image_every: int = 1,
+        terminate_on_success: bool = True,
     ):
         """``task``: a task name, a family (spatial, object, goal), ``all``, or a list of
         these; ``image_size``: side of the observed images; ``cameras``: one camera name or a
@@ -159,7 +181,10 @@ class TabletopEnv(gymnasium.Env):
         ``image_every``: render the observed images only on every N-th control step since
         the reset (and at the reset), repeating the last frame in between — set it to the
         policy's action chunk when the policy looks only at the observation that starts each
-        chunk, and the env skips (N-1)/N of its rendering (state and instruction stay fresh)."""
+        chunk, and the env skips (N-1)/N of its rendering (state and instruction stay fresh);
+        ``terminate_on_success``: false lets an episode go on after success until its time
+        limit (``info["success"]`` says each step whether the task is solved then), as an env
+        that reports no success must when a learned success detector watches it."""
         self.task_names = resolve_tasks(task, "env.kwargs.task")
         names = [cameras] if isinstance(cameras, str) else list(cameras)
         if not names or any(c not in CAMERAS for c in names):
@@ -175,6 +200,9 @@ class TabletopEnv(gymnasium.Env):
         if not isinstance(image_every, int) or isinstance(image_every, bool) or not 1 <= image_every <= 1000:
             raise ConfigError("env.kwargs.image_every", image_every, "expected an integer in [1, 1000] (control steps between rendered images)")
         self.image_every = image_every
+        if not isinstance(terminate_on_success, bool):
+            raise ConfigError("env.kwargs.terminate_on_success", terminate_on_success, "expected true or false")
+        self.terminate_on_success = terminate_on_success
         self._elapsed = 0
         self._images: np.ndarray | None = None
         if render_mode not in (None, "rgb_array"):
@@ -197,6 +225,7 @@ class TabletopEnv(gymnasium.Env):
         self.task: Task = TASKS[self.task_names[0]]
         self.target = 0
         self.zone: np.ndarray | None = None
+        self.costs: dict[str, float] = {}
 
     # ------------------------------------------------------------------ gymnasium API
 
@@ -219,16 +248,23 @@ class TabletopEnv(gymnasium.Env):
         self.target = self.task.target_of(scene.blocks)
         self.zone = scene.zone
         self._elapsed = 0
-        return self._observation(), {"success": False, "task": name}
+        self.costs = {"path_length": 0.0, "steps": 0, "collisions": 0}
+        return self._observation(), {"success": False, "task": name, "costs": dict(self.costs)}
 
     def step(self, action):
         if self._sim is None:
             raise RuntimeError("call reset() before step()")
         command = np.clip(np.asarray(action, dtype=np.float64).reshape(2), -1.0, 1.0)
+        before = self.pusher_position()
         self._sim.step(command * MAX_SPEED)
         self._elapsed += 1
+        self.costs = {
+            "path_length": self.costs["path_length"] + float(np.linalg.norm(self.pusher_position() - before)),
+            "steps": self._elapsed,
+            "collisions": self.costs["collisions"] + int(self._sim.collision(self.target)),
+        }
         success = self.task.success(self._sim.blocks(), self.target, self.zone)
-        return self._observation(), float(success), success, False, {"success": success, "task": self.task.name}
+        return self._observation(), float(success), success and self.terminate_on_success, False, {"success": success, "task": self.task.name, "costs": dict(self.costs)}
 
     def render(self):
         if self.render_mode != "rgb_array" or self._sim is None:

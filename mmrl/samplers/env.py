@@ -18,6 +18,16 @@ of :data:`SUCCESS_KEYS` the env reports), ``return`` (undiscounted sum of env re
 steps) and ``truncated`` (ended by a time limit or ``max_decisions``, not by the task).
 ``step_rewards[b, t]`` is decision t's chunk reward discounted to its first env step,
 sum_j gamma^j r_{t,j} (gamma = ``algo.advantage.gamma``), for step-level advantages.
+An env that reports its episode's costs so far in ``info["costs"]`` (``mmrl/Tabletop-v0``:
+path length, steps, collisions) gives ``info["costs"][name]``, each episode's value at its
+last step (logged as ``cost/<name>``).
+
+Whole episodes (every observation, action, reward, the instruction, task, seed, success and
+costs, as :class:`~mmrl.demos.Episode` objects) are kept on request: evaluation returns them
+(``keep_episodes``, what ``mmrl eval --save-episodes`` writes) and writes them itself under
+``save_eval_episodes``; training collections keep ``keep_frames`` keyframes of each
+(:func:`mmrl.demos.keyframes`) in ``info["trajectory"]``, with ``info["instruction"]``, for a
+trajectory reward model (``pairwise_preference`` with ``bt_trajectory``).
 
 A simulator that returns torch tensors (ManiSkill's GPU backend: CUDA tensors) keeps them
 where they are: actions are clipped with torch on the simulator's device and handed to it as
@@ -77,6 +87,12 @@ class EnvSamplerConfig(SamplerConfig):
     success_at: Literal["any", "end"] = option("any", "an episode succeeds if the env reports success at any step, or at its last step only")
     max_decisions: int | None = option(None, "cap on decisions per episode; episodes cut by it count as truncated (null = until the env ends them)", ge=1)
     eval_deterministic: bool = option(True, "evaluate the policy's mean action (false: sample actions, seeded, as in training)")
+    keep_frames: int = option(0, "keep K keyframes of each training episode (observations, segment actions) in info['trajectory'] for a trajectory reward model (bt_trajectory); 0 = none", ge=0)
+    save_eval_episodes: str | None = option(None, "write each evaluation's episodes to <this directory>/env_steps_<N> (LeRobotDataset v3 layout, mmrl/episodes.py); null = none")
+
+    def validate(self, path: str) -> None:
+        if self.keep_frames == 1:
+            raise ConfigError(f"{path}.keep_frames" if path else "keep_frames", self.keep_frames, "0 (none) or K >= 2 keyframes (the first and the last observation at least)")
 
 
 @SAMPLERS.register("env", config=EnvSamplerConfig)
@@ -112,6 +128,15 @@ class EnvSampler(Sampler):
         o = train_cfg.rollout.over_provision
         self.over_provision = o
         self.partial = EpisodesInFlight(self, o, self.seed) if o > 1 else None
+        if sampler_cfg.keep_frames and self.partial is not None:
+            self.env.close()
+            raise ConfigError("sampler.keep_frames", sampler_cfg.keep_frames, "keeps whole episodes, which partial rollouts split across collections: use rollout.over_provision 1")
+        if (sampler_cfg.keep_frames or sampler_cfg.save_eval_episodes) and not (self.structured and "image" in self.env.single_observation_space.spaces):
+            self.env.close()
+            field = "sampler.keep_frames" if sampler_cfg.keep_frames else "sampler.save_eval_episodes"
+            raise ConfigError(field, sampler_cfg.keep_frames or sampler_cfg.save_eval_episodes, f"keeps episodes' camera images; env {self.env_name!r} has no image observations")
+        cameras = (getattr(train_cfg.env, "kwargs", None) or {}).get("cameras")
+        self.cameras = [cameras] if isinstance(cameras, str) else (list(cameras) if cameras else None)
 
     def policy_spec(self) -> dict:
         spec = {
@@ -168,7 +193,12 @@ class EnvSampler(Sampler):
             first_group, first_copy = divmod(start, group_size)
             generator = torch.Generator().manual_seed(seeds[first_group] + first_copy)
             reset_seeds = [seeds[i // group_size] % _TRAIN_SEEDS for i in members]
-            vector_steps, part = self._run_wave(policy, reset_seeds, generator, deterministic=False, final=self.bootstrap)
+            vector_steps, part, *kept = self._run_wave(policy, reset_seeds, generator, deterministic=False, final=self.bootstrap, keep=bool(self.config.keep_frames))
+            if kept:
+                from mmrl.demos import Trajectories
+
+                part.info["trajectory"] = Trajectories.from_episodes(kept[0], self.config.keep_frames).store
+                part.info["instruction"] = [episode.instruction for episode in kept[0]]
             self.env_steps += vector_steps * self.num_envs
             part.group_id = torch.tensor([group_offset + i // group_size for i in members], device=part.group_id.device)
             parts.append(part)
@@ -179,7 +209,8 @@ class EnvSampler(Sampler):
     def metrics(self, rollout: Rollout) -> dict[str, Tensor]:
         """Per episode: success (``success_rate``), undiscounted return and length."""
         info = rollout.info
-        return {"success_rate": info["success"], "episode_return": info["return"], "episode_length": info["length"], **partial_metrics(rollout)}
+        costs = {f"cost/{name}": value for name, value in info.get("costs", {}).items()}
+        return {"success_rate": info["success"], "episode_return": info["return"], "episode_length": info["length"], **costs, **partial_metrics(rollout)}
 
     def counters(self) -> dict[str, float]:
         if self.partial is not None:  # groups in flight started afresh (resume, evaluation on this env)
@@ -187,7 +218,7 @@ class EnvSampler(Sampler):
         return {"env_steps": float(self.env_steps)}
 
     @torch.no_grad()
-    def evaluate(self, policy, episodes: int, seed: int, rewards=None, videos: int = 0) -> dict[str, Any]:
+    def evaluate(self, policy, episodes: int, seed: int, rewards=None, videos: int = 0, keep_episodes: bool = False) -> dict[str, Any]:
         """``episodes`` episodes seeded from ``seed`` (disjoint from every training episode's
         seed), with the mean action or, if ``eval_deterministic`` is false, seeded samples.
         Success comes from the env; ``rewards`` is not needed.
@@ -196,18 +227,23 @@ class EnvSampler(Sampler):
         ``success_rate_ci_high``), mean return and length, the per-episode ``successes``, and,
         if ``videos`` > 0, ``frames``: the camera images [T, H, W, 3] of the first ``videos``
         episodes (image observations only), with ``instructions``: each one's instruction
-        (None without language observations)."""
+        (None without language observations); with ``keep_episodes``, ``kept_episodes``: every
+        episode as a :class:`~mmrl.demos.Episode`. With ``save_eval_episodes`` set, the
+        episodes are also written to ``<it>/env_steps_<N>`` (N: training env steps so far)."""
         if self.partial is not None:  # evaluation resets every env: the groups in flight start afresh
             self.partial.drop()
         seeds = [_TRAIN_SEEDS + group_seed(seed, 0, i) % _TRAIN_SEEDS for i in range(episodes)]
         deterministic = self.config.eval_deterministic
         generator = None if deterministic else torch.Generator().manual_seed(group_seed(seed, 1, 0))
-        parts, frames, instructions = [], [], []
+        parts, frames, instructions, kept = [], [], [], []
+        keep = keep_episodes or self.config.save_eval_episodes is not None
         self.success_reported = False
         for s in range(0, episodes, self.num_envs):
             record = max(0, min(videos - s, self.num_envs)) if self.structured else 0
-            _, part, *recorded = self._run_wave(policy, seeds[s : s + self.num_envs], generator, deterministic, record=record)
+            _, part, *recorded = self._run_wave(policy, seeds[s : s + self.num_envs], generator, deterministic, record=record, keep=keep)
             parts.append(part)
+            if keep:
+                kept += recorded.pop()
             if recorded:
                 frames += recorded[0]
                 instructions += recorded[1]
@@ -223,22 +259,37 @@ class EnvSampler(Sampler):
             "episodes": episodes,
             "successes": info["success"].tolist(),
         }
+        costs = info.get("costs", {})
+        out.update({f"cost_{name}_mean": value.float().mean().item() for name, value in costs.items()})
         if videos:
             out["frames"], out["instructions"] = frames, instructions
+        if self.config.save_eval_episodes is not None:
+            from pathlib import Path
+
+            from mmrl.episodes import write_episodes
+
+            fps = int((getattr(self.env, "metadata", None) or {}).get("render_fps") or 10)
+            write_episodes(Path(self.config.save_eval_episodes) / f"env_steps_{self.env_steps:012d}", kept, fps=fps, cameras=self.cameras, metadata={"env": self.env_name, "seed": seed})
+        if keep_episodes:
+            out["kept_episodes"] = kept
         return out
 
     @torch.no_grad()
-    def _run_wave(self, policy, seeds: list[int], generator: torch.Generator | None, deterministic: bool, record: int = 0, final: bool = False):
+    def _run_wave(self, policy, seeds: list[int], generator: torch.Generator | None, deterministic: bool, record: int = 0, final: bool = False, keep: bool = False):
         """One episode per seed on the first ``len(seeds)`` envs; the other envs (a last,
         partial wave) step along, masked out. Returns (vector env steps taken, rollout), plus
         the frames and instructions of the first ``record`` episodes if ``record`` > 0.
         ``final``: keep each episode's final observation, as the policy reads it, in
         ``info["final_replay"]`` (a critic's bootstrap of an episode a time limit cut).
+        ``keep``: also return the wave's episodes as :class:`~mmrl.demos.Episode` objects
+        (last in the returned tuple).
 
         The step loop only records what the env returned; who was alive when, returns,
         success and truncation are worked out once per wave from those records."""
         n, num_envs = len(seeds), self.num_envs
-        obs, _ = self.env.reset(seed=seeds + seeds[:1] * (num_envs - n))
+        obs, reset_info = self.env.reset(seed=seeds + seeds[:1] * (num_envs - n))
+        kept = _EpisodeRecorder(obs, reset_info, seeds) if keep else None
+        costs: list[dict] = []
         device = device_of(policy)
         on = _tensor_device(obs)  # a simulator that returns torch tensors: bookkeeping stays on its device
         alive = torch.arange(num_envs, device=on) < n if on is not None else np.arange(num_envs) < n
@@ -258,7 +309,11 @@ class EnvSampler(Sampler):
                 actions = np.minimum(np.maximum(as_numpy(sample.output), self.action_low), self.action_high)
             samples.append(sample)
             for j in range(actions.shape[1]):
+                if kept is not None:
+                    kept.step(obs, actions[:, j])
                 obs, reward, term, trunc, info = self.env.step(actions[:, j])
+                if "costs" in info:
+                    costs.append({name: as_numpy(value) for name, value in info["costs"].items() if not name.startswith("_")})
                 if on is not None:
                     term, trunc = (torch.as_tensor(x, device=on).bool() for x in (term, trunc))
                     rewards.append(torch.as_tensor(reward, device=on))
@@ -280,17 +335,21 @@ class EnvSampler(Sampler):
                 if not alive.any():
                     break
         rollout = self._wave_rollout(samples, n, rewards, terminated, truncated, success, chunk_index)
+        if len(costs) == len(rewards):  # the env reported its costs at every step
+            last = (rollout.info["length"].cpu() - 1).clamp(min=0).numpy()
+            rollout.info["costs"] = {name: torch.from_numpy(np.array([c[name] for c in costs])[last, np.arange(n)].astype(np.float64)) for name in costs[0]}
         if final:  # episodes still running (cut by max_decisions) end at the last observation
             rows = [last_obs[e] if e in last_obs else observation_row(obs, e) for e in range(n)]
             rollout.info["final_replay"] = self.final_replay(policy, stack_observation_rows(rows), device)
+        episodes = [kept.episodes(rollout, rewards)] if kept is not None else []
         if images is None:
-            return len(rewards), rollout
+            return len(rewards), rollout, *episodes
         # frame 0 is the reset observation, frame t the one seen after action t; with
         # gymnasium's default next-step auto-reset the frame after the last action is the
         # episode's final observation
         stacked = np.stack(images, 1)  # [record, S + 1, H, W, 3]
         lengths = rollout.info["length"].tolist()
-        return len(rewards), rollout, [stacked[i, : lengths[i] + 1] for i in range(record)], instructions
+        return len(rewards), rollout, [stacked[i, : lengths[i] + 1] for i in range(record)], instructions, *episodes
 
     def final_replay(self, policy, obs, device) -> dict:
         """The policy's replay [n, 1, ...] of ``obs``, final observations: what a critic
@@ -393,6 +452,45 @@ class EnvSampler(Sampler):
 
     def close(self) -> None:
         self.env.close()
+
+
+class _EpisodeRecorder:
+    """Every observation (before each action) and action of a wave's first ``len(seeds)``
+    envs, made into :class:`~mmrl.demos.Episode` objects once the wave's rollout says how
+    long each episode lasted."""
+
+    def __init__(self, obs, reset_info: dict, seeds: list[int]):
+        self.seeds = list(seeds)
+        n = len(seeds)
+        self.instructions = [str(text) for text in obs["instruction"][:n]] if "instruction" in obs else [""] * n
+        tasks = reset_info.get("task")
+        self.tasks = [str(t) for t in tasks[:n]] if tasks is not None else self.instructions
+        self.images, self.states, self.actions = [], [], []
+
+    def step(self, obs, action) -> None:
+        n = len(self.seeds)
+        self.images.append(as_numpy(obs["image"])[:n].copy())
+        self.states.append(as_numpy(obs["state"])[:n].astype(np.float32) if "state" in obs else np.zeros((n, 0), np.float32))
+        self.actions.append(as_numpy(action)[:n].astype(np.float32))
+
+    def episodes(self, rollout: Rollout, rewards: list) -> list:
+        """The episodes, given the wave's rollout and its per-step env rewards."""
+        from mmrl.demos import Episode
+
+        info = rollout.info
+        n = len(self.seeds)
+        lengths = info["length"].cpu().tolist()
+        images, states, actions = np.stack(self.images, 1), np.stack(self.states, 1), np.stack(self.actions, 1)  # [n, S, ...]
+        reward = np.stack([as_numpy(r)[:n] for r in rewards], 1).astype(np.float32)
+        out = []
+        for i, steps in enumerate(lengths):
+            costs = {name: float(value[i]) for name, value in info.get("costs", {}).items()}
+            out.append(Episode(
+                image=images[i, :steps].astype(np.uint8), state=states[i, :steps], action=actions[i, :steps],
+                reward=reward[i, :steps], success=bool(info["success"][i]), instruction=self.instructions[i],
+                task=self.tasks[i], seed=int(self.seeds[i]), costs=costs,
+            ))
+        return out
 
 
 def _first_camera(obs) -> np.ndarray:

@@ -382,3 +382,27 @@ def test_a_chunked_policy_samples_the_same_rollout_with_image_every_set_to_its_c
     assert any(v.dtype == torch.uint8 for v in dense_leaves.values())  # the images are in the replay
     for key, value in dense_leaves.items():
         assert torch.equal(sparse_leaves[key], value), key
+
+
+def test_costs_count_the_pushers_travel_the_steps_and_the_collisions_so_far():
+    env = gymnasium.make("mmrl/Tabletop-v0", task="spatial_left", image_size=16)
+    seen_collision = False
+    for seed in range(4):
+        _, info = env.reset(seed=seed)
+        assert info["costs"] == {"path_length": 0.0, "steps": 0, "collisions": 0}
+        rng = np.random.default_rng(seed)
+        travelled, previous = 0.0, info["costs"]
+        position = env.unwrapped.pusher_position()
+        for t in range(1, 40):
+            _, _, terminated, truncated, info = env.step(rng.uniform(-1, 1, 2).astype(np.float32))
+            travelled += float(np.linalg.norm(env.unwrapped.pusher_position() - position))
+            position = env.unwrapped.pusher_position()
+            costs = info["costs"]
+            assert costs["steps"] == t and costs["path_length"] == pytest.approx(travelled, rel=1e-12)
+            assert costs["collisions"] - previous["collisions"] in (0, 1)
+            previous = costs
+            if terminated or truncated:
+                break
+        seen_collision |= previous["collisions"] > 0
+    assert seen_collision  # random pushing drives some block into a wall or the pusher into a non-target block
+    env.close()
