@@ -21,7 +21,11 @@ class FlowVLAConfig(PolicyConfig):
     backbone: VLABackboneConfig = option(factory=VLABackboneConfig, doc="image encoder, instruction embeddings and transformer decoder")
     action_chunk: int = option(4, "actions emitted per decision (the denoised chunk is action_chunk x action_dim)", ge=1)
     expert_layers: int = option(2, "transformer layers of the action expert (self-attention over the chunk, cross-attention to the backbone's prefix)", ge=1)
-    expert_heads: int = option(4, "attention heads of the action expert (must divide backbone.hidden_size)", ge=1)
+    expert_heads: int = option(4, "attention heads of the action expert (must divide its width)", ge=1)
+    expert_hidden_size: int | None = option(
+        None, "width of the action expert; null = the backbone's. A pretrained VLM's expert is usually narrower (pi0: a 300M expert beside a 3B VLM); its cross-attention then projects the VLM's states", ge=2
+    )
+    expert_intermediate_size: int | None = option(None, "width of the action expert's MLP; null = backbone.intermediate_size for the miniature, twice the expert's width on a pretrained VLM", ge=1)
     denoising: DenoisingOptions = option(
         factory=lambda: DenoisingOptions(transition="flow_sde", num_inference_steps=5, noise_level=0.5, logp_granularity="chain"),
         doc="the action expert's denoising chain (a flow transition): steps, noise, which steps are stochastic, what one decision is (default: one per action chunk)",
@@ -34,8 +38,12 @@ class FlowVLAConfig(PolicyConfig):
             allowed = ", ".join(FLOW_TRANSITIONS)
             raise ConfigError(p + "denoising.transition", self.denoising.transition, f"flow_vla's action expert predicts a velocity; allowed: {allowed}")
         self.denoising.validate(p + "denoising")
-        if self.backbone.hidden_size % self.expert_heads:
-            raise ConfigError(p + "expert_heads", self.expert_heads, f"must divide backbone.hidden_size ({self.backbone.hidden_size})")
-        if self.backbone.hidden_size % 2:
+        width = self.expert_hidden_size or self.backbone.hidden_size
+        if self.backbone.vlm_path is None or self.expert_hidden_size is not None:  # else the VLM's width, checked when it loads
+            if width % self.expert_heads:
+                raise ConfigError(p + "expert_heads", self.expert_heads, f"must divide the expert's width ({width})")
+        if self.expert_hidden_size is not None and self.expert_hidden_size % 2:
+            raise ConfigError(p + "expert_hidden_size", self.expert_hidden_size, "must be even (sinusoidal time features)")
+        if self.backbone.vlm_path is None and self.backbone.hidden_size % 2:
             raise ConfigError(p + "backbone.hidden_size", self.backbone.hidden_size, "must be even (sinusoidal time features)")
         self.backbone.validate(p + "backbone")

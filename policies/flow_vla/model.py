@@ -58,7 +58,9 @@ from torch import Tensor, nn
 from mmrl.denoising import learned_noise_std, sinusoidal_embedding
 from mmrl.policies.flow_vla.config import FlowVLAConfig
 from mmrl.policies.vla.action_chunk import ActionChunkPolicy
-from mmrl.policies.vla.backbone import VLABackbone, encode_observations
+from mmrl.errors import ConfigError
+from mmrl.policies.vla.backbone import build_backbone, encode_observations
+from mmrl.policies.vla.pretrained import AdapterFreeReference
 from mmrl.policies.vla.tokenizer import InstructionTokenizer
 from mmrl.registry import POLICIES
 
@@ -68,7 +70,7 @@ class ExpertBlock(nn.Module):
     tokens, cross-attention to the prefix, MLP. The prefix's keys/values depend only on the
     observation, so :meth:`memory_kv` computes them once per chunk for all denoising steps."""
 
-    def __init__(self, hidden: int, heads: int, intermediate: int):
+    def __init__(self, hidden: int, heads: int, intermediate: int, memory_dim: int | None = None):
         super().__init__()
         self.heads = heads
         self.self_norm = nn.LayerNorm(hidden)
@@ -76,7 +78,7 @@ class ExpertBlock(nn.Module):
         self.self_out = nn.Linear(hidden, hidden)
         self.cross_norm = nn.LayerNorm(hidden)
         self.cross_q = nn.Linear(hidden, hidden)
-        self.cross_kv = nn.Linear(hidden, 2 * hidden)
+        self.cross_kv = nn.Linear(memory_dim or hidden, 2 * hidden)
         self.cross_out = nn.Linear(hidden, hidden)
         self.mlp_norm = nn.LayerNorm(hidden)
         self.mlp = nn.Sequential(nn.Linear(hidden, intermediate), nn.GELU(), nn.Linear(intermediate, hidden))
@@ -107,14 +109,16 @@ class ExpertBlock(nn.Module):
 class ActionExpert(nn.Module):
     """Velocity (and, for Flow-Noise, a std) of a noisy chunk given σ and the prefix's hidden states."""
 
-    def __init__(self, action_dim: int, chunk: int, hidden: int, layers: int, heads: int, intermediate: int, std_range: list[float] | None):
+    def __init__(
+        self, action_dim: int, chunk: int, hidden: int, layers: int, heads: int, intermediate: int, std_range: list[float] | None, memory_dim: int | None = None
+    ):
         super().__init__()
         self.hidden = hidden
         self.action_in = nn.Linear(action_dim, hidden)
         self.position = nn.Parameter(torch.randn(chunk, hidden) * 0.02)
         self.time_mix = nn.Sequential(nn.Linear(2 * hidden, hidden), nn.SiLU(), nn.Linear(hidden, hidden))
-        self.memory_norm = nn.LayerNorm(hidden)
-        self.blocks = nn.ModuleList(ExpertBlock(hidden, heads, intermediate) for _ in range(layers))
+        self.memory_norm = nn.LayerNorm(memory_dim or hidden)
+        self.blocks = nn.ModuleList(ExpertBlock(hidden, heads, intermediate, memory_dim) for _ in range(layers))
         self.norm = nn.LayerNorm(hidden)
         self.velocity = nn.Linear(hidden, action_dim)
         self.noise_head = None
@@ -153,18 +157,24 @@ class FlowVLAPolicy(ActionChunkPolicy):
         super().__init__(config, spec)
         self.max_words = config.backbone.max_instruction_tokens
 
-        self.tokenizer = InstructionTokenizer.build(list(spec.get("instructions") or []))
-        self.backbone = VLABackbone(config.backbone, spec, self.tokenizer.vocab_size)
+        self.tokenizer, self.backbone = build_backbone(config.backbone, spec, list(spec.get("instructions") or []))
         hd = self.backbone.hidden_size
+        expert_hidden = config.expert_hidden_size or hd
+        if expert_hidden % config.expert_heads or expert_hidden % 2:
+            field = "expert_heads" if expert_hidden % config.expert_heads else "expert_hidden_size"
+            raise ConfigError(f"policy.{field}", getattr(config, field), f"the expert's width ({expert_hidden}) must be even and split evenly into expert_heads ({config.expert_heads})")
+        if self.backbone.pretrained:
+            self.backbone.freeze_output_head()
         learned_noise = config.denoising.transition == "flow_noise"
         self.expert = ActionExpert(
             self.action_dim,
             self.chunk,
-            hd,
+            expert_hidden,
             config.expert_layers,
             config.expert_heads,
-            config.backbone.intermediate_size,
+            config.expert_intermediate_size or (config.backbone.intermediate_size if not self.backbone.pretrained else 2 * expert_hidden),
             config.denoising.noise_std_range if learned_noise else None,
+            memory_dim=hd if expert_hidden != hd else None,
         )
 
     # ------------------------------------------------------------------ pieces
@@ -212,11 +222,19 @@ class FlowVLAPolicy(ActionChunkPolicy):
 
     # ------------------------------------------------------------------ files
 
+    def reference(self):
+        """With LoRA on a pretrained VLM, this policy with its adapters disabled; otherwise
+        None (the trainer keeps a frozen copy of the initial weights)."""
+        return AdapterFreeReference(self) if getattr(self.backbone, "lora", False) else None
+
     def save_extra(self, directory) -> None:
-        self.tokenizer.save(directory)
+        if not self.backbone.pretrained:  # a pretrained VLM's tokenizer is in its own directory
+            self.tokenizer.save(directory)
 
     def load_extra(self, directory) -> None:
         """The saved tokenizer replaces the one built from the spec (the embedding table
         is resized to its vocabulary before the weights are loaded)."""
+        if self.backbone.pretrained:
+            return
         self.tokenizer = InstructionTokenizer.load(directory)
         self.backbone.resize_instruction_vocab(self.tokenizer.vocab_size)

@@ -8,6 +8,7 @@ from typing import Literal
 from mmrl.config import option
 from mmrl.core.component_config import PolicyConfig
 from mmrl.errors import ConfigError
+from mmrl.policies.lora import LoraOptions
 from mmrl.policies.vla.backbone import ARCHS
 
 
@@ -55,22 +56,6 @@ class GenerationOptions:
             raise ConfigError(p + "stop_strings", self.stop_strings, "stop strings must be non-empty")
         if self.system_prompt is not None and not self.chat_template:
             raise ConfigError(p + "system_prompt", self.system_prompt, "needs chat_template: true (a system message is a chat turn)")
-
-
-@dataclass
-class LoraOptions:
-    """The ``lora:`` section: low-rank adapters (``peft``) instead of training every weight."""
-
-    r: int = option(0, "rank of the adapters; 0 = no adapters (every weight trains)", ge=0)
-    alpha: float = option(16.0, "scale of the adapters' update: W + (alpha / r) B A", gt=0)
-    dropout: float = option(0.0, "dropout on the adapters' input (nonzero makes two passes of the same weights differ: ratio != 1)", ge=0, lt=1)
-    target_modules: list[str] = option(
-        factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], doc="names of the linear layers that get adapters (the attention projections of llama/qwen/mistral models)"
-    )
-
-    def validate(self, path: str) -> None:
-        if self.r and not self.target_modules:
-            raise ConfigError(f"{path}.target_modules" if path else "target_modules", self.target_modules, "name at least one module (e.g. q_proj, v_proj)")
 
 
 @dataclass

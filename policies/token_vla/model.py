@@ -41,7 +41,8 @@ from torch import Tensor, nn
 from mmrl.core.policy import PolicyModule, Sample
 from mmrl.errors import ConfigError
 from mmrl.policies.token_vla.config import TokenVLAConfig
-from mmrl.policies.vla.backbone import VLABackbone, encode_observations
+from mmrl.policies.vla.backbone import build_backbone, encode_observations
+from mmrl.policies.vla.pretrained import AdapterFreeReference
 from mmrl.policies.vla.tokenizer import FILE_NAME as TOKENIZER_FILE
 from mmrl.policies.vla.tokenizer import InstructionTokenizer
 from mmrl.registry import POLICIES
@@ -71,16 +72,24 @@ class TokenVLAPolicy(PolicyModule):
         self.bins = config.action_bins
         self.max_words = config.backbone.max_instruction_tokens
 
-        self.tokenizer = InstructionTokenizer.build(list(spec.get("instructions") or []))
-        self.backbone = VLABackbone(config.backbone, spec, self.tokenizer.vocab_size)
+        self.tokenizer, self.backbone = build_backbone(config.backbone, spec, list(spec.get("instructions") or []))
         hd = self.backbone.hidden_size
-        self.action_embedding = nn.Embedding(self.bins, hd)
-        nn.init.normal_(self.action_embedding.weight, std=0.02)
-        self.action_start = nn.Parameter(torch.randn(hd) * 0.02)
-        self.action_slot = nn.Parameter(torch.randn(self.num_tokens, hd) * 0.02)  # one per (chunk index, dim)
-        self.action_head = nn.Linear(hd, self.bins)
-        nn.init.normal_(self.action_head.weight, std=0.02)
-        nn.init.zeros_(self.action_head.bias)
+        if self.backbone.pretrained:
+            # OpenVLA's tokenization: bin k is vocabulary id action_vocab[k], one of the least-used
+            # ids, so the VLM's own embeddings and output head score the action tokens
+            self.register_buffer("action_vocab", self.backbone.least_used_token_ids(self.bins), persistent=False)
+            with torch.no_grad():
+                start = self.backbone.token_embeddings(self.backbone.text_start_id())
+            self.action_start = nn.Parameter(start.clone())
+            self.action_slot = nn.Parameter(torch.zeros(self.num_tokens, hd))  # starts as OpenVLA's plain token inputs
+        else:
+            self.action_embedding = nn.Embedding(self.bins, hd)
+            nn.init.normal_(self.action_embedding.weight, std=0.02)
+            self.action_start = nn.Parameter(torch.randn(hd) * 0.02)
+            self.action_slot = nn.Parameter(torch.randn(self.num_tokens, hd) * 0.02)  # one per (chunk index, dim)
+            self.action_head = nn.Linear(hd, self.bins)
+            nn.init.normal_(self.action_head.weight, std=0.02)
+            nn.init.zeros_(self.action_head.bias)
 
         low = torch.as_tensor(spec.get("action_low", [-math.inf] * self.action_dim), dtype=torch.float32)
         high = torch.as_tensor(spec.get("action_high", [math.inf] * self.action_dim), dtype=torch.float32)
@@ -112,11 +121,26 @@ class TokenVLAPolicy(PolicyModule):
     def _prefix(self, obs: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         return self.backbone.prefix(obs.get("image"), obs.get("state"), obs["instruction_ids"], obs["instruction_mask"])
 
+    def _embed_actions(self, tokens: Tensor) -> Tensor:
+        """Decoder inputs of action bins ``tokens`` (their vocabulary ids' embeddings on a
+        pretrained VLM)."""
+        if self.backbone.pretrained:
+            return self.backbone.token_embeddings(self.action_vocab[tokens])
+        return self.action_embedding(tokens)
+
+    def _action_logits(self, hidden: Tensor) -> Tensor:
+        """Logits over the B bins from decoder states [..., hidden] (on a pretrained VLM, its
+        output head's rows of the action vocabulary ids)."""
+        if self.backbone.pretrained:
+            weight, bias = self.backbone.output_rows(self.action_vocab)
+            return nn.functional.linear(hidden, weight.float(), None if bias is None else bias.float())
+        return self.action_head(hidden)
+
     def _action_inputs(self, tokens: Tensor) -> Tensor:
         """Decoder inputs of the C*A action slots given the chunk's tokens [M, C*A]:
         slot j holds the embedding of token j-1 (the start vector for j = 0) + slot j's embedding."""
         start = self.action_start.expand(tokens.shape[0], 1, -1)
-        previous = self.action_embedding(tokens[:, :-1])
+        previous = self._embed_actions(tokens[:, :-1])
         return torch.cat([start, previous], dim=1) + self.action_slot
 
     def _logits(self, obs: dict[str, Tensor], tokens: Tensor) -> Tensor:
@@ -126,7 +150,7 @@ class TokenVLAPolicy(PolicyModule):
         seq = torch.cat([embeds, self._action_inputs(tokens)], dim=1)
         full_mask = torch.cat([mask, mask.new_ones(m, self.num_tokens)], dim=1)
         hidden = self.backbone(seq, full_mask)
-        return self.action_head(hidden[:, p:])
+        return self._action_logits(hidden[:, p:])
 
     # ------------------------------------------------------------------ protocol
 
@@ -147,7 +171,7 @@ class TokenVLAPolicy(PolicyModule):
         hidden = self.backbone(torch.cat([embeds, x], dim=1), mask, cache)[:, -1]
         tokens, logps, entropies = [], [], []
         for j in range(self.num_tokens):
-            log_probs = torch.log_softmax(self.action_head(hidden) / self.config.temperature, dim=-1)
+            log_probs = torch.log_softmax(self._action_logits(hidden) / self.config.temperature, dim=-1)
             if deterministic:
                 token = log_probs.argmax(-1)
             else:
@@ -157,7 +181,7 @@ class TokenVLAPolicy(PolicyModule):
             logps.append(log_probs.gather(-1, token[:, None]).squeeze(1))
             entropies.append(-(log_probs.exp() * log_probs).sum(-1))
             if j + 1 < self.num_tokens:
-                x = (self.action_embedding(token) + self.action_slot[j + 1]).unsqueeze(1)
+                x = (self._embed_actions(token) + self.action_slot[j + 1]).unsqueeze(1)
                 mask = torch.cat([mask, mask.new_ones(n, 1)], dim=1)
                 hidden = self.backbone(x, mask, cache)[:, -1]
         tokens_t = torch.stack(tokens, dim=1)
@@ -205,12 +229,20 @@ class TokenVLAPolicy(PolicyModule):
         flat["actions"] = self.tokens_to_actions(tokens.flatten(0, 1).to(self.action_center.device))
         return flat
 
+    def reference(self):
+        """With LoRA on a pretrained VLM, this policy with its adapters disabled; otherwise
+        None (the trainer keeps a frozen copy of the initial weights)."""
+        return AdapterFreeReference(self) if getattr(self.backbone, "lora", False) else None
+
     def save_extra(self, directory) -> None:
-        self.tokenizer.save(directory)
+        if not self.backbone.pretrained:  # a pretrained VLM's tokenizer is in its own directory
+            self.tokenizer.save(directory)
 
     def load_extra(self, directory) -> None:
         """The saved tokenizer replaces the one built from the spec (its vocabulary sizes
         the instruction embeddings whose weights follow)."""
+        if self.backbone.pretrained:
+            return
         if not (Path(directory) / TOKENIZER_FILE).is_file():
             raise ConfigError("policy.pretrained", str(directory), f"no {TOKENIZER_FILE}: expected a directory saved from a token_vla policy")
         self.tokenizer = InstructionTokenizer.load(directory)

@@ -46,6 +46,7 @@ from torch import Tensor, nn
 
 from mmrl.config import option
 from mmrl.errors import ConfigError, MissingExtraError
+from mmrl.policies.lora import LoraOptions
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma")
 
@@ -68,9 +69,25 @@ class VLABackboneConfig:
     max_instruction_tokens: int = option(16, "instruction tokens kept ([BOS] included); longer instructions are truncated", ge=1)
     arch: str = option("llama", "transformers decoder family, built from a config with random weights", choices=ARCHS)
     attn_implementation: str = option("sdpa", "transformers attention kernel", choices=("sdpa", "eager"))
+    vlm_path: str | None = option(
+        None,
+        "local save_pretrained directory of a transformers vision-language model with its tokenizer and image processor (LLaVA, Idefics3/SmolVLM, PaliGemma, Qwen2-VL/Qwen2.5-VL): the VLA sits on it instead of the miniature above, whose size fields are then unused; null = the miniature",
+    )
+    vlm_layers: int | None = option(None, "with vlm_path: keep only the first N decoder layers of the VLM (SmolVLA uses the first half); null = all", ge=1)
+    vlm_dtype: str = option("float32", "with vlm_path: dtype of the VLM's weights (what mmrl adds stays float32)", choices=("float32", "bfloat16"))
+    freeze_vision_tower: bool = option(False, "with vlm_path: keep the VLM's vision encoder fixed")
+    lora: LoraOptions = option(factory=LoraOptions, doc="with vlm_path: LoRA adapters on the VLM's language model (r > 0; its base weights are then frozen and the adapter-free model is the KL reference)")
 
     def validate(self, path: str) -> None:
         p = f"{path}." if path else ""
+        if self.vlm_path is None:
+            for name in ("vlm_layers", "freeze_vision_tower"):
+                if getattr(self, name):
+                    raise ConfigError(p + name, getattr(self, name), "applies to a pretrained VLM: set vlm_path too")
+            if self.lora.r or self.vlm_dtype != "float32":
+                name, value = ("lora.r", self.lora.r) if self.lora.r else ("vlm_dtype", self.vlm_dtype)
+                raise ConfigError(p + name, value, "applies to a pretrained VLM: set vlm_path too")
+        self.lora.validate(p + "lora")
         if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 2:
             raise ConfigError(
                 p + "num_heads", self.num_heads, f"must divide hidden_size ({self.hidden_size}) into heads of even width (rotary embeddings)"
@@ -94,6 +111,8 @@ def _conv_out(size: int) -> int:
 
 class VLABackbone(nn.Module):
     """Prefix embeddings (cameras, state, instruction) + a causal ``transformers`` decoder."""
+
+    pretrained = False
 
     def __init__(self, cfg: VLABackboneConfig, spec: dict, vocab_size: int):
         super().__init__()
@@ -268,6 +287,21 @@ class VLABackbone(nn.Module):
             **{self._cache_argument: cache},
         )
         return out.last_hidden_state
+
+
+def build_backbone(cfg: VLABackboneConfig, spec: dict, instructions: list[str]):
+    """(tokenizer, backbone): the miniature with a word-level tokenizer over the env's
+    ``instructions``, or, with ``cfg.vlm_path``, the pretrained VLM and its own tokenizer."""
+    cfg.validate("policy.backbone")
+    if cfg.vlm_path is not None:
+        from mmrl.policies.vla.pretrained import PretrainedVLMBackbone
+
+        backbone = PretrainedVLMBackbone(cfg, spec)
+        return backbone.tokenizer, backbone
+    from mmrl.policies.vla.tokenizer import InstructionTokenizer
+
+    tokenizer = InstructionTokenizer.build(instructions)
+    return tokenizer, VLABackbone(cfg, spec, tokenizer.vocab_size)
 
 
 def encode_observations(backbone: VLABackbone, tokenizer, inputs, device, max_words: int) -> dict[str, Tensor]:
