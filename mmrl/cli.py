@@ -87,9 +87,9 @@ def cmd_train(args) -> int:
 
 
 def cmd_train_reward(args) -> int:
-    """``mmrl train`` of a pairwise reward model: the same loop, configs, checkpoints and
-    metrics, after checking that the config is one (algo.type sft on a preferences source,
-    a reward-model policy); ends with the held-out pairwise accuracy."""
+    """``mmrl train`` of a reward model: the same loop, configs, checkpoints and metrics,
+    after checking that the config is one (algo.type sft on a preferences or success_frames
+    source, a reward-model policy); ends with the held-out (pairwise or success) accuracy."""
     from mmrl import registry
     from mmrl.policies.reward_model import RewardModel
     from mmrl.train.trainer import Trainer
@@ -103,8 +103,8 @@ def cmd_train_reward(args) -> int:
     if not (isinstance(model, type) and issubclass(model, RewardModel)):
         reward_models = [e.name for e in registry.POLICIES.entries() if isinstance(e.obj, type) and issubclass(e.obj, RewardModel)]
         raise ConfigError("policy.type", cfg.policy.type, f"train-reward trains a reward model: {', '.join(reward_models)}")
-    if cfg.data.type != "preferences":
-        raise ConfigError("data.type", cfg.data.type, "train-reward reads preference pairs: data.type: preferences")
+    if cfg.data.type not in ("preferences", "success_frames"):
+        raise ConfigError("data.type", cfg.data.type, "train-reward reads preference pairs (data.type: preferences) or labelled frames of a success classifier (data.type: success_frames)")
     if args.run_dir:
         run_dir = Path(args.run_dir)
     trainer = Trainer(cfg, run_dir, resume=args.resume)
@@ -118,6 +118,9 @@ def cmd_train_reward(args) -> int:
     if "pairwise_accuracy" in evaluation:
         line += (f"; held-out pairwise accuracy {evaluation['pairwise_accuracy']:.3f} "
                  f"[{evaluation['pairwise_accuracy_ci_low']:.3f}, {evaluation['pairwise_accuracy_ci_high']:.3f}] over {evaluation['pairs']} pairs")
+    if "success_accuracy" in evaluation:
+        line += (f"; held-out success accuracy {evaluation['success_accuracy']:.3f} [{evaluation['success_accuracy_ci_low']:.3f}, {evaluation['success_accuracy_ci_high']:.3f}], "
+                 f"balanced {evaluation['success_balanced_accuracy']:.3f} [{evaluation['success_balanced_accuracy_ci_low']:.3f}, {evaluation['success_balanced_accuracy_ci_high']:.3f}] over {evaluation['held_out_frames']} frames")
     if trainer.rank == 0:
         print(line)
     return 0

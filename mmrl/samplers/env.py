@@ -64,6 +64,7 @@ from mmrl.core.statistics import wilson_interval
 from mmrl.errors import ConfigError
 from mmrl.registry import ENVS, SAMPLERS
 from mmrl.samplers.partial import EpisodesInFlight, as_numpy, device_of, observation_row, partial_metrics, stack_observation_rows
+from mmrl.samplers.success import LearnedSuccess, WaveScores, success_metrics
 from mmrl.core.component_config import SamplerConfig
 
 # Training resets use seeds below 2**31; evaluation uses seeds in [2**31, 2**32) so that
@@ -137,6 +138,25 @@ class EnvSampler(Sampler):
             raise ConfigError(field, sampler_cfg.keep_frames or sampler_cfg.save_eval_episodes, f"keeps episodes' camera images; env {self.env_name!r} has no image observations")
         cameras = (getattr(train_cfg.env, "kwargs", None) or {}).get("cameras")
         self.cameras = [cameras] if isinstance(cameras, str) else (list(cameras) if cameras else None)
+        self.hide_success = train_cfg.env.hide_success
+        self.learned = None
+        try:
+            self._check_success_source(train_cfg)
+            if train_cfg.env.success_model is not None:
+                self.learned = LearnedSuccess(train_cfg.env.success_model, self.env.single_observation_space)
+        except ConfigError:
+            self.env.close()
+            raise
+
+    def _check_success_source(self, train_cfg) -> None:
+        """What training reads as success must exist: a hidden flag needs a learned source
+        when the success reward reads it; a learned source scores whole waves."""
+        model = train_cfg.env.success_model
+        if self.hide_success and model is None and self.success_rewarded:
+            raise ConfigError("env.hide_success", True, "hides the env's success from training, but the success reward reads it: give training a learned source (env.success_model) or drop that reward")
+        if (model is not None or self.hide_success) and self.partial is not None:
+            field, value = ("env.success_model", model.path) if model is not None else ("env.hide_success", True)
+            raise ConfigError(field, value, f"applies to whole waves, not to partial rollouts (rollout.over_provision {self.over_provision:g}); set over_provision: 1")
 
     def policy_spec(self) -> dict:
         spec = {
@@ -193,7 +213,7 @@ class EnvSampler(Sampler):
             first_group, first_copy = divmod(start, group_size)
             generator = torch.Generator().manual_seed(seeds[first_group] + first_copy)
             reset_seeds = [seeds[i // group_size] % _TRAIN_SEEDS for i in members]
-            vector_steps, part, *kept = self._run_wave(policy, reset_seeds, generator, deterministic=False, final=self.bootstrap, keep=bool(self.config.keep_frames))
+            vector_steps, part, *kept = self._run_wave(policy, reset_seeds, generator, deterministic=False, final=self.bootstrap, keep=bool(self.config.keep_frames), training=True)
             if kept:
                 from mmrl.demos import Trajectories
 
@@ -202,15 +222,20 @@ class EnvSampler(Sampler):
             self.env_steps += vector_steps * self.num_envs
             part.group_id = torch.tensor([group_offset + i // group_size for i in members], device=part.group_id.device)
             parts.append(part)
-        if self.success_rewarded:
+        if self.success_rewarded and self.learned is None:
             self._warn_if_success_unreported("training collection", "the success reward is 0 for every episode")
-        return Rollout.cat(parts)
+        rollout = Rollout.cat(parts)
+        if "env_success" in rollout.info and not self.success_reported:  # an env without a flag: no truth to log
+            del rollout.info["env_success"]
+        return rollout
 
     def metrics(self, rollout: Rollout) -> dict[str, Tensor]:
-        """Per episode: success (``success_rate``), undiscounted return and length."""
+        """Per episode: success (``success_rate``: the env's own flag whenever it reports one,
+        hidden from training or not; with ``env.success_model`` also ``learned_success_rate``
+        and ``success_agreement``), undiscounted return and length."""
         info = rollout.info
         costs = {f"cost/{name}": value for name, value in info.get("costs", {}).items()}
-        return {"success_rate": info["success"], "episode_return": info["return"], "episode_length": info["length"], **costs, **partial_metrics(rollout)}
+        return {**success_metrics(info), "episode_return": info["return"], "episode_length": info["length"], **costs, **partial_metrics(rollout)}
 
     def counters(self) -> dict[str, float]:
         if self.partial is not None:  # groups in flight started afresh (resume, evaluation on this env)
@@ -224,7 +249,10 @@ class EnvSampler(Sampler):
         Success comes from the env; ``rewards`` is not needed.
 
         Returns the success rate with its 95% Wilson interval (``success_rate_ci_low``,
-        ``success_rate_ci_high``), mean return and length, the per-episode ``successes``, and,
+        ``success_rate_ci_high``), mean return and length, the per-episode ``successes`` (the
+        env's own flag whenever it reports one, ``env.hide_success`` or not; else the learned
+        one), with ``env.success_model`` also ``learned_success_rate``, ``learned_successes``
+        and ``success_agreement`` (learned == env's, when the env reports one), and,
         if ``videos`` > 0, ``frames``: the camera images [T, H, W, 3] of the first ``videos``
         episodes (image observations only), with ``instructions``: each one's instruction
         (None without language observations); with ``keep_episodes``, ``kept_episodes``: every
@@ -247,18 +275,24 @@ class EnvSampler(Sampler):
             if recorded:
                 frames += recorded[0]
                 instructions += recorded[1]
-        self._warn_if_success_unreported("evaluation", "its success_rate reads 0")
+        self._warn_if_success_unreported("evaluation", "its success_rate reads 0" if self.learned is None else "its success_rate is the learned success of env.success_model")
         info = Rollout.cat(parts).info
-        low, high = wilson_interval(info["success"].sum().item(), episodes)
+        success = info["success"] if self.success_reported or self.learned is None else info["learned_success"]
+        low, high = wilson_interval(success.sum().item(), episodes)
         out = {
-            "success_rate": info["success"].mean().item(),
+            "success_rate": success.mean().item(),
             "success_rate_ci_low": low,
             "success_rate_ci_high": high,
             "return_mean": info["return"].mean().item(),
             "length_mean": info["length"].float().mean().item(),
             "episodes": episodes,
-            "successes": info["success"].tolist(),
+            "successes": success.tolist(),
         }
+        if self.learned is not None:
+            out["learned_success_rate"] = info["learned_success"].mean().item()
+            out["learned_successes"] = info["learned_success"].tolist()
+            if self.success_reported:
+                out["success_agreement"] = (info["learned_success"] == success).float().mean().item()
         costs = info.get("costs", {})
         out.update({f"cost_{name}_mean": value.float().mean().item() for name, value in costs.items()})
         if videos:
@@ -275,14 +309,17 @@ class EnvSampler(Sampler):
         return out
 
     @torch.no_grad()
-    def _run_wave(self, policy, seeds: list[int], generator: torch.Generator | None, deterministic: bool, record: int = 0, final: bool = False, keep: bool = False):
+    def _run_wave(self, policy, seeds: list[int], generator: torch.Generator | None, deterministic: bool, record: int = 0, final: bool = False, keep: bool = False, training: bool = False):
         """One episode per seed on the first ``len(seeds)`` envs; the other envs (a last,
         partial wave) step along, masked out. Returns (vector env steps taken, rollout), plus
         the frames and instructions of the first ``record`` episodes if ``record`` > 0.
         ``final``: keep each episode's final observation, as the policy reads it, in
         ``info["final_replay"]`` (a critic's bootstrap of an episode a time limit cut).
         ``keep``: also return the wave's episodes as :class:`~mmrl.demos.Episode` objects
-        (last in the returned tuple).
+        (last in the returned tuple). ``training``: a training wave, where
+        ``env.hide_success`` and ``env.success_model.terminates`` apply; with
+        ``env.success_model`` every decision's reached observation is scored
+        (mmrl/samplers/success.py).
 
         The step loop only records what the env returned; who was alive when, returns,
         success and truncation are worked out once per wave from those records."""
@@ -301,7 +338,9 @@ class EnvSampler(Sampler):
         images = [_first_camera(obs)[:record]] if record else None
         instructions = [str(text) for text in obs["instruction"][:record]] if record and "instruction" in obs else [None] * record
         last_obs = {}  # env -> its observation after its episode's last step (final=True)
+        scores = WaveScores(self.learned, num_envs, device) if self.learned is not None else None
         while alive.any() and (cap is None or len(samples) < cap):
+            chunk_end, scored = {}, alive  # env -> the observation its episode ended at in this chunk
             sample = policy.sample(self.observation(obs, device), generator, deterministic=deterministic)
             if on is not None:
                 actions = torch.minimum(torch.maximum(sample.output.to(on), low), high)
@@ -325,15 +364,22 @@ class EnvSampler(Sampler):
                 success.append(self._success_flags(info, no_success))
                 chunk_index.append(j)
                 done = term | trunc
-                if final and (ended := alive & done).any():
+                if (final or scores is not None) and (ended := alive & done).any():
                     for e in (ended.nonzero().flatten().tolist() if on is not None else np.flatnonzero(ended).tolist()):
                         if e < n:
-                            last_obs[e] = observation_row(obs, e)
+                            last_obs[e] = chunk_end[e] = observation_row(obs, e)
                 alive = alive & ~done
                 if images is not None:
                     images.append(_first_camera(obs)[:record])
                 if not alive.any():
                     break
+            if scores is not None:
+                reached = stack_observation_rows([chunk_end[e] if e in chunk_end else observation_row(obs, e) for e in range(num_envs)])
+                fired = scores.score(self.observation(reached, device), scored)
+                if training and self.learned.config.terminates:  # the learned success ends the episode, as a terminating env's would
+                    ends = alive & (fired.to(on) if on is not None else fired.cpu().numpy())
+                    terminated[-1] = terminated[-1] | ends
+                    alive = alive & ~ends
         rollout = self._wave_rollout(samples, n, rewards, terminated, truncated, success, chunk_index)
         if len(costs) == len(rewards):  # the env reported its costs at every step
             last = (rollout.info["length"].cpu() - 1).clamp(min=0).numpy()
@@ -342,6 +388,8 @@ class EnvSampler(Sampler):
             rows = [last_obs[e] if e in last_obs else observation_row(obs, e) for e in range(n)]
             rollout.info["final_replay"] = self.final_replay(policy, stack_observation_rows(rows), device)
         episodes = [kept.episodes(rollout, rewards)] if kept is not None else []
+        if scores is not None or self.hide_success:  # after the kept episodes, which record the env's own success
+            self._success_sources(rollout.info, scores, n, training)
         if images is None:
             return len(rewards), rollout, *episodes
         # frame 0 is the reset observation, frame t the one seen after action t; with
@@ -350,6 +398,19 @@ class EnvSampler(Sampler):
         stacked = np.stack(images, 1)  # [record, S + 1, H, W, 3]
         lengths = rollout.info["length"].tolist()
         return len(rewards), rollout, [stacked[i, : lengths[i] + 1] for i in range(record)], instructions, *episodes
+
+    def _success_sources(self, info: dict, scores: WaveScores | None, n: int, training: bool) -> None:
+        """``info["success"]`` as training reads it: with ``env.success_model`` the learned
+        success in training waves, none with ``env.hide_success`` alone, the env's flag in
+        evaluation; the env's own flag moves to ``info["env_success"]`` and the learned one
+        is ``info["learned_success"]``."""
+        info["env_success"] = info.pop("success")
+        if scores is not None:
+            info["learned_success"] = scores.episode_success(self.config.success_at)[:n].to(info["env_success"].device).float()
+        if not training:
+            info["success"] = info["env_success"]
+        elif scores is not None:
+            info["success"] = info["learned_success"]
 
     def final_replay(self, policy, obs, device) -> dict:
         """The policy's replay [n, 1, ...] of ``obs``, final observations: what a critic
