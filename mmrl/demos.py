@@ -87,7 +87,7 @@ class Episode:
             raise ValueError(f"{where}: every array needs the same number T >= 1 of steps, got {lengths}")
 
 
-def _atomic_write(path: Path, write) -> None:
+def atomic_write(path: Path, write) -> None:
     """``write(file)`` into a temporary file beside ``path``, then rename it to ``path``."""
     handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -148,10 +148,10 @@ def write_demos(directory: str | os.PathLike, episodes: list[Episode], metadata:
             "seed": np.array(int(episode.seed), dtype=np.int64),
             "costs": np.array(json.dumps({k: float(v) for k, v in episode.costs.items()})),
         }
-        _atomic_write(directory / name, lambda f, arrays=arrays: np.savez_compressed(f, **arrays))
+        atomic_write(directory / name, lambda f, arrays=arrays: np.savez_compressed(f, **arrays))
         names.append(name)
     index = {**index, **(metadata or {}), "episodes": index["episodes"] + names}
-    _atomic_write(directory / INDEX, lambda f: f.write((json.dumps(index, indent=1) + "\n").encode()))
+    atomic_write(directory / INDEX, lambda f: f.write((json.dumps(index, indent=1) + "\n").encode()))
     return directory
 
 

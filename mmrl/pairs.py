@@ -1,13 +1,16 @@
 """``python -m mmrl.pairs``: write preference pairs for pairwise reward models, in the
 pair-file format of :mod:`mmrl.data.preferences`: verifier-labelled pairs of the demo worlds
 (:mod:`mmrl.tasks.shapes.pairs`, :mod:`mmrl.tasks.arithmetic.pairs`), a generator's own
-samples labelled by a run config's rewards (:func:`write_policy_pairs`), or a merge.
+samples labelled by a run config's rewards (:func:`write_policy_pairs`), robot episodes
+ranked by success and cost (:func:`write_episode_pairs`), or a merge.
 
     python -m mmrl.pairs shapes --out DIR [--size 32 --num-train 2000 --pairs-per-prompt 1
         --num-held-out 500 --set-size 0 --flip 0.0 --pixel-noise 0 --seed 0]
     python -m mmrl.pairs arithmetic --prompts examples/arithmetic --out DIR [--flip 0.0 --seed 0]
     python -m mmrl.pairs policy CONFIG [overrides ...] --out DIR [--group-size 16 --rounds 1
         --pairs-per-prompt 8 --flip 0.0 --seed 0 --held-out-seed SEED]
+    python -m mmrl.pairs episodes EPISODES --out DIR [--cost path_length --margin 0.1
+        --held-out-fraction 0.25 --max-pairs-per-instruction N --seed 0]
     python -m mmrl.pairs merge --out DIR A B ...
 
 **Shapes** (:mod:`mmrl.tasks.shapes.world`). Prompts are the scenes of the compositional split
@@ -32,6 +35,16 @@ of ``sampler.data.eval`` (held-out pairs), ``rounds`` times each; the config's `
 combined as in training, score them, and up to ``pairs_per_prompt`` pairs of one group whose
 rewards differ are drawn, the higher-rewarded image chosen. These are the images a reward
 model meets when it scores that policy's samples in RL.
+
+**Episodes** (:func:`write_episode_pairs`): trajectory preferences as in GRAPE, from saved
+robot episodes (``mmrl eval --save-episodes``, ``mmrl collect --keep-failures``). Episodes
+are grouped by instruction, and each group's successes and failures are split apart into
+train and held-out episodes (``held_out_fraction`` of each, so held-out pairs compare
+episodes never trained on). Within a split and an instruction, every success beats every
+failure (``metadata.category: success``), and among successes the cheaper one wins when
+its cost is lower by more than the relative ``margin``, c_w · (1 + margin) < c_l
+(``category: cost``; ``cost: none`` leaves these out). Costs are the env's: ``path_length``,
+``steps`` or ``collisions`` on the tabletop.
 """
 
 from __future__ import annotations
@@ -119,6 +132,67 @@ def write_policy_pairs(
     return write_preferences(out, "image", splits, images, **extra)
 
 
+def write_episode_pairs(
+    out: str | Path, episodes_dir: str | Path, *, cost: str = "path_length", margin: float = 0.1, held_out_fraction: float = 0.25,
+    max_pairs_per_instruction: int | None = None, seed: int = 0,
+) -> dict:
+    """Write trajectory pairs of the saved episodes in ``episodes_dir`` (see above); returns
+    ``info``. Pairs name episodes by their index; ``info.json`` names the episodes directory
+    (relative to ``out``)."""
+    import os
+
+    from mmrl.demos import read_demos
+    from mmrl.errors import ConfigError
+
+    if not 0 <= held_out_fraction < 1:
+        raise ConfigError("--held-out-fraction", held_out_fraction, "expected a fraction in [0, 1)")
+    if margin < 0:
+        raise ConfigError("--margin", margin, "expected a relative cost margin >= 0")
+    episodes = read_demos(episodes_dir)
+    successes = sum(e.success for e in episodes)
+    if successes in (0, len(episodes)):
+        outcome = "succeeded" if successes else "failed"
+        raise ConfigError("episodes", str(episodes_dir), f"all {len(episodes)} episodes {outcome}: success-over-failure pairs need both classes (save a weaker policy's episodes, or mmrl collect --keep-failures --noise 0.6)")
+    if cost != "none":
+        for i, e in enumerate(episodes):
+            if e.success and cost not in e.costs:
+                raise ConfigError("--cost", cost, f"episode {i} reports the costs {sorted(e.costs) or 'none'}; choose one of them, or none")
+    rng = np.random.RandomState(seed)
+    by_instruction: dict[str, list[int]] = {}
+    for i, e in enumerate(episodes):
+        by_instruction.setdefault(e.instruction, []).append(i)
+    splits: dict[str, list[dict]] = {"train": [], "held_out": []}
+    held_out_episodes: list[int] = []
+    for instruction, members in by_instruction.items():
+        split_of: dict[str, list[int]] = {"train": [], "held_out": []}
+        for outcome in (True, False):
+            group = [i for i in members if episodes[i].success == outcome]
+            group = [group[k] for k in rng.permutation(len(group))]
+            cut = int(round(held_out_fraction * len(group)))
+            split_of["held_out"] += group[:cut]
+            split_of["train"] += group[cut:]
+        held_out_episodes += split_of["held_out"]
+        for split, chosen_from in split_of.items():
+            wins = [(w, l, "success") for w in chosen_from if episodes[w].success for l in chosen_from if not episodes[l].success]
+            if cost != "none":
+                wins += [(w, l, "cost") for w in chosen_from for l in chosen_from
+                         if episodes[w].success and episodes[l].success and episodes[w].costs[cost] * (1 + margin) < episodes[l].costs[cost]]
+            order = rng.permutation(len(wins))[:max_pairs_per_instruction]
+            for k in order:
+                w, l, category = wins[k]
+                meta = {"category": category, "task": episodes[w].task}
+                if cost != "none":
+                    meta["costs"] = [episodes[w].costs.get(cost), episodes[l].costs.get(cost)]
+                splits[split].append({"prompt": instruction, "chosen": int(w), "rejected": int(l), "metadata": meta})
+    for split, rows in splits.items():
+        if not rows and (split == "train" or held_out_fraction > 0):
+            raise ConfigError("episodes", str(episodes_dir), f"no {split} pairs: no instruction has both a success and a failure (or two successes apart by the cost margin) among its {split} episodes; save more episodes or lower --held-out-fraction")
+    location = os.path.relpath(Path(episodes_dir).resolve(), Path(out).resolve())
+    extra = {"source": "episodes", "episodes": location, "cost": cost, "margin": margin, "held_out_fraction": held_out_fraction, "seed": seed,
+             "num_episodes": len(episodes), "held_out_episodes": sorted(held_out_episodes)}
+    return write_preferences(out, "trajectory", splits, None, **extra)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mmrl.pairs", description="Write verifier-labelled preference pairs for pairwise reward models.")
     sub = parser.add_subparsers(dest="source", required=True)
@@ -149,6 +223,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flip", type=float, default=0.0, help="fraction of train labels flipped (label noise; held-out labels stay clean)")
     p.add_argument("--seed", type=int, default=0, help="seed of the samples, the pairs and the flips")
     p.add_argument("--held-out-seed", type=int, default=None, help="seed of the held-out samples (default: --seed; set it apart when sampler.data.eval is the train prompts, else both splits draw the same images)")
+    p = sub.add_parser("episodes", help="pairs of saved robot episodes of one instruction: success beats failure, then the lower cost wins (GRAPE)")
+    p.add_argument("episodes", help="saved episodes: a LeRobotDataset v3 directory (mmrl eval --save-episodes, mmrl collect --format lerobot) or mmrl-demos")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--cost", default="path_length", help="the cost that ranks successes: path_length, steps, collisions (what the env reports), or none")
+    p.add_argument("--margin", type=float, default=0.1, help="relative margin: a success wins on cost only if cost_w * (1 + margin) < cost_l")
+    p.add_argument("--held-out-fraction", type=float, default=0.25, help="fraction of each instruction's successes and of its failures kept for held-out pairs")
+    p.add_argument("--max-pairs-per-instruction", type=int, default=None, help="cap on pairs drawn per instruction and split (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the split and of the pair order")
     p = sub.add_parser("merge", help="train pairs of several directories, held-out pairs of the first")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("sources", nargs="+", help="preference directories (one kind); the first gives the held-out pairs")
@@ -156,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.source == "merge":
             info = merge_preferences(args.out, args.sources)
+        elif args.source == "episodes":
+            info = write_episode_pairs(args.out, args.episodes, cost=args.cost, margin=args.margin, held_out_fraction=args.held_out_fraction,
+                                       max_pairs_per_instruction=args.max_pairs_per_instruction, seed=args.seed)
         elif args.source == "policy":
             info = write_policy_pairs(args.out, args.config, args.overrides, group_size=args.group_size, rounds=args.rounds, pairs_per_prompt=args.pairs_per_prompt, flip=args.flip, seed=args.seed, held_out_seed=args.held_out_seed)
         elif args.source == "shapes":

@@ -6,7 +6,10 @@
 rollout in batches of ``batch_size``. Each sample's score s_i is the model's score of its
 (prompt, item): the image (``info["images"]``) or the completion (``info["completions"]``);
 for an image-set model, the mean of its pair scores with its group peers (the group is the
-set of images generated for one prompt). Then, by ``mode``:
+set of images generated for one prompt); for a trajectory model (``bt_trajectory``), the
+robot episode given its instruction, read from the keyframes the env sampler keeps
+(``sampler.keep_frames`` set to the model's ``frames``: ``info["trajectory"]`` and
+``info["instruction"]``). Then, by ``mode``:
 
 - ``pointwise``: r_i = s_i, the raw score (an unbounded logit: differences are log-odds);
 - ``sigmoid``: r_i = σ(s_i), in (0, 1) (what ``log_tamed`` needs: it takes log(1 + r));
@@ -91,10 +94,18 @@ class PairwisePreference(Reward):
             raise ConfigError("rewards", cfg.model, "pairwise_preference.model: no such run or checkpoint directory")
         self.model = load_pretrained(path)
         if not isinstance(self.model, RewardModel):
-            raise ConfigError("rewards", cfg.model, f"pairwise_preference.model holds a {self.model.config.type!r} policy, not a reward model (bt_image, bt_image_set, bt_text)")
+            raise ConfigError("rewards", cfg.model, f"pairwise_preference.model holds a {self.model.config.type!r} policy, not a reward model (bt_image, bt_image_set, bt_text, bt_trajectory)")
         self.model.to(context.device_for(cfg)).eval().requires_grad_(False)
 
     def _items(self, rollout: Rollout):
+        if self.model.input_kind == "trajectory":
+            from mmrl.demos import Trajectories
+
+            if "trajectory" not in rollout.info:
+                raise ConfigError("sampler.keep_frames", 0, f"a trajectory reward model reads each episode's keyframes: set sampler.keep_frames: {self.model.config.frames} (the model's frames) with sampler.type: env")
+            store = rollout.info["trajectory"]
+            self.model.check_shapes(store, "rewards.pairwise_preference (the env's episodes)")
+            return Trajectories(store)
         if self.model.input_kind == "text":
             if "completions" not in rollout.info:
                 raise ConfigError("rewards", "pairwise_preference", f"a text reward model reads info['completions'] (policy.type: text_lm); the rollout info has {sorted(rollout.info)}")
@@ -104,10 +115,11 @@ class PairwisePreference(Reward):
     @torch.no_grad()
     def scores(self, rollout: Rollout) -> Tensor:
         """s_i of every sample (see the module docstring), on the CPU."""
-        if "prompt" not in rollout.info:
-            raise ConfigError("rewards", "pairwise_preference", "scores (prompt, sample) pairs and needs info['prompt']: use it with sampler.type: prompt")
-        prompts = [str(p) for p in rollout.info["prompt"]]
         items = self._items(rollout)
+        key = "instruction" if self.model.input_kind == "trajectory" else "prompt"
+        if key not in rollout.info:
+            raise ConfigError("rewards", "pairwise_preference", "scores (prompt, sample) pairs and needs info['prompt']: use it with sampler.type: prompt")
+        prompts = [str(p) for p in rollout.info[key]]
         group_id = rollout.group_id.cpu()
         if self.model.input_kind == "image_set":
             # pairs live within a group: batch whole groups

@@ -3,14 +3,18 @@ merging (``python -m mmrl.pairs`` writes them: :mod:`mmrl.pairs`).
 
 A preference directory holds
 
-    info.json         {"kind": "image" | "image_set" | "text", "train": N, "held_out": M, ...}
+    info.json         {"kind": "image" | "image_set" | "text" | "trajectory", "train": N, "held_out": M, ...}
     train.jsonl       one pair per line: {"prompt", "chosen", "rejected", "metadata"}
     held_out.jsonl    the same; held-out pairs are never trained on
     images.npz        (images and image sets) ``images``: uint8 [R, H, W, 3], RGB
 
 where ``chosen`` / ``rejected`` are a completion (``text``), a row of ``images``
-(``image``), or a list of K rows, the images generated for one prompt (``image_set``, one
-K per directory). ``chosen`` is the preferred one. ``metadata.flipped`` marks a train pair
+(``image``), a list of K rows, the images generated for one prompt (``image_set``, one
+K per directory), or an ``episode_index`` of the saved episodes that ``info.json``'s
+``episodes`` names (``trajectory``: a directory in LeRobotDataset v3's layout or of
+``mmrl collect`` demonstrations, relative to the preference directory or absolute; both
+episodes of a pair and the pair's prompt carry one instruction). Trajectory items are read
+as :class:`~mmrl.demos.Trajectories` of the episodes' keyframes. ``chosen`` is the preferred one. ``metadata.flipped`` marks a train pair
 whose label was flipped on purpose (label noise); held-out labels are never flipped, so
 held-out accuracy measures agreement with the verifier.
 
@@ -31,7 +35,7 @@ import numpy as np
 
 from mmrl.errors import ConfigError
 
-KINDS = ("image", "image_set", "text")
+KINDS = ("image", "image_set", "text", "trajectory")
 SPLITS = ("train", "held_out")
 
 
@@ -41,7 +45,7 @@ class PreferencePairs:
 
     kind: str
     prompts: list[str]
-    chosen: Any  # list[str] (text) | uint8 array [N, H, W, 3] | [N, K, H, W, 3]
+    chosen: Any  # list[str] (text) | uint8 array [N, H, W, 3] | [N, K, H, W, 3] | Trajectories
     rejected: Any
     metadata: list[dict]
 
@@ -59,10 +63,12 @@ def read_info(directory: str | Path, field: str = "data.path") -> dict:
     return info
 
 
-def read_pairs(directory: str | Path, split: str, field: str = "data.path") -> PreferencePairs:
-    """The pairs of ``split`` (train or held_out), images gathered from ``images.npz``."""
+def read_pairs(directory: str | Path, split: str, field: str = "data.path", frames: int | None = None) -> PreferencePairs:
+    """The pairs of ``split`` (train or held_out), images gathered from ``images.npz``, or
+    episodes from the saved episodes (``trajectory``: ``frames`` keyframes each)."""
     d = Path(directory)
-    kind = read_info(d, field)["kind"]
+    info = read_info(d, field)
+    kind = info["kind"]
     path = d / f"{split}.jsonl"
     if not path.is_file():
         raise ConfigError(field, str(directory), f"holds no {split}.jsonl")
@@ -75,6 +81,8 @@ def read_pairs(directory: str | Path, split: str, field: str = "data.path") -> P
     metadata = [dict(r.get("metadata") or {}) for r in rows]
     if kind == "text":
         return PreferencePairs(kind, prompts, [str(r["chosen"]) for r in rows], [str(r["rejected"]) for r in rows], metadata)
+    if kind == "trajectory":
+        return _trajectory_pairs(d, info, path, rows, prompts, metadata, field, frames)
     with np.load(d / "images.npz") as f:
         images = f["images"]
     try:
@@ -88,18 +96,52 @@ def read_pairs(directory: str | Path, split: str, field: str = "data.path") -> P
     return PreferencePairs(kind, prompts, chosen, rejected, metadata)
 
 
+def _trajectory_pairs(d: Path, info: dict, path: Path, rows: list[dict], prompts: list[str], metadata: list[dict], field: str, frames: int | None) -> PreferencePairs:
+    """Trajectory pairs: episode indices of the episodes ``info["episodes"]`` names, checked
+    (every index exists, both episodes and the prompt share an instruction), as rows of one
+    :class:`~mmrl.demos.Trajectories` store of ``frames`` keyframes per episode."""
+    import torch
+
+    from mmrl.demos import Trajectories, read_demos
+
+    if frames is None:
+        raise ValueError("trajectory pairs are read as keyframes: pass frames (the reward model's)")
+    if not info.get("episodes"):
+        raise ConfigError(field, str(d / "info.json"), "a trajectory preference directory names its episodes directory in info.json's 'episodes'")
+    source = Path(info["episodes"]) if Path(info["episodes"]).is_absolute() else d / info["episodes"]
+    if not source.is_dir():
+        raise ConfigError(field, str(source), f"the episodes directory that {d / 'info.json'} names does not exist")
+    episodes = read_demos(source)
+    trajectories = Trajectories.from_episodes(episodes, frames)
+    for i, row in enumerate(rows):
+        for side in ("chosen", "rejected"):
+            e = row[side]
+            if isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < len(episodes):
+                raise ConfigError(field, str(path), f"line {i + 1}: {side} episode {e!r} is not in {source} ({len(episodes)} episodes, indices 0..{len(episodes) - 1})")
+        texts = {prompts[i], episodes[row["chosen"]].instruction, episodes[row["rejected"]].instruction}
+        if len(texts) > 1:
+            raise ConfigError(field, str(path), f"line {i + 1}: a pair compares episodes of one instruction; prompt {prompts[i]!r}, chosen episode {row['chosen']} {episodes[row['chosen']].instruction!r}, rejected episode {row['rejected']} {episodes[row['rejected']].instruction!r}")
+    chosen = trajectories[torch.tensor([r["chosen"] for r in rows], dtype=torch.long)]
+    rejected = trajectories[torch.tensor([r["rejected"] for r in rows], dtype=torch.long)]
+    return PreferencePairs("trajectory", prompts, chosen, rejected, metadata)
+
+
 def write_preferences(out: str | Path, kind: str, splits: dict[str, list[dict]], images: list[np.ndarray] | None = None, **extra) -> dict:
     """Write a preference directory: ``splits`` maps train / held_out to rows {"prompt",
     "chosen", "rejected", "metadata"}; ``images`` are the rows image items index; ``extra``
     goes into info.json. Returns the info."""
+    from mmrl.demos import atomic_write
+
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    # each file to a temporary name, then renamed; info.json, which makes it a preference
+    # directory, last
     for split, rows in splits.items():
-        (out / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        atomic_write(out / f"{split}.jsonl", lambda f, rows=rows: f.write("".join(json.dumps(r) + "\n" for r in rows).encode()))
     if images is not None:
-        np.savez_compressed(out / "images.npz", images=np.stack(images).astype(np.uint8))
+        atomic_write(out / "images.npz", lambda f: np.savez_compressed(f, images=np.stack(images).astype(np.uint8)))
     info = {"kind": kind, **{split: len(rows) for split, rows in splits.items()}, **extra}
-    (out / "info.json").write_text(json.dumps(info, indent=2) + "\n")
+    atomic_write(out / "info.json", lambda f: f.write((json.dumps(info, indent=2) + "\n").encode()))
     return info
 
 
@@ -123,6 +165,8 @@ def merge_preferences(out: str | Path, sources: list[str | Path]) -> dict:
     if len(kinds) > 1:
         raise ValueError(f"cannot merge pairs of different kinds: {sorted(kinds)}")
     kind = kinds.pop()
+    if kind == "trajectory":
+        raise ValueError("trajectory pairs name the episodes of their own episodes directory; write pairs of all the episodes at once (python -m mmrl.pairs episodes)")
     splits: dict[str, list[dict]] = {"train": [], "held_out": []}
     images: list[np.ndarray] = []
     for k, d in enumerate(sources):

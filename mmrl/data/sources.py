@@ -135,7 +135,7 @@ class Completions(DataSource):
 @dataclass
 class PreferencesConfig(DataSourceConfig):
     type: str = option("preferences", "data source (mmrl list data)")
-    path: str | None = option(None, "a preference directory (info.json, train.jsonl, held_out.jsonl, images.npz) written by python -m mmrl.pairs")
+    path: str | None = option(None, "a preference directory (info.json, train.jsonl, held_out.jsonl; images.npz or saved episodes) written by python -m mmrl.pairs")
     eval_batch_size: int = option(256, "held-out pairs scored per forward pass at evaluation", ge=1)
     category_key: str | None = option("category", "metadata key whose values get their own held-out accuracy pairwise_accuracy/<value> (null = none)")
 
@@ -151,15 +151,18 @@ class Preferences(DataSource):
         kind = read_info(cfg.path)["kind"]
         wanted = getattr(policy, "input_kind", None)
         if wanted != kind:
-            what = f"scores {wanted} items" if wanted else "is not a pairwise reward model (bt_image, bt_image_set, bt_text)"
+            what = f"scores {wanted} items" if wanted else "is not a pairwise reward model (bt_image, bt_image_set, bt_text, bt_trajectory)"
             raise ConfigError("data.path", cfg.path, f"holds {kind} pairs, but policy {policy.config.type!r} {what}")
-        self.samples = self._samples(read_pairs(cfg.path, "train"))
-        self.held_out = read_pairs(cfg.path, "held_out")
+        frames = getattr(policy.config, "frames", None) if kind == "trajectory" else None
+        self.samples = self._samples(read_pairs(cfg.path, "train", frames=frames))
+        self.held_out = read_pairs(cfg.path, "held_out", frames=frames)
+        if kind == "trajectory":  # the episodes must be what the model reads: both shapes named
+            policy.check_shapes(self.samples["chosen"].store, "data.path")
         self.info = {"samples": self.num_samples, "held_out": len(self.held_out)}
 
     @staticmethod
     def _samples(pairs) -> dict[str, Any]:
-        as_items = (lambda v: list(v)) if pairs.kind == "text" else torch.from_numpy
+        as_items = {"text": list, "trajectory": lambda v: v}.get(pairs.kind, torch.from_numpy)
         return {"prompt": pairs.prompts, "chosen": as_items(pairs.chosen), "rejected": as_items(pairs.rejected)}
 
     @torch.no_grad()

@@ -59,3 +59,22 @@ class BTTextConfig(PolicyConfig):
         self.tiny.validate(f"{path}.tiny" if path else "tiny")
         if self.max_length > self.tiny.max_position_embeddings:
             raise ConfigError(f"{path}.max_length" if path else "max_length", self.max_length, f"must be <= tiny.max_position_embeddings ({self.tiny.max_position_embeddings})")
+
+
+@dataclass
+class BTTrajectoryConfig(PolicyConfig):
+    """Scores a robot episode (keyframes, state, actions) given its instruction (Bradley–Terry reward model, GRAPE-style)."""
+
+    type: str = option("bt_trajectory", "registered name of this component (see `mmrl list`)")
+    frames: int = option(6, "keyframes per episode: evenly spaced observations, the first and the last included (mmrl.demos.keyframes)", ge=2)
+    image_size: int = option(64, "side of the square camera images scored (others are an error naming both shapes)", ge=4)
+    cameras: int = option(1, "camera images per observation: 1 ([H, W, 3]) or K ([K, H, W, 3])", ge=1)
+    state_dim: int = option(4, "length of the proprioceptive state vector", ge=0)
+    action_dim: int = option(2, "length of the action vector", ge=1)
+    channels: list[int] = option(factory=lambda: [8, 16, 32], doc="output channels of each keyframe's 3x3 convs, each FiLM-conditioned on the instruction")
+    strides: list[int] | None = option(None, "stride of each conv (1 or 2), one per entry of channels; null = 2 for every conv")
+    hidden: int = option(64, "width of the per-keyframe embedding and of the score head", ge=1)
+    prompt: PromptEncoderConfig = option(factory=PromptEncoderConfig, doc="how the instruction is read")
+
+    def validate(self, path: str) -> None:
+        BTImageConfig.validate(self, path)  # the same conv tower (channels, strides)

@@ -25,6 +25,15 @@ policy directories (config.yaml + model.safetensors). It generates nothing: ``sa
 - ``bt_text``: a tiny ``transformers`` decoder built from a config (random weights) with
   mmrl's byte-level tokenizer, reading ``prompt + separator + completion + EOS``; a linear
   head on the last (EOS) position's hidden state gives the score.
+- ``bt_trajectory``: a robot episode given its instruction, for trajectory-level preferences
+  as in GRAPE (Zhang et al., 2024: successes over failures, cheaper successes over costlier
+  ones). The episode is read as K keyframes (:func:`mmrl.demos.keyframes`): at each, the
+  camera images go through the ``bt_image`` tower (FiLM-conditioned on the instruction
+  vector; several cameras' features side by side), and with the proprioceptive state, the
+  segment's mean action and mean action norm and the keyframe's place k/(K−1) an MLP gives
+  a per-keyframe embedding e_k. Pooled over time, [mean_k e_k, max_k e_k, e_K (the last
+  observation, which shows the outcome), instruction vector, log T (the episode's length)]
+  → MLP → the score.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ from torch import Tensor, nn
 
 from mmrl.core.policy import PolicyModule
 from mmrl.errors import ConfigError, MissingExtraError
-from mmrl.policies.reward_model.config import BTImageConfig, BTImageSetConfig, BTTextConfig, PromptEncoderConfig
+from mmrl.policies.reward_model.config import BTImageConfig, BTImageSetConfig, BTTextConfig, BTTrajectoryConfig, PromptEncoderConfig
 from mmrl.registry import POLICIES
 
 _WORD = re.compile(r"[a-z0-9]+")
@@ -72,7 +81,8 @@ class RewardModel(PolicyModule):
         n = len(batch["prompt"])
         prompts = list(batch["prompt"]) * 2
         chosen, rejected = batch["chosen"], batch["rejected"]
-        items = chosen + rejected if isinstance(chosen, list) else torch.cat([chosen, rejected])
+        # tensors concatenate with cat; lists of texts and Trajectories with +
+        items = torch.cat([chosen, rejected]) if isinstance(chosen, Tensor) else chosen + rejected
         if self.training:
             items = self.augment(items)
         scores = self.score(prompts, items)  # one pass over both sides (one forward for DDP)
@@ -286,3 +296,61 @@ class BTTextModel(RewardModel):
         hidden = self.backbone(input_ids=ids, attention_mask=mask).last_hidden_state
         last = hidden[torch.arange(len(ids), device=ids.device), mask.sum(1) - 1]
         return self.head(last).squeeze(-1)
+
+
+# ---------------------------------------------------------------- robot episodes
+
+
+@POLICIES.register("bt_trajectory", config=BTTrajectoryConfig)
+class BTTrajectoryModel(RewardModel):
+    """Bradley–Terry reward model of a robot episode given its instruction: keyframe CNN +
+    state and actions → per-keyframe embeddings pooled over time → MLP (see the module
+    docstring). Items are :class:`~mmrl.demos.Trajectories`."""
+
+    input_kind = "trajectory"
+
+    def __init__(self, config: BTTrajectoryConfig, spec: dict | None = None):
+        super().__init__()
+        config.validate("policy")
+        self.config, self.spec = config, dict(spec or {})
+        self.prompt = PromptEncoder(config.prompt)
+        self.tower = ImageTower(config, self.prompt.out_dim)
+        step_in = config.cameras * self.tower.out_dim + config.state_dim + config.action_dim + 1 + 1
+        self.step = nn.Sequential(nn.Linear(step_in, config.hidden), nn.ReLU(), nn.Linear(config.hidden, config.hidden), nn.ReLU())
+        self.head = nn.Sequential(nn.Linear(3 * config.hidden + self.prompt.out_dim + 1, config.hidden), nn.ReLU(), nn.Linear(config.hidden, 1))
+
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Per episode, the shapes of the keyframe tensors this model reads."""
+        c = self.config
+        image = (c.frames, c.image_size, c.image_size, 3) if c.cameras == 1 else (c.frames, c.cameras, c.image_size, c.image_size, 3)
+        return {"image": image, "state": (c.frames, c.state_dim), "action": (c.frames, c.action_dim + 1)}
+
+    def check_shapes(self, store: dict[str, Tensor], source: str) -> None:
+        """A ConfigError naming both shapes unless ``store``'s episodes are what the model reads."""
+        for key, want in self.expected_shapes().items():
+            got = tuple(store[key].shape[1:])
+            if got != want:
+                c = self.config
+                raise ConfigError(
+                    source, f"{key} {list(got)}",
+                    f"the bt_trajectory model reads {key} of shape {list(want)} per episode (frames {c.frames}, cameras {c.cameras}, image_size {c.image_size}, "
+                    f"state_dim {c.state_dim}, action_dim {c.action_dim} + 1 for the action norm); train it on episodes of this env or match sampler.keep_frames to its frames",
+                )
+
+    def score(self, prompts: list[str], items) -> Tensor:
+        from mmrl.demos import Trajectories
+
+        if not isinstance(items, Trajectories):
+            raise ValueError(f"bt_trajectory scores episodes given as mmrl.demos.Trajectories; got {type(items).__name__}")
+        self.check_shapes(items.store, "trajectory")
+        batch = items.gather(self.device)
+        c = self.config
+        n, k = len(items), c.frames
+        p = self.prompt(list(prompts))
+        images = batch["image"].reshape(n * k * c.cameras, c.image_size, c.image_size, 3)
+        features = self.tower(images, p.repeat_interleave(k * c.cameras, dim=0)).reshape(n, k, -1)
+        place = torch.linspace(0, 1, k, device=p.device)[None, :, None].expand(n, k, 1)
+        steps = self.step(torch.cat([features, batch["state"].float(), batch["action"].float(), place], dim=-1))  # [N, K, hidden]
+        length = torch.log(batch["length"].float().clamp_min(1))[:, None]
+        pooled = torch.cat([steps.mean(1), steps.amax(1), steps[:, -1], p, length], dim=-1)
+        return self.head(pooled).squeeze(-1)
