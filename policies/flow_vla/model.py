@@ -59,7 +59,7 @@ from mmrl.denoising import learned_noise_std, sinusoidal_embedding
 from mmrl.policies.flow_vla.config import FlowVLAConfig
 from mmrl.policies.vla.action_chunk import ActionChunkPolicy
 from mmrl.errors import ConfigError
-from mmrl.policies.vla.backbone import build_backbone, encode_observations
+from mmrl.policies.vla.backbone import build_backbone, encode_observations, pooled_prefix_state
 from mmrl.policies.vla.pretrained import AdapterFreeReference
 from mmrl.policies.vla.tokenizer import InstructionTokenizer
 from mmrl.registry import POLICIES
@@ -184,15 +184,37 @@ class FlowVLAPolicy(ActionChunkPolicy):
         decision dim): uint8 image, float state, instruction token ids and mask."""
         return encode_observations(self.backbone, self.tokenizer, inputs, self.action_center.device, self.max_words)
 
-    def prefix_memory(self, obs: dict[str, Tensor]) -> dict:
-        """Run the backbone over each chunk's prefix once: the action expert's per-block
-        prefix keys/values and attention mask, reused by every denoising step."""
+    def _prefix_states(self, obs: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """The backbone's hidden states [N, P, hidden] over each observation's prefix, and its mask."""
         # Every real instruction starts with [BOS]; forcing its slot on keeps all-padding
         # rows (right-padded replays) finite without changing real ones.
         instruction_mask = obs["instruction_mask"].clone()
         instruction_mask[:, 0] = 1.0
         embeds, mask = self.backbone.prefix(obs.get("image"), obs.get("state"), obs["instruction_ids"], instruction_mask)
-        return self.expert.memory(self.backbone(embeds, mask), mask)
+        return self.backbone(embeds, mask), mask
+
+    def prefix_memory(self, obs: dict[str, Tensor]) -> dict:
+        """Run the backbone over each chunk's prefix once: the action expert's per-block
+        prefix keys/values and attention mask, reused by every denoising step."""
+        return self.expert.memory(*self._prefix_states(obs))
+
+    @property
+    def value_feature_dim(self) -> int:
+        """Width of :meth:`value_features` (a ``critic.type: value_head`` reads them)."""
+        if self.config.denoising.logp_granularity != "chain":
+            raise ConfigError(
+                "policy.denoising.logp_granularity", self.config.denoising.logp_granularity, "a value head gives one value per decision, an action chunk: use chain with critic.type value_head"
+            )
+        return self.backbone.hidden_size
+
+    def value_features(self, replay: dict) -> Tensor:
+        """The backbone's pooled prefix state [N, T, hidden] of each replayed observation
+        (:func:`~mmrl.policies.vla.backbone.pooled_prefix_state`), with its gradient: a value
+        head on it shares the backbone with the policy."""
+        obs = {key: replay[key] for key in self.obs_keys if key in replay}
+        n, t = next(iter(obs.values())).shape[:2]
+        states, mask = self._prefix_states({k: v.reshape(n * t, *v.shape[2:]) for k, v in obs.items()})
+        return pooled_prefix_state(states, mask).view(n, t, -1)
 
     def conditioning(self, obs: dict[str, Tensor]) -> dict:
         """The action expert is conditioned on the prefix (:meth:`prefix_memory`)."""

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from mmrl.core.policy import PolicyModule, Sample
 from mmrl.errors import ConfigError
 from mmrl.policies.token_vla.config import TokenVLAConfig
-from mmrl.policies.vla.backbone import build_backbone, encode_observations
+from mmrl.policies.vla.backbone import build_backbone, encode_observations, pooled_prefix_state
 from mmrl.policies.vla.pretrained import AdapterFreeReference
 from mmrl.policies.vla.tokenizer import FILE_NAME as TOKENIZER_FILE
 from mmrl.policies.vla.tokenizer import InstructionTokenizer
@@ -219,6 +219,22 @@ class TokenVLAPolicy(PolicyModule):
             return ce.mean()
         weight = action_mask.to(ce.device, ce.dtype).repeat_interleave(self.action_dim, dim=1)
         return (ce * weight).sum() / weight.sum().clamp(min=1.0)
+
+    @property
+    def value_feature_dim(self) -> int:
+        """Width of :meth:`value_features` (a ``critic.type: value_head`` reads them)."""
+        if self.config.logp_granularity != "chunk":
+            raise ConfigError("policy.logp_granularity", self.config.logp_granularity, "a value head gives one value per decision, an action chunk: use chunk with critic.type value_head")
+        return self.backbone.hidden_size
+
+    def value_features(self, replay: dict) -> Tensor:
+        """The backbone's pooled prefix state [N, T, hidden] of each replayed observation
+        (:func:`~mmrl.policies.vla.backbone.pooled_prefix_state`), with its gradient: a value
+        head on it shares the backbone with the policy."""
+        n, t = replay["action_tokens"].shape[:2]
+        flat = {k: v.reshape(n * t, *v.shape[2:]) for k, v in replay.items() if k != "action_tokens"}
+        embeds, mask = self._prefix(flat)
+        return pooled_prefix_state(self.backbone(embeds, mask), mask).view(n, t, -1)
 
     def imitation_batch(self, replay: dict) -> dict:
         """The N·T replayed chunks as a ``sft_loss`` batch: observations and the actions the

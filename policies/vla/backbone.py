@@ -289,6 +289,14 @@ class VLABackbone(nn.Module):
         return out.last_hidden_state
 
 
+def pooled_prefix_state(hidden: Tensor, mask: Tensor) -> Tensor:
+    """The mean of a prefix's hidden states [N, P, hidden] over its attended tokens (``mask``
+    [N, P]) → [N, hidden]: what a VLA's value head reads (RLinf adds a value head on the VLM's
+    state the same way), one value per observation."""
+    weights = mask.to(hidden.dtype).unsqueeze(-1)
+    return (hidden * weights).sum(1) / weights.sum(1).clamp(min=1.0)
+
+
 def build_backbone(cfg: VLABackboneConfig, spec: dict, instructions: list[str]):
     """(tokenizer, backbone): the miniature with a word-level tokenizer over the env's
     ``instructions``, or, with ``cfg.vlm_path``, the pretrained VLM and its own tokenizer."""

@@ -257,3 +257,68 @@ def test_bad_vlm_paths_are_config_errors_naming_the_field(vlm_dirs, tmp_path):
         make("token_vla", str(tmp_path / "text_only"))
     with pytest.raises(ConfigError, match="policy.backbone.lora.r"):
         make("token_vla", None, backbone={"vlm_path": None, "lora": {"r": 4}})
+
+
+def _tabletop_gae_config(tmp_path, policy: dict, total_steps: int = 1) -> dict:
+    return {
+        "name": "vla_gae", "seed": 0, "total_steps": total_steps, "run_dir": str(tmp_path / "run"),
+        "env": {"type": "gym", "id": "mmrl/Tabletop-v0", "num_envs": 4, "kwargs": {"task": "spatial", "image_size": 32}},
+        "policy": policy,
+        "sampler": {"type": "env", "max_decisions": 3},
+        "rewards": [{"type": "success"}],
+        "algo": {"group_size": 2, "groups_per_step": 2, "ppo_epochs": 1, "num_minibatches": 1, "kl": {"coef": 0.0},
+                 "advantage": {"type": "gae", "gamma": 0.9, "lam": 0.95, "normalize": "none"}},
+        # one Adam step small enough to stay first-order (Adam moves every weight by lr at its first
+        # step: the whole VLM at once), its direction set by the value loss: the values must shrink
+        "critic": {"type": "value_head", "value_coef": 100.0},
+        "optim": {"lr": 1e-6},
+        "eval": {"every": 1000, "at_start": False},
+        "checkpoint": {"every": 1000},
+    }
+
+
+@pytest.mark.parametrize("policy_type", POLICY_TYPES)
+@pytest.mark.parametrize("backbone", ["miniature", "qwen2_vl"])
+def test_a_value_head_on_the_pooled_backbone_state_learns_towards_the_returns(vlm_dirs, tmp_path, policy_type, backbone):
+    """GAE with a value head on a VLA: one value per action chunk from the backbone's pooled
+    prefix state. All tabletop returns of a random VLA are 0, so the update pulls the values
+    of its batch towards 0, through the head and the shared backbone."""
+    pytest.importorskip("mujoco")
+    from mmrl.train.run_config import TrainConfig
+    from mmrl.train.trainer import Trainer
+
+    if backbone == "miniature":
+        backbone_cfg = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64, "vision_channels": [8, 16], "patch_grid": 4}
+    else:
+        backbone_cfg = {"vlm_path": vlm_dirs(backbone)}
+    policy = {"type": policy_type, "action_chunk": 2, "backbone": backbone_cfg}
+    if policy_type == "flow_vla":
+        policy["denoising"] = {"num_inference_steps": 2}
+    trainer = Trainer(from_dict(TrainConfig, _tabletop_gae_config(tmp_path, policy)))
+    learner, seen = trainer.learner, {}
+    learn = learner.learn
+
+    def learn_and_measure(rollout, *args, **kwargs):
+        def values():
+            return learner.critic(learner.policy, rollout.replay).detach()
+
+        seen["before"], seen["first_weight"] = values(), next(learner.policy.backbone.parameters()).detach().clone()
+        out = learn(rollout, *args, **kwargs)
+        seen["after"] = values()
+        return out
+
+    learner.learn = learn_and_measure
+    trainer.train()
+    assert seen["after"].square().mean() < seen["before"].square().mean()
+    assert not torch.equal(next(learner.policy.backbone.parameters()), seen["first_weight"])
+
+
+def test_a_value_head_needs_one_column_per_chunk(tmp_path):
+    from mmrl.train.run_config import TrainConfig
+    from mmrl.train.trainer import Trainer
+
+    policy = {"type": "token_vla", "action_chunk": 2, "logp_granularity": "token",
+              "backbone": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64, "vision_channels": [8, 16]}}
+    pytest.importorskip("mujoco")
+    with pytest.raises(ConfigError, match="policy.logp_granularity"):
+        Trainer(from_dict(TrainConfig, _tabletop_gae_config(tmp_path, policy)))
