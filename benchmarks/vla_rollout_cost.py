@@ -8,6 +8,14 @@ the backbone of configs/tabletop_token_vla_sft.yaml (hidden 64, 2 layers, 4 head
 ``mmrl/Tabletop-v0`` (64x64 top camera, state dim 4, action dim 2, the suite's instructions).
 Inputs are real observations of the suite (seeded resets over all its tasks).
 
+Beside them, ``token_vla`` and ``flow_vla`` on a pretrained transformers VLM of each family
+(``--vlm-families``; ``policy.backbone.vlm_path``): tiny random models of the real
+architectures (``mmrl.policies.vla.tiny_vlm``: 64x64 images in 8x8 patches, a 2-layer decoder
+of width 64 like the miniature's, a 2-layer vision tower of width 32), written to a temporary
+directory and loaded as a user's checkpoint is. Their rows show what the family's own image
+pipeline (its image processor on every call, its vision tower and projector) costs against the
+miniature's CNN at the same decoder size.
+
 Per family: decisions/s of ``policy.sample`` (no grad) at each batch size, and the training
 pass ``log_prob(replay)`` + backward on the replay of ``--replay-decisions`` decisions per
 sample (as the env sampler concatenates it), in ms per decision. A decision is one action
@@ -22,7 +30,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import gymnasium
 import numpy as np
@@ -33,6 +43,7 @@ from mmrl.policies.diffusion_policy import DiffusionPolicyConfig
 from mmrl.policies.flow_vla import FlowVLAConfig
 from mmrl.policies.token_vla import TokenVLAConfig
 from mmrl.policies.vla import VLABackboneConfig
+from mmrl.policies.vla.tiny_vlm import FAMILIES, TinyVLMSize, save_tiny_vlm
 
 CHUNK = 4
 BACKBONE = dict(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, vision_channels=[16, 32], patch_grid=8)
@@ -45,6 +56,16 @@ def configs() -> dict:
         "flow_vla": FlowVLAConfig(backbone=VLABackboneConfig(**BACKBONE), action_chunk=CHUNK),
         "diffusion_policy": DiffusionPolicyConfig(hidden_size=64, num_layers=2, vision_channels=[16, 32], image_grid=8, action_chunk=CHUNK),
     }
+
+
+def pretrained_configs(families: list[str], directory: Path) -> dict:
+    """token_vla and flow_vla on a tiny VLM of each family, saved under ``directory``."""
+    out = {}
+    for family in families:
+        path = str(save_tiny_vlm(family, directory / family, TinyVLMSize(image_size=64, patch_size=8, vision_hidden_size=32, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128)))
+        out[f"token_vla/{family}"] = TokenVLAConfig(backbone=VLABackboneConfig(vlm_path=path), action_bins=32, action_chunk=CHUNK)
+        out[f"flow_vla/{family}"] = FlowVLAConfig(backbone=VLABackboneConfig(vlm_path=path), action_chunk=CHUNK, expert_hidden_size=64, expert_intermediate_size=128)
+    return out
 
 
 def env_observations(env, n: int) -> dict:
@@ -106,6 +127,7 @@ def main():
     p.add_argument("--replay-decisions", type=int, default=4, help="decisions per sample in the training pass")
     p.add_argument("--env-steps", type=int, default=300, help="env steps per round for the env's steps/s")
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--vlm-families", nargs="*", default=list(FAMILIES), choices=FAMILIES, help="pretrained-VLM families to add rows for (none: the miniatures only)")
     args = p.parse_args()
     torch.set_num_threads(1)
     import mmrl.envs  # noqa: F401  (registers mmrl/Tabletop-v0)
@@ -124,7 +146,8 @@ def main():
         "instructions": list(env.unwrapped.instructions),
     }
     policies = {}
-    for name, cfg in configs().items():
+    vlm_dir = tempfile.TemporaryDirectory()
+    for name, cfg in {**configs(), **pretrained_configs(args.vlm_families, Path(vlm_dir.name))}.items():
         torch.manual_seed(0)
         policies[name] = build_policy(cfg, spec)
     batches = {b: {"image": obs["image"][:b], "state": obs["state"][:b], "instruction": obs["instruction"][:b]} for b in args.batch_sizes}
@@ -145,17 +168,18 @@ def main():
                 sample_rates[name, b].append(time_sampling(policy, batches[b], calls[b]))
             train_ms[name].append(time_training(policy, replays[name], train_decisions))
     env.close()
+    vlm_dir.cleanup()
 
     env_rate = statistics.median(env_rates)
     print(f"tabletop (one env, 64x64 top camera): {env_rate:.0f} env steps/s = {env_rate / CHUNK:.0f} decisions/s of {CHUNK} steps")
     cols = "".join(f"{f'sample B={b}':>14}" for b in args.batch_sizes)
-    print(f"{'policy':<18}{'params':>9}{cols}{'train ms/dec':>14}{'train dec/s':>13}{'pol/env B=' + str(args.batch_sizes[0]):>13}")
+    print(f"{'policy':<22}{'params':>9}{cols}{'train ms/dec':>14}{'train dec/s':>13}{'pol/env B=' + str(args.batch_sizes[0]):>13}")
     for name, policy in policies.items():
         params = sum(p.numel() for p in policy.parameters())
         rates = [statistics.median(sample_rates[name, b]) for b in args.batch_sizes]
         ms = statistics.median(train_ms[name])
         cells = "".join(f"{r:>14.0f}" for r in rates)
-        print(f"{name:<18}{params / 1e3:>8.0f}k{cells}{ms:>14.3f}{1000 / ms:>13.0f}{env_rate / CHUNK / rates[0]:>13.2f}")
+        print(f"{name:<22}{params / 1e3:>8.0f}k{cells}{ms:>14.3f}{1000 / ms:>13.0f}{env_rate / CHUNK / rates[0]:>13.2f}")
     print("sample columns: decisions/s of policy.sample (no grad); train: log_prob(replay) + backward on")
     print(f"{args.train_batch} samples x {args.replay_decisions} decisions; pol/env: policy time per decision / one env's time for its steps")
     diffusion, flow = configs()["diffusion_policy"].denoising, configs()["flow_vla"].denoising
