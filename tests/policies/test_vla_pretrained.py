@@ -322,3 +322,27 @@ def test_a_value_head_needs_one_column_per_chunk(tmp_path):
     pytest.importorskip("mujoco")
     with pytest.raises(ConfigError, match="policy.logp_granularity"):
         Trainer(from_dict(TrainConfig, _tabletop_gae_config(tmp_path, policy)))
+
+
+def test_the_documented_libero_config_builds_its_policy_on_a_vlm_directory(vlm_dirs):
+    """docs/vla.md's one-config fine-tuning example is a valid run config; with its vlm_path
+    pointed at a tiny SmolVLM it builds the policy it describes (the LIBERO env itself is not
+    started here)."""
+    import re
+
+    import yaml
+
+    from mmrl.train.run_config import TrainConfig
+    from tests.conftest import ROOT
+
+    text = (ROOT / "docs" / "vla.md").read_text()
+    data = yaml.safe_load(re.search(r"```yaml\n(.*?)```", text, re.S).group(1))
+    data["policy"]["backbone"]["vlm_path"] = vlm_dirs("smolvlm", num_layers=4)
+    data["policy"]["backbone"]["vlm_layers"] = 2
+    cfg = from_dict(TrainConfig, data)
+    spec = {"action_dim": 7, "action_low": [-1.0] * 7, "action_high": [1.0] * 7, "state_dim": 8, "image_shape": [2, 32, 32, 3], "instructions": ["put the bowl on the plate"]}
+    policy = build_policy(cfg.policy, spec)
+    assert policy.backbone.lora and len(policy.backbone.language_model.layers) == 2
+    assert policy.backbone.language_model.get_input_embeddings().weight.dtype == torch.bfloat16
+    assert not any(p.requires_grad for p in policy.backbone.vision_tower.parameters())
+    assert policy.reference() is not None
