@@ -15,6 +15,10 @@ SFT_OF = {name: name.split("_grpo")[0] + "_sft" for name in CONFIGS if "_grpo" i
 SFT_OF["image_shapes_flow_grpo"] = "image_shapes_flow_sft_words"  # the word-level generator
 # RL configs rewarded by a learned reward model: the reward-model config whose smoke run they score with
 REWARD_MODEL_OF = {"image_shapes_flow_grpo_pairwise": "reward_shapes_single_count_pairwise"}
+# RL configs rewarded by a trajectory reward model (win rate): the reward-model config whose smoke run they score with
+TRAJECTORY_MODEL_OF = {"tabletop_spatial_flow_vla_grpo_trajectory": "reward_tabletop_spatial_trajectory"}
+# RL configs whose env reads a learned success classifier: the classifier config whose smoke run they read
+SUCCESS_MODEL_OF = {"tabletop_spatial_flow_vla_grpo_learned_success": "learned_success_tabletop_spatial"}
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +52,29 @@ def _train(workdir, name: str, run):
             size = yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text())["policy"]["image_size"]
             write_shapes_pairs(pairs, size=size, num_train=8, num_held_out=4, set_size=4 if "_set_" in name else 0)
         overrides += [f"data.path={pairs}", "data.batch_size=4"]
+    if name.startswith("learned_success_"):  # labelled episodes: the expert's successes, and failures of a very noisy expert
+        failures = workdir / "failures"
+        if not failures.exists():
+            done = run_mmrl("collect", "--task", "spatial", "--episodes-per-task", "1", "--noise", "5", "--keep-failures", "--out", failures, timeout=900)
+            assert done.returncode == 0, done.stderr[-2000:]
+        overrides += [f"data.path={workdir / 'demos'}", f"data.more_paths=[{failures}]", "data.held_out=0", "data.batch_size=8"]
+    if name.startswith("reward_tabletop_"):  # trajectory pairs: the expert's successes and episodes cut after 2 steps (failures)
+        pairs = workdir / f"{name}_pairs"
+        if not pairs.exists():
+            episodes = workdir / "trajectory_episodes"
+            for flags in ([], ["--max-episode-steps", "2", "--keep-failures", "--append"]):
+                done = run_mmrl("collect", "--task", "spatial", "--episodes-per-task", "1", "--out", episodes, *flags, timeout=900)
+                assert done.returncode == 0, done.stderr[-2000:]
+            from mmrl.pairs import write_episode_pairs
+
+            write_episode_pairs(pairs, episodes, held_out_fraction=0.0)
+        overrides += [f"data.path={pairs}", "data.batch_size=4"]
     if name in SFT_OF:
         overrides.append(f"policy.pretrained={_start(workdir, SFT_OF[name])}")
+    if name in TRAJECTORY_MODEL_OF:
+        overrides.append(f"rewards=[{{type: pairwise_preference, model: {_start(workdir, TRAJECTORY_MODEL_OF[name])}, mode: win_rate}}]")
+    if name in SUCCESS_MODEL_OF:
+        overrides.append(f"env.success_model.path={_start(workdir, SUCCESS_MODEL_OF[name])}")
     if name in REWARD_MODEL_OF:
         model = _start(workdir, REWARD_MODEL_OF[name])
         overrides.append(f"rewards=[{{type: pairwise_preference, model: {model}, mode: pointwise}}, {{type: shapes_geneval, mode: strict, min_fill: 0.6, weight: 0.0}}]")
