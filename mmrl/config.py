@@ -418,4 +418,7 @@ def describe(cls, prefix: str = "", defaults=None) -> list[tuple[str, str, str, 
         if dataclasses.is_dataclass(default):
             default = to_dict(default)
         rows.append((name, _type_name(tp), repr(default), f.metadata.get("doc", "")))
+        inner = [a for a in typing.get_args(tp) if a is not type(None)] if typing.get_origin(tp) in (typing.Union, types.UnionType) else []
+        if len(inner) == 1 and isinstance(inner[0], type) and dataclasses.is_dataclass(inner[0]) and not issubclass(inner[0], Component):
+            rows += describe(inner[0], name + ".")  # an optional section (null by default): its options when given
     return rows

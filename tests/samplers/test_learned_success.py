@@ -226,3 +226,10 @@ def test_a_tabletop_whose_success_does_not_terminate_goes_on_reporting_success_u
     assert ended == 60 and first < 59 and all(flags[first:])  # solved, left alone: success stays and the episode runs on
     with pytest.raises(ConfigError, match="env.kwargs.terminate_on_success"):
         gymnasium.make("mmrl/Tabletop-v0", task="goal", terminate_on_success="no")
+
+
+def test_help_lists_the_options_of_the_success_model_section():
+    from mmrl.config import describe
+
+    rows = {name: doc for name, _, _, doc in describe(GymEnvConfig)}
+    assert {"success_model", "success_model.threshold", "success_model.debounce", "success_model.terminates", "hide_success"} <= set(rows)
