@@ -252,13 +252,14 @@ class TextLMPolicy(PolicyModule):
         """An empty key/value cache for incremental decoding with :meth:`forward_logits`."""
         return _transformers().DynamicCache(config=self.language_model.config)
 
-    def forward_logits(self, ids: Tensor, mask: Tensor, cache=None, logits_to_keep: int = 0, **model_inputs) -> Tensor:
+    def forward_logits(self, ids: Tensor, mask: Tensor, cache=None, logits_to_keep: int = 0, position_ids: Tensor | None = None, **model_inputs) -> Tensor:
         """Logits of the causal LM for ``ids`` [N, S] (the last ``logits_to_keep`` positions;
         0 = all). ``mask`` [N, S_past + S] marks real tokens; with a ``cache`` holding the
         S_past earlier tokens the call extends it. Position ids count each row's real tokens,
-        so padding anywhere before a token does not move it. ``model_inputs`` go to the model
-        as they are (none for a text model)."""
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1] :]
+        so padding anywhere before a token does not move it, unless ``position_ids`` gives
+        them (a model with multimodal positions). ``model_inputs`` go to the model as they
+        are (none for a text model)."""
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1] :] if position_ids is None else position_ids
         out = self.language_model(
             input_ids=ids,
             attention_mask=mask,

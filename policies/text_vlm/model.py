@@ -22,8 +22,12 @@ Weights: ``model_path`` loads a local ``save_pretrained`` directory of the model
 processor; otherwise a tiny LLaVA is built from a ``transformers`` config with random weights:
 a CLIP vision tower (``vision``), LLaVA's projector and the decoder of ``tiny``, with
 text_lm's byte-level tokenizer plus an ``<image>`` token and a CLIP image processor.
-Models whose rotary positions depend on the image layout (Qwen2-VL's multimodal RoPE) are not
-supported: positions here count each row's tokens, as text_lm's do.
+Positions count each row's tokens, as text_lm's do, except for models whose rotary positions
+follow the image layout (Qwen2-VL and Qwen2.5-VL's multimodal RoPE): there a whole sequence
+gets the model's own ``get_rope_index`` positions, and a token decoded after the cached prompt
+continues its row's text positions by the offset the prompt's images left (kept with the
+cache). Their processor wants a video processor, which needs torchvision; without it the
+image processor and tokenizer are put together without one.
 """
 
 from __future__ import annotations
@@ -56,6 +60,21 @@ CHAT_TEMPLATE = (
 
 # outputs of a processor that are token-level, not per image
 _TOKEN_OUTPUTS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
+
+
+def _per_image(encoded, num_images: int) -> dict:
+    """The processor's outputs with one entry per image: Qwen2-VL's processor gives the
+    patches of all images as one [Σ patches, D] tensor beside ``image_grid_thw`` [images, 3];
+    they are split per image (t·h·w patches each) and zero-padded to the longest."""
+    encoded = dict(encoded)
+    if "image_grid_thw" in encoded and "pixel_values" in encoded:
+        sizes = encoded["image_grid_thw"].prod(-1).tolist()
+        pieces = encoded["pixel_values"].split(sizes)
+        padded = encoded["pixel_values"].new_zeros((num_images, max(sizes), encoded["pixel_values"].shape[-1]))
+        for i, piece in enumerate(pieces):
+            padded[i, : piece.shape[0]] = piece
+        encoded["pixel_values"] = padded
+    return encoded
 
 
 def _without_dropout(model_config) -> None:
@@ -121,12 +140,51 @@ def _pretrained_model(config: TextVLMConfig, dtype: torch.dtype):
     if config.disable_dropout:
         _without_dropout(model_config)
     model = tf.AutoModelForImageTextToText.from_pretrained(path, config=model_config, dtype=dtype, attn_implementation=config.attn_implementation, local_files_only=True)
-    if hasattr(getattr(model, "model", model), "get_rope_index"):  # Qwen2-VL and its kin compute 3-D positions from the image layout
-        raise ConfigError("policy.model_path", config.model_path, f"holds a {model_config.model_type} model, whose rotary positions follow the image layout (multimodal RoPE); text_vlm takes models with 1-D positions (the LLaVA family)")
-    processor = tf.AutoProcessor.from_pretrained(path, local_files_only=True)
+    try:
+        processor = tf.AutoProcessor.from_pretrained(path, local_files_only=True)
+    except (AttributeError, ImportError, OSError, TypeError, ValueError):
+        if model_config.model_type not in _QWEN_PROCESSORS:
+            raise
+        processor = _image_only_processor(tf, model_config.model_type, path)
     if getattr(processor, "image_token", None) is None or not hasattr(processor, "tokenizer"):
         raise ConfigError("policy.model_path", config.model_path, f"its processor ({type(processor).__name__}) has no image token and tokenizer; expected a vision-language processor")
     return processor, model
+
+
+# Qwen2-VL's processor also wants a video processor, which needs torchvision; images alone do not
+_QWEN_PROCESSORS = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}
+
+
+def _image_only_processor(tf, model_type: str, path):
+    """The family's processor over its tokenizer and image processor, without the video
+    processor (Qwen2-VL's needs torchvision, which mmrl does not install)."""
+    base = getattr(tf, _QWEN_PROCESSORS[model_type])
+
+    class ImageOnly(base):
+        def check_argument_for_proper_class(self, attribute_name, arg):
+            if arg is None:  # no video processor
+                return None
+            return super().check_argument_for_proper_class(attribute_name, arg)
+
+    tokenizer = tf.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return ImageOnly(image_processor=tf.AutoImageProcessor.from_pretrained(path, local_files_only=True), tokenizer=tokenizer, video_processor=None, chat_template=tokenizer.chat_template)
+
+
+class _MultimodalRopeCache:
+    """A key/value cache that also keeps each row's multimodal-position offset: how far the
+    (time, height, width) positions of its prompt's last token run ahead of its count of
+    tokens. A decoded token's three positions are its count plus that offset."""
+
+    def __init__(self, cache):
+        self.cache, self.rope_deltas = cache, None
+
+    def __getattr__(self, name):
+        return getattr(self.cache, name)
+
+    def reorder_cache(self, rows: Tensor) -> None:
+        self.cache.reorder_cache(rows)
+        if self.rope_deltas is not None:
+            self.rope_deltas = self.rope_deltas[rows.to(self.rope_deltas.device)]
 
 
 @POLICIES.register("text_vlm", config=TextVLMConfig)
@@ -157,20 +215,56 @@ class TextVLMPolicy(TextLMPolicy):
 
     @property
     def vision_tower(self) -> torch.nn.Module:
-        """The model's image encoder (with its adapters, under LoRA)."""
-        return self.language_model.model.vision_tower
+        """The model's image encoder (with its adapters, under LoRA): LLaVA's ``vision_tower``,
+        Qwen2-VL's ``visual``, Idefics3's ``vision_model``."""
+        base = self.language_model.model
+        return next(getattr(base, name) for name in ("vision_tower", "visual", "vision_model") if getattr(base, name, None) is not None)
 
     # ------------------------------------------------------------------ prompts -> model inputs
+
+    def _rope_positions(self, ids: Tensor, mask: Tensor, cache, image_grid_thw: Tensor | None) -> Tensor:
+        """Qwen2-VL's (time, height, width) positions [3, N, S] of ``ids``: the model's own
+        ``get_rope_index`` over a whole sequence (its image tokens at their grid cells, the
+        text after an image continuing from the image's largest position); a token decoded
+        after a cached prompt continues its row's text positions by the prompt's offset."""
+        counts = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1] :]
+        past = cache.get_seq_length() if cache is not None else 0
+        if past == 0:
+            image_id = int(self.language_model.config.image_token_id)
+            token_type = (ids == image_id).int()
+            positions, deltas = self.language_model.model.get_rope_index(ids, token_type, image_grid_thw=image_grid_thw, attention_mask=mask[:, -ids.shape[1] :].long())
+            if isinstance(cache, _MultimodalRopeCache):
+                cache.rope_deltas = deltas.view(-1).to(ids.device)
+            return positions
+        deltas = cache.rope_deltas if isinstance(cache, _MultimodalRopeCache) and cache.rope_deltas is not None else torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device)
+        return (counts + deltas[:, None]).unsqueeze(0).expand(3, -1, -1)
 
     def _prompt_text(self, text: str, num_images: int) -> str:
         """The prompt as the processor takes it: one image placeholder per image before the
         text, inside the user turn with ``chat_template``."""
         generation = self.config.generation
         if not generation.chat_template:
-            return self.processor.image_token * num_images + text
+            return self._image_placeholder() * num_images + text
         system = [{"role": "system", "content": [{"type": "text", "text": generation.system_prompt}]}] if generation.system_prompt is not None else []
         user = {"role": "user", "content": [{"type": "image"}] * num_images + [{"type": "text", "text": text}]}
         return self.processor.apply_chat_template([*system, user], tokenize=False, add_generation_prompt=True)
+
+    def _image_placeholder(self) -> str:
+        """What stands for one image in a prompt without a chat template: the processor's
+        image token, between the vision start and end tokens for models that have them."""
+        config = self.language_model.config
+        start, end = getattr(config, "vision_start_token_id", None), getattr(config, "vision_end_token_id", None)
+        if start is None or end is None:
+            return self.processor.image_token
+        return self.tokenizer.convert_ids_to_tokens(int(start)) + self.processor.image_token + self.tokenizer.convert_ids_to_tokens(int(end))
+
+    @property
+    def _multimodal_rope(self) -> bool:
+        return hasattr(self.language_model.model, "get_rope_index")
+
+    def new_cache(self):
+        cache = super().new_cache()
+        return _MultimodalRopeCache(cache) if self._multimodal_rope else cache
 
     def _encode_inputs(self, inputs) -> tuple[list[list[int]], dict[str, Tensor]]:
         """Token ids of each prompt (image placeholders expanded) and the image tensors, one
@@ -198,6 +292,7 @@ class TextVLMPolicy(TextLMPolicy):
         starts = (counts.cumsum(0) - counts).tolist()
         width = int(counts.max())
         model_inputs = {"image_count": counts}
+        encoded = _per_image(encoded, len(images))
         for name, value in encoded.items():
             if name in _TOKEN_OUTPUTS:
                 continue
@@ -214,7 +309,7 @@ class TextVLMPolicy(TextLMPolicy):
         (found once, on a blank image)."""
         if self._image_output_shapes is None:
             blank = np.zeros((64, 64, 3), dtype=np.uint8)
-            encoded = self.processor(text=[self.processor.image_token], images=[blank], return_tensors="pt")
+            encoded = _per_image(self.processor(text=[self._image_placeholder()], images=[blank], return_tensors="pt"), 1)
             self._image_output_shapes = {name: (tuple(v.shape[1:]), v.dtype) for name, v in encoded.items() if name not in _TOKEN_OUTPUTS}
         return self._image_output_shapes
 
@@ -231,6 +326,14 @@ class TextVLMPolicy(TextLMPolicy):
             for name, value in image_inputs.items():
                 value = value[valid.to(value.device)]
                 model_inputs[name] = value.to(dtype) if value.is_floating_point() else value
-        logits = super().forward_logits(ids, mask, cache=cache, logits_to_keep=logits_to_keep, **model_inputs)
+            if "image_grid_thw" in model_inputs:  # back to Qwen2-VL's [Σ patches, D]
+                sizes = model_inputs["image_grid_thw"].prod(-1).tolist()
+                model_inputs["pixel_values"] = torch.cat([v[:size] for v, size in zip(model_inputs["pixel_values"], sizes)])
+        position_ids = None
+        if self._multimodal_rope:
+            position_ids = self._rope_positions(ids, mask, cache, model_inputs.get("image_grid_thw"))
+            if isinstance(cache, _MultimodalRopeCache):
+                cache = cache.cache
+        logits = super().forward_logits(ids, mask, cache=cache, logits_to_keep=logits_to_keep, position_ids=position_ids, **model_inputs)
         # the image placeholder gets probability 0 in every pass, sampling and log_prob alike
         return logits.index_fill(-1, self._placeholder_ids.to(logits.device), float("-inf"))

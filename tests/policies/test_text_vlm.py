@@ -271,15 +271,53 @@ def test_loads_a_vision_language_model_and_processor_saved_with_save_pretrained(
     assert torch.equal(original.log_prob(sample.replay), logp)  # the same model, the same inputs: bit for bit
 
 
-def test_a_model_with_multimodal_rotary_positions_is_refused(tmp_path):
-    import transformers
+@pytest.fixture(scope="module")
+def qwen_dirs(tmp_path_factory):
+    from mmrl.policies.vla.tiny_vlm import save_tiny_vlm
 
-    text = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 64, "vocab_size": 300,
-            "eos_token_id": 0, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}
-    vision = {"depth": 1, "embed_dim": 32, "hidden_size": 32, "num_heads": 2, "mlp_ratio": 2, "patch_size": 4, "out_hidden_size": 32}
-    transformers.Qwen2VLForConditionalGeneration(transformers.Qwen2VLConfig(text_config=text, vision_config=vision)).save_pretrained(tmp_path / "qwen2vl")
-    with pytest.raises(ConfigError, match=r"policy\.model_path.*multimodal RoPE"):
-        make(model_path=str(tmp_path / "qwen2vl"))
+    root = tmp_path_factory.mktemp("qwen")
+    return {family: str(save_tiny_vlm(family, root / family)) for family in ("qwen2_vl", "qwen2_5_vl")}
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_a_model_with_multimodal_rotary_positions_samples_with_the_models_own_positions(qwen_dirs, family):
+    """Qwen2-VL / Qwen2.5-VL (tokenizer and image processor saved with save_pretrained; their
+    full processor needs torchvision): the full pass gives exactly the logits of the model's
+    own forward, which computes its (time, height, width) positions from the image grids;
+    plain 1-D positions would give others. The decoding loop continues those positions
+    (ratio 1 on recompute, the backend's log-probs within the float32 bound)."""
+    policy = make(model_path=qwen_dirs[family], generation={"max_new_tokens": 6, "old_logp": "recompute"})
+    assert policy.processor.image_token == "<|image_pad|>"
+    sample = policy.sample(prompts(), generator(0))
+    assert torch.equal(policy.log_prob(sample.replay), sample.logp)
+    backend = make(model_path=qwen_dirs[family], generation={"max_new_tokens": 6, "old_logp": "backend"})
+    fast = backend.sample(prompts(), generator(0))
+    assert fast.output == sample.output
+    assert float(((policy.log_prob(fast.replay) - fast.logp) * fast.mask).abs().max()) <= PER_TOKEN_ATOL
+
+    prompt_ids, inputs = policy._encode_inputs(prompts()[:1])
+    ids = torch.tensor(prompt_ids)
+    mask = torch.ones_like(ids)
+    ours = policy.forward_logits(ids, mask, **inputs)
+    grid = inputs["image_grid_thw"][0]
+    pixels = inputs["pixel_values"][0, 0, : int(grid[0].prod())]
+    with torch.no_grad():
+        theirs = policy.language_model(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=(ids == policy.language_model.config.image_token_id).int()).logits
+        flat = policy.language_model(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grid, position_ids=torch.arange(ids.shape[1])[None]).logits
+    finite = torch.isfinite(ours)  # the image placeholder is masked out of completions
+    assert torch.equal(ours[finite], theirs[finite])
+    assert not torch.allclose(ours[finite], flat[finite], atol=1e-4)
+
+
+def test_positive_advantage_raises_a_qwen2_vl_completions_log_prob(qwen_dirs):
+    policy = make(model_path=qwen_dirs["qwen2_vl"], generation={"max_new_tokens": 5})
+    sample = policy.sample(prompts(), generator(1))
+    optimizer = torch.optim.Adam(policy.parameters(), lr=1e-3)
+    before = policy.log_prob(sample.replay).detach()
+    (-(policy.log_prob(sample.replay)[0] * sample.mask[0]).sum()).backward()
+    optimizer.step()
+    after = policy.log_prob(sample.replay).detach()
+    assert ((after[0] - before[0]) * sample.mask[0]).sum() > 0
 
 
 def test_config_errors_name_the_field(tmp_path):
