@@ -418,3 +418,50 @@ class AdapterFreeReference(nn.Module):
 
     def forward(self, replay: dict) -> Tensor:
         return self.log_prob(replay)
+
+
+def export_vlm(policy: nn.Module, out) -> Path:
+    """Write the VLM a VLA sits on, with the weights it has now (after SFT or RL), as a
+    transformers ``save_pretrained`` directory with its tokenizer and image processor: a
+    checkpoint another VLA (or any transformers code) loads as it loads a downloaded one.
+    The token VLA's action bins live in the VLM's own embedding and output rows, so they
+    travel with it; what mmrl adds around the VLM (state projection, action start and slots,
+    an action expert) stays in the policy's own checkpoint."""
+    backbone = getattr(policy, "backbone", None)
+    if backbone is None or not getattr(backbone, "pretrained", False):
+        raise ConfigError("policy.backbone.vlm_path", None, "the policy sits on mmrl's miniature backbone, not a transformers VLM: there is no VLM to export")
+    if backbone.lora:
+        raise ConfigError("policy.backbone.lora.r", backbone.cfg.lora.r, "a VLM with LoRA adapters injected cannot be saved as a plain transformers model: export one trained without adapters")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    backbone.vlm.save_pretrained(out)
+    backbone.tokenizer.hf.save_pretrained(out)
+    image_processor = getattr(backbone, "image_processor", None)
+    if image_processor is None:  # built for a state-only env: the source directory's processor
+        image_processor = _transformers().AutoImageProcessor.from_pretrained(Path(backbone.cfg.vlm_path).expanduser(), local_files_only=True)
+    image_processor.save_pretrained(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mmrl.policies.vla.pretrained export RUN_OR_WEIGHTS --out DIR``."""
+    import argparse
+    import sys
+
+    from mmrl.core.weights import load_pretrained, resolve_weights_dir
+
+    parser = argparse.ArgumentParser(prog="python -m mmrl.policies.vla.pretrained", description="export the transformers VLM of a VLA policy (a run, a checkpoint or a weights directory)")
+    parser.add_argument("command", choices=["export"])
+    parser.add_argument("source", help="a run directory (its latest checkpoint), a checkpoint or a save_pretrained directory of a token_vla / flow_vla on a VLM")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    try:
+        print(export_vlm(load_pretrained(resolve_weights_dir(args.source)), args.out))
+    except (ConfigError, MissingExtraError) as e:
+        print(f"mmrl: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

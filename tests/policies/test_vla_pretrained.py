@@ -346,3 +346,30 @@ def test_the_documented_libero_config_builds_its_policy_on_a_vlm_directory(vlm_d
     assert policy.backbone.language_model.get_input_embeddings().weight.dtype == torch.bfloat16
     assert not any(p.requires_grad for p in policy.backbone.vision_tower.parameters())
     assert policy.reference() is not None
+
+
+@pytest.mark.parametrize("policy_type", POLICY_TYPES)
+def test_a_trained_vlm_exports_as_a_checkpoint_another_vla_loads(vlm_dirs, tmp_path, policy_type):
+    """After SFT or RL the VLM a VLA sits on is written as a transformers directory; a new
+    VLA on it reads the trained weights (the token VLA's action bins included, they are the
+    VLM's own rows)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    policy = make(policy_type, vlm_dirs("paligemma"))
+    _perturb(policy, scale=0.05)
+    save_pretrained(policy, tmp_path / "trained")
+    done = subprocess.run([sys.executable, "-m", "mmrl.policies.vla.pretrained", "export", str(tmp_path / "trained"), "--out", str(tmp_path / "vlm")], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    successor = make(policy_type, str(tmp_path / "vlm"), seed=7)
+    trained, loaded = policy.backbone.vlm.state_dict(), successor.backbone.vlm.state_dict()
+    assert trained.keys() == loaded.keys() and all(torch.equal(trained[k], loaded[k]) for k in trained)
+    if policy_type == "token_vla":
+        hidden = torch.randn(3, policy.backbone.hidden_size)
+        assert torch.equal(policy._action_logits(hidden), successor._action_logits(hidden))
+    miniature = make(policy_type, None, backbone={"vlm_path": None, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "vision_channels": [8, 16]})
+    save_pretrained(miniature, tmp_path / "miniature")
+    refused = subprocess.run([sys.executable, "-m", "mmrl.policies.vla.pretrained", "export", str(tmp_path / "miniature"), "--out", str(tmp_path / "x")], capture_output=True, text=True, cwd=ROOT)
+    assert refused.returncode == 2 and refused.stderr.strip().count("\n") == 0 and "policy.backbone.vlm_path" in refused.stderr
