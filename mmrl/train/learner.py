@@ -72,7 +72,10 @@ class Learner:
         self.critic_cfg = cfg.critic if cfg.critic.type != "none" and algo.type == "rl" else None
         if self.critic_cfg is not None:  # a learned value baseline: the critic trains in the same steps
             first = next(policy.parameters())
-            trained = ActorCritic(policy, build_critic(cfg.critic, policy).to(first.device, first.dtype))
+            # the critic's dtype follows the policy's, but never below float32: a VLM held in
+            # bf16 hands its value head float32 features
+            dtype = first.dtype if first.dtype.itemsize >= 4 else torch.float32
+            trained = ActorCritic(policy, build_critic(cfg.critic, policy).to(first.device, dtype))
         optimizer = torch.optim.AdamW(
             [p for p in trained.parameters() if p.requires_grad], lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.adam_eps, weight_decay=cfg.optim.weight_decay
         )

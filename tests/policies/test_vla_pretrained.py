@@ -277,8 +277,7 @@ def _tabletop_gae_config(tmp_path, policy: dict, total_steps: int = 1) -> dict:
     }
 
 
-@pytest.mark.parametrize("policy_type", POLICY_TYPES)
-@pytest.mark.parametrize("backbone", ["miniature", "qwen2_vl"])
+@pytest.mark.parametrize("policy_type,backbone", [(t, b) for t in POLICY_TYPES for b in ("miniature", "qwen2_vl")] + [("token_vla", "smolvlm_bf16")])
 def test_a_value_head_on_the_pooled_backbone_state_learns_towards_the_returns(vlm_dirs, tmp_path, policy_type, backbone):
     """GAE with a value head on a VLA: one value per action chunk from the backbone's pooled
     prefix state. All tabletop returns of a random VLA are 0, so the update pulls the values
@@ -289,6 +288,8 @@ def test_a_value_head_on_the_pooled_backbone_state_learns_towards_the_returns(vl
 
     if backbone == "miniature":
         backbone_cfg = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64, "vision_channels": [8, 16], "patch_grid": 4}
+    elif backbone == "smolvlm_bf16":  # the VLM in bf16, its value head in float32
+        backbone_cfg = {"vlm_path": vlm_dirs("smolvlm"), "vlm_dtype": "bfloat16"}
     else:
         backbone_cfg = {"vlm_path": vlm_dirs(backbone)}
     policy = {"type": policy_type, "action_chunk": 2, "backbone": backbone_cfg}
@@ -308,7 +309,12 @@ def test_a_value_head_on_the_pooled_backbone_state_learns_towards_the_returns(vl
         return out
 
     learner.learn = learn_and_measure
+    head_before = [p.detach().clone() for p in learner.critic.parameters()]
     trainer.train()
+    assert all(p.dtype == torch.float32 for p in learner.critic.parameters())
+    assert all(not torch.equal(p, q) for p, q in zip(learner.critic.parameters(), head_before))
+    if backbone == "smolvlm_bf16":  # a step of 1e-6 is below bf16's resolution: only the head moves
+        return
     assert seen["after"].square().mean() < seen["before"].square().mean()
     assert not torch.equal(next(learner.policy.backbone.parameters()), seen["first_weight"])
 
