@@ -13,6 +13,7 @@ SHORT = ["total_steps=1", "log.progress=false", "log.tensorboard=false", "eval.a
 # (a stage-2 variant such as text_arithmetic_grpo_care starts from the family's SFT run too)
 SFT_OF = {name: name.split("_grpo")[0] + "_sft" for name in CONFIGS if "_grpo" in name and name.split("_grpo")[0] + "_sft" in CONFIGS}
 SFT_OF["image_shapes_flow_grpo"] = "image_shapes_flow_sft_words"  # the word-level generator
+SFT_OF["image_shapes_flow_grpo_adversarial"] = "image_shapes_flow_sft_words"
 # RL configs rewarded by a learned reward model: the reward-model config whose smoke run they score with
 REWARD_MODEL_OF = {"image_shapes_flow_grpo_pairwise": "reward_shapes_single_count_pairwise"}
 # RL configs rewarded by a trajectory reward model (win rate): the reward-model config whose smoke run they score with
