@@ -34,19 +34,24 @@ from mmrl.config import option
 from mmrl.registry import ADVANTAGES
 
 
-def generalized_advantages(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float, bootstrap: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def generalized_advantages(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float | Tensor, lam: float, bootstrap: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(A, R) [B, T] of the module docstring's recursion in the inputs' dtype; 0 on masked
     decisions. ``bootstrap`` [B]: the value after each sample's last valid decision (V of
     the final observation of an episode a time limit cut; 0 for one that terminated); None:
-    0 for every sample. The valid decisions of a row are a prefix (env episodes)."""
+    0 for every sample. The valid decisions of a row are a prefix (env episodes).
+    ``gamma``: one discount, or one per decision [B, T] (γ^k_t for an action chunk of k_t
+    env steps: the next decision's value is k_t steps away)."""
     m = mask.to(rewards.dtype)
+    if isinstance(gamma, Tensor):
+        gamma = gamma.to(rewards.dtype)
     values = values.to(rewards.dtype) * m
     adv = torch.zeros_like(rewards)
     next_adv = rewards.new_zeros(rewards.shape[0])
     next_value = bootstrap.to(rewards.dtype) if bootstrap is not None else rewards.new_zeros(rewards.shape[0])
     for t in reversed(range(rewards.shape[1])):
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        next_adv = m[:, t] * (delta + gamma * lam * next_adv)
+        g = gamma[:, t] if isinstance(gamma, Tensor) else gamma
+        delta = rewards[:, t] + g * next_value - values[:, t]
+        next_adv = m[:, t] * (delta + g * lam * next_adv)
         adv[:, t] = next_adv
         # past the last valid decision the bootstrap waits; from there on V_{t+1} is the next one's
         next_value = torch.where(m[:, t] > 0, values[:, t], next_value)
@@ -83,7 +88,7 @@ def _normalize_by(adv: Tensor, valid: Tensor, index: Tensor, eps: float) -> Tens
 
 @ADVANTAGES.register("gae", config=GaeConfig, needs_values=True)
 def gae(
-    rewards: Tensor, group_id: Tensor, *, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 0.95, normalize: str = "batch", eps: float = 1e-8,
+    rewards: Tensor, group_id: Tensor, *, values: Tensor, mask: Tensor, gamma: float | Tensor = 1.0, lam: float = 0.95, normalize: str = "batch", eps: float = 1e-8,
     bootstrap: Tensor | None = None, bootstrap_truncated: bool = False,
 ):
     """GAE with a learned value baseline: per-decision advantages from a critic's values.

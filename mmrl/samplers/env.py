@@ -17,7 +17,10 @@ step, see ``success_at``; read from the env's ``info[env.success_key]``, by defa
 of :data:`SUCCESS_KEYS` the env reports), ``return`` (undiscounted sum of env rewards), ``length`` (env
 steps) and ``truncated`` (ended by a time limit or ``max_decisions``, not by the task).
 ``step_rewards[b, t]`` is decision t's chunk reward discounted to its first env step,
-sum_j gamma^j r_{t,j} (gamma = ``algo.advantage.gamma``), for step-level advantages.
+sum_j gamma^j r_{t,j} (gamma = ``algo.advantage.gamma``), for step-level advantages, and
+``info["decision_steps"][b, t]`` the env steps decision t took (at the last column of a
+decision with several log-prob columns, 0 at the others): GAE discounts the next decision's
+value by gamma to that power.
 An env that reports its episode's costs so far in ``info["costs"]`` (``mmrl/Tabletop-v0``:
 path length, steps, collisions) gives ``info["costs"][name]``, each episode's value at its
 last step (logged as ``cost/<name>``).
@@ -473,9 +476,11 @@ class EnvSampler(Sampler):
         # each decision's chunk reward, summed step by step in order (as np.add.reduceat does)
         decision = torch.cumsum(chunk_index == 0, 0) - 1  # [S]: the decision of each env step
         chunk_reward = torch.zeros(num_decisions, n, dtype=torch.float64, device=alive.device)
+        decision_steps = torch.zeros(num_decisions, n, dtype=torch.float64, device=alive.device)
         for j in range(int(chunk_index.max()) + 1):
             at = chunk_index == j
             chunk_reward[decision[at]] += discounted[at]
+            decision_steps[decision[at]] += alive[at].to(torch.float64)
         alive_at_decision = alive[first_steps]
 
         logp = torch.cat([s.logp for s in samples], 1)[:n]
@@ -486,6 +491,9 @@ class EnvSampler(Sampler):
             mask = mask * torch.cat([s.mask for s in samples], 1)[:n]
         step_rewards = torch.zeros(n, num_decisions, k, dtype=torch.float32, device=device)
         step_rewards[:, :, -1] = chunk_reward.T.to(device, torch.float32)
+        # env steps from each column to the next decision: the chunk's at its last column, 0 inside
+        steps = torch.zeros(n, num_decisions, k, dtype=torch.float32, device=device)
+        steps[:, :, -1] = decision_steps.T.to(device, torch.float32)
         entropy = torch.cat([s.entropy for s in samples], 1)[:n] if samples[0].entropy is not None else None
         return Rollout(
             group_id=torch.zeros(n, dtype=torch.long, device=device),
@@ -496,6 +504,7 @@ class EnvSampler(Sampler):
             entropy=entropy,
             old_logp_deferred=any(s.logp_deferred for s in samples),
             info={
+                "decision_steps": steps.view(n, -1),
                 "success": episode_success.float(),
                 "return": torch.cumsum(reward, 0)[-1].float(),  # summed in step order
                 "length": lengths.long(),

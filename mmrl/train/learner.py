@@ -234,8 +234,11 @@ class Learner:
         mask = gather(pad(rollout.mask))
         step_rewards = gather(pad(rollout.step_rewards)) if rollout.step_rewards is not None else None
         per_decision = decision_rewards(reward, mask, step_rewards, cfg.advantage.step_reward_weight)
+        gamma: float | torch.Tensor = cfg.advantage.gamma
+        if "decision_steps" in rollout.info:  # an action chunk of k env steps: the next decision is k steps away
+            gamma = cfg.advantage.gamma ** gather(pad(torch.as_tensor(rollout.info["decision_steps"]).cpu())).double()
         adv, keep, returns = self.advantage_fn(
-            per_decision.double(), groups, values=gather(pad(values)).double(), mask=mask, gamma=cfg.advantage.gamma, bootstrap=gather(bootstrap).double(), **options,
+            per_decision.double(), groups, values=gather(pad(values)).double(), mask=mask, gamma=gamma, bootstrap=gather(bootstrap).double(), **options,
         )
         width = rollout.num_decisions
         rollout.info["_returns"] = returns[rows, :width].float()

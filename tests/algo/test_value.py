@@ -87,3 +87,23 @@ def test_a_bootstrap_continues_the_recursion_after_the_last_decision():
     assert ret[0].tolist() == pytest.approx([a0 + 0.5, a1 + 1.0, 0.0], abs=1e-12)
     terminal, _ = generalized_advantages(r[1:], v[1:], m[1:], gamma, lam)
     torch.testing.assert_close(adv[1:], terminal, rtol=0, atol=0)
+
+
+def test_a_chunk_of_k_env_steps_discounts_the_next_decisions_value_by_gamma_to_the_k():
+    """Per-decision discounts: decisions of 4, 4 and 2 env steps (an action chunk of 4, the
+    last one cut short by the episode's end) see the next value γ^4 and γ^4 away."""
+    gamma, lam = 0.9, 0.8
+    r = torch.tensor([[1.0, 0.0, 2.0]], dtype=torch.float64)
+    v = torch.tensor([[0.5, 1.0, 1.5]], dtype=torch.float64)
+    m = torch.ones(1, 3, dtype=torch.float64)
+    steps = torch.tensor([[4.0, 4.0, 2.0]], dtype=torch.float64)
+    adv, ret = generalized_advantages(r, v, m, gamma**steps, lam, bootstrap=torch.tensor([3.0], dtype=torch.float64))
+    g = [gamma**4, gamma**4, gamma**2]
+    a2 = 2.0 + g[2] * 3.0 - 1.5
+    a1 = (0.0 + g[1] * 1.5 - 1.0) + g[1] * lam * a2
+    a0 = (1.0 + g[0] * 1.0 - 0.5) + g[0] * lam * a1
+    assert adv[0].tolist() == pytest.approx([a0, a1, a2], abs=1e-12)
+    assert ret[0].tolist() == pytest.approx([a0 + 0.5, a1 + 1.0, a2 + 1.5], abs=1e-12)
+    # one step per decision is the scalar discount, bit for bit
+    ones = generalized_advantages(r, v, m, gamma ** torch.ones(1, 3, dtype=torch.float64), lam)
+    assert torch.equal(ones[0], generalized_advantages(r, v, m, gamma, lam)[0])

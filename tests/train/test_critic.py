@@ -139,3 +139,21 @@ def test_the_final_observation_of_a_cut_episode_is_the_next_decisions_observatio
         assert "final_replay" not in plain.collect(policy, 1, 4, step=0).info  # only when asked
     finally:
         plain.close()
+
+
+def test_the_env_sampler_records_the_env_steps_of_each_chunk_for_the_discount():
+    """A chunk of 3 actions per decision: each decision's env steps (the last one cut by the
+    episode's end, 0 past it) are what GAE raises γ to."""
+    from mmrl.config import from_dict
+    from mmrl.train.run_config import TrainConfig
+    from mmrl.train.trainer import Trainer
+    from tests.conftest import point_reach_config
+
+    cfg = from_dict(TrainConfig, point_reach_config(policy={"type": "gaussian_mlp", "hidden_sizes": [16], "action_chunk": 3}))
+    trainer = Trainer(cfg)
+    rollout = trainer.sampler.collect(trainer.policy, 2, 4, step=0)
+    steps, mask, length = rollout.info["decision_steps"], rollout.mask, rollout.info["length"]
+    assert torch.equal(steps.sum(1), length.to(steps.dtype))  # every env step belongs to one decision
+    assert ((steps > 0) == (mask > 0)).all() and (steps <= 3).all()
+    full = steps[:, :-1][mask[:, 1:] > 0]  # decisions followed by another took the whole chunk
+    assert (full == 3).all()
