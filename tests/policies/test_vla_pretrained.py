@@ -355,20 +355,16 @@ def test_the_documented_libero_config_builds_its_policy_on_a_vlm_directory(vlm_d
 
 
 @pytest.mark.parametrize("policy_type", POLICY_TYPES)
-def test_a_trained_vlm_exports_as_a_checkpoint_another_vla_loads(vlm_dirs, tmp_path, policy_type):
+def test_a_trained_vlm_exports_as_a_checkpoint_another_vla_loads(vlm_dirs, tmp_path, capsys, policy_type):
     """After SFT or RL the VLM a VLA sits on is written as a transformers directory; a new
     VLA on it reads the trained weights (the token VLA's action bins included, they are the
     VLM's own rows)."""
-    import subprocess
-    import sys
-
-    from tests.conftest import ROOT
+    from mmrl.policies.vla.pretrained import main as vla_tool
 
     policy = make(policy_type, vlm_dirs("paligemma"))
     _perturb(policy, scale=0.05)
     save_pretrained(policy, tmp_path / "trained")
-    done = subprocess.run([sys.executable, "-m", "mmrl.policies.vla.pretrained", "export", str(tmp_path / "trained"), "--out", str(tmp_path / "vlm")], capture_output=True, text=True, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-2000:]
+    assert vla_tool(["export", str(tmp_path / "trained"), "--out", str(tmp_path / "vlm")]) == 0
     successor = make(policy_type, str(tmp_path / "vlm"), seed=7)
     trained, loaded = policy.backbone.vlm.state_dict(), successor.backbone.vlm.state_dict()
     assert trained.keys() == loaded.keys() and all(torch.equal(trained[k], loaded[k]) for k in trained)
@@ -377,5 +373,7 @@ def test_a_trained_vlm_exports_as_a_checkpoint_another_vla_loads(vlm_dirs, tmp_p
         assert torch.equal(policy._action_logits(hidden), successor._action_logits(hidden))
     miniature = make(policy_type, None, backbone={"vlm_path": None, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "vision_channels": [8, 16]})
     save_pretrained(miniature, tmp_path / "miniature")
-    refused = subprocess.run([sys.executable, "-m", "mmrl.policies.vla.pretrained", "export", str(tmp_path / "miniature"), "--out", str(tmp_path / "x")], capture_output=True, text=True, cwd=ROOT)
-    assert refused.returncode == 2 and refused.stderr.strip().count("\n") == 0 and "policy.backbone.vlm_path" in refused.stderr
+    capsys.readouterr()
+    assert vla_tool(["export", str(tmp_path / "miniature"), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and "policy.backbone.vlm_path" in err
