@@ -341,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "train-reward", help="train a pairwise (Bradley-Terry) reward model on preference pairs", add_help=False,
-        description="Train a pairwise reward model (policy.type bt_image, bt_image_set or bt_text; algo.type sft; data.type preferences) "
+        description="Train a pairwise reward model (policy.type bt_image, bt_image_set, bt_text or bt_trajectory; algo.type sft; data.type preferences) "
         "through the training loop; evaluation reports held-out pairwise accuracy. Write pairs with `python -m mmrl.pairs`.",
     )
     p.add_argument("-h", "--help", action=_TrainHelp, nargs=0, help="show this help and every config field")
