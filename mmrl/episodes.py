@@ -98,12 +98,11 @@ def _camera_frames(episode: Episode) -> np.ndarray:
     return episode.image[:, None] if episode.image.ndim == 4 else episode.image
 
 
-def _stats(values: np.ndarray, axes) -> dict[str, Any]:
+def _stats(values: np.ndarray) -> dict[str, Any]:
+    """LeRobot's statistics of a feature: min, max, mean and std over the rows of [N, D]
+    values, and the count N."""
     values = values.astype(np.float64)
-    return {
-        "min": values.min(axis=axes).tolist(), "max": values.max(axis=axes).tolist(),
-        "mean": values.mean(axis=axes).tolist(), "std": values.std(axis=axes).tolist(), "count": [int(np.prod([values.shape[a] for a in np.atleast_1d(axes)]))],
-    }
+    return {"min": values.min(0).tolist(), "max": values.max(0).tolist(), "mean": values.mean(0).tolist(), "std": values.std(0).tolist(), "count": [len(values)]}
 
 
 def check_new_directory(directory: str | os.PathLike, field: str) -> Path:
@@ -276,9 +275,9 @@ def write_episodes(
         (temp / INFO_PATH).write_text(json.dumps(info, indent=4) + "\n")
         stats = {
             **image_stats,
-            "observation.state": _stats(state, 0), "action": _stats(action, 0), "next.reward": _stats(reward[:, None], 0),
-            "timestamp": _stats((frame_index / fps)[:, None], 0), "frame_index": _stats(frame_index[:, None], 0),
-            "episode_index": _stats(episode_index[:, None], 0), "index": _stats(np.arange(len(frame_index))[:, None], 0), "task_index": _stats(tasks[:, None], 0),
+            "observation.state": _stats(state), "action": _stats(action), "next.reward": _stats(reward[:, None]),
+            "timestamp": _stats((frame_index / fps)[:, None]), "frame_index": _stats(frame_index[:, None]),
+            "episode_index": _stats(episode_index[:, None]), "index": _stats(np.arange(len(frame_index))[:, None]), "task_index": _stats(tasks[:, None]),
         }
         (temp / STATS_PATH).write_text(json.dumps(stats, indent=4) + "\n")
         if directory.exists():
