@@ -303,9 +303,10 @@ class BTTextModel(RewardModel):
 
 @POLICIES.register("bt_trajectory", config=BTTrajectoryConfig)
 class BTTrajectoryModel(RewardModel):
-    """Bradley–Terry reward model of a robot episode given its instruction: keyframe CNN +
-    state and actions → per-keyframe embeddings pooled over time → MLP (see the module
-    docstring). Items are :class:`~mmrl.demos.Trajectories`."""
+    """Bradley–Terry reward model of a robot episode given its instruction: keyframes, state and actions pooled over time.
+
+    Keyframe CNN + state and actions → per-keyframe embeddings pooled over time → MLP (see
+    the module docstring). Items are :class:`~mmrl.demos.Trajectories`."""
 
     input_kind = "trajectory"
 
