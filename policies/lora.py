@@ -4,7 +4,10 @@ Adaptation of Large Language Models") added with ``peft``."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+
+from torch import nn
 
 from mmrl.config import option
 from mmrl.errors import ConfigError
@@ -24,3 +27,29 @@ class LoraOptions:
     def validate(self, path: str) -> None:
         if self.r and not self.target_modules:
             raise ConfigError(f"{path}.target_modules" if path else "target_modules", self.target_modules, "name at least one module (e.g. q_proj, v_proj)")
+
+
+def adapter_layers(module: nn.Module) -> list[nn.Module]:
+    """The layers of ``module`` that peft gave adapters."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [m for m in module.modules() if isinstance(m, BaseTunerLayer)]
+
+
+@contextlib.contextmanager
+def adapters_disabled(module: nn.Module):
+    """Within the block ``module`` runs without its LoRA adapters (the base model: a LoRA
+    policy's KL reference). peft's switch also sets the adapters' ``requires_grad``; what
+    was frozen stays frozen."""
+    trainable = {name: p.requires_grad for name, p in module.named_parameters() if "lora_" in name}
+    layers = adapter_layers(module)
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+        for name, param in module.named_parameters():
+            if name in trainable:
+                param.requires_grad_(trainable[name])

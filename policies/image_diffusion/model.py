@@ -44,6 +44,7 @@ from mmrl.core.policy import Sample
 from mmrl.denoising import DenoisingPolicy, alphas_cumprod, ddpm_betas
 from mmrl.errors import ConfigError, MissingExtraError
 from mmrl.policies.image_diffusion.config import ImageDiffusionConfig
+from mmrl.policies.lora import adapters_disabled
 from mmrl.policies.text_lm.model import _allow_missing_tied_aliases, _drop_tied_aliases
 from mmrl.registry import POLICIES
 
@@ -399,12 +400,6 @@ def _with_lora(denoiser: nn.Module, lora) -> None:
         param.requires_grad_("lora_" in name)
 
 
-def _adapter_layers(denoiser: nn.Module) -> list[nn.Module]:
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    return [m for m in denoiser.modules() if isinstance(m, BaseTunerLayer)]
-
-
 class _AdapterDisabledReference(DenoisingPolicy):
     """The KL reference of a LoRA policy: the policy's own denoiser with its adapters disabled.
 
@@ -591,19 +586,8 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         if not self.config.lora.r:
             yield
             return
-        # peft's switch also sets requires_grad of the adapters; what was frozen stays frozen
-        trainable = {name: p.requires_grad for name, p in self.denoiser_model.named_parameters() if "lora_" in name}
-        layers = _adapter_layers(self.denoiser_model)
-        for layer in layers:
-            layer.enable_adapters(False)
-        try:
+        with adapters_disabled(self.denoiser_model):
             yield
-        finally:
-            for layer in layers:
-                layer.enable_adapters(True)
-            for name, param in self.denoiser_model.named_parameters():
-                if name in trainable:
-                    param.requires_grad_(trainable[name])
 
     def reference(self) -> nn.Module | None:
         """With LoRA, the denoiser with its adapters disabled (shares the base weights, no copy);

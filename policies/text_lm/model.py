@@ -55,9 +55,13 @@ def _transformers():
 
 
 def _without_dropout(model_config) -> None:
-    """Zero every dropout probability of a transformers config (``*dropout*``, ``*pdrop``)."""
-    for name, value in vars(model_config).items():
-        if ("dropout" in name or name.endswith("pdrop")) and isinstance(value, float):
+    """Zero every dropout probability (``*dropout*``, ``*pdrop``) of a transformers config and
+    of its sub-configs (a vision-language model's vision tower and decoder)."""
+    base = _transformers().PretrainedConfig
+    for name, value in list(vars(model_config).items()):
+        if isinstance(value, base):
+            _without_dropout(value)
+        elif ("dropout" in name or name.endswith("pdrop")) and isinstance(value, float):
             setattr(model_config, name, 0.0)
 
 

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from mmrl.data.prompts import ImagePrompt
 from mmrl.errors import ConfigError
-from mmrl.policies.text_lm.model import TextLMPolicy, _transformers, resolve_model_path, tiny_decoder_config
+from mmrl.policies.text_lm.model import TextLMPolicy, _transformers, _without_dropout, resolve_model_path, tiny_decoder_config
 from mmrl.policies.text_lm.tokenizer import TURN_END, TURN_START, byte_tokenizer
 from mmrl.policies.text_vlm.config import TextVLMConfig
 from mmrl.registry import POLICIES
@@ -75,17 +75,6 @@ def _per_image(encoded, num_images: int) -> dict:
             padded[i, : piece.shape[0]] = piece
         encoded["pixel_values"] = padded
     return encoded
-
-
-def _without_dropout(model_config) -> None:
-    """Zero every dropout probability of a transformers config and of its sub-configs (the
-    vision tower's, the decoder's)."""
-    base = _transformers().PretrainedConfig
-    for name, value in list(vars(model_config).items()):
-        if isinstance(value, base):
-            _without_dropout(value)
-        elif ("dropout" in name or name.endswith("pdrop")) and isinstance(value, float):
-            setattr(model_config, name, 0.0)
 
 
 def _tiny_model(config: TextVLMConfig, dtype: torch.dtype):

@@ -43,7 +43,6 @@ frames and a recomputed chunk sees exactly the pixels it was sampled from.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 from pathlib import Path
 
@@ -52,7 +51,8 @@ import torch
 from torch import Tensor, nn
 
 from mmrl.errors import ConfigError, MissingExtraError
-from mmrl.policies.text_lm.model import _allow_missing_tied_aliases, _drop_tied_aliases
+from mmrl.policies.lora import adapters_disabled
+from mmrl.policies.text_lm.model import _allow_missing_tied_aliases, _drop_tied_aliases, _without_dropout
 
 # model_type → family rule: which special tokens wrap an image's block
 SUPPORTED = ("llava", "idefics3", "smolvlm", "paligemma", "qwen2_vl", "qwen2_5_vl")
@@ -74,15 +74,6 @@ def _first_attribute(module: nn.Module, names: tuple[str, ...]) -> nn.Module:
         if getattr(module, name, None) is not None:
             return getattr(module, name)
     raise AttributeError(f"{type(module).__name__} has none of {names}")
-
-
-def _without_dropout(model_config) -> None:
-    base = _transformers().PretrainedConfig
-    for name, value in list(vars(model_config).items()):
-        if isinstance(value, base):
-            _without_dropout(value)
-        elif ("dropout" in name or name.endswith("pdrop")) and isinstance(value, float):
-            setattr(model_config, name, 0.0)
 
 
 class VLMTokenizer:
@@ -254,19 +245,9 @@ class PretrainedVLMBackbone(nn.Module):
             if "lora_" in name:
                 param.requires_grad_(True)
 
-    @contextlib.contextmanager
     def adapters_disabled(self):
-        """The language model without its LoRA adapters (the KL reference)."""
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
-        layers = [m for m in self.language_model.modules() if isinstance(m, BaseTunerLayer)]
-        for layer in layers:
-            layer.enable_adapters(False)
-        try:
-            yield
-        finally:
-            for layer in layers:
-                layer.enable_adapters(True)
+        """A context in which the language model runs without its LoRA adapters (the KL reference)."""
+        return adapters_disabled(self.language_model)
 
     # ------------------------------------------------------------------ images
 
