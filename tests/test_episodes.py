@@ -187,3 +187,15 @@ def test_mmrl_eval_saves_each_evaluated_episode_with_its_outcome_and_costs(tmp_p
     assert main(["eval", str(config), "--save-episodes", str(tmp_path / "episodes")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--save-episodes" in err[0] and "not empty" in err[0]
+
+
+def test_the_collect_command_writes_the_lerobot_layout_and_refuses_to_append_to_it(tmp_path, capsys):
+    pytest.importorskip("mujoco")
+    out = tmp_path / "ds"
+    assert main(["collect", "--task", "spatial_left", "--episodes-per-task", "2", "--image-size", "16", "--format", "lerobot", "--out", str(out)]) == 0
+    episodes = read_episodes(out)
+    assert [(e.task, e.seed, e.success) for e in episodes] == [("spatial_left", 0, True), ("spatial_left", 1, True)]
+    capsys.readouterr()
+    assert main(["collect", "--task", "spatial_left", "--episodes-per-task", "1", "--format", "lerobot", "--append", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "append" in err[0]
