@@ -9,8 +9,10 @@ from mmrl.config import option
 from mmrl.core.component_config import PolicyConfig
 from mmrl.errors import ConfigError
 from mmrl.policies.lora import LoraOptions
-from mmrl.policies.vla.backbone import ARCHS
 
+
+# transformers decoder families the tiny models are built from (a random config of each)
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma")
 
 @dataclass
 class TinyLMConfig:

@@ -47,8 +47,8 @@ from torch import Tensor, nn
 from mmrl.config import option
 from mmrl.errors import ConfigError, MissingExtraError
 from mmrl.policies.lora import LoraOptions
+from mmrl.policies.text_lm.config import ARCHS
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma")
 
 
 @dataclass
