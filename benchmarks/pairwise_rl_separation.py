@@ -8,6 +8,9 @@ accuracy, the mean learned score, the mean score of verifier-correct and -wrong 
 the AUC (the probability that a correct image outscores a wrong one).
 
     .venv/bin/python benchmarks/pairwise_rl_separation.py assets/shapes_flow_sft runs/image_shapes_flow_grpo_pairwise
+
+A reward that learns during RL (``adversarial``) starts untrained; ``--reward-state RUN``
+loads the reward state of RUN's latest checkpoint (its discriminator) first.
 """
 from __future__ import annotations
 
@@ -29,10 +32,15 @@ def main() -> int:
     parser.add_argument("weights", nargs="+", help="asset, run or checkpoint directories to load as policy.pretrained")
     parser.add_argument("--config", default="configs/image_shapes_flow_grpo_pairwise.yaml", help="run config: policy, prompts, and the rewards [learned, verifier]")
     parser.add_argument("--samples", type=int, default=16, help="images per prompt")
+    parser.add_argument("--reward-state", default=None, help="a run directory whose latest checkpoint's reward state the rewards load (a discriminator trained during RL)")
     args = parser.parse_args()
     for weights in args.weights:
         cfg = load_config(TrainConfig, args.config, [f"policy.pretrained={weights}"])
         rewards = RewardSet(cfg.rewards, "weighted_sum", RewardContext(device=torch.device("cpu"), run_dir=Path("."), seed=0))
+        if args.reward_state:
+            from mmrl.core.weights import CHECKPOINT_STATE, latest_checkpoint
+
+            rewards.load_state_dict(torch.load(latest_checkpoint(args.reward_state) / CHECKPOINT_STATE, weights_only=True)["rewards"])
         for split, source in (("train", cfg.sampler.data.train), ("held_out", cfg.sampler.data.eval)):
             sampler = registry.SAMPLERS.get("prompt")(dataclasses.replace(cfg.sampler, data=dataclasses.replace(cfg.sampler.data, train=source, eval=None)), cfg)
             torch.manual_seed(0)
