@@ -47,44 +47,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from mmrl.episodes import Episode, read_episodes
 from mmrl.errors import ConfigError
 
 FORMAT = "mmrl-demos"
 VERSION = 1
 INDEX = "index.json"
 _RESERVED = ("format", "version", "episodes")
-
-
-@dataclass
-class Episode:
-    """One demonstration: T steps of observations (``image``, ``state``), ``action`` and
-    ``reward``, and what the episode was (``instruction``, ``task``, ``seed``, ``success``,
-    and the ``costs`` its env reported, e.g. ``path_length``, ``steps``, ``collisions``)."""
-
-    image: np.ndarray
-    state: np.ndarray
-    action: np.ndarray
-    reward: np.ndarray
-    success: bool
-    instruction: str
-    task: str
-    seed: int
-    costs: dict[str, float] = field(default_factory=dict)
-
-    def __len__(self) -> int:
-        return int(self.action.shape[0])
-
-    def check(self, where: str = "episode") -> None:
-        """Raise ValueError unless the arrays have the format's dtypes and agree on T >= 1."""
-        expected = {"image": (np.uint8, None), "state": (np.float32, 2), "action": (np.float32, 2), "reward": (np.float32, 1)}
-        for key, (dtype, ndim) in expected.items():
-            value = getattr(self, key)
-            if not isinstance(value, np.ndarray) or value.dtype != dtype or (ndim is not None and value.ndim != ndim):
-                got = f"{value.dtype} array of shape {value.shape}" if isinstance(value, np.ndarray) else type(value).__name__
-                raise ValueError(f"{where}.{key}: expected a {np.dtype(dtype)} array{f' with {ndim} dimensions' if ndim else ''}, got {got}")
-        lengths = {key: getattr(self, key).shape[0] for key in expected}
-        if len(set(lengths.values())) != 1 or lengths["action"] < 1:
-            raise ValueError(f"{where}: every array needs the same number T >= 1 of steps, got {lengths}")
 
 
 def atomic_write(path: Path, write) -> None:
@@ -160,8 +129,6 @@ def read_demos(directory: str | os.PathLike) -> list[Episode]:
     LeRobotDataset v3's layout, :func:`mmrl.episodes.read_episodes`)."""
     directory = Path(directory)
     if not (directory / INDEX).exists() and (directory / "meta" / "info.json").is_file():
-        from mmrl.episodes import read_episodes
-
         return read_episodes(directory)
     episodes = []
     for name in read_index(directory)["episodes"]:

@@ -38,7 +38,7 @@ One chunk and one file per table and camera (LeRobot's 1000-file chunks and 100/
 files are limits mmrl's evaluations and demonstrations stay far below; ``info.json`` states
 them). The dataset is written into a temporary directory beside ``directory`` and renamed
 into place, so a reader finds a whole dataset or none. Reading (:func:`read_episodes`)
-gives :class:`~mmrl.demos.Episode` objects equal to those written.
+gives :class:`Episode` objects equal to those written.
 """
 
 from __future__ import annotations
@@ -48,12 +48,12 @@ import math
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from mmrl.demos import Episode
 from mmrl.errors import ConfigError, MissingExtraError
 
 CODEBASE_VERSION = "v3.0"
@@ -67,6 +67,39 @@ TASKS_PATH = "meta/tasks.parquet"
 INFO_PATH = "meta/info.json"
 STATS_PATH = "meta/stats.json"
 IMAGE_PREFIX = "observation.images."
+
+
+
+@dataclass
+class Episode:
+    """One demonstration: T steps of observations (``image``, ``state``), ``action`` and
+    ``reward``, and what the episode was (``instruction``, ``task``, ``seed``, ``success``,
+    and the ``costs`` its env reported, e.g. ``path_length``, ``steps``, ``collisions``)."""
+
+    image: np.ndarray
+    state: np.ndarray
+    action: np.ndarray
+    reward: np.ndarray
+    success: bool
+    instruction: str
+    task: str
+    seed: int
+    costs: dict[str, float] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.action.shape[0])
+
+    def check(self, where: str = "episode") -> None:
+        """Raise ValueError unless the arrays have the format's dtypes and agree on T >= 1."""
+        expected = {"image": (np.uint8, None), "state": (np.float32, 2), "action": (np.float32, 2), "reward": (np.float32, 1)}
+        for key, (dtype, ndim) in expected.items():
+            value = getattr(self, key)
+            if not isinstance(value, np.ndarray) or value.dtype != dtype or (ndim is not None and value.ndim != ndim):
+                got = f"{value.dtype} array of shape {value.shape}" if isinstance(value, np.ndarray) else type(value).__name__
+                raise ValueError(f"{where}.{key}: expected a {np.dtype(dtype)} array{f' with {ndim} dimensions' if ndim else ''}, got {got}")
+        lengths = {key: getattr(self, key).shape[0] for key in expected}
+        if len(set(lengths.values())) != 1 or lengths["action"] < 1:
+            raise ValueError(f"{where}: every array needs the same number T >= 1 of steps, got {lengths}")
 
 
 def _pyarrow():
