@@ -93,8 +93,10 @@ class PairwisePreference(Reward):
         if not path.is_dir():
             raise ConfigError("rewards", cfg.model, "pairwise_preference.model: no such run or checkpoint directory")
         self.model = load_pretrained(path)
-        if not isinstance(self.model, RewardModel):
-            raise ConfigError("rewards", cfg.model, f"pairwise_preference.model holds a {self.model.config.type!r} policy, not a reward model (bt_image, bt_image_set, bt_text, bt_trajectory)")
+        pairwise = ("bt_image", "bt_image_set", "bt_text", "bt_trajectory")
+        if not isinstance(self.model, RewardModel) or self.model.config.type not in pairwise:
+            kind = "a success classifier (it is read as env.success_model)" if self.model.config.type == "learned_success" else "not a pairwise reward model"
+            raise ConfigError("rewards", cfg.model, f"pairwise_preference.model holds a {self.model.config.type!r} model, {kind}; expected one of {', '.join(pairwise)}")
         self.model.to(context.device_for(cfg)).eval().requires_grad_(False)
 
     def _items(self, rollout: Rollout):

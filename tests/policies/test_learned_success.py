@@ -203,3 +203,15 @@ def test_the_source_reads_several_directories_and_holds_out_whole_episodes(tmp_p
     assert source.samples["label"].sum() == 12 and source.held_out["label"].sum() == 4
     metrics = source.evaluate(model)
     assert metrics["held_out_frames"] == 8 and 0 <= metrics["success_accuracy"] <= 1
+
+
+def test_a_success_classifier_given_as_a_pairwise_reward_model_is_a_one_line_error(tmp_path):
+    from mmrl.core.reward import RewardContext
+    from mmrl.core.weights import save_pretrained
+    from mmrl.errors import ConfigError
+    from mmrl.rewards.pairwise import PairwisePreference, PairwisePreferenceConfig
+
+    model = LearnedSuccessModel(from_dict(LearnedSuccessConfig, {k: v for k, v in TINY.items() if k != "type"}, "policy"))
+    save_pretrained(model, tmp_path / "classifier")
+    with pytest.raises(ConfigError, match="'learned_success' model, a success classifier .*env.success_model.*bt_trajectory"):
+        PairwisePreference(PairwisePreferenceConfig(model=str(tmp_path / "classifier")), RewardContext())
