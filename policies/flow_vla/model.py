@@ -56,11 +56,11 @@ import torch
 from torch import Tensor, nn
 
 from mmrl.denoising import learned_noise_std, sinusoidal_embedding
+from mmrl.errors import ConfigError
 from mmrl.policies.flow_vla.config import FlowVLAConfig
 from mmrl.policies.vla.action_chunk import ActionChunkPolicy
-from mmrl.errors import ConfigError
-from mmrl.policies.vla.backbone import build_backbone, encode_observations, pooled_prefix_state
-from mmrl.policies.vla.pretrained import AdapterFreeReference
+from mmrl.policies.vla.backbone import encode_observations, pooled_prefix_state
+from mmrl.policies.vla.pretrained import AdapterFreeReference, build_backbone
 from mmrl.policies.vla.tokenizer import InstructionTokenizer
 from mmrl.registry import POLICIES
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from mmrl.config import option
 from mmrl.core.component_config import PolicyConfig
 from mmrl.errors import ConfigError
-from mmrl.policies.reward_model.config import PromptEncoderConfig
+from mmrl.policies.reward_model.config import BTImageConfig, PromptEncoderConfig
 
 
 @dataclass
@@ -26,10 +26,7 @@ class LearnedSuccessConfig(PolicyConfig):
 
     def validate(self, path: str) -> None:
         prefix = f"{path}." if path else ""
-        if not self.channels or any(c < 1 for c in self.channels):
-            raise ConfigError(f"{prefix}channels", self.channels, "expected a non-empty list of positive channel counts")
-        if self.strides is not None and (len(self.strides) != len(self.channels) or any(s not in (1, 2) for s in self.strides)):
-            raise ConfigError(f"{prefix}strides", self.strides, f"expected null or one stride (1 or 2) per conv ({len(self.channels)} entries)")
+        BTImageConfig.validate(self, path)  # the same conv tower (channels, strides)
         if self.shift >= self.image_size:
             raise ConfigError(f"{prefix}shift", self.shift, f"must be smaller than image_size ({self.image_size})")
 

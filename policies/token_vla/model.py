@@ -41,8 +41,8 @@ from torch import Tensor, nn
 from mmrl.core.policy import PolicyModule, Sample
 from mmrl.errors import ConfigError
 from mmrl.policies.token_vla.config import TokenVLAConfig
-from mmrl.policies.vla.backbone import build_backbone, encode_observations, pooled_prefix_state
-from mmrl.policies.vla.pretrained import AdapterFreeReference
+from mmrl.policies.vla.backbone import encode_observations, pooled_prefix_state
+from mmrl.policies.vla.pretrained import AdapterFreeReference, build_backbone
 from mmrl.policies.vla.tokenizer import FILE_NAME as TOKENIZER_FILE
 from mmrl.policies.vla.tokenizer import InstructionTokenizer
 from mmrl.registry import POLICIES

@@ -104,6 +104,19 @@ def _transformers():
     return transformers
 
 
+def observation_spec(spec: dict) -> tuple[int, tuple[int, ...] | None, int]:
+    """(state dim, image shape, cameras) of the env's spec: the image shape [H, W, 3] (one
+    camera) or [K, H, W, 3] (K cameras), None (and 0 cameras) without images."""
+    state_dim = int(spec.get("state_dim", spec.get("obs_dim", 0)) or 0)
+    image_shape = spec.get("image_shape")
+    if image_shape is None:
+        return state_dim, None, 0
+    image_shape = tuple(int(s) for s in image_shape)
+    if len(image_shape) not in (3, 4) or image_shape[-1] != 3:
+        raise ConfigError("env", list(image_shape), "expected RGB images of shape [H, W, 3] or [K, H, W, 3] (K cameras)")
+    return state_dim, image_shape, 1 if len(image_shape) == 3 else image_shape[0]
+
+
 def _conv_out(size: int) -> int:
     """Output size of a 3×3, stride-2, padding-1 convolution."""
     return (size - 1) // 2 + 1
@@ -119,18 +132,11 @@ class VLABackbone(nn.Module):
         cfg.validate("policy.backbone")
         self.cfg = cfg
         self.hidden_size = hd = cfg.hidden_size
-        self.state_dim = int(spec.get("state_dim", spec.get("obs_dim", 0)) or 0)
-
-        image_shape = spec.get("image_shape")
-        self.num_cameras = 0
+        self.state_dim, image_shape, self.num_cameras = observation_spec(spec)
         self.num_keypoints = 0
         self.film = None
         if image_shape is not None:
-            image_shape = [int(s) for s in image_shape]
-            if len(image_shape) not in (3, 4) or image_shape[-1] != 3:
-                raise ConfigError("env", image_shape, "expected RGB images of shape [H, W, 3] or [K, H, W, 3] (K cameras)")
-            self.image_shape = tuple(image_shape)
-            self.num_cameras = 1 if len(image_shape) == 3 else image_shape[0]
+            self.image_shape = image_shape
             h, w = image_shape[-3:-1]
             layers: list[nn.Module] = []
             channels = 5 if cfg.coord_channels else 3
@@ -295,21 +301,6 @@ def pooled_prefix_state(hidden: Tensor, mask: Tensor) -> Tensor:
     state the same way), one value per observation."""
     weights = mask.to(hidden.dtype).unsqueeze(-1)
     return (hidden * weights).sum(1) / weights.sum(1).clamp(min=1.0)
-
-
-def build_backbone(cfg: VLABackboneConfig, spec: dict, instructions: list[str]):
-    """(tokenizer, backbone): the miniature with a word-level tokenizer over the env's
-    ``instructions``, or, with ``cfg.vlm_path``, the pretrained VLM and its own tokenizer."""
-    cfg.validate("policy.backbone")
-    if cfg.vlm_path is not None:
-        from mmrl.policies.vla.pretrained import PretrainedVLMBackbone
-
-        backbone = PretrainedVLMBackbone(cfg, spec)
-        return backbone.tokenizer, backbone
-    from mmrl.policies.vla.tokenizer import InstructionTokenizer
-
-    tokenizer = InstructionTokenizer.build(instructions)
-    return tokenizer, VLABackbone(cfg, spec, tokenizer.vocab_size)
 
 
 def encode_observations(backbone: VLABackbone, tokenizer, inputs, device, max_words: int) -> dict[str, Tensor]:

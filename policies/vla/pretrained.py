@@ -53,6 +53,8 @@ from torch import Tensor, nn
 from mmrl.errors import ConfigError, MissingExtraError
 from mmrl.policies.lora import adapters_disabled
 from mmrl.policies.text_lm.model import _allow_missing_tied_aliases, _drop_tied_aliases, _without_dropout
+from mmrl.policies.vla.backbone import VLABackbone, VLABackboneConfig, observation_spec
+from mmrl.policies.vla.tokenizer import InstructionTokenizer
 
 # model_type → family rule: which special tokens wrap an image's block
 SUPPORTED = ("llava", "idefics3", "smolvlm", "paligemma", "qwen2_vl", "qwen2_5_vl")
@@ -141,7 +143,7 @@ class PretrainedVLMBackbone(nn.Module):
             if getattr(text_config, "layer_types", None):
                 text_config.layer_types = text_config.layer_types[: cfg.vlm_layers]
         self.hidden_size = int(text_config.hidden_size)
-        self.state_dim = int(spec.get("state_dim", spec.get("obs_dim", 0)) or 0)
+        self.state_dim, image_shape, self.num_cameras = observation_spec(spec)
         self._cache_argument = "cache" if "cache" in inspect.signature(self.language_model.forward).parameters else "past_key_values"
 
         if cfg.freeze_vision_tower:
@@ -151,16 +153,10 @@ class PretrainedVLMBackbone(nn.Module):
             self._add_lora(cfg.lora)
 
         # the fixed part of the prefix: image blocks, the state slot, the family's text start
-        image_shape = spec.get("image_shape")
-        self.num_cameras = 0
         layout: list[int] = []
         self.image_grid = None
         if image_shape is not None:
-            image_shape = [int(s) for s in image_shape]
-            if len(image_shape) not in (3, 4) or image_shape[-1] != 3:
-                raise ConfigError("env", image_shape, "expected RGB images of shape [H, W, 3] or [K, H, W, 3] (K cameras)")
-            self.image_shape = tuple(image_shape)
-            self.num_cameras = 1 if len(image_shape) == 3 else image_shape[0]
+            self.image_shape = image_shape
             self.image_processor = tf.AutoImageProcessor.from_pretrained(path, local_files_only=True)
             blank = torch.zeros(1, *image_shape[-3:], dtype=torch.uint8)
             with torch.no_grad():
@@ -372,6 +368,17 @@ class PretrainedVLMBackbone(nn.Module):
             **{self._cache_argument: cache},
         )
         return out.last_hidden_state.float()
+
+
+def build_backbone(cfg: VLABackboneConfig, spec: dict, instructions: list[str]):
+    """(tokenizer, backbone): the miniature with a word-level tokenizer over the env's
+    ``instructions``, or, with ``cfg.vlm_path``, the pretrained VLM and its own tokenizer."""
+    cfg.validate("policy.backbone")
+    if cfg.vlm_path is not None:
+        backbone = PretrainedVLMBackbone(cfg, spec)
+        return backbone.tokenizer, backbone
+    tokenizer = InstructionTokenizer.build(instructions)
+    return tokenizer, VLABackbone(cfg, spec, tokenizer.vocab_size)
 
 
 class AdapterFreeReference(nn.Module):
