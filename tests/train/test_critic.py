@@ -141,7 +141,7 @@ def test_the_final_observation_of_a_cut_episode_is_the_next_decisions_observatio
         plain.close()
 
 
-def test_the_env_sampler_records_the_env_steps_of_each_chunk_for_the_discount():
+def test_the_env_sampler_records_the_env_steps_of_each_chunk_for_the_discount(tmp_path):
     """A chunk of 3 actions per decision: each decision's env steps (the last one cut by the
     episode's end, 0 past it) are what GAE raises γ to."""
     from mmrl.config import from_dict
@@ -150,7 +150,7 @@ def test_the_env_sampler_records_the_env_steps_of_each_chunk_for_the_discount():
     from tests.conftest import point_reach_config
 
     cfg = from_dict(TrainConfig, point_reach_config(policy={"type": "gaussian_mlp", "hidden_sizes": [16], "action_chunk": 3}))
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, tmp_path / "run")
     rollout = trainer.sampler.collect(trainer.policy, 2, 4, step=0)
     steps, mask, length = rollout.info["decision_steps"], rollout.mask, rollout.info["length"]
     assert torch.equal(steps.sum(1), length.to(steps.dtype))  # every env step belongs to one decision
