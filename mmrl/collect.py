@@ -128,7 +128,7 @@ def run_expert_episode(env, expert_action, task: str, seed: int, noise: float = 
     """One episode of ``expert_action`` on ``task`` from reset seed ``seed`` (observations,
     actions, rewards and success as written by ``mmrl collect``)."""
     obs, _ = env.reset(seed=seed, options={"task": task})
-    images, states, actions, rewards = [], [], [], []
+    images, states, actions, rewards, flags = [], [], [], [], []
     info: dict = {"success": False}
     done = False
     while not done:
@@ -138,6 +138,7 @@ def run_expert_episode(env, expert_action, task: str, seed: int, noise: float = 
         actions.append(action)
         obs, reward, terminated, truncated, info = env.step(action)
         rewards.append(reward)
+        flags.append(bool(info.get("success", False)))
         done = terminated or truncated
     return Episode(
         image=np.stack(images).astype(np.uint8),
@@ -149,4 +150,5 @@ def run_expert_episode(env, expert_action, task: str, seed: int, noise: float = 
         task=task,
         seed=seed,
         costs={name: float(value) for name, value in info.get("costs", {}).items()},
+        step_success=np.asarray(flags, dtype=bool),
     )

@@ -25,6 +25,8 @@ key            dtype, shape        meaning
 ``costs``      str []              JSON object of the episode's costs (name →
                                    number, e.g. ``path_length``); absent in
                                    files written before costs existed
+``step_success`` bool [T]          the env's success flag after each action
+                                   (optional: episodes recorded by mmrl)
 =============  ==================  ===========================================
 
 The same episodes can be written in LeRobotDataset v3's layout instead (parquet + mp4 +
@@ -117,6 +119,8 @@ def write_demos(directory: str | os.PathLike, episodes: list[Episode], metadata:
             "seed": np.array(int(episode.seed), dtype=np.int64),
             "costs": np.array(json.dumps({k: float(v) for k, v in episode.costs.items()})),
         }
+        if episode.step_success is not None:
+            arrays["step_success"] = np.asarray(episode.step_success, dtype=bool)
         atomic_write(directory / name, lambda f, arrays=arrays: np.savez_compressed(f, **arrays))
         names.append(name)
     index = {**index, **(metadata or {}), "episodes": index["episodes"] + names}
@@ -147,6 +151,7 @@ def read_demos(directory: str | os.PathLike) -> list[Episode]:
                     task=str(data["task"]),
                     seed=int(data["seed"]),
                     costs=json.loads(str(data["costs"])) if "costs" in data else {},
+                    step_success=data["step_success"] if "step_success" in data else None,
                 )
             )
     return episodes

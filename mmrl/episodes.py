@@ -16,6 +16,10 @@ lists), ``next.reward`` float32 and ``next.done`` bool (true on an episode's las
 LeRobot's own columns ``timestamp`` float32 (frame_index / fps), ``frame_index`` (step within
 the episode), ``episode_index``, ``index`` (step within the dataset) and ``task_index``
 (int64). Observation t is what the agent saw before action t, as in :mod:`mmrl.demos`.
+``next.success`` bool, where every episode written has it (the env sampler records it): the
+env's success flag after action t, i.e. whether the state observation t + 1 shows is a
+success (LeRobot's datasets with a success signal name it so) — frame-level labels for a
+success classifier (``success_frames`` with ``labels: step``).
 
 **Episodes** (``meta/episodes``): LeRobot's ``episode_index``, ``tasks`` (list of the
 instruction), ``length``, ``dataset_from_index`` / ``dataset_to_index`` (the episode's rows of
@@ -74,7 +78,8 @@ IMAGE_PREFIX = "observation.images."
 class Episode:
     """One demonstration: T steps of observations (``image``, ``state``), ``action`` and
     ``reward``, and what the episode was (``instruction``, ``task``, ``seed``, ``success``,
-    and the ``costs`` its env reported, e.g. ``path_length``, ``steps``, ``collisions``)."""
+    and the ``costs`` its env reported, e.g. ``path_length``, ``steps``, ``collisions``).
+    ``step_success`` (bool [T], optional): the env's success flag after each action."""
 
     image: np.ndarray
     state: np.ndarray
@@ -85,6 +90,7 @@ class Episode:
     task: str
     seed: int
     costs: dict[str, float] = field(default_factory=dict)
+    step_success: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.action.shape[0])
@@ -98,6 +104,11 @@ class Episode:
                 got = f"{value.dtype} array of shape {value.shape}" if isinstance(value, np.ndarray) else type(value).__name__
                 raise ValueError(f"{where}.{key}: expected a {np.dtype(dtype)} array{f' with {ndim} dimensions' if ndim else ''}, got {got}")
         lengths = {key: getattr(self, key).shape[0] for key in expected}
+        if self.step_success is not None:
+            if not isinstance(self.step_success, np.ndarray) or self.step_success.dtype != np.bool_ or self.step_success.ndim != 1:
+                got = f"{self.step_success.dtype} array of shape {self.step_success.shape}" if isinstance(self.step_success, np.ndarray) else type(self.step_success).__name__
+                raise ValueError(f"{where}.step_success: expected a bool array with 1 dimension, got {got}")
+            lengths["step_success"] = self.step_success.shape[0]
         if len(set(lengths.values())) != 1 or lengths["action"] < 1:
             raise ValueError(f"{where}: every array needs the same number T >= 1 of steps, got {lengths}")
 
@@ -242,6 +253,9 @@ def write_episodes(
             "index": pa.array(np.arange(len(frame_index), dtype=np.int64)),
             "task_index": pa.array(tasks.astype(np.int64)),
         })
+        step_success = all(e.step_success is not None for e in episodes)
+        if step_success:
+            data = data.append_column("next.success", pa.array(np.concatenate([e.step_success for e in episodes])))
         path = temp / DATA_PATH.format(chunk_index=0, file_index=0)
         path.parent.mkdir(parents=True)
         pq.write_table(data, path)
@@ -297,6 +311,7 @@ def write_episodes(
             "episode_index": {**scalar, "dtype": "int64"},
             "index": {**scalar, "dtype": "int64"},
             "task_index": {**scalar, "dtype": "int64"},
+            **({"next.success": {**scalar, "dtype": "bool"}} if step_success else {}),
         }
         info = {
             "codebase_version": CODEBASE_VERSION, "robot_type": robot_type,
@@ -359,6 +374,7 @@ def read_episodes(directory: str | os.PathLike) -> list[Episode]:
     state = np.asarray(data["observation.state"], dtype=np.float32)[order] if "observation.state" in data else None
     action = np.asarray(data["action"], dtype=np.float32)[order]
     reward = np.asarray(data.get("next.reward", np.zeros(len(order))), dtype=np.float32)[order]
+    step_success = np.asarray(data["next.success"], dtype=bool)[order] if "next.success" in data else None
     videos: dict[tuple[str, int, int], np.ndarray] = {}
     episodes = []
     for e in np.argsort(rows["episode_index"]):
@@ -388,5 +404,6 @@ def read_episodes(directory: str | os.PathLike) -> list[Episode]:
             task=str(rows["task_name"][e]) if "task_name" in rows else instruction,
             seed=int(rows["seed"][e]) if "seed" in rows else -1,
             costs=costs,
+            step_success=step_success[start:stop] if step_success is not None else None,
         ))
     return episodes

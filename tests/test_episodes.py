@@ -29,6 +29,7 @@ def _episodes(cameras: int = 2, seed: int = 0) -> list[Episode]:
             action=rng.uniform(-1, 1, (steps, 2)).astype(np.float32), reward=np.eye(steps, dtype=np.float32)[-1] * success,
             success=success, instruction=["push the red block left", "push the blue block up"][i % 2], task=f"task_{i % 2}", seed=100 + i,
             costs={"path_length": float(rng.uniform()), "steps": float(steps), **({"collisions": 2.0} if i != 1 else {})},
+            step_success=np.eye(steps, dtype=bool)[-1] & success,
         ))
     return out
 
@@ -38,6 +39,9 @@ def _same(a: Episode, b: Episode) -> None:
         x, y = getattr(a, key), getattr(b, key)
         assert x.dtype == y.dtype and np.array_equal(x, y), key
     assert (a.success, a.instruction, a.task, a.seed, a.costs) == (b.success, b.instruction, b.task, b.seed, b.costs)
+    assert (a.step_success is None) == (b.step_success is None)
+    if a.step_success is not None:
+        assert b.step_success.dtype == np.bool_ and np.array_equal(a.step_success, b.step_success)
 
 
 @pytest.mark.parametrize("cameras", [1, 2])
@@ -137,6 +141,23 @@ def test_reading_a_dataset_with_a_missing_video_or_a_foreign_version_names_it(tm
         read_episodes(tmp_path / "ds")
 
 
+def test_per_step_success_is_the_next_success_column_and_is_left_out_unless_every_episode_has_it(tmp_path):
+    import pyarrow.parquet as pq
+
+    episodes = _episodes(1)
+    write_episodes(tmp_path / "all", episodes, fps=10)
+    data = pq.read_table(next((tmp_path / "all" / "data").glob("chunk-*/file-*.parquet"))).to_pydict()
+    assert data["next.success"] == [False] * 4 + [True] + [False] * 3 + [False] * 6 + [True]  # lengths 5, 3, 7
+    assert json.loads((tmp_path / "all/meta/info.json").read_text())["features"]["next.success"]["dtype"] == "bool"
+    episodes[1].step_success = None
+    write_episodes(tmp_path / "some", episodes, fps=10)
+    assert "next.success" not in pq.read_table(next((tmp_path / "some" / "data").glob("chunk-*/file-*.parquet"))).column_names
+    assert all(e.step_success is None for e in read_episodes(tmp_path / "some"))
+    with pytest.raises(ValueError, match=r"episodes\[0\]: every array needs the same number"):
+        episodes[0].step_success = np.zeros(2, bool)
+        write_episodes(tmp_path / "bad", episodes, fps=10)
+
+
 def test_costs_survive_the_demonstrations_format_too(tmp_path):
     episodes = _episodes(1)
     write_demos(tmp_path, episodes)
@@ -153,6 +174,8 @@ def test_collect_writes_the_lerobot_layout_with_the_same_episodes_and_their_cost
     for a, b in zip(npz, lerobot):
         _same(a, b)
         assert a.costs["steps"] == len(a) and a.costs["path_length"] > 0
+        # the tabletop ends an episode at success: only its last step can be one
+        assert not a.step_success[:-1].any() and bool(a.step_success[-1]) == a.success
     info = json.loads((tmp_path / "lerobot/meta/info.json").read_text())
     assert "observation.images.front" in info["features"] and info["mmrl"]["env_kwargs"] == kwargs
     with pytest.raises(ConfigError, match="append"):
@@ -183,6 +206,7 @@ def test_mmrl_eval_saves_each_evaluated_episode_with_its_outcome_and_costs(tmp_p
     assert all(e.image.shape == (len(e), 2, 16, 16, 3) and e.costs["steps"] == len(e) <= 6 for e in episodes)
     assert result["cost_path_length_mean"] == pytest.approx(np.mean([e.costs["path_length"] for e in episodes]))
     assert all(e.seed >= 2**31 and e.task.startswith("spatial_") for e in episodes)  # evaluation seeds, the env's task names
+    assert all(e.step_success is not None and len(e.step_success) == len(e) and bool(e.step_success.any()) == e.success for e in episodes)
     capsys.readouterr()
     assert main(["eval", str(config), "--save-episodes", str(tmp_path / "episodes")]) == 2
     err = capsys.readouterr().err.strip().splitlines()

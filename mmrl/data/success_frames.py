@@ -18,6 +18,16 @@ collect --keep-failures`` writes failed episodes beside the successful ones) giv
   less of. Where an env can report success and go on (success is not absorbing) the
   argument fails: leave it off.
 
+With ``labels: step`` the labels come from the episodes' per-step success flags (``next.success``,
+recorded by ``mmrl eval --save-episodes`` and ``mmrl collect``) instead: every recorded frame
+t ≥ 1 is labelled with the env's success after action t − 1, the state the frame shows. Solved
+states are then positives wherever the episode went on after them (an env whose success does
+not end its episodes: the tabletop's ``terminate_on_success: false``), and every state short of
+success is a negative, the near misses of failed episodes and the approach of successful ones
+included — what a detector read under RL has to tell apart. A person labelling frames by
+hand (LeRobot's reward-classifier datasets mark the frames where the task is done) gives the
+same kind of labels.
+
 Episodes are split into train and held-out by episode, within each outcome (a fraction
 ``held_out`` of the successes and of the failures, at least one of each; the split depends
 on ``split_seed`` only), so no frame of a held-out episode is trained on.
@@ -50,6 +60,7 @@ class SuccessFramesConfig(DataSourceConfig):
     type: str = option("success_frames", "data source (mmrl list data)")
     path: str | None = option(None, "a directory of episodes (mmrl collect; --keep-failures keeps the failed ones)")
     more_paths: list[str] = option(factory=list, doc="further episode directories read after path (e.g. successes and failures collected apart)")
+    labels: str = option("outcome", "outcome: the last frames of each episode take its outcome; step: every frame takes the env's success flag of the state it shows (episodes recorded with next.success)", choices=("outcome", "step"))
     last_frames: int = option(1, "the last k recorded frames of each episode are labelled with its outcome", ge=1)
     early_negatives_gap: int | None = option(None, "frames at least this many steps before the end of a successful episode are negatives too (null = none; only where success ends the episode)", ge=1)
     held_out: float = option(0.2, "fraction of the successful and of the failed episodes held out for evaluation (split by episode)", ge=0.0, lt=1.0)
@@ -57,13 +68,16 @@ class SuccessFramesConfig(DataSourceConfig):
     eval_batch_size: int = option(256, "held-out frames scored per forward pass at evaluation", ge=1)
 
 
-def labelled_frames(episodes: list, last_frames: int, early_negatives_gap: int | None) -> dict[str, Any]:
+def labelled_frames(episodes: list, last_frames: int, early_negatives_gap: int | None, labels: str = "outcome") -> dict[str, Any]:
     """The labelled frames of ``episodes`` (see the module docstring): ``image`` uint8 [F, ...],
     ``state`` float32 [F, D], ``instruction`` list of F str, ``label`` float32 [F],
     ``episode`` int64 [F] (the index of each frame's episode)."""
     rows: list[tuple[int, int, float]] = []  # (episode, step, label)
     for e, episode in enumerate(episodes):
         steps = len(episode)
+        if labels == "step":  # frame t shows the state action t - 1 reached; frame 0 the reset state, unlabelled
+            rows += [(e, t, float(episode.step_success[t - 1])) for t in range(1, steps)]
+            continue
         label = 1.0 if episode.success else 0.0
         rows += [(e, t, label) for t in range(max(0, steps - last_frames), steps)]
         if episode.success and early_negatives_gap is not None:
@@ -120,6 +134,12 @@ class SuccessFrames(DataSource):
                 image_shape, state_dim = read[0].image.shape[1:], read[0].state.shape[1]
                 policy.check_observations(image_shape, state_dim, field, path, "holds episodes with")
             episodes += read
+        if cfg.labels == "step":
+            if cfg.last_frames != 1 or cfg.early_negatives_gap is not None:
+                field, value = ("data.last_frames", cfg.last_frames) if cfg.last_frames != 1 else ("data.early_negatives_gap", cfg.early_negatives_gap)
+                raise ConfigError(field, value, "applies to labels: outcome; with labels: step every frame takes its own success flag (leave it unset)")
+            if missing := sum(ep.step_success is None for ep in episodes):
+                raise ConfigError("data.labels", "step", f"{missing} of {len(episodes)} episodes carry no per-step success (next.success): record them with `mmrl eval --save-episodes` or `mmrl collect`, or use labels: outcome")
         outcomes = [bool(ep.success) for ep in episodes]
         if len(set(outcomes)) < 2:
             what = ("all successful" if outcomes[0] else "all failed") if outcomes else "none"
@@ -129,9 +149,12 @@ class SuccessFrames(DataSource):
             if not any(o == outcome and not h for o, h in zip(outcomes, held)):
                 raise ConfigError("data.held_out", cfg.held_out, f"leaves no {name} episode to train on ({sum(outcomes)} successes, {len(outcomes) - sum(outcomes)} failures): collect more, or hold out 0")
         train = [ep for ep, h in zip(episodes, held) if not h]
-        self.samples = self._tensors(labelled_frames(train, cfg.last_frames, cfg.early_negatives_gap))
+        self.samples = self._tensors(labelled_frames(train, cfg.last_frames, cfg.early_negatives_gap, cfg.labels))
+        if cfg.labels == "step" and len(set(self.samples["label"].tolist())) < 2:
+            raise ConfigError("data.labels", "step", "the training frames hold one class only: a frame shows a success only if the episode went on after it "
+                              "(record episodes from an env whose success does not end them, e.g. env.kwargs.terminate_on_success=false on the tabletop)")
         held_episodes = [ep for ep, h in zip(episodes, held) if h]
-        self.held_out = self._tensors(labelled_frames(held_episodes, cfg.last_frames, cfg.early_negatives_gap)) if held_episodes else None
+        self.held_out = self._tensors(labelled_frames(held_episodes, cfg.last_frames, cfg.early_negatives_gap, cfg.labels)) if held_episodes else None
         self.info = {"episodes": len(episodes), "samples": self.num_samples, "held_out_episodes": len(held_episodes)}
 
     @staticmethod

@@ -390,7 +390,7 @@ class EnvSampler(Sampler):
         if final:  # episodes still running (cut by max_decisions) end at the last observation
             rows = [last_obs[e] if e in last_obs else observation_row(obs, e) for e in range(n)]
             rollout.info["final_replay"] = self.final_replay(policy, stack_observation_rows(rows), device)
-        episodes = [kept.episodes(rollout, rewards)] if kept is not None else []
+        episodes = [kept.episodes(rollout, rewards, success if self.success_reported else None)] if kept is not None else []
         if scores is not None or self.hide_success:  # after the kept episodes, which record the env's own success
             self._success_sources(rollout.info, scores, n, training)
         if images is None:
@@ -543,8 +543,10 @@ class _EpisodeRecorder:
         self.states.append(as_numpy(obs["state"])[:n].astype(np.float32) if "state" in obs else np.zeros((n, 0), np.float32))
         self.actions.append(as_numpy(action)[:n].astype(np.float32))
 
-    def episodes(self, rollout: Rollout, rewards: list) -> list:
-        """The episodes, given the wave's rollout and its per-step env rewards."""
+    def episodes(self, rollout: Rollout, rewards: list, success: list | None) -> list:
+        """The episodes, given the wave's rollout and its per-step env rewards and success
+        flags (the env's own, after each action: ``step_success``; None where the env
+        reports no success)."""
         from mmrl.demos import Episode
 
         info = rollout.info
@@ -552,6 +554,7 @@ class _EpisodeRecorder:
         lengths = info["length"].cpu().tolist()
         images, states, actions = np.stack(self.images, 1), np.stack(self.states, 1), np.stack(self.actions, 1)  # [n, S, ...]
         reward = np.stack([as_numpy(r)[:n] for r in rewards], 1).astype(np.float32)
+        flags = np.stack([as_numpy(f)[:n] for f in success], 1).astype(bool) if success is not None else None
         out = []
         for i, steps in enumerate(lengths):
             costs = {name: float(value[i]) for name, value in info.get("costs", {}).items()}
@@ -559,6 +562,7 @@ class _EpisodeRecorder:
                 image=images[i, :steps].astype(np.uint8), state=states[i, :steps], action=actions[i, :steps],
                 reward=reward[i, :steps], success=bool(info["success"][i]), instruction=self.instructions[i],
                 task=self.tasks[i], seed=int(self.seeds[i]), costs=costs,
+                step_success=flags[i, :steps] if flags is not None else None,
             ))
         return out
 

@@ -75,6 +75,26 @@ def test_labelled_frames_take_the_last_k_frames_and_optional_early_negatives():
     assert np.array_equal(early["image"][1], episodes[0].image[0])
 
 
+def with_step_success(episode: Episode, solved_from: int | None) -> Episode:
+    """``episode`` with its per-step success: true after action ``solved_from`` on (None: never)."""
+    flags = np.zeros(len(episode), bool)
+    if solved_from is not None:
+        flags[solved_from:] = True
+    episode.step_success = flags
+    return episode
+
+
+def test_step_labels_give_each_frame_the_success_of_the_state_it_shows():
+    rng = np.random.default_rng(0)
+    solved = with_step_success(synthetic_episode(rng, True), solved_from=4)  # the block is in the zone in frame 5, after action 4
+    failed = with_step_success(synthetic_episode(rng, False), solved_from=None)
+    frames = labelled_frames([solved, failed], last_frames=1, early_negatives_gap=None, labels="step")
+    # frames 1..5 of each 6-step episode (frame 0 is the reset state: unlabelled)
+    assert frames["episode"].tolist() == [0] * 5 + [1] * 5
+    assert frames["label"].tolist() == [0, 0, 0, 0, 1] + [0] * 5
+    assert np.array_equal(frames["image"][4], solved.image[5]) and np.array_equal(frames["image"][0], solved.image[1])
+
+
 def test_held_out_split_is_by_episode_within_each_outcome_and_depends_on_its_seed_only():
     outcomes = [True] * 10 + [False] * 6
     held = held_out_split(outcomes, 0.2, seed=3)
@@ -191,6 +211,25 @@ def test_episodes_of_a_single_outcome_are_refused_naming_the_directory(tmp_path,
     assert main(["train-reward", str(path), "--run-dir", str(tmp_path / "run")]) == 2
     line = _error_line(capsys)
     assert "data.path" in line and str(data) in line and "all successful" in line and "--keep-failures" in line
+
+
+def test_step_labels_need_per_step_success_that_shows_a_solved_frame(tmp_path, write_config, capsys):
+    rng = np.random.default_rng(0)
+    plain = write_synthetic(tmp_path / "plain", 8, seed=0)
+    path = write_config(_config(plain, data={"labels": "step"}))
+    assert main(["train-reward", str(path), "--run-dir", str(tmp_path / "run")]) == 2
+    line = _error_line(capsys)
+    assert "data.labels" in line and "8 of 8 episodes carry no per-step success" in line and "labels: outcome" in line
+    # success ends each episode at its last action: no recorded frame shows it
+    ended = [with_step_success(synthetic_episode(rng, i < 4), 5 if i < 4 else None) for i in range(8)]
+    write_demos(tmp_path / "ended", ended)
+    path = write_config(_config(tmp_path / "ended", data={"labels": "step"}))
+    assert main(["train-reward", str(path), "--run-dir", str(tmp_path / "run2")]) == 2
+    line = _error_line(capsys)
+    assert "data.labels" in line and "one class only" in line and "terminate_on_success" in line
+    path = write_config(_config(tmp_path / "ended", data={"labels": "step", "last_frames": 2}))
+    assert main(["train-reward", str(path), "--run-dir", str(tmp_path / "run3")]) == 2
+    assert "data.last_frames" in _error_line(capsys)
 
 
 def test_the_source_reads_several_directories_and_holds_out_whole_episodes(tmp_path):
