@@ -15,7 +15,10 @@ Printed, per seed and baseline: the evaluation curve against env steps, the env 
 it first reaches ``--target``, the training wall-clock up to that evaluation (the sum of the
 updates' ``time/step_s``: sampling and update, evaluations left out because the two configs
 evaluate at different intervals), the whole run's wall-clock, and the final evaluation. Then
-the means and the ratios GRPO / GAE (above 1: the value baseline gets there sooner). A seed
+the means and the ratios GRPO / GAE (above 1: the value baseline gets there sooner).
+``--stop-at-target grpo`` ends the GRPO runs at their first evaluation at or above the target
+(they take 2-3x the env steps of the others). A run cut off (by the machine, say) resumes from its last
+checkpoint when the script is run again; its whole-run wall-clock is then not reported. A seed
 that never reaches the target counts as not reached; the ratio is then taken over the seeds
 where both did, and says so.
 """
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -41,28 +45,45 @@ BASELINES = {  # name -> shipped config
 PACKAGES = ("mani_skill", "sapien", "torch", "gymnasium", "numpy")
 
 
-def run_one(name: str, seed: int, out: Path, overrides: list[str]) -> float:
+def run_one(name: str, seed: int, out: Path, overrides: list[str], stop_at: float | None = None) -> float:
     """Train one baseline at one seed; returns its wall-clock seconds. Output goes to
-    ``OUT/NAME_sS.log``; a run that finished before (its ``.wall`` file is there) is not run again."""
+    ``OUT/NAME_sS.log``; a run that finished before (its ``.wall`` file is there) is not run
+    again, and one that was cut off (checkpoints, no ``.wall``) resumes from its last
+    checkpoint (its metrics after that checkpoint are redone). ``stop_at``: stop the run (SIGTERM: it
+    writes its checkpoint and exits 143) once an evaluation reaches this success."""
     run_dir = out / f"{name}_s{seed}"
     log, wall_file = out / f"{name}_s{seed}.log", out / f"{name}_s{seed}.wall"
     if wall_file.exists():
-        return float(wall_file.read_text())
+        return float(wall_file.read_text().split()[0])
+    resumed = (run_dir / "checkpoints").is_dir()
     cmd = [sys.executable, "-m", "mmrl", "train", BASELINES[name], f"seed={seed}", "--run-dir", str(run_dir), "log.progress=false", *overrides]
+    if resumed:
+        cmd.append("--resume")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     t0 = time.time()
-    with open(log, "w") as f:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+    with open(log, "a" if resumed else "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+        stopped = False
+        while proc.poll() is None:
+            time.sleep(5)
+            if stop_at is not None and not stopped and (run_dir / "metrics.jsonl").exists() and read_run(run_dir, stop_at)["first"] is not None:
+                proc.send_signal(signal.SIGTERM)
+                stopped = True
     wall = time.time() - t0
-    if proc.returncode != 0:
+    if proc.returncode != 0 and not (stopped and proc.returncode == 128 + signal.SIGTERM):
         raise SystemExit(f"{name} seed {seed}: `{' '.join(cmd)}` exited {proc.returncode}; see {log}")
-    wall_file.write_text(f"{wall:.1f}\n")
+    wall_file.write_text(f"{wall:.1f}{' resumed' if resumed else ''}{' stopped-at-target' if stopped else ''}\n")
     return wall
 
 
 def read_run(run_dir: Path, target: float) -> dict:
     """The evaluation curve of one run and where it first reaches ``target``."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines[:-1] if line.strip()]
+    try:  # the last line may be half-written while the run goes on
+        records.append(json.loads(lines[-1]))
+    except (IndexError, json.JSONDecodeError):
+        pass
     curve, train_s, first, env_steps = [], 0.0, None, {0: 0}
     for r in records:  # an evaluation is logged with its update's record, or after it (the final one, at the start)
         if "time/step_s" in r:
@@ -74,11 +95,14 @@ def read_run(run_dir: Path, target: float) -> dict:
             if curve and curve[-1][0] == env_steps[int(r["step"])]:
                 continue  # the final evaluation repeats the last update's
             curve.append((env_steps[int(r["step"])], success))
-            if first is None and success >= target - 1e-9:
+            if first is None and success >= target - 1e-6:  # success is a float32 fraction (0.9 reads 0.89999998)
                 first = {"env_steps": curve[-1][0], "train_s": train_s, "success": success}
     wall_file = run_dir.parent / f"{run_dir.name}.wall"
-    wall = float(wall_file.read_text()) if wall_file.exists() else None
-    return {"curve": curve, "first": first, "train_s": train_s, "wall_s": wall, "final": curve[-1][1] if curve else None}
+    wall, note = None, ""
+    if wall_file.exists():
+        seconds, *notes = wall_file.read_text().split()
+        wall, note = (None if "resumed" in notes else float(seconds)), " ".join(notes)
+    return {"curve": curve, "first": first, "train_s": train_s, "wall_s": wall, "note": note, "final": curve[-1][1] if curve else None}
 
 
 def versions() -> str:
@@ -108,7 +132,8 @@ def report(out: Path, seeds: list[int], target: float) -> None:
         reached = f"{first['env_steps']:,}" if first else "not reached"
         to_target = f"{first['train_s']:.0f}" if first else "—"
         wall = f"{run['wall_s']:.0f}" if run["wall_s"] is not None else "—"
-        print(f"| {name} | {seed} | {reached} | {to_target} | {wall} | {run['final']:.2f} |")
+        final = f"{run['final']:.2f}" + (" (stopped at the target)" if "stopped-at-target" in run["note"] else "")
+        print(f"| {name} | {seed} | {reached} | {to_target} | {wall} | {final} |")
     print()
     both = [s for s in seeds if all((n, s) in runs and runs[(n, s)]["first"] for n in BASELINES)]
     for name in BASELINES:
@@ -132,13 +157,16 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2, help="runs at once (each on one thread)")
     parser.add_argument("--target", type=float, default=0.9)
     parser.add_argument("--report-only", action="store_true", help="read the run directories, train nothing")
+    parser.add_argument("--stop-at-target", nargs="*", default=[], choices=sorted(BASELINES), metavar="BASELINE",
+                        help="stop these baselines' runs at their first evaluation >= target (their curves end there)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides given to both configs")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
         queue = [(name, seed) for seed in args.seeds for name in BASELINES]
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            for future in [pool.submit(run_one, name, seed, args.out, args.overrides) for name, seed in queue]:
+            stop = {name: args.target if name in args.stop_at_target else None for name in BASELINES}
+            for future in [pool.submit(run_one, name, seed, args.out, args.overrides, stop[name]) for name, seed in queue]:
                 future.result()
     report(args.out, args.seeds, args.target)
 
