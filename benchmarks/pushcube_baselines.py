@@ -26,7 +26,6 @@ where both did, and says so.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -36,6 +35,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 from pathlib import Path
+
+from mmrl.train.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 BASELINES = {  # name -> shipped config
@@ -78,12 +79,7 @@ def run_one(name: str, seed: int, out: Path, overrides: list[str], stop_at: floa
 
 def read_run(run_dir: Path, target: float) -> dict:
     """The evaluation curve of one run and where it first reaches ``target``."""
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    records = [json.loads(line) for line in lines[:-1] if line.strip()]
-    try:  # the last line may be half-written while the run goes on
-        records.append(json.loads(lines[-1]))
-    except (IndexError, json.JSONDecodeError):
-        pass
+    records = read_metrics(run_dir)
     curve, train_s, first, env_steps = [], 0.0, None, {0: 0}
     for r in records:  # an evaluation is logged with its update's record, or after it (the final one, at the start)
         if "time/step_s" in r:

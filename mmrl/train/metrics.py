@@ -71,8 +71,15 @@ def _plain(v):
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The records of a run's ``metrics.jsonl``; of a run still writing, a last line caught
+    half-written is left out."""
+    lines = [line for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in lines[:-1]]
+    try:
+        records += [json.loads(line) for line in lines[-1:]]
+    except json.JSONDecodeError:
+        pass
+    return records
 
 
 def rl_metrics(dist, collected, rollout, adv, update: dict[str, float], filters_on: bool, counters: dict[str, float], version: int | None, times: dict[str, float]) -> dict[str, Any]:

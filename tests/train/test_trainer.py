@@ -399,3 +399,15 @@ def test_every_sample_carries_the_version_of_the_weights_that_sampled_it_and_res
     assert trainer.engine.worker.collect(2).rollout.policy_version.unique().tolist() == [2]
     resumed = Trainer(env_config(total_steps=3), tmp_path / "run", resume=True)
     assert resumed.learner.version == resumed.engine.worker.version == 2
+
+
+def test_read_metrics_of_a_run_still_writing_leaves_out_a_half_written_last_line(tmp_path):
+    import pytest
+
+    from mmrl.train.metrics import read_metrics
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.4}\n{"step": 3, "lo')
+    assert read_metrics(tmp_path) == [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.4}]
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "lo\n{"step": 2}\n')
+    with pytest.raises(ValueError):  # a broken line before the last is corruption, not a write in progress
+        read_metrics(tmp_path)
