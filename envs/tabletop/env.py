@@ -11,8 +11,13 @@ instructions, initial-state distributions and success predicates are in
 - observation: ``Dict(image=uint8 (H, W, 3) or (K, H, W, 3) for K cameras, state=float32
   [x, y, vx, vy] of the pusher, instruction=Text)``. Block positions are not in the state:
   the policy sees the blocks only in the image.
-- reward: 1 on the step that solves the task, else 0 (sparse); ``info["success"]`` every
-  step and ``info["task"]`` the task's name.
+- reward (``reward_mode``, ManiSkill's names): ``sparse`` (the default), 1 on the step that
+  solves the task, else 0; ``dense``, that plus potential-based shaping (Ng et al., 1999)
+  F = Φ(s') − Φ(s) with Φ = −(‖block − goal‖ + ½·max(‖pusher − block‖ − contact, 0)) /
+  ``DENSE_SCALE``: the named block's distance to the task's goal point and the pusher's gap
+  to that block, so pushing the right block towards its goal pays as it happens. The shaping
+  telescopes over an episode (a policy cannot farm it) and is 0 at the reset.
+  ``info["success"]`` every step and ``info["task"]`` the task's name.
 - costs: ``info["costs"]`` every step, the episode's so far (GRAPE's trajectory costs):
   ``path_length``, metres the pusher travelled (the sum of its displacement over control
   steps); ``steps``, control steps taken; ``collisions``, control steps that ended with the
@@ -39,7 +44,7 @@ import gymnasium
 import numpy as np
 from gymnasium import spaces
 
-from mmrl.envs.tabletop.tasks import FAMILIES, LAYOUTS, TASKS, Scene, Task, resolve_tasks, sample_scene
+from mmrl.envs.tabletop.tasks import BLOCK_HALF, FAMILIES, LAYOUTS, PUSHER_RADIUS, TASKS, Scene, Task, resolve_tasks, sample_scene
 from mmrl.errors import ConfigError, MissingExtraError
 
 MAX_SPEED = 0.4  # m/s at |action| = 1
@@ -47,6 +52,9 @@ PHYSICS_STEPS = 20  # per control step; with the 5 ms timestep of the scenes, CO
 CONTROL_DT = 0.1
 BLOCK_Z = 0.025
 CAMERAS = ("top", "front")
+REWARD_MODES = ("sparse", "dense")
+BLOCK_HALF_DIAGONAL = float(np.sqrt(2.0) * BLOCK_HALF)
+DENSE_SCALE = 0.2  # metres of potential per unit of reward: a typical push (~0.2 m) is worth about the success
 INSTRUCTION_CHARSET = string.ascii_letters + string.digits + " -,.'"
 MAX_INSTRUCTION_LENGTH = 128
 
@@ -171,6 +179,7 @@ class TabletopEnv(gymnasium.Env):
         layout_noise: float = 0.03,
         image_every: int = 1,
         terminate_on_success: bool = True,
+        reward_mode: str = "sparse",
     ):
         """``task``: a task name, a family (spatial, object, goal), ``all``, or a list of
         these; ``image_size``: side of the observed images; ``cameras``: one camera name or a
@@ -184,7 +193,9 @@ class TabletopEnv(gymnasium.Env):
         chunk, and the env skips (N-1)/N of its rendering (state and instruction stay fresh);
         ``terminate_on_success``: false lets an episode go on after success until its time
         limit (``info["success"]`` says each step whether the task is solved then), as an env
-        that reports no success must when a learned success detector watches it."""
+        that reports no success must when a learned success detector watches it;
+        ``reward_mode``: ``sparse`` (1 at success) or ``dense`` (plus potential-based shaping
+        towards the goal, see the module docstring)."""
         self.task_names = resolve_tasks(task, "env.kwargs.task")
         names = [cameras] if isinstance(cameras, str) else list(cameras)
         if not names or any(c not in CAMERAS for c in names):
@@ -203,6 +214,9 @@ class TabletopEnv(gymnasium.Env):
         if not isinstance(terminate_on_success, bool):
             raise ConfigError("env.kwargs.terminate_on_success", terminate_on_success, "expected true or false")
         self.terminate_on_success = terminate_on_success
+        if reward_mode not in REWARD_MODES:
+            raise ConfigError("env.kwargs.reward_mode", reward_mode, f"expected one of {', '.join(REWARD_MODES)}")
+        self.reward_mode = reward_mode
         self._elapsed = 0
         self._images: np.ndarray | None = None
         if render_mode not in (None, "rgb_array"):
@@ -256,6 +270,7 @@ class TabletopEnv(gymnasium.Env):
             raise RuntimeError("call reset() before step()")
         command = np.clip(np.asarray(action, dtype=np.float64).reshape(2), -1.0, 1.0)
         before = self.pusher_position()
+        potential = self.potential() if self.reward_mode == "dense" else 0.0
         self._sim.step(command * MAX_SPEED)
         self._elapsed += 1
         self.costs = {
@@ -264,7 +279,10 @@ class TabletopEnv(gymnasium.Env):
             "collisions": self.costs["collisions"] + int(self._sim.collision(self.target)),
         }
         success = self.task.success(self._sim.blocks(), self.target, self.zone)
-        return self._observation(), float(success), success and self.terminate_on_success, False, {"success": success, "task": self.task.name, "costs": dict(self.costs)}
+        reward = float(success)
+        if self.reward_mode == "dense":
+            reward += self.potential() - potential
+        return self._observation(), reward, success and self.terminate_on_success, False, {"success": success, "task": self.task.name, "costs": dict(self.costs)}
 
     def render(self):
         if self.render_mode != "rgb_array" or self._sim is None:
@@ -300,6 +318,15 @@ class TabletopEnv(gymnasium.Env):
     def block_positions(self) -> np.ndarray:
         """Centres ``[n, 2]`` of the scene's blocks (privileged: not in the observation)."""
         return self._sim.blocks()
+
+    def potential(self) -> float:
+        """Φ of the dense reward: −(the named block's distance to the goal point + half the
+        pusher's gap to that block beyond contact) / ``DENSE_SCALE`` (privileged state)."""
+        blocks = self._sim.blocks()
+        block = blocks[self.target]
+        to_goal = float(np.linalg.norm(block - self.task.goal_point(blocks, self.target, self.zone)))
+        gap = max(float(np.linalg.norm(self.pusher_position() - block)) - (BLOCK_HALF_DIAGONAL + PUSHER_RADIUS), 0.0)
+        return -(to_goal + 0.5 * gap) / DENSE_SCALE
 
     def goal_point(self) -> np.ndarray:
         """Where the target block should go now (the scripted expert's aim)."""

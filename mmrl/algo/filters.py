@@ -44,7 +44,7 @@ class AccuracyBandConfig(FilterConfig):
 
 def _per_group(rewards: Tensor, group_id: Tensor, reduce: str) -> Tensor:
     """``reduce`` ("mean", "amax", "amin") of each sample's group, per sample."""
-    ids, index = torch.unique(group_id, return_inverse=True)
+    ids, index = torch.unique(group_id.to(rewards.device), return_inverse=True)
     per_group = rewards.new_zeros(len(ids)).scatter_reduce(0, index, rewards, reduce, include_self=False)
     return per_group[index]
 

@@ -58,7 +58,7 @@ class RunningMoments(SyncedStatistic):
 
     @torch.no_grad()
     def commit(self, reduce: Reduce) -> None:
-        pending = reduce(self._pending.clone())
+        pending = reduce(self._pending.clone()).to(self.mean.device)  # summed on the CPU; the buffers sit with the model
         self._pending.zero_()
         n = pending[0].item()
         if n == 0:

@@ -247,9 +247,11 @@ class Learner:
 
     def train_mask(self, rollout: Rollout, keep: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg.algo
-        mask = rollout.mask * keep[:, None].to(rollout.mask.dtype)
+        # the advantages (and keep) are worked out on the CPU; the rollout stays where its
+        # sampler left it (the policy's device)
+        mask = rollout.mask * keep[:, None].to(rollout.mask.device, rollout.mask.dtype)
         if cfg.mask_truncated and "truncated" in rollout.info:
-            mask = truncation_mask(mask, torch.as_tensor(rollout.info["truncated"], dtype=torch.bool))
+            mask = truncation_mask(mask, torch.as_tensor(rollout.info["truncated"], dtype=torch.bool, device=mask.device))
         if cfg.top_entropy_rho is not None and rollout.entropy is not None:
             mask = top_entropy_mask(mask, rollout.entropy, cfg.top_entropy_rho)
         return mask

@@ -46,9 +46,9 @@ def test_an_update_moves_the_values_towards_the_gae_targets(tmp_path):
     trainer = Trainer(from_dict(TrainConfig, gae_config(total_steps=1, eval={"at_start": False, "at_end": False})), tmp_path / "run")
     collected = trainer.engine.collect(0, trainer.learner.version)
     rollout, _, stats = trainer.learner.learn(collected.rollout, collected.spare, 0)
-    returns, old, mask = rollout.info["_returns"], rollout.info["_old_values"], rollout.mask > 0
+    returns, old, mask = rollout.info["_returns"], rollout.info["_old_values"], (rollout.mask > 0).cpu()  # targets are kept on the CPU
     with torch.no_grad():
-        new = trainer.learner.model(rollout.replay, mode="value")
+        new = trainer.learner.model(rollout.replay, mode="value").cpu()
     before = (old - returns)[mask].square().mean()
     after = (new - returns)[mask].square().mean()
     assert after < 0.8 * before and stats["loss/value"] > 0
@@ -152,7 +152,7 @@ def test_the_env_sampler_records_the_env_steps_of_each_chunk_for_the_discount(tm
     cfg = from_dict(TrainConfig, point_reach_config(policy={"type": "gaussian_mlp", "hidden_sizes": [16], "action_chunk": 3}))
     trainer = Trainer(cfg, tmp_path / "run")
     rollout = trainer.sampler.collect(trainer.policy, 2, 4, step=0)
-    steps, mask, length = rollout.info["decision_steps"], rollout.mask, rollout.info["length"]
+    steps, mask, length = (torch.as_tensor(rollout.info["decision_steps"]).cpu(), rollout.mask.cpu(), torch.as_tensor(rollout.info["length"]).cpu())
     assert torch.equal(steps.sum(1), length.to(steps.dtype))  # every env step belongs to one decision
     assert ((steps > 0) == (mask > 0)).all() and (steps <= 3).all()
     full = steps[:, :-1][mask[:, 1:] > 0]  # decisions followed by another took the whole chunk

@@ -55,7 +55,7 @@ def test_memory_keeps_positive_samples_first_in_first_out_across_lengths():
 def _remembered_logp(trainer) -> float:
     mem = trainer.learner.memory
     with torch.no_grad():
-        logp = trainer.learner.model(mem.data.replay)
+        logp = trainer.learner.model(mem.data.to(trainer.learner.accelerator.device).replay).cpu()  # the memory is kept on the CPU
     return float((mem.adv * mem.data.mask * logp).sum() / (mem.adv * mem.data.mask).sum())
 
 
@@ -238,8 +238,9 @@ def test_best_worst_takes_advantages_over_the_whole_group_and_trains_only_its_ex
     picked = Trainer(toy_config("sequence", algo={"advantage": {"best_worst": 2}}), tmp_path / "picked")
     adv, keep = picked.learner.advantages(rollout)
     reward = picked.rewards.combine(rollout.rewards, rollout.group_id)
-    for g in rollout.group_id.unique():
-        rows = (rollout.group_id == g).nonzero().flatten()
+    group_id = rollout.group_id.cpu()  # advantages and keep are worked out on the CPU
+    for g in group_id.unique():
+        rows = (group_id == g).nonzero().flatten()
         kept = rows[keep[rows]]
         assert len(kept) == 4
         ranks = reward[rows].argsort(stable=True).argsort(stable=True)  # position of each sample in its group's order

@@ -309,6 +309,7 @@ def test_micro_batches_accumulate_to_the_same_update(tmp_path, aggregation):
 
 
 @pytest.mark.numerics
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the estimate cuts pieces on a CPU only, and accelerate keeps the process's first device (CUDA here)")
 def test_micro_batches_null_cuts_minibatches_by_the_policys_activation_estimate(tmp_path, monkeypatch):
     """The default (null): one piece for a policy without an activation estimate; with one,
     on a CPU, as many pieces as keep each under micro_batch_mb — the same update."""
@@ -318,7 +319,7 @@ def test_micro_batches_null_cuts_minibatches_by_the_policys_activation_estimate(
         ("none", {}, None, 1),
         ("estimated", {"micro_batch_mb": 1.5}, 0.5 * 2**20, 3),  # 8 rows x 0.5 MiB / 1.5 MiB -> 3 pieces
     ]:
-        cfg = env_config(total_steps=2, algo={"group_size": 4, "groups_per_step": 4, "ppo_epochs": 1, "num_minibatches": 2, **algo})
+        cfg = env_config(total_steps=2, device="cpu", algo={"group_size": 4, "groups_per_step": 4, "ppo_epochs": 1, "num_minibatches": 2, **algo})
         trainer = Trainer(cfg, tmp_path / name)
         if estimate is not None:  # the policy class implements the hook
             monkeypatch.setattr(type(trainer.policy), "activation_bytes", lambda self, replay, estimate=estimate: estimate, raising=False)
@@ -364,7 +365,7 @@ def test_a_minibatch_whose_decisions_are_all_masked_gives_a_zero_loss_not_nan(tm
     trainer = Trainer(toy_config("sequence", algo={"group_size": 8, "groups_per_step": 4, "aggregation": "token_mean"}), tmp_path / "run")
     rollout = trainer.engine.worker.collect(0).rollout
     masked = rollout.with_(mask=torch.zeros_like(rollout.mask))
-    loss, *_ = trainer.learner.policy_loss(masked, torch.ones(rollout.batch_size, 1), trainer.learner.normalizers(masked))
+    loss, *_ = trainer.learner.policy_loss(masked, torch.ones(rollout.batch_size, 1, device=rollout.mask.device), trainer.learner.normalizers(masked))
     assert loss.item() == 0.0
 
 

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# The checks that only a CUDA GPU can make, as one script of a few minutes (CI never runs it).
+#
+#   bash benchmarks/gpu_check.sh [checks...]      # default: tests bench train
+#
+# - tests: the test files whose trainers, samplers and policies take `device: auto`, which is
+#   CUDA on such a machine: pretrained-VLM VLAs (each family, LoRA, bf16), the critic and the
+#   value head, the env sampler's device handling, the trainer. A failure here is a place where
+#   mmrl's code assumes the CPU.
+# - bench: benchmarks/vla_rollout_cost.py on the CPU and the GPU in one run at the tabletop
+#   size, then the pretrained families at `--vlm-size base` on the GPU in float32 and bfloat16
+#   (throughput and the PPO ratio's error on recompute).
+# - train: a few updates of the object-family dense-reward GAE recipe with `device=cuda` and
+#   `device=cpu`, seconds per update of each.
+#
+# Results go to $OUT (default /tmp/mmrl_gpu_check): log files and the benchmark tables.
+#
+# A machine that lacks packages mmrl needs gets them from two optional folders of the
+# checkout, filled where an index is reachable (Python 3.12 wheels for x86-64):
+#   .gpu/whl/  pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#                --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .gpu/whl \
+#                gymnasium farama-notifications mujoco glfw pyopengl websockets transformers peft
+#   .gpu/gl/   Debian packages of the GL and Vulkan loaders (libegl1 libglvnd0 libopengl0
+#              libgl1 libglx0 libgles2 libvulkan1), unpacked into / for MuJoCo's EGL renderer.
+set -u
+OUT=${OUT:-/tmp/mmrl_gpu_check}
+mkdir -p "$OUT"
+CHECKS=${*:-tests bench train}
+stamp() { echo "== $* ($(date +%T))"; }
+
+if [ -d .gpu/gl ]; then
+    for f in .gpu/gl/*.deb; do dpkg -x "$f" /; done
+    ldconfig
+fi
+if [ -d .gpu/whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/mmrl_site .gpu/whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/mmrl_site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 MUJOCO_GL=egl PYOPENGL_PLATFORM=egl
+[ -f /usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json ] && export __EGL_VENDOR_LIBRARY_FILENAMES=/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json
+
+stamp "versions"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 - <<'EOF' 2>&1 | tee "$OUT/versions.txt"
+import torch, transformers, gymnasium, mujoco
+print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")
+print("transformers", transformers.__version__, "gymnasium", gymnasium.__version__, "mujoco", mujoco.__version__)
+EOF
+
+for check in $CHECKS; do
+    case $check in
+    tests)
+        stamp "tests on CUDA"
+        timeout 170 python3 -m pytest -q -p no:cacheprovider -p no:randomly -n 12 --timeout 150 --continue-on-collection-errors --tb=line -m "not slow" \
+            tests/policies/test_vla_pretrained.py tests/train/test_critic.py tests/samplers/test_env_device.py \
+            tests/train/test_trainer.py tests/train/test_self_imitation.py > "$OUT/tests.txt" 2>&1
+        grep -E "^/|^E |Error|passed|failed" "$OUT/tests.txt" | sort | uniq -c | sort -rn | head -40
+        ;;
+    bench)
+        stamp "vla_rollout_cost, tabletop size, CPU and GPU"
+        timeout 90 python3 benchmarks/vla_rollout_cost.py --devices cpu cuda --vlm-families smolvlm qwen2_vl --rounds 2 --env-steps 100 2>&1 | tee "$OUT/bench_tiny.txt"
+        stamp "vla_rollout_cost, base size, GPU float32 and bfloat16"
+        timeout 100 python3 benchmarks/vla_rollout_cost.py --devices cuda --vlm-families smolvlm qwen2_vl --vlm-size base \
+            --vlm-dtypes float32 bfloat16 --no-miniatures --batch-sizes 64 8 --rounds 2 --env-steps 50 2>&1 | tee "$OUT/bench_base.txt"
+        ;;
+    train)
+        for device in ${TRAIN_DEVICES:-cuda cpu}; do
+            stamp "2 updates of the object dense GAE recipe, device=$device"
+            timeout 60 python3 -m mmrl train configs/tabletop_object_flow_vla_gae_dense.yaml --run-dir /tmp/mmrl_train_$device \
+                device=$device policy.pretrained=null total_steps=2 algo.groups_per_step=8 eval.every=0 eval.at_start=false eval.at_end=false \
+                env.vectorization=async env.num_envs=16 2>&1 | tail -3
+            python3 -c "import json,sys; rows=[json.loads(l) for l in open('/tmp/mmrl_train_$device/metrics.jsonl') if l.strip()]; print('$device', [(r['step'], round(r['time/sample_s'],1), round(r['time/update_s'],1)) for r in rows if 'time/step_s' in r])" 2>&1 | tee -a "$OUT/train.txt"
+        done
+        ;;
+    esac
+done
+stamp "done"
