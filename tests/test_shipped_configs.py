@@ -12,6 +12,7 @@ SHORT = ["total_steps=1", "log.progress=false", "log.tensorboard=false", "eval.a
 # the SFT run each RL config starts from (policy.pretrained), by config name
 # (a stage-2 variant such as text_arithmetic_grpo_care starts from the family's SFT run too)
 SFT_OF = {name: name.split("_grpo")[0] + "_sft" for name in CONFIGS if "_grpo" in name and name.split("_grpo")[0] + "_sft" in CONFIGS}
+SFT_OF["tabletop_object_flow_vla_gae"] = SFT_OF["tabletop_object_flow_vla_gae_dense"] = "tabletop_flow_vla_sft"  # value-baseline RL of the object family
 SFT_OF["image_shapes_flow_grpo"] = "image_shapes_flow_sft_words"  # the word-level generator
 SFT_OF["image_shapes_flow_grpo_adversarial"] = "image_shapes_flow_sft_words"
 # RL configs rewarded by a learned reward model: the reward-model config whose smoke run they score with
@@ -42,7 +43,8 @@ def _start(workdir, name: str):
 def _train(workdir, name: str, run):
     overrides = list(SHORT)
     if name.startswith("tabletop_"):
-        overrides += ["env.num_envs=8", "algo.groups_per_step=1"] if name.endswith("_grpo") else [f"data.path={workdir / 'demos'}", "data.batch_size=8"]
+        rl = name.endswith("_grpo") or "_gae" in name
+        overrides += ["env.num_envs=8", "algo.groups_per_step=1"] if rl else [f"data.path={workdir / 'demos'}", "data.batch_size=8"]
     if name.startswith("reward_shapes"):  # pairs written by their documented command, smaller
         pairs = workdir / f"{name}_pairs"
         if not pairs.exists():
