@@ -412,3 +412,17 @@ def test_read_metrics_of_a_run_still_writing_leaves_out_a_half_written_last_line
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "lo\n{"step": 2}\n')
     with pytest.raises(ValueError):  # a broken line before the last is corruption, not a write in progress
         read_metrics(tmp_path)
+
+
+def test_the_training_mask_is_made_on_the_rollouts_device_whatever_device_the_advantages_are_on(tmp_path):
+    """The learner works out advantages and the keep mask on the CPU while the rollout stays on
+    the policy's device (a GPU in use). The training mask must be made there: the "meta" device
+    stands in for a GPU on a CPU-only machine (mixing it with CPU tensors fails as CUDA does)."""
+    trainer = Trainer(env_config(algo={"mask_truncated": True}), tmp_path / "run")
+    rollout = trainer.engine.worker.collect(0).rollout
+    adv, keep = trainer.learner.advantages(rollout)
+    assert keep.device.type == "cpu" and "truncated" in rollout.info
+    on_meta = rollout.with_(mask=rollout.mask.to("meta"))
+    mask = trainer.learner.train_mask(on_meta, keep)
+    assert mask.device.type == "meta" and mask.shape == rollout.mask.shape
+    torch.testing.assert_close(trainer.learner.train_mask(rollout, keep), rollout.mask * keep[:, None].to(rollout.mask.dtype) * ~torch.as_tensor(rollout.info["truncated"], dtype=torch.bool)[:, None])
