@@ -69,7 +69,7 @@ for check in $CHECKS; do
             timeout 60 python3 -m mmrl train configs/tabletop_object_flow_vla_gae_dense.yaml --run-dir /tmp/mmrl_train_$device \
                 device=$device policy.pretrained=null total_steps=2 algo.groups_per_step=8 eval.every=0 eval.at_start=false eval.at_end=false \
                 env.vectorization=async env.num_envs=16 2>&1 | tail -3
-            python3 -c "import json,sys; rows=[json.loads(l) for l in open('/tmp/mmrl_train_$device/metrics.jsonl') if l.strip()]; print('$device', [(r['step'], round(r['time/sample_s'],1), round(r['time/update_s'],1)) for r in rows if 'time/step_s' in r])" 2>&1 | tee -a "$OUT/train.txt"
+            python3 -c "from mmrl.train.metrics import read_metrics; print('$device', [(r['step'], round(r['time/sample_s'], 1), round(r['time/update_s'], 1)) for r in read_metrics('/tmp/mmrl_train_$device') if 'time/step_s' in r])" 2>&1 | tee -a "$OUT/train.txt"
         done
         ;;
     esac

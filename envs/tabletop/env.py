@@ -322,9 +322,8 @@ class TabletopEnv(gymnasium.Env):
     def potential(self) -> float:
         """Φ of the dense reward: −(the named block's distance to the goal point + half the
         pusher's gap to that block beyond contact) / ``DENSE_SCALE`` (privileged state)."""
-        blocks = self._sim.blocks()
-        block = blocks[self.target]
-        to_goal = float(np.linalg.norm(block - self.task.goal_point(blocks, self.target, self.zone)))
+        block = self._sim.blocks()[self.target]
+        to_goal = float(np.linalg.norm(block - self.goal_point()))
         gap = max(float(np.linalg.norm(self.pusher_position() - block)) - (BLOCK_HALF_DIAGONAL + PUSHER_RADIUS), 0.0)
         return -(to_goal + 0.5 * gap) / DENSE_SCALE
 

@@ -403,10 +403,6 @@ def test_every_sample_carries_the_version_of_the_weights_that_sampled_it_and_res
 
 
 def test_read_metrics_of_a_run_still_writing_leaves_out_a_half_written_last_line(tmp_path):
-    import pytest
-
-    from mmrl.train.metrics import read_metrics
-
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.4}\n{"step": 3, "lo')
     assert read_metrics(tmp_path) == [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.4}]
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "lo\n{"step": 2}\n')
