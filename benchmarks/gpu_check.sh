@@ -12,6 +12,12 @@
 #   (throughput and the PPO ratio's error on recompute).
 # - train: a few updates of the object-family dense-reward GAE recipe with `device=cuda` and
 #   `device=cpu`, seconds per update of each.
+# - rl: the pretrained-backbone token VLA's GAE recipe on the spatial family
+#   (configs/tabletop_spatial_vlm_token_vla_gae.yaml, from the SFT run that
+#   scripts/pretrained_vla_tabletop.sh makes; carry runs/vlm/pretrained_smolvlm64 and
+#   runs/tabletop_spatial_vlm_token_vla_sft) on CUDA, one run per seed in RL_SEEDS side by side,
+#   each stopped by SIGTERM after RL_SECONDS (its checkpoint stays whole); their metrics go to $OUT.
+# - versions: only the package versions (every call prints them first).
 #
 # Results go to $OUT (default /tmp/mmrl_gpu_check): log files and the benchmark tables.
 #
@@ -28,12 +34,16 @@ mkdir -p "$OUT"
 CHECKS=${*:-tests bench train}
 stamp() { echo "== $* ($(date +%T))"; }
 
-if [ -d .gpu/gl ]; then
+# A second call on the same machine (two checks side by side) finds the packages in place.
+if [ -d .gpu/gl ] && [ ! -f /tmp/mmrl_gl.done ]; then
     for f in .gpu/gl/*.deb; do dpkg -x "$f" /; done
-    ldconfig
+    ldconfig && touch /tmp/mmrl_gl.done
 fi
 if [ -d .gpu/whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/mmrl_site .gpu/whl/*.whl || exit 1
+    if [ ! -f /tmp/mmrl_site/.done ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/mmrl_site .gpu/whl/*.whl || exit 1
+        touch /tmp/mmrl_site/.done
+    fi
     export PYTHONPATH=/tmp/mmrl_site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 MUJOCO_GL=egl PYOPENGL_PLATFORM=egl
@@ -72,6 +82,20 @@ for check in $CHECKS; do
             python3 -c "from mmrl.train.metrics import read_metrics; print('$device', [(r['step'], round(r['time/sample_s'], 1), round(r['time/update_s'], 1)) for r in read_metrics('/tmp/mmrl_train_$device') if 'time/step_s' in r])" 2>&1 | tee -a "$OUT/train.txt"
         done
         ;;
+    rl)
+        for seed in ${RL_SEEDS:-1}; do
+            stamp "pretrained-backbone token VLA, GAE, spatial family, seed $seed, ${RL_SECONDS:-300} s"
+            OMP_NUM_THREADS=${RL_THREADS:-2} timeout -s TERM ${RL_SECONDS:-300} python3 -m mmrl train configs/tabletop_spatial_vlm_token_vla_gae.yaml \
+                seed=$seed device=cuda --run-dir /tmp/mmrl_rl_s$seed eval.at_start=false log.progress=false \
+                env.vectorization=async env.num_envs=${RL_ENVS:-16} > "$OUT/rl_s$seed.log" 2>&1 &
+        done
+        wait
+        for seed in ${RL_SEEDS:-1}; do
+            cp /tmp/mmrl_rl_s$seed/metrics.jsonl "$OUT/rl_s$seed.metrics.jsonl"
+            python3 -c "from mmrl.train.metrics import read_metrics; rows = read_metrics('/tmp/mmrl_rl_s$seed'); print('seed $seed', [(r['step'], round(r['success_rate'], 3), round(r['time/step_s'], 1)) for r in rows if 'time/step_s' in r][-5:], [(r['step'], r[k]) for r in rows for k in r if k.startswith('eval/') and 'success' in k])" 2>&1 | tee -a "$OUT/rl.txt"
+        done
+        ;;
+    versions) ;;
     esac
 done
 stamp "done"

@@ -24,7 +24,7 @@ from typing import Any
 import gymnasium
 
 from mmrl.config import option
-from mmrl.env_wrappers import WrapperConfig, apply_wrappers
+from mmrl.env_wrappers import WrapperConfig, apply_wrappers, async_vector_env
 from mmrl.errors import ConfigError
 from mmrl.registry import ENVS
 from mmrl.core.component_config import EnvConfig
@@ -119,9 +119,7 @@ def make_vector_env(cfg: GymEnvConfig, seed: int) -> gymnasium.vector.VectorEnv:
         wrapper.validate(f"env.wrappers[{i}]")
     make_one = partial(_make_env, env_id, cfg.max_episode_steps, dict(cfg.kwargs), list(cfg.wrappers))
     if cfg.vectorization == "async":
-        env = gymnasium.vector.AsyncVectorEnv(
-            [make_one] * cfg.num_envs, context=cfg.context, shared_memory=not _has_text(make_one)
-        )
+        env = async_vector_env(make_one, cfg.num_envs, context=cfg.context, shared_memory=not _has_text(make_one))
     else:
         env = gymnasium.vector.SyncVectorEnv([make_one] * cfg.num_envs)
     env.action_space.seed(seed)

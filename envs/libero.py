@@ -51,7 +51,7 @@ import numpy as np
 from gymnasium import spaces
 
 from mmrl.config import option
-from mmrl.env_wrappers import WrapperConfig, apply_wrappers
+from mmrl.env_wrappers import WrapperConfig, apply_wrappers, async_vector_env
 from mmrl.errors import ConfigError, MissingExtraError
 from mmrl.registry import ENVS
 from mmrl.core.component_config import EnvConfig
@@ -306,7 +306,7 @@ def make_vector_env(cfg: LiberoEnvConfig, seed: int) -> gymnasium.vector.VectorE
     if cfg.vectorization == "async":
         # Spawn: an OpenGL context does not survive fork. No shared memory: gymnasium reads
         # Text observations out of it only once, at start-up (the instruction would stay blank).
-        env = gymnasium.vector.AsyncVectorEnv([make_one] * cfg.num_envs, context="spawn", shared_memory=False)
+        env = async_vector_env(make_one, cfg.num_envs, context="spawn", shared_memory=False)
     else:
         env = gymnasium.vector.SyncVectorEnv([make_one] * cfg.num_envs)
     env.action_space.seed(seed)

@@ -46,7 +46,7 @@ from typing import Any, Literal
 import gymnasium
 
 from mmrl.config import option
-from mmrl.env_wrappers import WrapperConfig, apply_wrappers
+from mmrl.env_wrappers import WrapperConfig, apply_wrappers, async_vector_env
 from mmrl.errors import ConfigError, MissingExtraError
 from mmrl.registry import ENVS
 from mmrl.core.component_config import EnvConfig
@@ -305,7 +305,7 @@ def make_vector_env(cfg: ManiSkillEnvConfig, seed: int) -> gymnasium.vector.Vect
         if cfg.vectorization == "async":
             # gymnasium reads Text observations out of shared memory only once, at start-up
             # (the instruction would stay blank): structured observations go through pipes.
-            env = gymnasium.vector.AsyncVectorEnv([make_one] * cfg.num_envs, context="spawn", shared_memory=structured is None)
+            env = async_vector_env(make_one, cfg.num_envs, context="spawn", shared_memory=structured is None)
         else:
             env = gymnasium.vector.SyncVectorEnv([make_one] * cfg.num_envs)
     env.action_space.seed(seed)

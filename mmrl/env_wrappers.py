@@ -15,6 +15,9 @@ env:
 first one innermost. Vector-env wrappers (``gymnasium.wrappers.vector``) do not fit here:
 every env adapter vectorizes after wrapping.
 
+:func:`async_vector_env` is gymnasium's ``AsyncVectorEnv`` whose worker processes leave
+SIGINT and SIGTERM to the trainer (every adapter's ``vectorization: async`` goes through it).
+
 This module sits beside the config code rather than in ``mmrl.envs`` because ``EnvConfig``
 types its ``wrappers`` field with :class:`WrapperConfig`, and ``mmrl.envs`` imports the configs.
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import signal
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -116,3 +120,29 @@ def apply_wrappers(env, wrappers: list[WrapperConfig], path: str = "env.wrappers
 def _env_name(env) -> str:
     spec = getattr(env, "spec", None)
     return spec.id if spec is not None else type(env.unwrapped).__name__
+
+
+class _SignalsToParent:
+    """An env factory for a worker process that first ignores SIGINT and SIGTERM.
+
+    Ctrl-C in a terminal, and ``timeout`` or a cluster scheduler, signal the whole process
+    group. A worker killed by that signal would break the step the trainer is finishing before
+    it writes its checkpoint; ignoring it leaves the shutdown to the trainer, which closes the
+    workers itself. A worker whose parent dies still ends: its pipe closes.
+    """
+
+    def __init__(self, make_one: Callable[[], Any]):
+        self.make_one = make_one
+
+    def __call__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        return self.make_one()
+
+
+def async_vector_env(make_one: Callable[[], Any], num_envs: int, **kwargs: Any):
+    """``gymnasium.vector.AsyncVectorEnv`` of ``num_envs`` copies of ``make_one()``, with workers
+    that leave SIGINT/SIGTERM to the trainer (kwargs: ``context``, ``shared_memory``, ...)."""
+    import gymnasium
+
+    return gymnasium.vector.AsyncVectorEnv([_SignalsToParent(make_one)] * num_envs, **kwargs)

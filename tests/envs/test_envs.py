@@ -1,5 +1,8 @@
 import sys
 
+import time
+import signal
+import os
 import gymnasium
 import numpy as np
 import pytest
@@ -59,6 +62,25 @@ def test_gym_adapter_builds_a_mujoco_vector_env_with_no_specific_code():
         obs, reward, terminated, truncated, _ = env.step(env.action_space.sample())
     assert reward.shape == (2,) and np.isfinite(reward).all()
     env.close()
+
+
+def test_async_env_workers_leave_sigint_and_sigterm_to_the_trainer():
+    """A signal to the process group reaches the workers; they ignore it so the trainer can
+    finish its step and checkpoint (it closes the workers itself)."""
+    cfg = GymEnvConfig(id="mmrl/PointReach-v0", num_envs=2, vectorization="async", context="fork")
+    env = ENVS.get("gym")(cfg, seed=0)
+    try:
+        env.reset(seed=[1, 2])
+        for proc in env.processes:
+            os.kill(proc.pid, signal.SIGINT)
+            os.kill(proc.pid, signal.SIGTERM)
+        time.sleep(0.3)
+        assert all(proc.is_alive() for proc in env.processes)
+        obs, reward, _, _, _ = env.step(np.zeros((2, 2), np.float32))
+        assert obs.shape == (2, 4) and np.isfinite(reward).all()
+    finally:
+        env.close()
+    assert not any(proc.is_alive() for proc in env.processes)
 
 
 def test_gym_adapter_async_vector_env_passes_kwargs_and_time_limit():

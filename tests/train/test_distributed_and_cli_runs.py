@@ -157,6 +157,27 @@ def test_sigterm_writes_a_final_checkpoint_and_resume_finishes(tmp_path, write_c
     assert steps == list(range(1, stopped_at + 3))
 
 
+def test_sigterm_to_the_process_group_of_a_run_with_async_envs_checkpoints_cleanly(tmp_path, write_config):
+    """Ctrl-C, ``timeout`` and schedulers signal the whole group, the env workers too. They
+    leave the signal to the trainer, which finishes its step, checkpoints and closes them: no
+    traceback, no step lost, no process left."""
+    path = write_config(point_reach_config(total_steps=500, env={"num_envs": 4, "vectorization": "async", "context": "fork"}, eval={"at_start": False, "at_end": False}))
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "mmrl", "train", path, "--run-dir", run], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 2):
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "Traceback" not in err and "--resume" in err, err[-2000:]
+    stopped = int((run / "checkpoints/latest").read_text().split("_")[1])
+    assert stopped == max(r["step"] for r in read_metrics(run)) >= 2
+    time.sleep(0.5)
+    group = subprocess.run(["ps", "-o", "pid=,stat=,args=", "-g", str(proc.pid)], capture_output=True, text=True).stdout.splitlines()
+    assert [line for line in group if line.split()[1][0] != "Z"] == []
+
+
 def test_train_then_eval_then_plot(tmp_path, write_config):
     path = write_config(point_reach_config(total_steps=2))
     run = tmp_path / "run"

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import gymnasium
 
 from mmrl.config import option
-from mmrl.env_wrappers import apply_wrappers
+from mmrl.env_wrappers import apply_wrappers, async_vector_env
 from mmrl.errors import ConfigError
 from mmrl.registry import ENVS
 from mmrl.core.component_config import EnvConfig
@@ -44,7 +44,9 @@ def make_vector_env(cfg: PluginReachConfig, seed: int) -> gymnasium.vector.Vecto
         env = PluginReachEnv(step_size=cfg.step_size, tolerance=cfg.tolerance, max_steps=cfg.max_episode_steps or 10)
         return apply_wrappers(env, cfg.wrappers)
 
-    vector = gymnasium.vector.AsyncVectorEnv if cfg.vectorization == "async" else gymnasium.vector.SyncVectorEnv
-    env = vector([make_one] * cfg.num_envs)
+    if cfg.vectorization == "async":  # workers that leave Ctrl-C and SIGTERM to the trainer
+        env = async_vector_env(make_one, cfg.num_envs)
+    else:
+        env = gymnasium.vector.SyncVectorEnv([make_one] * cfg.num_envs)
     env.action_space.seed(seed)
     return env
