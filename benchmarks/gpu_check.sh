@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/gpu_check.sh [checks...]      # default: tests bench train
 #
-# - tests: (TESTS="files..." to choose others) the test files whose trainers, samplers and policies take `device: auto`, which is
+# - tests: (TESTS="files..." to choose others, TESTS_WORKERS processes, 12 by default) the test files whose trainers, samplers and policies take `device: auto`, which is
 #   CUDA on such a machine: pretrained-VLM VLAs (each family, LoRA, bf16), the critic and the
 #   value head, the env sampler's device handling, the trainer. A failure here is a place where
 #   mmrl's code assumes the CPU.
@@ -61,7 +61,7 @@ for check in $CHECKS; do
     case $check in
     tests)
         stamp "tests on CUDA"
-        timeout ${TESTS_TIMEOUT:-170} python3 -m pytest -q -p no:cacheprovider -p no:randomly -n 12 --timeout 150 --continue-on-collection-errors --tb=line -m "${MARKS:-not slow}" \
+        timeout ${TESTS_TIMEOUT:-170} python3 -m pytest -q -p no:cacheprovider -p no:randomly -n ${TESTS_WORKERS:-12} --timeout 150 --continue-on-collection-errors --tb=line -m "${MARKS:-not slow}" \
             ${TESTS:-tests/policies/test_vla_pretrained.py tests/train/test_critic.py tests/samplers/test_env_device.py \
             tests/train/test_trainer.py tests/train/test_self_imitation.py} > "$OUT/tests.txt" 2>&1
         grep -E "^/|^E |Error|passed|failed" "$OUT/tests.txt" | sort | uniq -c | sort -rn | head -40
