@@ -198,7 +198,9 @@ class Learner:
         reward = self.rewards.combine(gather(rollout.rewards), groups)
         if cfg.kl.in_reward_penalty:
             # PPO-RLHF: r - coef * sum_t KL(old || ref) of the sampled decisions
-            penalty = kl_in_reward(torch.zeros(rollout.batch_size, device=rollout.old_logp.device), rollout.old_logp, rollout.ref_logp, rollout.mask, cfg.kl.coef, cfg.kl.type)
+            # on the CPU, beside the rewards: the scorer keeps ref_logp there, the sampler may
+            # leave old_logp and the mask on the policy's device
+            penalty = kl_in_reward(torch.zeros(rollout.batch_size), rollout.old_logp.cpu(), rollout.ref_logp.cpu(), rollout.mask.cpu(), cfg.kl.coef, cfg.kl.type)
             reward = reward + gather(penalty)
         options = own_options(cfg.advantage, AdvantageConfig)
         if self.critic_cfg is not None:  # a learned value baseline (GAE): per decision

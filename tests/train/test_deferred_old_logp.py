@@ -54,8 +54,8 @@ def _train(cfg: TrainConfig, run_dir, defer: bool):
     update = trainer.learner.update
     def recorded_update(rollout, adv, *args):
         out = update(rollout, adv, *args)
-        trained = ((adv[:, None] if adv.dim() == 1 else adv) * rollout.mask != 0).any(1)
-        handed_on.append((rollout.old_logp_deferred, rollout.old_logp.clone(), trained))
+        trained = ((adv[:, None] if adv.dim() == 1 else adv).to(rollout.mask.device) * rollout.mask != 0).any(1).cpu()
+        handed_on.append((rollout.old_logp_deferred, rollout.old_logp.detach().cpu(), trained))
         return out
 
     trainer.learner.update = recorded_update
