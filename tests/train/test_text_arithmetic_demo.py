@@ -18,6 +18,9 @@ def _last_eval(run_dir) -> dict:
 @pytest.mark.slow
 @pytest.mark.learning
 def test_sft_then_grpo_raises_held_out_accuracy(tmp_path, learning_seed, learned):
+    # Measured over 5 seeds x 3 kernel sets (benchmarks/RESULTS.md, "The text arithmetic demo's
+    # RL gain over seeds and CPU kernels"): every AVX512 run clears 0.15 at 20 updates, 5 of the
+    # 10 avx2/default runs do not. The recipe, not this threshold, is what needs the fix.
     sft, grpo = tmp_path / "sft", tmp_path / "grpo"
     done = run_mmrl("train", ROOT / "configs" / "text_arithmetic_sft.yaml", "--run-dir", sft, f"seed={learning_seed}", *QUIET, cwd=ROOT, timeout=1800)
     assert done.returncode == 0, done.stderr[-3000:]
