@@ -151,6 +151,29 @@ def run_mmrl(*args, cwd=None, timeout=300, env=None):
     )
 
 
+def start_train_in_own_group(config_path, run, logged_lines: int):
+    """``mmrl train config_path --run-dir run`` in a session (process group) of its own, as a
+    scheduler starts it; returned once ``metrics.jsonl`` holds ``logged_lines`` lines (or 120 s
+    passed), stderr piped, for a test that then signals the whole group."""
+    import subprocess
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "mmrl", "train", config_path, "--run-dir", run], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= logged_lines):
+        time.sleep(0.05)
+    return proc
+
+
+def live_processes_in_group(pgid: int) -> list[str]:
+    """``ps`` lines of the processes of group ``pgid`` that are still alive (a zombie is gone,
+    waiting for the container's init to reap it)."""
+    import subprocess
+
+    group = subprocess.run(["ps", "-o", "pid=,stat=,args=", "-g", str(pgid)], capture_output=True, text=True).stdout.splitlines()
+    return [line for line in group if line.split()[1][0] != "Z"]
+
+
 def assert_kept_sampling_graph_matches_recompute(build, inputs) -> None:
     """In float64: ``build()``'s ``sample(inputs, keep_graph=True)`` gives the log-probs that
     ``log_prob(replay)`` recomputes, with the same gradient for every parameter, and keeps

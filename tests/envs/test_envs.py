@@ -1,8 +1,8 @@
-import sys
-
-import time
-import signal
 import os
+import signal
+import sys
+import time
+
 import gymnasium
 import numpy as np
 import pytest

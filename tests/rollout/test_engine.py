@@ -23,7 +23,7 @@ from mmrl.rewards.toy import TokenFractionConfig, token_fraction
 from mmrl.train.metrics import read_metrics
 from mmrl.train.run_config import TrainConfig
 from mmrl.train.trainer import train
-from tests.conftest import point_reach_config, run_mmrl
+from tests.conftest import live_processes_in_group, point_reach_config, run_mmrl, start_train_in_own_group
 
 
 def toy(**sections) -> dict:
@@ -285,18 +285,14 @@ def test_sigterm_to_the_whole_process_group_checkpoints_and_leaves_no_worker(tmp
     learner finishes its step, writes a final checkpoint and stops them."""
     path = write_config(toy(total_steps=2000, rollout={"mode": "async", "workers": 2}, eval={"at_start": False, "at_end": False}))
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "mmrl", "train", path, "--run-dir", run], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline = time.time() + 120
-    while time.time() < deadline and not ((run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 3):
-        time.sleep(0.05)
+    proc = start_train_in_own_group(path, run, logged_lines=3)
     os.killpg(proc.pid, signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
     stopped = int((run / "checkpoints/latest").read_text().split("_")[1])
     assert stopped >= 3
     time.sleep(0.5)
-    group = subprocess.run(["ps", "-o", "pid=,stat=,args=", "-g", str(proc.pid)], capture_output=True, text=True).stdout.splitlines()
-    alive = [line for line in group if line.split()[1][0] != "Z"]  # a zombie is gone, waiting for the container's init to reap it
+    alive = live_processes_in_group(proc.pid)
     assert alive == [], alive
 
 

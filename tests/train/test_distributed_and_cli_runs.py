@@ -13,7 +13,7 @@ import yaml
 from safetensors.torch import load_file
 
 from mmrl.train.metrics import read_metrics
-from tests.conftest import ROOT, point_reach_config, run_mmrl
+from tests.conftest import ROOT, live_processes_in_group, point_reach_config, run_mmrl, start_train_in_own_group
 
 
 def _sequence_config(tmp_path, **algo):
@@ -163,10 +163,7 @@ def test_sigterm_to_the_process_group_of_a_run_with_async_envs_checkpoints_clean
     traceback, no step lost, no process left."""
     path = write_config(point_reach_config(total_steps=500, env={"num_envs": 4, "vectorization": "async", "context": "fork"}, eval={"at_start": False, "at_end": False}))
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "mmrl", "train", path, "--run-dir", run], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline = time.time() + 120
-    while time.time() < deadline and not ((run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 2):
-        time.sleep(0.05)
+    proc = start_train_in_own_group(path, run, logged_lines=2)
     os.killpg(proc.pid, signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
@@ -174,8 +171,8 @@ def test_sigterm_to_the_process_group_of_a_run_with_async_envs_checkpoints_clean
     stopped = int((run / "checkpoints/latest").read_text().split("_")[1])
     assert stopped == max(r["step"] for r in read_metrics(run)) >= 2
     time.sleep(0.5)
-    group = subprocess.run(["ps", "-o", "pid=,stat=,args=", "-g", str(proc.pid)], capture_output=True, text=True).stdout.splitlines()
-    assert [line for line in group if line.split()[1][0] != "Z"] == []
+    alive = live_processes_in_group(proc.pid)
+    assert alive == [], alive
 
 
 def test_train_then_eval_then_plot(tmp_path, write_config):
