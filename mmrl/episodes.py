@@ -95,6 +95,18 @@ class Episode:
     def __len__(self) -> int:
         return int(self.action.shape[0])
 
+    def prefix(self, steps: int) -> "Episode":
+        """The episode's first ``steps`` steps (observations and actions 0..steps − 1), a
+        view. Its ``success`` is the outcome its last observation shows: the env's flag
+        after action ``steps`` − 2 (``step_success`` needed, ``steps`` >= 2); costs are the
+        whole episode's and are dropped."""
+        if not 2 <= steps <= len(self):
+            raise ValueError(f"a prefix of an episode of {len(self)} steps has 2..{len(self)} steps, not {steps}")
+        if self.step_success is None:
+            raise ValueError("the outcome of a prefix needs the episode's step_success (episodes recorded by mmrl eval --save-episodes or mmrl collect)")
+        return Episode(self.image[:steps], self.state[:steps], self.action[:steps], self.reward[:steps], bool(self.step_success[steps - 2]),
+                       self.instruction, self.task, self.seed, {}, self.step_success[:steps])
+
     def check(self, where: str = "episode") -> None:
         """Raise ValueError unless the arrays have the format's dtypes and agree on T >= 1."""
         expected = {"image": (np.uint8, None), "state": (np.float32, 2), "action": (np.float32, 2), "reward": (np.float32, 1)}

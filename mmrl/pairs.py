@@ -10,7 +10,7 @@ ranked by success and cost (:func:`write_episode_pairs`), or a merge.
     python -m mmrl.pairs policy CONFIG [overrides ...] --out DIR [--group-size 16 --rounds 1
         --pairs-per-prompt 8 --flip 0.0 --seed 0 --held-out-seed SEED]
     python -m mmrl.pairs episodes EPISODES --out DIR [--cost path_length --margin 0.1
-        --held-out-fraction 0.25 --max-pairs-per-instruction N --seed 0]
+        --held-out-fraction 0.25 --max-pairs-per-instruction N --prefixes 0 --seed 0]
     python -m mmrl.pairs merge --out DIR A B ...
 
 **Shapes** (:mod:`mmrl.tasks.shapes.world`). Prompts are the scenes of the compositional split
@@ -45,6 +45,16 @@ failure (``metadata.category: success``), and among successes the cheaper one wi
 its cost is lower by more than the relative ``margin``, c_w · (1 + margin) < c_l
 (``category: cost``; ``cost: none`` leaves these out). Costs are the env's: ``path_length``,
 ``steps`` or ``collisions`` on the tabletop.
+
+With ``--prefixes K`` the episodes' prefixes are compared too, as segment preferences in
+preference-based RL are: at each of K − 1 lengths n evenly spaced up to the longest episode,
+the first n steps of two episodes of one instruction and split form a pair when the last
+frame of one shows the task solved and that of the other does not (the env's flag after
+action n − 2, ``step_success``; ``category: prefix``). Both items have the same length, so
+episode length tells them apart no more than it does for whole episodes of an env that
+does not end at success; the pairs multiply what 50 labelled episodes teach about what a
+solved state looks like (an episode that ends solved was unsolved at its earlier cuts, so
+each one contributes both sides). A prefix item is written ``{"episode": i, "steps": n}``.
 """
 
 from __future__ import annotations
@@ -134,7 +144,7 @@ def write_policy_pairs(
 
 def write_episode_pairs(
     out: str | Path, episodes_dir: str | Path, *, cost: str = "path_length", margin: float = 0.1, held_out_fraction: float = 0.25,
-    max_pairs_per_instruction: int | None = None, seed: int = 0,
+    max_pairs_per_instruction: int | None = None, prefixes: int = 0, seed: int = 0,
 ) -> dict:
     """Write trajectory pairs of the saved episodes in ``episodes_dir`` (see above); returns
     ``info``. Pairs name episodes by their index; ``info.json`` names the episodes directory
@@ -148,7 +158,13 @@ def write_episode_pairs(
         raise ConfigError("--held-out-fraction", held_out_fraction, "expected a fraction in [0, 1)")
     if margin < 0:
         raise ConfigError("--margin", margin, "expected a relative cost margin >= 0")
+    if prefixes < 0 or prefixes == 1:
+        raise ConfigError("--prefixes", prefixes, "expected 0 (whole episodes only) or K >= 2 cut points per episode length")
     episodes = read_demos(episodes_dir)
+    if prefixes and (missing := [i for i, e in enumerate(episodes) if e.step_success is None]):
+        raise ConfigError("--prefixes", prefixes, f"prefix pairs need each step's success flag; episode {missing[0]} (and {len(missing) - 1} more) has none: save the episodes with mmrl eval --save-episodes or mmrl collect")
+    longest = max(len(e) for e in episodes)
+    cuts = sorted({n for j in range(1, prefixes) if (n := int(round(longest * j / prefixes))) >= 2})
     successes = sum(e.success for e in episodes)
     if successes in (0, len(episodes)):
         outcome = "succeeded" if successes else "failed"
@@ -184,12 +200,20 @@ def write_episode_pairs(
                 if cost != "none":
                     meta["costs"] = [episodes[w].costs.get(cost), episodes[l].costs.get(cost)]
                 splits[split].append({"prompt": instruction, "chosen": int(w), "rejected": int(l), "metadata": meta})
+            cut_wins = []
+            for n in cuts:  # equal-length prefixes: the one whose last frame shows the task solved wins
+                ends = {i: bool(episodes[i].step_success[n - 2]) for i in chosen_from if len(episodes[i]) >= n}
+                cut_wins += [(w, l, n) for w, solved in ends.items() if solved for l, other in ends.items() if not other]
+            for k in rng.permutation(len(cut_wins))[:max_pairs_per_instruction]:
+                w, l, n = cut_wins[k]
+                splits[split].append({"prompt": instruction, "chosen": {"episode": int(w), "steps": n}, "rejected": {"episode": int(l), "steps": n},
+                                      "metadata": {"category": "prefix", "task": episodes[w].task, "steps": n}})
     for split, rows in splits.items():
         if not rows and (split == "train" or held_out_fraction > 0):
             raise ConfigError("episodes", str(episodes_dir), f"no {split} pairs: no instruction has both a success and a failure (or two successes apart by the cost margin) among its {split} episodes; save more episodes or lower --held-out-fraction")
     location = os.path.relpath(Path(episodes_dir).resolve(), Path(out).resolve())
     extra = {"source": "episodes", "episodes": location, "cost": cost, "margin": margin, "held_out_fraction": held_out_fraction, "seed": seed,
-             "num_episodes": len(episodes), "held_out_episodes": sorted(held_out_episodes)}
+             "num_episodes": len(episodes), "held_out_episodes": sorted(held_out_episodes), "prefixes": prefixes, "prefix_steps": cuts}
     return write_preferences(out, "trajectory", splits, None, **extra)
 
 
@@ -229,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cost", default="path_length", help="the cost that ranks successes: path_length, steps, collisions (what the env reports), or none")
     p.add_argument("--margin", type=float, default=0.1, help="relative margin: a success wins on cost only if cost_w * (1 + margin) < cost_l")
     p.add_argument("--held-out-fraction", type=float, default=0.25, help="fraction of each instruction's successes and of its failures kept for held-out pairs")
-    p.add_argument("--max-pairs-per-instruction", type=int, default=None, help="cap on pairs drawn per instruction and split (default: all)")
+    p.add_argument("--max-pairs-per-instruction", type=int, default=None, help="cap on pairs drawn per instruction and split, and on prefix pairs (default: all)")
+    p.add_argument("--prefixes", type=int, default=0, help="K >= 2: also pair equal-length prefixes cut at K - 1 evenly spaced lengths, the one whose last frame shows the task solved winning (needs each step's success; 0: whole episodes only)")
     p.add_argument("--seed", type=int, default=0, help="seed of the split and of the pair order")
     p = sub.add_parser("merge", help="train pairs of several directories, held-out pairs of the first")
     p.add_argument("--out", required=True, help="output directory")
@@ -240,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             info = merge_preferences(args.out, args.sources)
         elif args.source == "episodes":
             info = write_episode_pairs(args.out, args.episodes, cost=args.cost, margin=args.margin, held_out_fraction=args.held_out_fraction,
-                                       max_pairs_per_instruction=args.max_pairs_per_instruction, seed=args.seed)
+                                       max_pairs_per_instruction=args.max_pairs_per_instruction, prefixes=args.prefixes, seed=args.seed)
         elif args.source == "policy":
             info = write_policy_pairs(args.out, args.config, args.overrides, group_size=args.group_size, rounds=args.rounds, pairs_per_prompt=args.pairs_per_prompt, flip=args.flip, seed=args.seed, held_out_seed=args.held_out_seed)
         elif args.source == "shapes":

@@ -11,7 +11,7 @@ A preference directory holds
 where ``chosen`` / ``rejected`` are a completion (``text``), a row of ``images``
 (``image``), a list of K rows, the images generated for one prompt (``image_set``, one
 K per directory), or an ``episode_index`` of the saved episodes that ``info.json``'s
-``episodes`` names (``trajectory``: a directory in LeRobotDataset v3's layout or of
+``episodes`` names, or ``{"episode": i, "steps": n}``, the first n steps of one (``trajectory``: a directory in LeRobotDataset v3's layout or of
 ``mmrl collect`` demonstrations, relative to the preference directory or absolute; both
 episodes of a pair and the pair's prompt carry one instruction). Trajectory items are read
 as :class:`~mmrl.demos.Trajectories` of the episodes' keyframes. ``chosen`` is the preferred one. ``metadata.flipped`` marks a train pair
@@ -112,17 +112,30 @@ def _trajectory_pairs(d: Path, info: dict, path: Path, rows: list[dict], prompts
     if not source.is_dir():
         raise ConfigError(field, str(source), f"the episodes directory that {d / 'info.json'} names does not exist")
     episodes = read_demos(source)
-    trajectories = Trajectories.from_episodes(episodes, frames)
+    prefixes: dict[tuple[int, int], int] = {}  # (episode, steps) -> row of the store after the whole episodes
+
+    def item(i: int, side: str) -> int:
+        value = rows[i][side]
+        e, steps = (value.get("episode"), value.get("steps")) if isinstance(value, dict) else (value, None)
+        if isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < len(episodes):
+            raise ConfigError(field, str(path), f"line {i + 1}: {side} episode {e!r} is not in {source} ({len(episodes)} episodes, indices 0..{len(episodes) - 1})")
+        if steps is None:
+            return e
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 2 <= steps <= len(episodes[e]) or episodes[e].step_success is None:
+            raise ConfigError(field, str(path), f"line {i + 1}: {side} is a prefix of {steps!r} steps of episode {e}, which has {len(episodes[e])} steps{'' if episodes[e].step_success is not None else ' and no step_success'}; a prefix has 2..{len(episodes[e])} steps")
+        return prefixes.setdefault((e, steps), len(episodes) + len(prefixes))
+
+    index = {side: [] for side in ("chosen", "rejected")}
     for i, row in enumerate(rows):
-        for side in ("chosen", "rejected"):
-            e = row[side]
-            if isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < len(episodes):
-                raise ConfigError(field, str(path), f"line {i + 1}: {side} episode {e!r} is not in {source} ({len(episodes)} episodes, indices 0..{len(episodes) - 1})")
-        texts = {prompts[i], episodes[row["chosen"]].instruction, episodes[row["rejected"]].instruction}
+        for side in index:
+            index[side].append(item(i, side))
+        e_w, e_l = (row[side]["episode"] if isinstance(row[side], dict) else row[side] for side in ("chosen", "rejected"))
+        texts = {prompts[i], episodes[e_w].instruction, episodes[e_l].instruction}
         if len(texts) > 1:
-            raise ConfigError(field, str(path), f"line {i + 1}: a pair compares episodes of one instruction; prompt {prompts[i]!r}, chosen episode {row['chosen']} {episodes[row['chosen']].instruction!r}, rejected episode {row['rejected']} {episodes[row['rejected']].instruction!r}")
-    chosen = trajectories[torch.tensor([r["chosen"] for r in rows], dtype=torch.long)]
-    rejected = trajectories[torch.tensor([r["rejected"] for r in rows], dtype=torch.long)]
+            raise ConfigError(field, str(path), f"line {i + 1}: a pair compares episodes of one instruction; prompt {prompts[i]!r}, chosen episode {e_w} {episodes[e_w].instruction!r}, rejected episode {e_l} {episodes[e_l].instruction!r}")
+    trajectories = Trajectories.from_episodes(episodes + [episodes[e].prefix(steps) for e, steps in prefixes], frames)
+    chosen = trajectories[torch.tensor(index["chosen"], dtype=torch.long)]
+    rejected = trajectories[torch.tensor(index["rejected"], dtype=torch.long)]
     return PreferencePairs("trajectory", prompts, chosen, rejected, metadata)
 
 

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from mmrl.errors import ConfigError
 from mmrl.policies.learned_success.config import LearnedSuccessConfig
-from mmrl.policies.reward_model.model import ImageTower, PromptEncoder, RewardModel
+from mmrl.policies.reward_model.model import ImageTower, PromptEncoder, RewardModel, random_shift
 from mmrl.registry import POLICIES
 
 
@@ -96,20 +96,8 @@ class LearnedSuccessModel(RewardModel):
         return self.logits({**items, "instruction": list(prompts)})
 
     def augment_images(self, images: Tensor) -> Tensor:
-        """Each image (each camera apart) shifted by up to ``shift`` pixels: edge-padded by
-        ``shift``, then cropped back to size at a uniform random offset (DrQ)."""
-        s = self.config.shift
-        if not s:
-            return images
-        shape = images.shape
-        x = images.reshape(-1, *shape[-3:]).permute(0, 3, 1, 2).float()  # [M, 3, H, W]
-        m, _, h, w = x.shape
-        padded = F.pad(x, (s, s, s, s), mode="replicate")
-        dy, dx = torch.randint(0, 2 * s + 1, (2, m), device=x.device)
-        rows = (dy[:, None] + torch.arange(h, device=x.device))[:, :, None]  # [M, H, 1]
-        cols = (dx[:, None] + torch.arange(w, device=x.device))[:, None, :]  # [M, 1, W]
-        cropped = padded[torch.arange(m, device=x.device)[:, None, None], :, rows, cols]  # [M, H, W, 3]
-        return cropped.to(images.dtype).reshape(shape)
+        """Each image (each camera apart) shifted by up to ``shift`` pixels (DrQ): :func:`random_shift`."""
+        return random_shift(images, self.config.shift)
 
     def sft_loss(self, batch: dict[str, Any]) -> Tensor:
         """Class-balanced binary cross-entropy of a batch of labelled frames {"image",

@@ -74,7 +74,10 @@ class BTTrajectoryConfig(PolicyConfig):
     channels: list[int] = option(factory=lambda: [8, 16, 32], doc="output channels of each keyframe's 3x3 convs, each FiLM-conditioned on the instruction")
     strides: list[int] | None = option(None, "stride of each conv (1 or 2), one per entry of channels; null = 2 for every conv")
     hidden: int = option(64, "width of the per-keyframe embedding and of the score head", ge=1)
+    shift: int = option(0, "training only: shift each keyframe image by up to this many pixels (edge-padded random crop, as DrQ); 0 = off", ge=0)
     prompt: PromptEncoderConfig = option(factory=PromptEncoderConfig, doc="how the instruction is read")
 
     def validate(self, path: str) -> None:
         BTImageConfig.validate(self, path)  # the same conv tower (channels, strides)
+        if self.shift >= self.image_size:
+            raise ConfigError(f"{path}.shift" if path else "shift", self.shift, f"must be smaller than image_size ({self.image_size})")

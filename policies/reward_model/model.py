@@ -59,6 +59,24 @@ def bradley_terry_loss(chosen: Tensor, rejected: Tensor) -> Tensor:
     return F.softplus(rejected - chosen).mean()
 
 
+def random_shift(images: Tensor, shift: int) -> Tensor:
+    """Images [..., H, W, C] each shifted by up to ``shift`` pixels: edge-padded by
+    ``shift``, then cropped back to size at a uniform random offset (DrQ, Kostrikov et al.
+    2020). The reward models' augmentation against over-fitting a few dozen labelled
+    episodes; ``shift`` 0 returns ``images``."""
+    if not shift:
+        return images
+    shape = images.shape
+    x = images.reshape(-1, *shape[-3:]).permute(0, 3, 1, 2).float()  # [M, C, H, W]
+    m, _, h, w = x.shape
+    padded = F.pad(x, (shift, shift, shift, shift), mode="replicate")
+    dy, dx = torch.randint(0, 2 * shift + 1, (2, m), device=x.device)
+    rows = (dy[:, None] + torch.arange(h, device=x.device))[:, :, None]  # [M, H, 1]
+    cols = (dx[:, None] + torch.arange(w, device=x.device))[:, None, :]  # [M, 1, W]
+    cropped = padded[torch.arange(m, device=x.device)[:, None, None], :, rows, cols]  # [M, H, W, C]
+    return cropped.to(images.dtype).reshape(shape)
+
+
 class RewardModel(PolicyModule):
     """Base of the pairwise reward models: ``score`` (prompt, item) → s; ``sft_loss`` is the
     Bradley–Terry loss of a batch of pairs ``{"prompt", "chosen", "rejected"}``.
@@ -319,6 +337,16 @@ class BTTrajectoryModel(RewardModel):
         step_in = config.cameras * self.tower.out_dim + config.state_dim + config.action_dim + 1 + 1
         self.step = nn.Sequential(nn.Linear(step_in, config.hidden), nn.ReLU(), nn.Linear(config.hidden, config.hidden), nn.ReLU())
         self.head = nn.Sequential(nn.Linear(3 * config.hidden + self.prompt.out_dim + 1, config.hidden), nn.ReLU(), nn.Linear(config.hidden, 1))
+
+    def augment(self, items):
+        """With ``shift``: every keyframe image shifted by up to ``shift`` pixels, each
+        apart (:func:`random_shift`); state and actions unchanged."""
+        from mmrl.demos import Trajectories
+
+        if not self.config.shift:
+            return items
+        store = items.gather("cpu")
+        return Trajectories({**store, "image": random_shift(store["image"], self.config.shift)})
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         """Per episode, the shapes of the keyframe tensors this model reads."""

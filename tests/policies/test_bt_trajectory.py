@@ -198,3 +198,115 @@ def test_trajectories_index_without_copying_and_concatenate_like_lists():
     gathered = both.gather("cpu")
     assert torch.equal(gathered["image"][0], torch.from_numpy(episodes[3].image[np.rint(np.linspace(0, len(episodes[3]) - 1, 4)).astype(int)]))
     assert gathered["length"].tolist() == [len(episodes[3]), len(episodes[1]), len(episodes[0])]
+
+
+def _stepped_episodes(per_instruction: int, seed: int, steps: int = 10, size: int = 16) -> list[Episode]:
+    """Episodes of two instructions with each step's success flag: every other one is solved
+    from action s on (s = 2, 3, 4, 5, 2, ...) and stays solved, and every frame after that action
+    shows the bright patch of `_episodes`; the others never are."""
+    rng = np.random.RandomState(seed)
+    out = []
+    for instruction in INSTRUCTIONS:
+        for j in range(per_instruction):
+            image = rng.randint(0, 60, (steps, size, size, 3)).astype(np.uint8)
+            flags = np.zeros(steps, dtype=bool)
+            if j % 2 == 0:
+                solved_from = 2 + (j // 2) % 4
+                flags[solved_from:] = True
+                patch = (slice(4, 12), slice(0, 6)) if instruction == INSTRUCTIONS[0] else (slice(0, 6), slice(4, 12))
+                image[solved_from + 1:, patch[0], patch[1]] = 230  # frame t shows the state after action t - 1
+            out.append(Episode(
+                image=image, state=rng.normal(size=(steps, 4)).astype(np.float32), action=rng.uniform(-1, 1, (steps, 2)).astype(np.float32),
+                reward=np.zeros(steps, np.float32), success=bool(flags[-1]), instruction=instruction, task=instruction, seed=j,
+                costs={"path_length": 1.0}, step_success=flags,
+            ))
+    return out
+
+
+def test_a_prefix_is_the_first_steps_with_the_outcome_its_last_frame_shows():
+    episode = _stepped_episodes(1, seed=2)[0]
+    first_solved = int(np.argmax(episode.step_success))
+    before, after = episode.prefix(first_solved + 1), episode.prefix(first_solved + 2)
+    assert len(before) == first_solved + 1 and not before.success  # its last frame is from before the solving action
+    assert after.success and np.shares_memory(after.image, episode.image) and np.array_equal(after.action, episode.action[: first_solved + 2])
+    for bad in (1, len(episode) + 1):
+        with pytest.raises(ValueError, match=f"2..{len(episode)} steps, not {bad}"):
+            episode.prefix(bad)
+    with pytest.raises(ValueError, match="step_success"):
+        _episodes(1, seed=0)[0].prefix(3)
+
+
+def test_prefix_pairs_compare_equal_lengths_by_whether_the_last_frame_shows_the_task_solved(tmp_path):
+    episodes = _stepped_episodes(8, seed=4)
+    pairs = _pairs(tmp_path, episodes, cost="none", prefixes=5)
+    info = json.loads((pairs / "info.json").read_text())
+    assert info["prefix_steps"] == [2, 4, 6, 8]
+    held_out = set(info["held_out_episodes"])
+    lengths = set()
+    for split in ("train", "held_out"):
+        rows = [r for r in _rows(pairs, split) if r["metadata"]["category"] == "prefix"]
+        assert rows
+        for row in rows:
+            w, l, n = row["chosen"]["episode"], row["rejected"]["episode"], row["chosen"]["steps"]
+            assert row["rejected"]["steps"] == n == row["metadata"]["steps"] and episodes[w].instruction == episodes[l].instruction == row["prompt"]
+            assert episodes[w].step_success[n - 2] and not episodes[l].step_success[n - 2]
+            assert {w, l} <= held_out if split == "held_out" else not {w, l} & held_out
+            lengths.add(n)
+        read = read_pairs(pairs, split, frames=4)
+        gathered = read.chosen.gather("cpu")
+        prefix_rows = [i for i, r in enumerate(_rows(pairs, split)) if r["metadata"]["category"] == "prefix"]
+        for i in prefix_rows[:5]:  # a prefix item is read as keyframes of its first n steps: the last is frame n - 1
+            row = _rows(pairs, split)[i]
+            e, n = row["chosen"]["episode"], row["chosen"]["steps"]
+            assert gathered["length"][i] == n and torch.equal(gathered["image"][i, -1], torch.from_numpy(episodes[e].image[n - 1]))
+    assert lengths == {4, 6, 8}  # at 2 steps no episode is solved yet (its last frame shows the state after action 0)
+
+    with pytest.raises(ConfigError, match="--prefixes.*episode 0"):
+        _pairs(tmp_path / "no_flags", _episodes(4, seed=1), prefixes=5)
+    rows = _rows(pairs, "train")
+    bad = {**rows[0], "chosen": {"episode": rows[0]["rejected"] if isinstance(rows[0]["rejected"], int) else 0, "steps": 40}}
+    (pairs / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*rows, bad]))
+    with pytest.raises(ConfigError, match="a prefix of 40 steps"):
+        read_pairs(pairs, "train", frames=4)
+
+
+def test_prefixes_on_episodes_without_step_flags_end_the_cli_in_one_line(tmp_path, capsys):
+    write_demos(tmp_path / "episodes", _episodes(4, seed=1))
+    assert main_pairs(["episodes", str(tmp_path / "episodes"), "--out", str(tmp_path / "p"), "--prefixes", "5"]) == 2
+    assert "--prefixes" in _error_line(capsys)
+    assert main_pairs(["episodes", str(tmp_path / "episodes"), "--out", str(tmp_path / "p"), "--prefixes", "1"]) == 2
+    assert "K >= 2" in _error_line(capsys)
+
+
+def test_the_shift_augmentation_moves_each_keyframe_apart_and_only_in_training():
+    torch.manual_seed(0)
+    episodes = _stepped_episodes(2, seed=6)
+    items = Trajectories.from_episodes(episodes, 4)
+    model = BTTrajectoryModel(from_dict(BTTrajectoryConfig, {**TINY, "shift": 2}, "policy"))
+    moved = model.augment(items).gather("cpu")
+    original = items.gather("cpu")
+    assert torch.equal(moved["state"], original["state"]) and torch.equal(moved["action"], original["action"])
+    assert moved["image"].shape == original["image"].shape and not torch.equal(moved["image"], original["image"])
+    padded = torch.nn.functional.pad(original["image"].flatten(0, 1).permute(0, 3, 1, 2).float(), (2, 2, 2, 2), mode="replicate").unflatten(0, (4, 4))
+    for e in range(4):
+        for k in range(4):  # every keyframe is a crop of its own edge-padded image
+            crops = [padded[e, k, :, dy:dy + 16, dx:dx + 16].permute(1, 2, 0) for dy in range(5) for dx in range(5)]
+            assert any(torch.equal(c.to(torch.uint8), moved["image"][e, k]) for c in crops)
+    plain = BTTrajectoryModel(from_dict(BTTrajectoryConfig, TINY, "policy"))
+    assert plain.augment(items) is items
+    with pytest.raises(ConfigError, match="shift"):
+        BTTrajectoryModel(from_dict(BTTrajectoryConfig, {**TINY, "shift": 16}, "policy"))
+
+
+@pytest.mark.learning
+def test_prefix_pairs_and_shifts_teach_the_model_what_a_solved_frame_looks_like(tmp_path, capsys, learning_seed, learned):
+    """Trained on the prefix pairs of 16 episodes with shifts, the model ranks held-out
+    equal-length prefixes (a solved last frame over an unsolved one). Measured (AVX512,
+    seeds 0-4; seeds 0-1 under ATEN_CPU_CAPABILITY=default): held-out prefix accuracy 1.0
+    in every run (threshold 0.9)."""
+    pairs = _pairs(tmp_path, _stepped_episodes(8, seed=200 + learning_seed), cost="none", prefixes=5, seed=learning_seed)
+    config = _reward_config(tmp_path, pairs, 150, shift=2)
+    assert main(["train-reward", config, f"seed={learning_seed}", "--run-dir", str(tmp_path / "run")]) == 0
+    capsys.readouterr()
+    final = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if "eval/pairwise_accuracy" in r][-1]
+    learned(final["eval/pairwise_accuracy/prefix"], 0.9, name="held-out prefix-pair accuracy")
