@@ -11,12 +11,14 @@ A preference directory holds
 where ``chosen`` / ``rejected`` are a completion (``text``), a row of ``images``
 (``image``), a list of K rows, the images generated for one prompt (``image_set``, one
 K per directory), or an ``episode_index`` of the saved episodes that ``info.json``'s
-``episodes`` names, or ``{"episode": i, "steps": n}``, the first n steps of one (``trajectory``: a directory in LeRobotDataset v3's layout or of
-``mmrl collect`` demonstrations, relative to the preference directory or absolute; both
-episodes of a pair and the pair's prompt carry one instruction). Trajectory items are read
-as :class:`~mmrl.demos.Trajectories` of the episodes' keyframes. ``chosen`` is the preferred one. ``metadata.flipped`` marks a train pair
-whose label was flipped on purpose (label noise); held-out labels are never flipped, so
-held-out accuracy measures agreement with the verifier.
+``episodes`` names, or ``{"episode": i, "steps": n}``, the first n steps of episode i
+(``trajectory``: a directory in LeRobotDataset v3's layout or of ``mmrl collect``
+demonstrations, relative to the preference directory or absolute; both episodes of a pair
+and the pair's prompt carry one instruction). Trajectory items are read as
+:class:`~mmrl.demos.Trajectories` of the episodes' keyframes. ``chosen`` is the preferred
+one. ``metadata.flipped`` marks a train pair whose label was flipped on purpose (label
+noise); held-out labels are never flipped, so held-out accuracy measures agreement with
+the verifier.
 
 **Merge** (:func:`merge_preferences`): one directory whose train pairs are those of all the
 given directories (of one kind; ``metadata.source`` names the directory each came from) and
