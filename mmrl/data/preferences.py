@@ -116,22 +116,23 @@ def _trajectory_pairs(d: Path, info: dict, path: Path, rows: list[dict], prompts
     episodes = read_demos(source)
     prefixes: dict[tuple[int, int], int] = {}  # (episode, steps) -> row of the store after the whole episodes
 
-    def item(i: int, side: str) -> int:
+    def item(i: int, side: str) -> tuple[int, int]:
+        """(row of the store, episode) of one side of pair line i."""
         value = rows[i][side]
         e, steps = (value.get("episode"), value.get("steps")) if isinstance(value, dict) else (value, None)
         if isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < len(episodes):
             raise ConfigError(field, str(path), f"line {i + 1}: {side} episode {e!r} is not in {source} ({len(episodes)} episodes, indices 0..{len(episodes) - 1})")
         if steps is None:
-            return e
+            return e, e
         if isinstance(steps, bool) or not isinstance(steps, int) or not 2 <= steps <= len(episodes[e]) or episodes[e].step_success is None:
             raise ConfigError(field, str(path), f"line {i + 1}: {side} is a prefix of {steps!r} steps of episode {e}, which has {len(episodes[e])} steps{'' if episodes[e].step_success is not None else ' and no step_success'}; a prefix has 2..{len(episodes[e])} steps")
-        return prefixes.setdefault((e, steps), len(episodes) + len(prefixes))
+        return prefixes.setdefault((e, steps), len(episodes) + len(prefixes)), e
 
     index = {side: [] for side in ("chosen", "rejected")}
-    for i, row in enumerate(rows):
-        for side in index:
-            index[side].append(item(i, side))
-        e_w, e_l = (row[side]["episode"] if isinstance(row[side], dict) else row[side] for side in ("chosen", "rejected"))
+    for i in range(len(rows)):
+        (row_w, e_w), (row_l, e_l) = item(i, "chosen"), item(i, "rejected")
+        index["chosen"].append(row_w)
+        index["rejected"].append(row_l)
         texts = {prompts[i], episodes[e_w].instruction, episodes[e_l].instruction}
         if len(texts) > 1:
             raise ConfigError(field, str(path), f"line {i + 1}: a pair compares episodes of one instruction; prompt {prompts[i]!r}, chosen episode {e_w} {episodes[e_w].instruction!r}, rejected episode {e_l} {episodes[e_l].instruction!r}")

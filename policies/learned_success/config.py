@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 from mmrl.config import option
 from mmrl.core.component_config import PolicyConfig
-from mmrl.errors import ConfigError
 from mmrl.policies.reward_model.config import BTImageConfig, PromptEncoderConfig
 
 
@@ -25,10 +24,7 @@ class LearnedSuccessConfig(PolicyConfig):
     prompt: PromptEncoderConfig = option(factory=PromptEncoderConfig, doc="how the instruction is read")
 
     def validate(self, path: str) -> None:
-        prefix = f"{path}." if path else ""
-        BTImageConfig.validate(self, path)  # the same conv tower (channels, strides)
-        if self.shift >= self.image_size:
-            raise ConfigError(f"{prefix}shift", self.shift, f"must be smaller than image_size ({self.image_size})")
+        BTImageConfig.validate(self, path)  # the same conv tower (channels, strides, shift)
 
     @property
     def image_shape(self) -> list[int]:

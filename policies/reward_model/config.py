@@ -36,6 +36,8 @@ class BTImageConfig(PolicyConfig):
             raise ConfigError(f"{path}.channels" if path else "channels", self.channels, "expected a non-empty list of positive channel counts")
         if self.strides is not None and (len(self.strides) != len(self.channels) or any(s not in (1, 2) for s in self.strides)):
             raise ConfigError(f"{path}.strides" if path else "strides", self.strides, f"expected null or one stride (1 or 2) per conv ({len(self.channels)} entries)")
+        if getattr(self, "shift", 0) >= self.image_size:  # the towers that shift their training images (bt_trajectory, learned_success)
+            raise ConfigError(f"{path}.shift" if path else "shift", self.shift, f"must be smaller than image_size ({self.image_size})")
 
 
 @dataclass
@@ -78,6 +80,4 @@ class BTTrajectoryConfig(PolicyConfig):
     prompt: PromptEncoderConfig = option(factory=PromptEncoderConfig, doc="how the instruction is read")
 
     def validate(self, path: str) -> None:
-        BTImageConfig.validate(self, path)  # the same conv tower (channels, strides)
-        if self.shift >= self.image_size:
-            raise ConfigError(f"{path}.shift" if path else "shift", self.shift, f"must be smaller than image_size ({self.image_size})")
+        BTImageConfig.validate(self, path)  # the same conv tower (channels, strides, shift)
