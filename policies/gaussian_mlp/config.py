@@ -23,6 +23,10 @@ class GaussianMLPConfig(PolicyConfig):
     action_chunk: int = option(1, "actions emitted per decision (an action chunk; the env executes them in turn)", ge=1)
     state_dependent_std: bool = option(False, "the MLP also outputs the log std (otherwise one learned log std per action dimension)")
     obs_norm: bool = option(False, "normalize observations by running mean/std (updated while sampling stochastically, saved with the weights)")
+    obs_norm_update: Literal["auto", "always", "never"] = option(
+        "auto",
+        "when obs_norm's statistics take in new observations: always; never (kept as loaded); auto = always, except for a policy that starts from pretrained weights, whose network was fitted to its loaded statistics (they stay fixed, as LeRobot's dataset statistics do)",
+    )
     final_log_std: float | None = option(None, "anneal the exploration noise: cap the log std at a value going linearly from init_log_std to this over log_std_anneal_decisions sampled decisions (null = no cap)")
     log_std_anneal_decisions: int = option(200_000, "decisions sampled stochastically in training mode (env steps for chunk 1, summed over this process's envs) over which the log std cap reaches final_log_std", ge=1)
 

@@ -99,8 +99,19 @@ class GaussianMLPPolicy(PolicyModule):
             # processes (mmrl/core/statistics.py).
             self.obs_stats = RunningMoments(self.obs_dim)
         self._register_load_state_dict_pre_hook(_rename_legacy_statistics)
+        self._register_load_state_dict_pre_hook(_start_the_annealing_clock, with_module=True)
 
     # ------------------------------------------------------------------ helpers
+
+    @property
+    def updates_obs_stats(self) -> bool:
+        """Whether observations go into the running statistics (``obs_norm_update``). A
+        pretrained policy keeps its loaded ones under ``auto``: its network was fitted to
+        them, and statistics that drift with the new run's states change what it computes
+        (fine-tuning a behaviour-cloned policy, they halved its success within 20 updates,
+        benchmarks/RESULTS.md)."""
+        mode = self.config.obs_norm_update
+        return self.config.obs_norm and (mode == "always" or (mode == "auto" and not self.config.pretrained))
 
     def _normalize(self, obs: Tensor) -> Tensor:
         if not self.config.obs_norm:
@@ -137,14 +148,18 @@ class GaussianMLPPolicy(PolicyModule):
 
     @torch.no_grad()
     def sample(self, inputs: Tensor, generator: torch.Generator | None = None, deterministic: bool = False) -> Sample:
-        """``inputs``: observations [N, obs_dim]. Returns env actions [N, C, A], logp [N, 1],
-        replay {"obs": [N, 1, obs_dim] normalized, "action": [N, 1, C, A] normalized, and
-        with ``final_log_std`` "log_std_cap": [N, 1]}. Stochastic sampling in training mode
-        adds the observations to the statistics and the decisions to the annealing clock,
-        both used from the next commit on; ``deterministic`` returns the mean."""
+        """``inputs``: observations [N, obs_dim], or a structured env's dict whose "state"
+        [N, obs_dim] is read (other keys, e.g. an instruction, are not). Returns env actions
+        [N, C, A], logp [N, 1], replay {"obs": [N, 1, obs_dim] normalized, "action": [N, 1, C,
+        A] normalized, and with ``final_log_std`` "log_std_cap": [N, 1]}. Stochastic sampling
+        in training mode adds the observations to the statistics (see ``obs_norm_update``)
+        and the decisions to the annealing clock, both used from the next commit on;
+        ``deterministic`` returns the mean."""
+        if isinstance(inputs, dict):  # a structured env (e.g. the tabletop's obs_mode: state): its state vector
+            inputs = inputs["state"]
         obs = inputs.to(self.action_center.device, torch.float32)
         learning = self.training and not deterministic
-        if self.config.obs_norm and learning:
+        if self.updates_obs_stats and learning:
             self.obs_stats.observe(obs)
         obs_n = self._normalize(obs)
         n = obs.shape[0]
@@ -201,10 +216,11 @@ class GaussianMLPPolicy(PolicyModule):
         """Behaviour cloning: the masked mean negative log-likelihood of the demonstrated
         chunks, -log N(a_n; mu(o), sigma^2) per action, with a_n the demo actions in the
         normalized space (clipped to the env bounds first). Observations come as "obs" (flat)
-        or "state"; with ``obs_norm`` the batch is added to the running statistics."""
+        or "state"; with ``obs_norm`` the batch is added to the running statistics (unless
+        ``obs_norm_update`` keeps them as loaded)."""
         obs = batch["obs"] if "obs" in batch else batch["state"]
         obs = obs.to(self.action_center.device, torch.float32).reshape(obs.shape[0], -1)
-        if self.config.obs_norm:
+        if self.updates_obs_stats:
             self.obs_stats.observe(obs)
         actions = batch["actions"].to(obs.device, torch.float32)  # [B, C, A] env units
         b = actions.shape[0]
@@ -227,3 +243,10 @@ def _rename_legacy_statistics(state_dict, prefix, *args) -> None:
     legacy = state_dict.get(prefix + "sampled_decisions")
     if legacy is not None:
         state_dict[prefix + "sampled_decisions.value"] = state_dict.pop(prefix + "sampled_decisions")
+
+
+def _start_the_annealing_clock(module, state_dict, prefix, *args) -> None:
+    """Weights saved without annealing (e.g. a behaviour-cloned policy) load into a policy
+    with ``final_log_std``: its clock starts at 0 decisions instead of refusing the load."""
+    if getattr(module, "sampled_decisions", None) is not None and prefix + "sampled_decisions.value" not in state_dict:
+        state_dict[prefix + "sampled_decisions.value"] = torch.zeros((), dtype=torch.float64)

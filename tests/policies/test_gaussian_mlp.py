@@ -133,6 +133,35 @@ def test_obs_norm_statistics_move_only_on_commit_and_only_from_training_samples(
     torch.testing.assert_close(policy.obs_stats.var, both.var(0, unbiased=False), atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("update, pretrained, moves", [("auto", False, True), ("auto", True, False), ("always", True, True), ("never", False, False)])
+def test_a_pretrained_policy_keeps_its_loaded_statistics_unless_told_otherwise(tmp_path, update, pretrained, moves):
+    # fine-tuning a behaviour-cloned policy: its network was fitted to its loaded statistics
+    source = make(obs_norm=True)
+    source.sample(obs_batch(n=64), torch.Generator().manual_seed(0))
+    _commit(source)
+    save_pretrained(source, tmp_path / "sft")
+    cfg = GaussianMLPConfig(hidden_sizes=[16, 16], obs_norm=True, obs_norm_update=update, pretrained=str(tmp_path / "sft") if pretrained else None)
+    policy = build_policy(cfg, SPEC)  # with pretrained set, the saved weights and statistics load on top
+    before = policy.obs_stats.mean.clone()
+    for batch in (obs_batch(n=32, seed=7) * 3, {"state": obs_batch(n=32, seed=8) * 3}):  # a flat or a structured env's observation
+        policy.sample(batch, torch.Generator().manual_seed(0))
+    policy.sft_loss({"state": obs_batch(n=8, seed=9) * 3, "actions": torch.zeros(8, 1, 2)})
+    _commit(policy)
+    assert (not torch.equal(policy.obs_stats.mean, before)) == moves
+
+
+def test_weights_without_annealing_load_into_an_annealed_policy_whose_clock_starts_at_zero(tmp_path):
+    # a behaviour-cloned policy fine-tuned with annealed exploration noise
+    source = make(obs_norm=True)
+    save_pretrained(source, tmp_path / "sft")
+    cfg = GaussianMLPConfig(hidden_sizes=[16, 16], obs_norm=True, final_log_std=-2.0, log_std_anneal_decisions=12, pretrained=str(tmp_path / "sft"))
+    policy = build_policy(cfg, SPEC)
+    assert policy.sampled_decisions.value.item() == 0.0 and torch.equal(policy.net[0].weight, source.net[0].weight)
+    policy.sample(obs_batch(n=6), torch.Generator().manual_seed(0))
+    _commit(policy)
+    assert policy.sampled_decisions.value.item() == 6.0
+
+
 def test_weights_saved_before_the_statistics_modules_still_load():
     policy = make(obs_norm=True, final_log_std=-2.0, log_std_anneal_decisions=12)
     state = policy.state_dict()
