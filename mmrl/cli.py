@@ -272,6 +272,8 @@ def _collect_plan(args) -> dict:
         max_steps = suite.env.get("max_episode_steps")
     if args.image_size is not None:
         kwargs["image_size"] = args.image_size
+    if args.obs_mode is not None:
+        kwargs["obs_mode"] = args.obs_mode
     if args.cameras is not None:
         kwargs["cameras"] = args.cameras if len(args.cameras) > 1 else args.cameras[0]
     if args.max_episode_steps is not None:
@@ -377,6 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_non_negative_int, default=0, help="episode j of each task resets with seed + j (must stay below 2**31, evaluation seeds)")
     p.add_argument("--env-id", default=None, help="env id (default: the suite's, else mmrl/Tabletop-v0, the only one with experts)")
     p.add_argument("--image-size", type=_positive_int, default=None, help="side of the observed images (default: the suite's, else 64)")
+    p.add_argument("--obs-mode", choices=("rgb", "state"), default=None, help="what the episodes record: rgb (images, the pusher's state; the default) or state (the simulator's full state and a task one-hot, no images)")
     p.add_argument("--cameras", nargs="+", default=None, help="camera names (top, front); several give images [K, H, W, 3]")
     p.add_argument("--max-episode-steps", type=_positive_int, default=None, help="time limit of an episode (default: the suite's, else the env's 60)")
     p.add_argument("--noise", type=_non_negative_float, default=0.0, help="std of Gaussian noise added to the expert's actions (normalized units)")

@@ -133,7 +133,7 @@ def run_expert_episode(env, expert_action, task: str, seed: int, noise: float = 
     done = False
     while not done:
         action = expert_action(env, noise=noise, rng=rng)
-        images.append(obs["image"])
+        images.append(obs["image"] if "image" in obs else np.zeros(0, np.uint8))  # a state-only env: no image
         states.append(obs["state"])
         actions.append(action)
         obs, reward, terminated, truncated, info = env.step(action)

@@ -8,9 +8,18 @@ instructions, initial-state distributions and success predicates are in
 - action: ``Box(-1, 1, (2,), float32)``, the pusher's planar velocity command as a fraction
   of ``MAX_SPEED`` (0.4 m/s); one control step lasts ``CONTROL_DT`` (0.1 s = 20 physics
   steps of 5 ms), so the pusher moves at most 4 cm per step.
-- observation: ``Dict(image=uint8 (H, W, 3) or (K, H, W, 3) for K cameras, state=float32
-  [x, y, vx, vy] of the pusher, instruction=Text)``. Block positions are not in the state:
-  the policy sees the blocks only in the image.
+- observation (``obs_mode``, ManiSkill's names): ``rgb`` (the default), ``Dict(image=uint8
+  (H, W, 3) or (K, H, W, 3) for K cameras, state=float32 [x, y, vx, vy] of the pusher,
+  instruction=Text)``; block positions are not in the state, so the policy sees the blocks
+  only in the image. ``state``: ``Dict(state=float32 [D], instruction=Text)``, no image (and
+  no rendering): the pusher's [x, y, vx, vy], then for each block [x, y, cos 4θ, sin 4θ] (θ its
+  yaw; a square looks the same every quarter turn), the zone's centre (0, 0 in a family
+  without one), and a one-hot of the episode's task among the env's tasks (the instruction as
+  a state policy can read it). Blocks are padded with zeros to the most any of the env's
+  families has, so every task of a multi-family env gives the same D (``state_layout()``
+  names each entry). ``privileged_state=True`` adds that vector as ``"privileged"`` to either
+  mode's observation: the env sampler keeps it for a critic that reads it (asymmetric
+  actor-critic) and never shows it to the policy.
 - reward (``reward_mode``, ManiSkill's names): ``sparse`` (the default), 1 on the step that
   solves the task, else 0; ``dense``, that plus potential-based shaping (Ng et al., 1999)
   F = Φ(s') − Φ(s) with Φ = −(‖block − goal‖ + ½·max(‖pusher − block‖ − contact, 0)) /
@@ -53,6 +62,7 @@ CONTROL_DT = 0.1
 BLOCK_Z = 0.025
 CAMERAS = ("top", "front")
 REWARD_MODES = ("sparse", "dense")
+OBS_MODES = ("rgb", "state")
 BLOCK_HALF_DIAGONAL = float(np.sqrt(2.0) * BLOCK_HALF)
 DENSE_SCALE = 0.2  # metres of potential per unit of reward: a typical push (~0.2 m) is worth about the success
 INSTRUCTION_CHARSET = string.ascii_letters + string.digits + " -,.'"
@@ -180,6 +190,8 @@ class TabletopEnv(gymnasium.Env):
         image_every: int = 1,
         terminate_on_success: bool = True,
         reward_mode: str = "sparse",
+        obs_mode: str = "rgb",
+        privileged_state: bool = False,
     ):
         """``task``: a task name, a family (spatial, object, goal), ``all``, or a list of
         these; ``image_size``: side of the observed images; ``cameras``: one camera name or a
@@ -195,7 +207,12 @@ class TabletopEnv(gymnasium.Env):
         limit (``info["success"]`` says each step whether the task is solved then), as an env
         that reports no success must when a learned success detector watches it;
         ``reward_mode``: ``sparse`` (1 at success) or ``dense`` (plus potential-based shaping
-        towards the goal, see the module docstring)."""
+        towards the goal, see the module docstring); ``obs_mode``: ``rgb`` (images, the
+        pusher's state and the instruction) or ``state`` (the full simulator state and a task
+        one-hot instead of images; nothing is rendered), see the module docstring;
+        ``privileged_state``: also return that state vector as the observation's
+        ``"privileged"`` entry, which the env sampler keeps for a critic (``critic.inputs:
+        privileged``, asymmetric actor-critic) and never hands to the policy."""
         self.task_names = resolve_tasks(task, "env.kwargs.task")
         names = [cameras] if isinstance(cameras, str) else list(cameras)
         if not names or any(c not in CAMERAS for c in names):
@@ -217,6 +234,12 @@ class TabletopEnv(gymnasium.Env):
         if reward_mode not in REWARD_MODES:
             raise ConfigError("env.kwargs.reward_mode", reward_mode, f"expected one of {', '.join(REWARD_MODES)}")
         self.reward_mode = reward_mode
+        if obs_mode not in OBS_MODES:
+            raise ConfigError("env.kwargs.obs_mode", obs_mode, f"expected one of {', '.join(OBS_MODES)}")
+        self.obs_mode = obs_mode
+        if not isinstance(privileged_state, bool):
+            raise ConfigError("env.kwargs.privileged_state", privileged_state, "expected true or false")
+        self.privileged_state = privileged_state
         self._elapsed = 0
         self._images: np.ndarray | None = None
         if render_mode not in (None, "rgb_array"):
@@ -226,13 +249,16 @@ class TabletopEnv(gymnasium.Env):
         self.image_size, self.render_size, self.render_mode = image_size, render_size, render_mode
         self.instructions = list(dict.fromkeys(TASKS[name].instruction for name in self.task_names))
         image_shape = (image_size, image_size, 3) if len(names) == 1 else (len(names), image_size, image_size, 3)
-        self.observation_space = spaces.Dict(
-            {
-                "image": spaces.Box(0, 255, image_shape, np.uint8),
-                "state": spaces.Box(-np.inf, np.inf, (4,), np.float32),
-                "instruction": spaces.Text(MAX_INSTRUCTION_LENGTH, charset=INSTRUCTION_CHARSET),
-            }
-        )
+        self.max_blocks = max(len(FAMILIES[TASKS[name].family].colours) for name in self.task_names)
+        text = spaces.Text(MAX_INSTRUCTION_LENGTH, charset=INSTRUCTION_CHARSET)
+        full = spaces.Box(-np.inf, np.inf, (len(self.state_layout()),), np.float32)
+        if obs_mode == "state":
+            observed = {"state": full, "instruction": text}
+        else:
+            observed = {"image": spaces.Box(0, 255, image_shape, np.uint8), "state": spaces.Box(-np.inf, np.inf, (4,), np.float32), "instruction": text}
+        if privileged_state:
+            observed["privileged"] = full
+        self.observation_space = spaces.Dict(observed)
         self.action_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
         self._scenes: dict[str, _Simulation] = {}
         self._sim: _Simulation | None = None
@@ -298,16 +324,42 @@ class TabletopEnv(gymnasium.Env):
 
     # ------------------------------------------------------------------ observations and privileged state
 
+    def state_layout(self) -> list[str]:
+        """The name of each entry of the ``obs_mode: state`` vector."""
+        names = ["pusher_x", "pusher_y", "pusher_vx", "pusher_vy"]
+        for i in range(self.max_blocks):
+            names += [f"block{i}_x", f"block{i}_y", f"block{i}_cos4yaw", f"block{i}_sin4yaw"]
+        return names + ["zone_x", "zone_y"] + [f"task_{name}" for name in self.task_names]
+
+    def _full_state(self) -> np.ndarray:
+        """The ``obs_mode: state`` vector (privileged: block poses and the zone)."""
+        sim = self._sim
+        blocks = np.zeros((self.max_blocks, 4))
+        for i, adr in enumerate(sim.block_qpos):
+            w, z = sim.data.qpos[adr + 3], sim.data.qpos[adr + 6]
+            yaw = 2.0 * np.arctan2(z, w)
+            blocks[i] = [sim.data.qpos[adr], sim.data.qpos[adr + 1], np.cos(4 * yaw), np.sin(4 * yaw)]
+        zone = np.zeros(2) if self.zone is None else np.asarray(self.zone, dtype=np.float64)
+        task = np.zeros(len(self.task_names))
+        task[self.task_names.index(self.task.name)] = 1.0
+        return np.concatenate([self.pusher_position(), self.pusher_velocity(), blocks.reshape(-1), zone, task]).astype(np.float32)
+
     def _observation(self) -> dict:
-        if self._images is None or self._elapsed % self.image_every == 0:
-            images = self._images = self._sim.render(self.cameras, self.image_size, self.image_size)
+        if self.obs_mode == "state":
+            obs = {"state": self._full_state(), "instruction": self.task.instruction}
         else:
-            images = self._images.copy()  # every observation is its own array (gymnasium's contract)
-        return {
-            "image": images[0] if len(self.cameras) == 1 else images,
-            "state": np.concatenate([self.pusher_position(), self.pusher_velocity()]).astype(np.float32),
-            "instruction": self.task.instruction,
-        }
+            if self._images is None or self._elapsed % self.image_every == 0:
+                images = self._images = self._sim.render(self.cameras, self.image_size, self.image_size)
+            else:
+                images = self._images.copy()  # every observation is its own array (gymnasium's contract)
+            obs = {
+                "image": images[0] if len(self.cameras) == 1 else images,
+                "state": np.concatenate([self.pusher_position(), self.pusher_velocity()]).astype(np.float32),
+                "instruction": self.task.instruction,
+            }
+        if self.privileged_state:
+            obs["privileged"] = self._full_state()
+        return obs
 
     def pusher_position(self) -> np.ndarray:
         return self._sim.data.qpos[self._sim.pusher_qpos].copy()

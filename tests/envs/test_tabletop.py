@@ -240,12 +240,60 @@ def test_render_returns_a_larger_frame_of_every_camera():
         ({"layout": "nominal", "layout_noise": 0.2}, "env.kwargs.layout_noise"),
         ({"image_every": 0}, "env.kwargs.image_every"),
         ({"reward_mode": "normalized_dense"}, "env.kwargs.reward_mode"),
+        ({"obs_mode": "rgbd"}, "env.kwargs.obs_mode"),
     ],
 )
 def test_bad_kwargs_are_config_errors_naming_the_field(kwargs, field):
     with pytest.raises(ConfigError) as err:
         gymnasium.make(ID, **kwargs)
     assert err.value.field == field
+
+
+def test_state_obs_mode_holds_the_simulators_state_and_a_task_one_hot_and_renders_nothing():
+    env = gymnasium.make(ID, task="object", obs_mode="state")
+    base = env.unwrapped
+    assert set(env.observation_space.spaces) == {"state", "instruction"}
+    assert env.observation_space["state"].shape == (4 + 4 * 4 + 2 + 4,) == (len(base.state_layout()),)
+    obs, info = env.reset(seed=3)
+    for _ in range(5):
+        obs, *_ = env.step(np.array([0.6, -0.3], np.float32))
+    state = dict(zip(base.state_layout(), obs["state"].tolist()))
+    blocks = base.block_positions()
+    for i in range(4):
+        np.testing.assert_allclose([state[f"block{i}_x"], state[f"block{i}_y"]], blocks[i], atol=1e-6)
+        assert state[f"block{i}_cos4yaw"] ** 2 + state[f"block{i}_sin4yaw"] ** 2 == pytest.approx(1.0, abs=1e-5)
+    np.testing.assert_allclose([state["pusher_x"], state["pusher_y"]], base.pusher_position(), atol=1e-6)
+    np.testing.assert_allclose([state["pusher_vx"], state["pusher_vy"]], base.pusher_velocity(), atol=1e-5)
+    np.testing.assert_allclose([state["zone_x"], state["zone_y"]], base.zone, atol=1e-6)
+    assert [state[f"task_{name}"] for name in base.task_names] == [float(name == info["task"]) for name in base.task_names]
+    assert obs["instruction"] == TASKS[info["task"]].instruction
+    assert all(not sim.renderers for sim in base._scenes.values())  # no frame was rendered
+    env.close()
+
+
+def test_state_obs_mode_has_one_size_for_every_family_of_the_env():
+    # the goal scene has 3 blocks and no zone: padded to the object scene's 4 blocks, zone (0, 0)
+    env = gymnasium.make(ID, task="all", obs_mode="state")
+    base, dim = env.unwrapped, env.observation_space["state"].shape[0]
+    assert dim == 4 + 4 * 4 + 2 + len(TASKS)
+    obs, info = env.reset(options={"task": "goal_red_next_to_yellow"}, seed=0)
+    state = dict(zip(base.state_layout(), obs["state"].tolist()))
+    assert obs["state"].shape == (dim,) and state["block3_x"] == state["zone_x"] == state["zone_y"] == 0.0
+    assert state["task_goal_red_next_to_yellow"] == 1.0 and sum(obs["state"][-len(TASKS):]) == 1.0
+    env.close()
+
+
+def test_state_obs_mode_leaves_the_episode_as_rgb_plays_it():
+    # the same seed and actions give the same physics and rewards: only the observation differs
+    runs = []
+    for mode in ("rgb", "state"):
+        env = gymnasium.make(ID, task="spatial", obs_mode=mode, reward_mode="dense")
+        actions, info, terminated, reward = _run_expert(env, seed=5)
+        runs.append((actions, env.unwrapped.block_positions(), info["success"], reward))
+        env.close()
+    np.testing.assert_array_equal(np.stack(runs[0][0]), np.stack(runs[1][0]))
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])
+    assert runs[0][2] == runs[1][2] is True and runs[0][3] == runs[1][3]
 
 
 def test_gym_adapter_vectorizes_it_and_equal_seeds_share_the_initial_state():
