@@ -4,7 +4,10 @@ Two kinds:
 
 - ``mlp``: a network of its own over the policy's critic inputs (``policy.critic_inputs(replay)``
   → [B, T, D]; by default the replay's ``obs`` or ``state``, as the policy stored them, e.g.
-  normalized), as ManiSkill's and CleanRL's PPO keep actor and critic apart;
+  normalized), as ManiSkill's and CleanRL's PPO keep actor and critic apart; or, with
+  ``inputs: privileged``, over the env's ``"privileged"`` observation that the env sampler
+  keeps in the replay beside the policy's (asymmetric actor-critic, Pinto et al. 2017: a
+  critic that sees the simulator's state while the policy sees pixels);
 - ``value_head``: one linear layer on the policy's own features (``policy.value_features(replay)``
   → [B, T, F], with their gradient: the trunk is shared), as RLinf's ``add_value_head`` puts
   one on a VLA's backbone.
@@ -29,6 +32,8 @@ from torch import Tensor, nn
 from mmrl.config import option
 from mmrl.errors import ConfigError
 
+PRIVILEGED = "privileged"  # the replay entry of an env's critic-only observation (mmrl.samplers.env keeps it)
+
 
 @dataclass
 class CriticConfig:
@@ -37,15 +42,28 @@ class CriticConfig:
     type: Literal["none", "mlp", "value_head"] = option(
         "none", "none; mlp = a separate network over the policy's critic inputs (its observations); value_head = a linear head on the policy's own features (shared trunk)"
     )
+    inputs: Literal["policy", "privileged"] = option(
+        "policy",
+        "mlp: what the network reads; policy = the policy's critic inputs (its observations); privileged = the env's \"privileged\" observation, which the env sampler keeps for the critic and never shows the policy (asymmetric actor-critic: e.g. the simulator's state beside a VLA that sees pixels; mmrl/Tabletop-v0's env.kwargs.privileged_state)",
+    )
     hidden_sizes: list[int] = option(factory=lambda: [256, 256], doc="mlp: widths of the hidden layers")
     activation: Literal["tanh", "relu"] = option("tanh", "mlp: activation between hidden layers")
     value_coef: float = option(0.5, "weight of the value loss beside the policy loss (one optimizer step updates both)", ge=0)
+    lr: float | None = option(
+        None, "learning rate of the critic's own parameters, on optim's schedule (null = optim.lr): a critic often learns faster than a pretrained policy may move (e.g. 1e-3 beside 1e-4)", gt=0
+    )
+    warmup_steps: int = option(
+        0, "training steps at the start of a run that train the critic only: the policy's gradients are dropped and self-imitation waits (verl's critic_warmup), so that a pretrained policy is not moved by the advantages of an untrained critic",
+        ge=0,
+    )
     value_clip: float | None = option(None, "clip the value's change from its value at sampling time to ±this in the loss (PPO's clipped value loss; null = unclipped)", gt=0)
 
     def validate(self, path: str) -> None:
         p = f"{path}." if path else ""
         if any(width < 1 for width in self.hidden_sizes):
             raise ConfigError(p + "hidden_sizes", self.hidden_sizes, "every width must be >= 1")
+        if self.inputs == "privileged" and self.type == "value_head":
+            raise ConfigError(p + "inputs", self.inputs, "a value head reads the policy's own features; privileged inputs need type: mlp")
 
 
 class MLPCritic(nn.Module):
@@ -53,6 +71,7 @@ class MLPCritic(nn.Module):
 
     def __init__(self, input_dim: int, cfg: CriticConfig):
         super().__init__()
+        self.privileged = cfg.inputs == "privileged"
         act = {"tanh": nn.Tanh, "relu": nn.ReLU}[cfg.activation]
         layers: list[nn.Module] = []
         width = input_dim
@@ -67,7 +86,8 @@ class MLPCritic(nn.Module):
                 nn.init.zeros_(layer.bias)
 
     def forward(self, policy, replay: dict[str, Any]) -> Tensor:
-        return self.net(policy.critic_inputs(replay).detach()).squeeze(-1)
+        inputs = replay[PRIVILEGED] if self.privileged else policy.critic_inputs(replay)
+        return self.net(inputs.detach().to(self.net[0].weight.dtype)).squeeze(-1)
 
 
 class ValueHead(nn.Module):
@@ -85,6 +105,11 @@ class ValueHead(nn.Module):
 
 def build_critic(cfg: CriticConfig, policy) -> nn.Module:
     """The critic of ``cfg`` for ``policy``; a one-line error when the policy cannot feed it."""
+    if cfg.type == "mlp" and cfg.inputs == "privileged":
+        dim = (getattr(policy, "spec", None) or {}).get("privileged_dim")
+        if dim is None:
+            raise ConfigError("critic.inputs", "privileged", f"the env gives no {PRIVILEGED!r} observation (a Dict entry the env sampler keeps for the critic; on mmrl/Tabletop-v0 set env.kwargs.privileged_state: true)")
+        return MLPCritic(int(dim), cfg)
     if cfg.type == "mlp":
         dim = getattr(policy, "critic_input_dim", None)
         if dim is None:

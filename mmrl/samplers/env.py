@@ -21,6 +21,9 @@ sum_j gamma^j r_{t,j} (gamma = ``algo.advantage.gamma``), for step-level advanta
 ``info["decision_steps"][b, t]`` the env steps decision t took (at the last column of a
 decision with several log-prob columns, 0 at the others): GAE discounts the next decision's
 value by gamma to that power.
+An env whose Dict observation has a ``"privileged"`` entry (e.g. ``mmrl/Tabletop-v0`` with
+``privileged_state``) keeps it out of the policy's view; each decision's replay holds it as
+``"privileged"`` for a critic that reads it (``critic.inputs: privileged``).
 An env that reports its episode's costs so far in ``info["costs"]`` (``mmrl/Tabletop-v0``:
 path length, steps, collisions) gives ``info["costs"][name]``, each episode's value at its
 last step (logged as ``cost/<name>``).
@@ -61,6 +64,7 @@ import torch
 from torch import Tensor
 
 from mmrl.config import option
+from mmrl.core.critic import PRIVILEGED
 from mmrl.core.rollout import Rollout
 from mmrl.core.sampler import Sampler, group_seed
 from mmrl.core.statistics import wilson_interval
@@ -176,7 +180,18 @@ class EnvSampler(Sampler):
             spec["image_shape"] = list(space["image"].shape)
         if "instruction" in space.spaces:
             spec["instructions"] = _env_instructions(self.env)
+        if PRIVILEGED in space.spaces:
+            spec["privileged_dim"] = int(gymnasium.spaces.flatdim(space[PRIVILEGED]))
         return spec
+
+    def sample(self, policy, obs, device, generator, deterministic: bool = False):
+        """``policy.sample`` on the policy's view of ``obs`` (:meth:`observation`); an env's
+        ``"privileged"`` observation (a critic's input, never the policy's) joins the
+        sample's replay as ``"privileged"`` [N, 1, D]."""
+        sample = policy.sample(self.observation(obs, device), generator, deterministic=deterministic)
+        if self.structured and PRIVILEGED in obs:
+            sample.replay[PRIVILEGED] = _obs_tensor(obs[PRIVILEGED], device).unsqueeze(1)
+        return sample
 
     def observation(self, obs, device) -> "Tensor | dict":
         """The policy's input for a batch of env observations: a float tensor [N, D] for flat
@@ -344,7 +359,7 @@ class EnvSampler(Sampler):
         scores = WaveScores(self.learned, num_envs, device) if self.learned is not None else None
         while alive.any() and (cap is None or len(samples) < cap):
             chunk_end, scored = {}, alive  # env -> the observation its episode ended at in this chunk
-            sample = policy.sample(self.observation(obs, device), generator, deterministic=deterministic)
+            sample = self.sample(policy, obs, device, generator, deterministic)
             if on is not None:
                 actions = torch.minimum(torch.maximum(sample.output.to(on), low), high)
             else:
@@ -418,7 +433,7 @@ class EnvSampler(Sampler):
     def final_replay(self, policy, obs, device) -> dict:
         """The policy's replay [n, 1, ...] of ``obs``, final observations: what a critic
         reads of them (a deterministic call: no running statistics or clocks move)."""
-        return policy.sample(self.observation(obs, device), None, deterministic=True).replay
+        return self.sample(policy, obs, device, None, deterministic=True).replay
 
     def _success_flags(self, info: dict, no_success: np.ndarray) -> np.ndarray:
         """The vector env's per-env success flags of one step, from ``info[env.success_key]``

@@ -103,7 +103,7 @@ class EpisodesInFlight:
         cap = s.config.max_decisions
         no_success = np.zeros(s.num_envs, dtype=bool)
         while self._finished() < num_groups:
-            sample = policy.sample(s.observation(self.obs, device), generator)
+            sample = s.sample(policy, self.obs, device, generator)
             actions = np.minimum(np.maximum(as_numpy(sample.output), s.action_low), s.action_high)
             live = [e for e, ep in self.episodes.items() if ep["alive"]]
             for e in live:

@@ -76,9 +76,14 @@ class Learner:
             # bf16 hands its value head float32 features
             dtype = first.dtype if first.dtype.itemsize >= 4 else torch.float32
             trained = ActorCritic(policy, build_critic(cfg.critic, policy).to(first.device, dtype))
-        optimizer = torch.optim.AdamW(
-            [p for p in trained.parameters() if p.requires_grad], lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.adam_eps, weight_decay=cfg.optim.weight_decay
-        )
+        params: list = [p for p in trained.parameters() if p.requires_grad]
+        if self.critic_cfg is not None and self.critic_cfg.lr is not None:  # the critic's own rate: a second parameter group
+            critic_ids = {id(p) for p in trained.critic.parameters()}
+            params = [
+                {"params": [p for p in params if id(p) not in critic_ids], "base_lr": cfg.optim.lr},
+                {"params": [p for p in params if id(p) in critic_ids], "base_lr": self.critic_cfg.lr},
+            ]
+        optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.adam_eps, weight_decay=cfg.optim.weight_decay)
         self.model, self.optimizer = accelerator.prepare(trained, optimizer)
         if self.reference is not None:
             self.reference.to(accelerator.device)
@@ -91,6 +96,7 @@ class Learner:
         self.correction_fn = entry.obj if entry.traits.get("needs_behaviour", False) else None
         self.correction_options = {**own_options(algo.correction, CorrectionConfig), "log_ratio_clamp": algo.correction.log_ratio_clamp}
         self.reuse_graph = algo.type == "rl" and self._reuses_sampling_graph(policy, sampler_keeps_graph)
+        self.critic_only = False  # set during a critic warm-up update (learn)
         self.memory = sil.SelfImitationMemory(si.size, dist) if si.size and algo.type == "rl" else None
         self.version = 0
 
@@ -118,12 +124,13 @@ class Learner:
             critic.load_state_dict(state["critic"])
 
     def set_lr(self, step: int) -> float:
-        """Set the optimizer's learning rate for training step ``step``; returns it."""
+        """Set the optimizer's learning rate for training step ``step``; returns the
+        policy's (a critic with ``critic.lr`` follows the same schedule from its own rate)."""
         o = self.cfg.optim
-        lr = o.lr * lr_factor(step, self.cfg.total_steps, o.lr_schedule, o.warmup_steps, o.final_lr_ratio)
+        factor = lr_factor(step, self.cfg.total_steps, o.lr_schedule, o.warmup_steps, o.final_lr_ratio)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        return lr
+            group["lr"] = group.get("base_lr", o.lr) * factor
+        return o.lr * factor
 
     def publish(self) -> int:
         """Mark the current weights as a new version (after an optimizer's update); returns it."""
@@ -148,9 +155,16 @@ class Learner:
             rollout = self.exact_old_logp(rollout)  # the KL penalty in the reward reads them now
         adv, keep = self.advantages(rollout)
         rollout = rollout.with_(mask=self.train_mask(rollout, keep))
-        stats = self.update(rollout, adv, spare, step) if self.dist.sum(rollout.mask.sum()) > 0 else {}
+        # critic warm-up (critic.warmup_steps): the first updates of a run train the critic only
+        self.critic_only = self.critic_cfg is not None and step < self.critic_cfg.warmup_steps
+        try:
+            stats = self.update(rollout, adv, spare, step) if self.dist.sum(rollout.mask.sum()) > 0 else {}
+        finally:
+            self.critic_only = False
         rollout = rollout.with_(sampling_graph_logp=None)  # nothing after the update may hold the graph
-        if self.memory is not None:
+        if self.critic_cfg is not None and step < self.critic_cfg.warmup_steps:
+            stats["critic/warmup"] = 1.0
+        elif self.memory is not None:
             stats["self_imitation/added"] = float(self.memory.add(rollout, adv, step))
             stats["self_imitation/size"] = float(len(self.memory))
             if len(self.memory):
@@ -268,6 +282,9 @@ class Learner:
                 raise NonFiniteError(f"step {step + 1}: {what} is {loss.item()}")
             with self.accelerator.no_sync(self.model) if i + 1 < len(pieces) else nullcontext():
                 self.accelerator.backward(loss)
+        if self.critic_only:  # the policy's gradients are dropped: AdamW leaves a parameter without one as it is
+            for p in self.policy.parameters():
+                p.grad = None
         grad_norm = None
         if self.cfg.optim.max_grad_norm is not None:
             grad_norm = torch.as_tensor(self.accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.optim.max_grad_norm)).detach().cpu()

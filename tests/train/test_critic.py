@@ -55,6 +55,45 @@ def test_an_update_moves_the_values_towards_the_gae_targets(tmp_path):
     assert "critic" in trainer.learner.state_dict() and not any(k.startswith("critic") for k in trainer.policy.state_dict())
 
 
+@pytest.mark.parametrize("critic", ["mlp", "value_head"])
+def test_a_critic_warmup_trains_the_critic_only_and_then_the_policy_too(tmp_path, critic):
+    """critic.warmup_steps: 2 — the policy's weights (a value head's shared trunk included)
+    stay bit for bit through the first two updates while the critic's move; the third update
+    moves the policy too."""
+    data = gae_config(critic, total_steps=3, eval={"at_start": False, "at_end": False})
+    data["critic"]["warmup_steps"] = 2
+    trainer = Trainer(from_dict(TrainConfig, data), tmp_path / "run")
+
+    def weights():
+        return ({k: v.clone() for k, v in trainer.policy.state_dict().items()}, {k: v.clone() for k, v in trainer.learner.critic.state_dict().items()})
+
+    for step in range(3):
+        policy_before, critic_before = weights()
+        collected = trainer.engine.collect(step, trainer.learner.version)
+        _, _, stats = trainer.learner.learn(collected.rollout, collected.spare, step)
+        policy_after, critic_after = weights()
+        assert any(not torch.equal(critic_before[k], critic_after[k]) for k in critic_before)
+        policy_moved = any(not torch.equal(policy_before[k], policy_after[k]) for k in policy_before if policy_before[k].is_floating_point())
+        assert policy_moved == (step >= 2) and (stats.get("critic/warmup") == 1.0) == (step < 2)
+
+
+def test_the_critic_learns_at_its_own_rate_on_the_policys_schedule(tmp_path):
+    """critic.lr: the critic's parameters (only they) step at that rate, scaled by the same
+    warm-up/decay factor as the policy's; unset, one rate for both."""
+    data = gae_config(total_steps=4, optim={"lr": 0.001, "warmup_steps": 1, "lr_schedule": "linear", "final_lr_ratio": 0.5}, eval={"at_start": False, "at_end": False})
+    data["critic"]["lr"] = 0.01
+    trainer = Trainer(from_dict(TrainConfig, data), tmp_path / "run")
+    policy_group, critic_group = trainer.learner.optimizer.param_groups
+    assert {id(p) for p in critic_group["params"]} == {id(p) for p in trainer.learner.critic.parameters()}
+    assert not {id(p) for p in policy_group["params"]} & {id(p) for p in critic_group["params"]}
+    for step in range(4):
+        lr = trainer.learner.set_lr(step)
+        assert policy_group["lr"] == lr and critic_group["lr"] == pytest.approx(10 * lr)
+    assert trainer.learner.set_lr(0) == pytest.approx(0.0005)  # warm-up: half the rate at the first step
+    data["critic"]["lr"] = None
+    assert len(Trainer(from_dict(TrainConfig, data), tmp_path / "one").learner.optimizer.param_groups) == 1
+
+
 def test_a_run_with_a_critic_resumes_exactly(tmp_path):
     data = gae_config(total_steps=5, checkpoint={"every": 3}, eval={"at_start": False, "at_end": False})
     train(from_dict(TrainConfig, data), tmp_path / "straight")
@@ -109,6 +148,59 @@ def test_a_value_head_on_a_policy_without_features_names_the_field(tmp_path):
     data = {**point_reach_config(algo=GAE, critic={"type": "value_head"}), "policy": {"type": "diffusion_policy", "hidden_size": 16, "num_layers": 1}}
     with pytest.raises(ConfigError, match=r"^critic.type: got 'value_head'; policy 'diffusion_policy' exposes no features for a value head"):
         Trainer(from_dict(TrainConfig, data), tmp_path / "run")
+
+
+def _privileged_tabletop(policy: dict, **sections) -> dict:
+    """A tiny tabletop run whose critic reads the env's privileged state (the simulator's
+    block poses, zone and task) while the policy sees its own observation."""
+    env = {"type": "gym", "id": "mmrl/Tabletop-v0", "num_envs": 4, "max_episode_steps": 8,
+           "kwargs": {"task": "object", "image_size": 16, "privileged_state": True, "reward_mode": "dense"}}
+    data = gae_config(env=env, total_steps=2, eval={"at_start": False, "at_end": False}, **sections)
+    data["policy"] = policy
+    data["critic"] = {"type": "mlp", "inputs": "privileged", "hidden_sizes": [16]}
+    data["algo"] = {**data["algo"], "group_size": 2, "groups_per_step": 2, "ppo_epochs": 1, "advantage": {**GAE["advantage"], "step_reward_weight": 1.0}}
+    return data
+
+
+@pytest.mark.parametrize("policy", [
+    {"type": "gaussian_mlp", "hidden_sizes": [16]},
+    {"type": "flow_vla", "action_chunk": 2, "expert_layers": 1, "expert_heads": 2, "denoising": {"num_inference_steps": 2},
+     "backbone": {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "intermediate_size": 32, "vision_channels": [4], "patch_grid": 2}},
+], ids=["gaussian_mlp", "flow_vla"])
+def test_a_privileged_critic_reads_the_simulators_state_that_the_policy_never_sees(tmp_path, policy):
+    """Asymmetric actor-critic (critic.inputs: privileged): each decision's replay holds the
+    env's privileged observation at that decision; the critic's values are its network of
+    exactly those rows, the policy's input holds none of it, and the update trains both."""
+    trainer = Trainer(from_dict(TrainConfig, _privileged_tabletop(policy)), tmp_path / "run")
+    critic = trainer.learner.critic
+    assert critic.net[0].in_features == 26 and trainer.policy.spec["privileged_dim"] == 26
+    seen = []
+    sample = trainer.policy.sample
+    trainer.policy.sample = lambda inputs, *a, **k: seen.append(inputs) or sample(inputs, *a, **k)
+    collected = trainer.engine.collect(0, trainer.learner.version)
+    trainer.policy.sample = sample
+    assert seen and all("privileged" not in inputs for inputs in seen if isinstance(inputs, dict))
+    rollout = collected.rollout
+    privileged = rollout.replay["privileged"]
+    assert privileged.shape[:2] == rollout.mask.shape[:2] and privileged.shape[2] == 26
+    first = privileged[:, 0]
+    one_hot = first[:, -4:]
+    assert torch.equal(one_hot.sum(-1), torch.ones(len(first)))  # the task one-hot of each episode
+    with torch.no_grad():
+        values = trainer.learner.model(rollout.replay, mode="value")
+        torch.testing.assert_close(values, critic.net(privileged).squeeze(-1))
+    _, _, stats = trainer.learner.learn(rollout, collected.spare, 0)
+    assert math.isfinite(stats["loss/value"]) and stats["loss/value"] > 0
+
+
+def test_a_privileged_critic_without_the_envs_privileged_observation_names_the_field(tmp_path):
+    data = gae_config(total_steps=1)
+    data["critic"] = {"type": "mlp", "inputs": "privileged"}
+    with pytest.raises(ConfigError, match=r"^critic.inputs: got 'privileged'; the env gives no 'privileged' observation"):
+        Trainer(from_dict(TrainConfig, data), tmp_path / "run")
+    data["critic"] = {"type": "value_head", "inputs": "privileged"}
+    with pytest.raises(ConfigError, match=r"^critic.inputs: got 'privileged'; a value head reads the policy's own features"):
+        from_dict(TrainConfig, data)
 
 
 def test_the_final_observation_of_a_cut_episode_is_the_next_decisions_observation():
