@@ -13,6 +13,8 @@ SHORT = ["total_steps=1", "log.progress=false", "log.tensorboard=false", "eval.a
 # (a stage-2 variant such as text_arithmetic_grpo_care starts from the family's SFT run too)
 SFT_OF = {name: name.split("_grpo")[0] + "_sft" for name in CONFIGS if "_grpo" in name and name.split("_grpo")[0] + "_sft" in CONFIGS}
 SFT_OF["tabletop_object_flow_vla_gae"] = SFT_OF["tabletop_object_flow_vla_gae_dense"] = "tabletop_flow_vla_sft"  # value-baseline RL of the object family
+SFT_OF["tabletop_object_flow_vla_gae_privileged"] = "tabletop_flow_vla_sft"
+SFT_OF["tabletop_object_state_gae"] = "tabletop_object_state_sft"  # the state policy's value-baseline RL
 SFT_OF["image_shapes_flow_grpo"] = "image_shapes_flow_sft_words"  # the word-level generator
 SFT_OF["image_shapes_flow_grpo_adversarial"] = "image_shapes_flow_sft_words"
 # RL configs rewarded by a learned reward model: the reward-model config whose smoke run they score with
@@ -40,11 +42,23 @@ def _start(workdir, name: str):
     return run
 
 
+def _demos(workdir, name: str):
+    """The demonstrations a tabletop SFT config trains on: state-only ones (``obs_mode:
+    state``, collected here once) for a state policy's config, else the module's."""
+    if "_state_" not in name:
+        return workdir / "demos"
+    demos = workdir / "demos_state"
+    if not demos.exists():
+        done = run_mmrl("collect", "--task", "object", "--episodes-per-task", "1", "--obs-mode", "state", "--out", demos, timeout=900)
+        assert done.returncode == 0, done.stderr[-2000:]
+    return demos
+
+
 def _train(workdir, name: str, run):
     overrides = list(SHORT)
     if name.startswith("tabletop_"):
         rl = name.endswith("_grpo") or "_gae" in name
-        overrides += ["env.num_envs=8", "algo.groups_per_step=1"] if rl else [f"data.path={workdir / 'demos'}", "data.batch_size=8"]
+        overrides += ["env.num_envs=8", "algo.groups_per_step=1"] if rl else [f"data.path={_demos(workdir, name)}", "data.batch_size=8"]
     if name.startswith("reward_shapes"):  # pairs written by their documented command, smaller
         pairs = workdir / f"{name}_pairs"
         if not pairs.exists():
