@@ -345,8 +345,9 @@ class TabletopEnv(gymnasium.Env):
         return np.concatenate([self.pusher_position(), self.pusher_velocity(), blocks.reshape(-1), zone, task]).astype(np.float32)
 
     def _observation(self) -> dict:
+        full = self._full_state() if self.obs_mode == "state" or self.privileged_state else None
         if self.obs_mode == "state":
-            obs = {"state": self._full_state(), "instruction": self.task.instruction}
+            obs = {"state": full, "instruction": self.task.instruction}
         else:
             if self._images is None or self._elapsed % self.image_every == 0:
                 images = self._images = self._sim.render(self.cameras, self.image_size, self.image_size)
@@ -358,7 +359,7 @@ class TabletopEnv(gymnasium.Env):
                 "instruction": self.task.instruction,
             }
         if self.privileged_state:
-            obs["privileged"] = self._full_state()
+            obs["privileged"] = full.copy()  # every observation is its own array
         return obs
 
     def pusher_position(self) -> np.ndarray:

@@ -87,7 +87,7 @@ class MLPCritic(nn.Module):
 
     def forward(self, policy, replay: dict[str, Any]) -> Tensor:
         inputs = replay[PRIVILEGED] if self.privileged else policy.critic_inputs(replay)
-        return self.net(inputs.detach().to(self.net[0].weight.dtype)).squeeze(-1)
+        return self.net(inputs.detach()).squeeze(-1)
 
 
 class ValueHead(nn.Module):

@@ -156,13 +156,14 @@ class Learner:
         adv, keep = self.advantages(rollout)
         rollout = rollout.with_(mask=self.train_mask(rollout, keep))
         # critic warm-up (critic.warmup_steps): the first updates of a run train the critic only
-        self.critic_only = self.critic_cfg is not None and step < self.critic_cfg.warmup_steps
+        warming = self.critic_cfg is not None and step < self.critic_cfg.warmup_steps
+        self.critic_only = warming
         try:
             stats = self.update(rollout, adv, spare, step) if self.dist.sum(rollout.mask.sum()) > 0 else {}
         finally:
             self.critic_only = False
         rollout = rollout.with_(sampling_graph_logp=None)  # nothing after the update may hold the graph
-        if self.critic_cfg is not None and step < self.critic_cfg.warmup_steps:
+        if warming:
             stats["critic/warmup"] = 1.0
         elif self.memory is not None:
             stats["self_imitation/added"] = float(self.memory.add(rollout, adv, step))
