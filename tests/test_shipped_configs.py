@@ -14,6 +14,7 @@ SHORT = ["total_steps=1", "log.progress=false", "log.tensorboard=false", "eval.a
 SFT_OF = {name: name.split("_grpo")[0] + "_sft" for name in CONFIGS if "_grpo" in name and name.split("_grpo")[0] + "_sft" in CONFIGS}
 SFT_OF["tabletop_object_flow_vla_gae"] = SFT_OF["tabletop_object_flow_vla_gae_dense"] = "tabletop_flow_vla_sft"  # value-baseline RL of the object family
 SFT_OF["tabletop_object_flow_vla_gae_privileged"] = "tabletop_flow_vla_sft"
+SFT_OF["tabletop_spatial_flow_vla_gae"] = "tabletop_spatial_flow_vla_sft"  # the spatial family's value-baseline RL
 SFT_OF["tabletop_object_state_gae"] = "tabletop_object_state_sft"  # the state policy's value-baseline RL
 SFT_OF["image_shapes_flow_grpo"] = "image_shapes_flow_sft_words"  # the word-level generator
 SFT_OF["image_shapes_flow_grpo_adversarial"] = "image_shapes_flow_sft_words"
