@@ -11,7 +11,8 @@ chain generates (an image latent, an action chunk, a toy vector):
   ``window_start`` / ``window_size``); the others take the deterministic update;
 - how a step's log-prob is formed (``min_std``, ``logp_reduction``, ``logp_element_clamp``),
   what one decision is (``logp_granularity``) and how many steps one recomputation call
-  batches (``chunk_steps``, checkpointed or not: ``checkpoint_chunks``).
+  batches (``chunk_steps``, checkpointed or not: ``checkpoint_chunks``), and where the
+  old log-probs of the ratio come from (``old_logp``).
 
 A policy embeds it as a nested section with its own defaults
 (``denoising: DenoisingOptions = option(factory=lambda: DenoisingOptions(...))``); keys a
@@ -84,6 +85,10 @@ class DenoisingOptions:
     logp_element_clamp: list[float] | None = option(None, "clamp per-element log-densities to [lo, hi] before the reduction (DPPO uses [-5, 2]); null: no clamp")
     logp_granularity: Literal["step", "chain"] = option("step", "what one RL decision is: every stored denoising step (a ratio per step, as DDPO, Flow-GRPO, DPPO), or the whole chain (the joint log-likelihood of its stochastic steps; for a robot policy one per action chunk)")
     chunk_steps: int | None = option(None, "recompute log-probs with at most this many steps of each chain per denoiser call, checkpointed under grad (memory of one chunk when a step is a large network, for one more forward per chunk); null: all in one call", ge=1)
+    old_logp: Literal["deferred", "sampler"] = option(
+        "deferred",
+        "where the old log-probs of the ratio come from: deferred = the trainer's log_prob at the sampling weights (the first minibatch's own forward, one no-grad pass over the other rows), so the first PPO step starts from ratios of exactly 1 on any CPU; sampler = the sampling pass's own numbers (no extra pass; a different batch shape sums floats in another order, which a clip range of 1e-4 can clip: the metric old_logp/sampler_gap_max shows by how much)",
+    )
     checkpoint_chunks: bool = option(True, "with chunk_steps under grad: recompute each chunk's activations in backward (memory of one chunk); false keeps them all (the memory of one call, no extra forward) and only runs the denoiser on smaller batches, faster on a CPU once one call's activations outgrow the cache")
 
     def validate(self, path: str) -> None:

@@ -35,6 +35,9 @@ class ChainDecisions:
     logp: Tensor  # [N, T] per decision
     entropy: Tensor  # [N, T] per decision
     mask: Tensor | None  # [N, T] the stochastic steps (step granularity), else None
+    # ``logp`` is provisional: the trainer's log_prob at the sampling weights replaces it
+    # (``denoising.old_logp: deferred``; the policy passes it on as ``Sample.logp_deferred``)
+    deferred: bool = False
 
 
 class DenoisingPolicy(PolicyModule):
@@ -124,7 +127,8 @@ class DenoisingPolicy(PolicyModule):
                 log_probs, entropies = log_probs * trained, entropies * trained
             logp = self.decisions(log_probs[:, first:])
         mask = stored["stochastic"].float() if options.logp_granularity == "step" else None
-        return ChainDecisions(chain.final, stored, logp, self.decisions(entropies[:, first:]), mask)
+        deferred = not deterministic and options.old_logp == "deferred"
+        return ChainDecisions(chain.final, stored, logp, self.decisions(entropies[:, first:]), mask, deferred)
 
     def log_prob(self, replay: dict[str, Any]) -> Tensor:
         """Log-probs [N, T] of the replayed decisions under the current parameters."""

@@ -360,9 +360,15 @@ class Learner:
                 for k, v in stats.items():  # means over the optimizer steps; a maximum stays one
                     sums[k] = torch.maximum(sums[k], v) if k.endswith("_max") and k in sums else sums.get(k, 0.0) + v
                 steps += 1
+        out = {k: float(v) if k.endswith("_max") else float(v) / steps for k, v in sums.items()}
         if source.old_logp_deferred:  # hand the exact old log-probs on (self-imitation memory)
+            # how far the sampler's provisional numbers were from the exact ones (the ratio a
+            # first step would have started from without deferral), over the rows that ran
+            replaced = rollout.mask.bool() & active.to(rollout.mask.device)[:, None]
+            gap = (rollout.old_logp - source.old_logp.to(rollout.old_logp.device)).abs()
+            out["old_logp/sampler_gap_max"] = self.dist.max(float(gap[replaced].max()) if replaced.any() else 0.0)
             source.old_logp, source.old_logp_deferred = rollout.old_logp.to(source.old_logp.device), rollout.old_logp_deferred
-        return {k: float(v) if k.endswith("_max") else float(v) / steps for k, v in sums.items()}
+        return out
 
     def exact_old_logp(self, rollout: Rollout, rows: torch.Tensor | None = None, spare: Rollout | None = None) -> Rollout:
         """``rollout`` with the exact old log-probs of ``rows`` (all by default): one no-grad

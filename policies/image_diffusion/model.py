@@ -778,7 +778,7 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         replay = {"chain": out.chain, **conditions}
         with torch.no_grad():
             images = pixels_to_uint8(self.decode_latents(out.final))
-        return Sample(output=out.final, logp=out.logp, replay=replay, mask=out.mask, entropy=out.entropy, info={"images": images})
+        return Sample(output=out.final, logp=out.logp, replay=replay, mask=out.mask, entropy=out.entropy, info={"images": images}, logp_deferred=out.deferred)
 
     def media(self, rollout) -> dict[str, Tensor]:
         """The generated images, written at evaluation as a PNG grid (and to TensorBoard)."""

@@ -190,7 +190,8 @@ class TokenVLAPolicy(PolicyModule):
         logp, entropy = torch.stack(logps, 1), torch.stack(entropies, 1)
         if self.config.logp_granularity == "chunk":
             logp, entropy = logp.sum(1, keepdim=True), entropy.sum(1, keepdim=True)
-        return Sample(output=self.tokens_to_actions(tokens_t), logp=logp, replay=replay, entropy=entropy)
+        deferred = not deterministic and self.config.old_logp == "deferred"  # the trainer's teacher-forced pass replaces logp
+        return Sample(output=self.tokens_to_actions(tokens_t), logp=logp, replay=replay, entropy=entropy, logp_deferred=deferred)
 
     def log_prob(self, replay: dict) -> Tensor:
         """Log-probs [N, T] of the replayed chunks (replay tensors [N, T, ...]) under the

@@ -174,4 +174,5 @@ class GaussianChainPolicy(DenoisingPolicy):
             mask=out.mask,
             entropy=out.entropy,
             info={"sample": out.final},
+            logp_deferred=out.deferred,
         )

@@ -222,7 +222,7 @@ class VideoDiffusionPolicy(DenoisingPolicy):
             out = self.sample_chain(self._denoiser(ids), x_init, generator, deterministic, keep_graph=keep_graph)
         videos = videos_to_uint8(out.final)
         info = {"videos": videos, "images": videos[:, 0].contiguous()}
-        return Sample(output=out.final, logp=out.logp, replay={"chain": out.chain, self._replay_key: ids}, mask=out.mask, entropy=out.entropy, info=info)
+        return Sample(output=out.final, logp=out.logp, replay={"chain": out.chain, self._replay_key: ids}, mask=out.mask, entropy=out.entropy, info=info, logp_deferred=out.deferred)
 
     def media(self, rollout: Rollout) -> dict[str, Tensor]:
         """The sampled videos, to be written at evaluation (an mp4 and a PNG of the frames)."""

@@ -99,7 +99,7 @@ class ActionChunkPolicy(DenoisingPolicy):
         out = self.sample_chain(self._denoiser(cond), x_init, generator, deterministic)
         replay = {key: value.unsqueeze(1) for key, value in obs.items()}
         replay["chain"] = {key: value.unsqueeze(1) for key, value in out.chain.items()}
-        return Sample(output=self.env_actions(out.final), logp=out.logp, replay=replay, mask=out.mask, entropy=out.entropy)
+        return Sample(output=self.env_actions(out.final), logp=out.logp, replay=replay, mask=out.mask, entropy=out.entropy, logp_deferred=out.deferred)
 
     def sft_loss(self, batch: dict) -> Tensor:
         """Behaviour cloning on expert chunks ``batch["actions"]`` [B, C, A] (env units;
