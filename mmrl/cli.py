@@ -1,7 +1,12 @@
 """The ``mmrl`` command: train, train-reward, eval, list, doctor, plot, collect.
 
 Bad input (config keys, values, types, files, ids) ends with one line naming the field, the
-value and what is allowed, and exit code 2 — never a traceback.
+value and what is allowed, and exit code 2 — never a traceback. A fault of code the user
+brought (a simulator's env.reset/env.step, an env wrapper, a reward component; in this
+process or in a rollout worker) or a non-finite reward or loss ends with one line naming
+what raised and where (env or sampler, env index, seed, update, groups) and exit code 1.
+``MMRL_DEBUG=1`` in the environment prints the traceback before any such line. An exception
+in mmrl's own code is not caught: it keeps its traceback.
 """
 
 from __future__ import annotations
@@ -9,11 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import signal
 import sys
+import traceback
 from pathlib import Path
 
-from mmrl.errors import ConfigError, MissingExtraError, NonFiniteError, RolloutWorkerError
+from mmrl.errors import ConfigError, MissingExtraError, NonFiniteError, RolloutWorkerError, UserCodeError
 
 EXIT_USAGE = 2
 
@@ -132,12 +139,14 @@ def cmd_eval(args) -> int:
     cfg, run_dir = _config_and_dir(args.target, args.overrides)
     if args.suite and args.save_episodes:
         raise ConfigError("--save-episodes", args.save_episodes, "saves the episodes of a plain evaluation; leave out --suite")
+    if not args.suite and args.videos is not None:
+        raise ConfigError("--videos", args.videos, "writes the videos of a suite evaluation: add --suite (a plain evaluation writes none; --save-episodes keeps every frame)")
     if args.suite:
         from mmrl.evaluate import evaluate_suite
         from mmrl.suites import load_suite
 
         suite = load_suite(args.suite)
-        summary = evaluate_suite(cfg, run_dir, suite, checkpoint=args.checkpoint, out_dir=args.out, episodes_per_task=args.episodes, videos=args.videos)
+        summary = evaluate_suite(cfg, run_dir, suite, checkpoint=args.checkpoint, out_dir=args.out, episodes_per_task=args.episodes, videos=1 if args.videos is None else args.videos)
         print((Path(summary["out_dir"]) / "results.md").read_text(), end="")
         print(f"mmrl: tables and videos in {summary['out_dir']}")
         return 0
@@ -270,10 +279,14 @@ def _collect_plan(args) -> dict:
         env_id = args.env_id or suite.env.get("id")
         kwargs = {k: v for k, v in suite.env.get("kwargs", {}).items() if k != "task"}
         max_steps = suite.env.get("max_episode_steps")
-    if args.image_size is not None:
-        kwargs["image_size"] = args.image_size
     if args.obs_mode is not None:
         kwargs["obs_mode"] = args.obs_mode
+    if kwargs.get("obs_mode") == "state":  # nothing rendered: flags about images cannot apply
+        for flag, value in (("--image-size", args.image_size), ("--cameras", args.cameras)):
+            if value is not None:
+                raise ConfigError(flag, value if isinstance(value, int) else " ".join(value), "sets the recorded images; obs_mode state records none (leave it out, or use --obs-mode rgb)")
+    if args.image_size is not None:
+        kwargs["image_size"] = args.image_size
     if args.cameras is not None:
         kwargs["cameras"] = args.cameras if len(args.cameras) > 1 else args.cameras[0]
     if args.max_episode_steps is not None:
@@ -323,7 +336,10 @@ def _train_help() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="mmrl", description="Group-relative RL for generative policies.")
+    parser = _Parser(
+        prog="mmrl", description="Group-relative RL for generative policies.",
+        epilog="Errors end with one line (bad input: exit 2; a simulator, wrapper or reward that raises: exit 1); MMRL_DEBUG=1 in the environment prints the traceback too.",
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     class _TrainHelp(argparse.Action):
@@ -358,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotted overrides")
     p.add_argument("--episodes", type=_positive_int, default=None, help="episodes (default: eval.episodes of the config; with --suite: per task and seed)")
     p.add_argument("--suite", default=None, help="evaluate on a task suite: a name from configs/suites (e.g. tabletop_all) or a suite YAML")
-    p.add_argument("--videos", type=_non_negative_int, default=1, help="with --suite: mp4 videos of the first N episodes of each task")
+    p.add_argument("--videos", type=_non_negative_int, default=None, help="with --suite: mp4 videos of the first N episodes of each task (default 1)")
     p.add_argument("--checkpoint", default=None, help="a checkpoint directory instead of the latest")
     p.add_argument("--out", default=None, help="where to write eval tables (default: <run_dir>/eval)")
     p.add_argument("--save-episodes", default=None, metavar="DIR", help="write every evaluated episode (frames, actions, state, instruction, success, costs) to a new directory in LeRobotDataset v3's layout")
@@ -407,11 +423,26 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ConfigError, MissingExtraError) as e:
+        _debug_traceback(e)
         print(f"mmrl: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except (NonFiniteError, RolloutWorkerError) as e:
-        print(f"mmrl: stopped: {e}; the last checkpoint is left intact", file=sys.stderr)
+    except (NonFiniteError, RolloutWorkerError, UserCodeError) as e:
+        _debug_traceback(e)
+        kept = "; the last checkpoint is left intact" if args.func in (cmd_train, cmd_train_reward) else ""
+        print(f"mmrl: stopped: {e}{kept}", file=sys.stderr)
         return 1
+
+
+def _debug_traceback(error: BaseException) -> None:
+    """With ``MMRL_DEBUG=1`` (any value but empty or 0): the traceback of an error the CLI
+    otherwise shows as one line (chained causes included: a simulator's own exception behind
+    a UserCodeError), and a rollout worker process's traceback."""
+    if os.environ.get("MMRL_DEBUG", "") in ("", "0"):
+        return
+    traceback.print_exception(error, file=sys.stderr)
+    remote = getattr(error, "remote_traceback", None)
+    if remote:
+        print(f"the rollout worker's traceback:\n{remote}", end="" if remote.endswith("\n") else "\n", file=sys.stderr)
 
 
 if __name__ == "__main__":

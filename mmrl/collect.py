@@ -21,7 +21,7 @@ from typing import Any, Callable
 import numpy as np
 
 from mmrl.demos import INDEX, Episode, read_index, write_demos
-from mmrl.errors import ConfigError
+from mmrl.errors import ConfigError, call_user_code, fault_context
 
 TABLETOP_ID = "mmrl/Tabletop-v0"
 DEMO_SEED_LIMIT = 2**31  # evaluation reset seeds start here
@@ -89,7 +89,8 @@ def collect(
         for task_index, task in enumerate(tasks):
             episodes, failed = [], 0
             for j in range(episodes_per_task):
-                episode = run_expert_episode(env, expert_action, task, seed + j, noise, np.random.default_rng([seed + j, task_index]))
+                with fault_context(source=f"env {env_id!r}"):  # a simulator's fault names the env, the task and the episode's seed
+                    episode = run_expert_episode(env, expert_action, task, seed + j, noise, np.random.default_rng([seed + j, task_index]))
                 summary["steps"] += len(episode)
                 if episode.success or keep_failures:
                     episodes.append(episode)
@@ -126,8 +127,11 @@ def collect(
 
 def run_expert_episode(env, expert_action, task: str, seed: int, noise: float = 0.0, rng: np.random.Generator | None = None) -> Episode:
     """One episode of ``expert_action`` on ``task`` from reset seed ``seed`` (observations,
-    actions, rewards and success as written by ``mmrl collect``)."""
-    obs, _ = env.reset(seed=seed, options={"task": task})
+    actions, rewards and success as written by ``mmrl collect``). What the env's ``reset`` or
+    ``step`` raises comes out as a :class:`~mmrl.errors.UserCodeError` naming the task and
+    the seed."""
+    where = {"task": task, "reset_seed": seed}
+    obs, _ = call_user_code("env.reset", env.reset, where=where, seed=seed, options={"task": task})
     images, states, actions, rewards, flags = [], [], [], [], []
     info: dict = {"success": False}
     done = False
@@ -136,7 +140,7 @@ def run_expert_episode(env, expert_action, task: str, seed: int, noise: float = 
         images.append(obs["image"] if "image" in obs else np.zeros(0, np.uint8))  # a state-only env: no image
         states.append(obs["state"])
         actions.append(action)
-        obs, reward, terminated, truncated, info = env.step(action)
+        obs, reward, terminated, truncated, info = call_user_code("env.step", env.step, action, where=where)
         rewards.append(reward)
         flags.append(bool(info.get("success", False)))
         done = terminated or truncated

@@ -13,7 +13,7 @@ from mmrl import registry
 from mmrl.core.reward import RewardContext, RewardSet
 from mmrl.core.statistics import wilson_interval
 from mmrl.core.weights import build_policy, load_state
-from mmrl.errors import ConfigError
+from mmrl.errors import ConfigError, fault_context, run_source
 from mmrl.media import annotate_episode, write_media, write_video
 from mmrl.core.weights import latest_checkpoint
 
@@ -49,7 +49,8 @@ def evaluate_run(cfg, run_dir: Path | None, episodes: int | None = None, checkpo
         n = episodes or cfg.eval.episodes
         rewards = RewardSet(cfg.rewards, cfg.algo.reward_aggregation, RewardContext(run_dir=run_dir, seed=cfg.seed), cfg.algo.log_tamed_threshold)
         keep = {"keep_episodes": True} if save_episodes is not None else {}
-        with torch.no_grad():
+        phase = f"evaluation of {ckpt.name}" if ckpt is not None else "evaluation of the config's weights"
+        with torch.no_grad(), fault_context(source=run_source(cfg), seed=cfg.seed, phase=phase):
             result = sampler.evaluate(policy, n, seed=cfg.seed + 1_000_003, rewards=rewards, **keep)
         if save_episodes is not None:
             from mmrl.episodes import write_episodes
@@ -133,7 +134,8 @@ def evaluate_suite(
         successes: list[float] = []
         try:
             for i, seed in enumerate(suite.seeds):
-                with torch.no_grad():
+                where = {"source": run_source(task_cfg), "task": str(task), "phase": f"evaluation on suite {suite.name!r}, suite seed {seed}"}
+                with torch.no_grad(), fault_context(**where):
                     result = sampler.evaluate(policy, n_per_seed, seed=int(seed), videos=videos if i == 0 else 0)
                 successes += result["successes"]
                 recorded = result.get("frames", [])

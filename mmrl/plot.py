@@ -3,10 +3,14 @@ TensorBoard / W&B reports are read.
 
 ``learning_curves.png`` starts with the headline row: the held-out evaluation (success rate,
 accuracy …) with its 95% interval as a band and the evaluation before training marked, and
-the training reward, smoothed, over its faint raw values. Diagnostics follow (policy loss,
+what the run trains on, smoothed, over its faint raw values (:func:`headline_training`): the
+episode return as the advantages weight it (``trained_return``) for a run whose advantages add
+the env's step rewards (GAE, step level), with the training success rate next; else the
+combined reward (``reward/total``). Diagnostics follow (policy loss,
 approximate KL, clip fraction, entropy, gradient norm, seconds per step split into sampling
 and update), then per-category evaluations, every category a line of one panel.
-``other_metrics.png`` holds every other metric that changes. A metric whose values are all
+``other_metrics.png`` holds every other metric that changes, a reward component the run's
+``config.yaml`` gives weight 0 titled as logged with weight 0. A metric whose values are all
 equal (a constant learning rate, the number of evaluation episodes) gets no panel; interval
 bounds (``…_ci_low`` / ``…/ci_high``) and category counts (``…/n``) are never curves.
 
@@ -15,7 +19,7 @@ update step; a record without the counter (the evaluation after the last step) t
 from the latest record at or before its step.
 
 The pure helpers (:func:`x_values`, :func:`plan_panels`, :func:`ema` …) decide what is
-drawn; :func:`plot_run` only draws it.
+drawn; :func:`plot_run` reads the run's files and only draws it.
 """
 
 from __future__ import annotations
@@ -32,8 +36,17 @@ COUNTERS = ("env_steps", "samples")  # x axes in the order preferred, before the
 EVAL_PREFIXES = ("eval/", "suite/")
 # the held-out metric of the headline, first present wins; else the first other eval/ key
 HEADLINE_EVAL = ("eval/success_rate", "eval/accuracy", "eval/pairwise_accuracy", "eval/reward_mean", "eval/return_mean")
-# the training curve of the headline (supervised runs have only their loss)
-HEADLINE_TRAIN = {"reward/total": "training reward", "success_rate": "training success rate", "episode_return": "training episode return", "loss/sft": "training loss (SFT)"}
+# the training curve of the headline, first present wins (:func:`headline_training`):
+# the return a step-reward run's advantages use, the combined reward of any other RL run,
+# the env's return and success, a supervised run's loss
+HEADLINE_TRAIN = {
+    "trained_return": "training return (what the advantages use)",
+    "reward/total": "training reward",
+    "episode_return": "training episode return",
+    "success_rate": "training success rate",
+    "loss/sft": "training loss (SFT)",
+}
+RETURNS = ("trained_return", "episode_return")  # headlines that the training success rate follows
 DIAGNOSTICS = (
     ("loss/policy", "policy loss"),
     ("loss/sft", "SFT loss"),
@@ -148,11 +161,35 @@ def categories_of(aggregate: str, keys) -> dict[str, str]:
     return out
 
 
-def plan_panels(records: list[dict[str, Any]]) -> tuple[list[Panel], list[Panel]]:
+def headline_training(keys, weights: dict[str, float] | None = None) -> str | None:
+    """The key of the headline's training curve: the first of :data:`HEADLINE_TRAIN` among
+    ``keys``. ``weights`` (reward column name -> weight, from the run's config; None: unknown)
+    rules out ``reward/total`` when every component has weight 0: then nothing of it is
+    trained on (a run written before ``trained_return`` was logged that trained on the env's
+    step rewards alone), and the env's return is the headline. A single reward component is
+    never the headline."""
+    skip = {"reward/total"} if weights and not any(weights.values()) else set()
+    return next((k for k in HEADLINE_TRAIN if k in keys and k not in skip), None)
+
+
+def reward_weights(config: dict[str, Any] | None) -> dict[str, float] | None:
+    """Reward column name (``reward/<name>``) -> weight, from a run's resolved config as a
+    dict (its ``config.yaml``); None without one."""
+    if not config or not isinstance(config.get("rewards"), list):
+        return None
+    from mmrl.core.reward import reward_names
+
+    rewards = [r for r in config["rewards"] if isinstance(r, dict) and "type" in r]
+    return dict(zip(reward_names([r["type"] for r in rewards]), (float(r.get("weight", 1.0)) for r in rewards)))
+
+
+def plan_panels(records: list[dict[str, Any]], weights: dict[str, float] | None = None) -> tuple[list[Panel], list[Panel]]:
     """(panels of ``learning_curves.png``, panels of ``other_metrics.png``). The first list
-    opens with the headline — the held-out evaluation, then the training curve — drawn even
-    when flat (a success rate stuck at 0 is the result); every other panel needs a metric
-    that changes."""
+    opens with the headline — the held-out evaluation, then the training curve
+    (:func:`headline_training`) — drawn even when flat (a success rate stuck at 0 is the
+    result); a return headline is followed by the training success rate. Every other panel
+    needs a metric that changes. ``weights`` (:func:`reward_weights`) marks the reward
+    components logged with weight 0."""
     keys = _numeric_keys(records)
     changing = [k for k in keys if not is_constant(records, k)]
     used: set[str] = set()
@@ -171,10 +208,13 @@ def plan_panels(records: list[dict[str, Any]]) -> tuple[list[Panel], list[Panel]
         title = f"held-out {headline_eval.removeprefix('eval/').replace('_', ' ')}"
         main.append(Panel(title, (eval_curve(headline_eval, start=True),), rate=is_rate(headline_eval)))
         used.add(headline_eval)
-    headline_train = next((k for k in HEADLINE_TRAIN if k in keys), None)
+    headline_train = headline_training(keys, weights)
     if headline_train is not None:
         main.append(Panel(HEADLINE_TRAIN[headline_train], (train_curve(headline_train),), rate=is_rate(headline_train)))
         used.add(headline_train)
+    if headline_train in RETURNS and "success_rate" in keys:  # success beside the return
+        main.append(Panel(HEADLINE_TRAIN["success_rate"], (train_curve("success_rate"),), rate=True))
+        used.add("success_rate")
 
     for key, title in DIAGNOSTICS:
         if key in changing and key not in used:
@@ -203,7 +243,8 @@ def plan_panels(records: list[dict[str, Any]]) -> tuple[list[Panel], list[Panel]
         if key in used or is_auxiliary(key):
             continue
         curve = eval_curve(key) if key.startswith(EVAL_PREFIXES) else train_curve(key)
-        other.append(Panel(key, (curve,), rate=is_rate(key)))
+        unweighted = weights is not None and key.startswith("reward/") and weights.get(key.removeprefix("reward/"), 1.0) == 0
+        other.append(Panel(f"{key} (logged, weight 0)" if unweighted else key, (curve,), rate=is_rate(key)))
     return main, other
 
 
@@ -248,7 +289,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     records = with_update_time(read_metrics(run_dir))
     if not _numeric_keys(records):
         raise ConfigError("run_dir", str(run_dir), "metrics.jsonl holds no numeric metrics yet")
-    main, other = plan_panels(records)
+    main, other = plan_panels(records, reward_weights(_config(run_dir)))
     if not main and not other:
         raise ConfigError("run_dir", str(run_dir), "metrics.jsonl holds no metric that changes yet, so no curve to draw")
     out = Path(out_dir) if out_dir else run_dir / "plots"
@@ -331,6 +372,18 @@ def _draw(ax, panel: Panel, records, xs, counter: str, xlim: tuple[float, float]
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7, ncols=2 if len(panel.curves) > 6 else 1, framealpha=0.7)
+
+
+def _config(run_dir: Path) -> dict[str, Any] | None:
+    """The run's resolved ``config.yaml`` as a dict; None when it is missing or unreadable
+    (metrics.jsonl alone is enough to plot)."""
+    import yaml
+
+    try:
+        config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    return config if isinstance(config, dict) else None
 
 
 def _numeric_keys(records: list[dict[str, Any]]) -> list[str]:

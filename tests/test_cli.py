@@ -70,6 +70,35 @@ def test_a_count_option_out_of_range_exits_2_with_one_line_naming_it(capsys, arg
     assert f"argument {option}: got '{value}'; expected {allowed}" in _error_line(capsys)
 
 
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--videos", "2"], "--videos: got 2; writes the videos of a suite evaluation: add --suite"),
+        (["--videos", "0"], "--videos: got 0; writes the videos of a suite evaluation: add --suite"),
+    ],
+)
+def test_eval_videos_without_a_suite_exit_2_naming_the_flag(tmp_path, write_config, capsys, argv, expected):
+    # a plain evaluation writes no video: --videos would be silently ignored
+    config = write_config(point_reach_config())
+    assert main(["eval", str(config), "--episodes", "2", *argv]) == 2
+    assert _error_line(capsys).startswith(f"mmrl: error: {expected}")
+    assert main(["eval", str(config), "--episodes", "2"]) == 0  # the same evaluation without the flag runs
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--obs-mode", "state", "--image-size", "32"], "--image-size: got 32; sets the recorded images; obs_mode state records none"),
+        (["--obs-mode", "state", "--cameras", "top", "front"], "--cameras: got 'top front'; sets the recorded images; obs_mode state records none"),
+    ],
+)
+def test_collect_image_flags_with_state_observations_exit_2_and_write_nothing(tmp_path, capsys, flags, expected):
+    out = tmp_path / "demos"
+    assert main(["collect", "--task", "all", "--out", str(out), "--episodes-per-task", "1", *flags]) == 2
+    assert _error_line(capsys).startswith(f"mmrl: error: {expected}")
+    assert not out.exists()
+
+
 def test_count_options_accept_their_smallest_allowed_value():
     parser = build_parser()
     assert parser.parse_args(["eval", "RUN", "--episodes", "1", "--videos", "0"]).videos == 0

@@ -10,18 +10,23 @@ import pytest
 
 from mmrl.core.statistics import wilson_interval
 from mmrl.errors import ConfigError
+from mmrl.config import load_yaml
 from mmrl.plot import (
+    HEADLINE_TRAIN,
     UPDATE_TIME,
     categories_of,
     ema,
+    headline_training,
     initial_evaluation,
     plan_panels,
     plot_run,
+    reward_weights,
     smoothing_weight,
     with_update_time,
     x_axis,
     x_values,
 )
+from tests.conftest import ROOT
 
 EVAL_EPISODES = 50
 
@@ -123,7 +128,21 @@ def image_records(steps: int = 40, every: int = 10) -> list[dict]:
     return records
 
 
-DEMOS = {"robot": robot_records, "text": text_records, "image": image_records}
+def step_reward_records(trained_return: bool = True) -> list[dict]:
+    """The env run of `make train` (configs/maniskill_pushcube_gae.yaml): GAE on the env's
+    dense step reward, ``success`` logged with weight 0, so ``reward/total`` is 0 every step;
+    ``trained_return`` (the env's return here) is what the advantages use. Without it: a run
+    written before that metric was logged."""
+    records = robot_records()
+    for r in records:
+        if "reward/total" in r:
+            r["reward/total"] = 0.0
+            if trained_return:
+                r["trained_return"] = r["episode_return"]
+    return records
+
+
+DEMOS = {"robot": robot_records, "text": text_records, "image": image_records, "step_rewards": step_reward_records}
 
 
 def _keys(panels) -> list[str]:
@@ -246,3 +265,42 @@ def test_plot_run_names_a_directory_without_metrics_or_curves(tmp_path):
     _write(tmp_path, [{"step": 7, "suite/sides/success_rate": 0.5, "suite/sides/left/success_rate": 0.0}])  # one suite evaluation
     with pytest.raises(ConfigError, match="no metric that changes"):
         plot_run(tmp_path)
+
+
+def test_a_run_on_step_rewards_headlines_the_return_it_trains_on_with_success_beside_it():
+    main, other = plan_panels(with_update_time(step_reward_records()), {"success": 0.0})
+    assert [c.key for c in main[1].curves] == ["trained_return"] and main[1].title == HEADLINE_TRAIN["trained_return"]
+    assert [c.key for c in main[2].curves] == ["success_rate"] and main[2].rate  # the training success rate next to it
+    assert "training reward" not in [p.title for p in main + other] and "reward/total" not in _keys(main + other)
+    # the weight-0 component keeps a panel of its own, said to be logged only
+    assert [p.title for p in other if _keys([p]) == ["reward/success"]] == ["reward/success (logged, weight 0)"]
+
+
+def test_a_component_with_weight_0_is_never_the_training_headline():
+    keys = set().union(*step_reward_records(trained_return=False))
+    # an older run of the same config: its combined reward is 0 by construction, the env's return is what trained
+    assert headline_training(keys, {"success": 0.0}) == "episode_return"
+    assert headline_training(keys - {"episode_return", "success_rate"}, {"success": 0.0}) is None  # never reward/success
+    assert headline_training(keys, None) == "reward/total"  # no config.yaml: the weights are unknown
+
+
+@pytest.mark.parametrize("demo", ["robot", "text", "image"])
+def test_runs_on_reward_components_headline_their_combined_reward(demo):
+    keys = set().union(*DEMOS[demo]())
+    weights = {name.removeprefix("reward/"): 1.0 for name in keys if name.startswith("reward/") and name != "reward/total"}
+    assert headline_training(keys, weights) == "reward/total"
+    main, _ = plan_panels(with_update_time(DEMOS[demo]()), weights)
+    assert main[1].title == "training reward" and "success_rate" not in _keys(main)
+
+
+def test_the_weights_are_read_from_the_runs_config_by_the_components_metric_names(tmp_path, monkeypatch):
+    config = load_yaml(ROOT / "configs" / "maniskill_pushcube_gae.yaml")
+    assert reward_weights(config) == {"success": 0.0}
+    assert reward_weights({"rewards": [{"type": "success", "weight": 1}, {"type": "success", "weight": 0}]}) == {"success": 1.0, "success_2": 0.0}
+    assert reward_weights({}) is None
+    run = _write(tmp_path / "run", step_reward_records())
+    (run / "config.yaml").write_text((ROOT / "configs" / "maniskill_pushcube_gae.yaml").read_text())
+    planned = []
+    monkeypatch.setattr("mmrl.plot.plan_panels", lambda records, weights=None: planned.append(weights) or plan_panels(records, weights))
+    plot_run(run)
+    assert planned == [{"success": 0.0}]

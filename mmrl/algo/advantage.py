@@ -255,6 +255,25 @@ def decision_rewards(terminal: Tensor, mask: Tensor, step_rewards: Tensor | None
     return per_step
 
 
+def trains_on_step_rewards(advantage: AdvantageConfig) -> bool:
+    """Whether the advantages add ``step_reward_weight`` × the env's step rewards to the
+    combined reward: a weight above 0 with a step-level advantage or one that reads values
+    (``needs_values``: GAE with a critic). Otherwise the combined reward alone is trained on."""
+    if advantage.step_reward_weight <= 0:
+        return False
+    return advantage.level == "step" or ADVANTAGES.entry(advantage.type, "algo.advantage.type").traits.get("needs_values", False)
+
+
+def trained_returns(terminal: Tensor, mask: Tensor, step_rewards: Tensor, step_reward_weight: float) -> Tensor:
+    """Per sample [B], the undiscounted sum of the per-decision rewards that a step-level or
+    value advantage discounts (:func:`decision_rewards` over the valid decisions): the
+    combined reward ``terminal`` plus ``step_reward_weight`` × the episode's step rewards.
+    The trainer logs its mean as ``trained_return``, the progress bar's and the plot's
+    headline for such runs."""
+    valid = (mask > 0).to(torch.float32)
+    return (decision_rewards(terminal.float(), valid, step_rewards.float(), step_reward_weight) * valid).sum(1)
+
+
 def step_advantages(
     advantage_fn, terminal: Tensor, group_id: Tensor, mask: Tensor, step_rewards: Tensor | None = None,
     *, gamma: float = 1.0, step_reward_weight: float = 0.0, **options,

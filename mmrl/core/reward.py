@@ -117,6 +117,17 @@ def build_reward(cfg: RewardConfig, context: RewardContext, field: str = "reward
 
 
 
+def reward_names(types: list[str]) -> list[str]:
+    """The components' metric names (``reward/<name>``): each one's type, numbered from the
+    second of one type on (``shapes_geneval``, ``shapes_geneval_2``), so that no column
+    hides another."""
+    names: list[str] = []
+    for kind in types:
+        n = types[: len(names)].count(kind)
+        names.append(kind if n == 0 else f"{kind}_{n + 1}")
+    return names
+
+
 class RewardSet:
     """The run's reward components, built once: ``score`` gives the [B, K] columns of a
     rollout, ``combine`` the one reward per sample that advantages and filters see
@@ -125,12 +136,7 @@ class RewardSet:
     def __init__(self, cfgs: list[RewardConfig], aggregation: str, context: RewardContext, log_tamed_threshold: str = "mean"):
         self.configs = list(cfgs)
         self.components = [build_reward(cfg, context, f"rewards[{i}]") for i, cfg in enumerate(self.configs)]
-        # metric names: the component's type, numbered from the second of one type on
-        # (``shapes_geneval``, ``shapes_geneval_2``), so that no column hides another
-        self.names = []
-        for cfg in self.configs:
-            n = sum(1 for c in self.configs[: len(self.names)] if c.type == cfg.type)
-            self.names.append(cfg.type if n == 0 else f"{cfg.type}_{n + 1}")
+        self.names = reward_names([cfg.type for cfg in self.configs])
         self.weights = [cfg.weight for cfg in self.configs]
         self.aggregation = aggregation
         self.log_tamed_threshold = log_tamed_threshold
@@ -140,16 +146,18 @@ class RewardSet:
     def score(self, rollout: Rollout, *, policy: Any = None, reference: Any = None, step: int | None = None) -> Tensor:
         """[B, K] float32 on the CPU, one column per component; a non-finite value is an error
         naming the component."""
-        from mmrl.errors import NonFiniteError
+        from mmrl.errors import NonFiniteError, call_user_code
 
         columns = []
-        for name, component in zip(self.names, self.components):
+        for k, (name, component) in enumerate(zip(self.names, self.components)):
             kwargs = {}
             if component.needs_policy:
                 kwargs["policy"] = policy
             if component.needs_reference:
                 kwargs["reference"] = reference
-            r = torch.as_tensor(component(rollout, **kwargs), dtype=torch.float32).reshape(-1).cpu()
+            # what the component raises is named as the reward's fault (mmrl.errors.UserCodeError)
+            r = call_user_code(f"reward {name!r}", component, rollout, where={"reward": f"rewards[{k}]"}, **kwargs)
+            r = torch.as_tensor(r, dtype=torch.float32).reshape(-1).cpu()
             if r.numel() != rollout.batch_size:
                 raise ValueError(f"reward {name!r} returned {r.numel()} values for {rollout.batch_size} samples")
             bad = ~torch.isfinite(r)
@@ -167,10 +175,13 @@ class RewardSet:
         """Let the components that learn during RL (``Reward.learns``) learn from the scored
         ``rollout`` (``scores`` the [B, K] columns ``score`` gave); their metrics, named
         ``reward_update/<name>/<key>``."""
+        from mmrl.errors import call_user_code
+
         out: dict[str, float] = {}
         for k, (name, component) in enumerate(zip(self.names, self.components)):
             if component.learns:
-                for key, value in component.update(rollout, scores[:, k], step=step, dist=dist).items():
+                metrics = call_user_code(f"the update of reward {name!r}", component.update, rollout, scores[:, k], where={"reward": f"rewards[{k}]"}, step=step, dist=dist)
+                for key, value in metrics.items():
                     out[f"reward_update/{name}/{key}"] = float(value)
         return out
 

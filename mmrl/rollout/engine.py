@@ -32,6 +32,7 @@ import pickle
 import queue
 import signal
 import time
+import traceback
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +45,7 @@ from mmrl.core.rollout import Rollout
 from mmrl.core.sampler import build_sampler
 from mmrl.core.statistics import take_pending
 from mmrl.core.weights import build_policy
-from mmrl.errors import ConfigError, RolloutWorkerError
+from mmrl.errors import ConfigError, RolloutWorkerError, UserCodeError, fault_context, run_source
 from mmrl.registry import ENGINES, KL_ESTIMATORS
 from mmrl.rollout.worker import Collected, OneProcess, RolloutWorker
 
@@ -57,14 +58,16 @@ class InlineEngine:
 
     in_process = True
 
-    def __init__(self, worker: RolloutWorker):
+    def __init__(self, worker: RolloutWorker, cfg):
         self.worker = worker
+        self.where = {"source": run_source(cfg), "seed": cfg.seed}  # named in a simulator's or reward's fault, as a worker process's
 
     def start(self, start_step: int, version: int) -> None:
         self.worker.load_weights(None, version)
 
     def collect(self, step: int, version: int) -> Collected:
-        return self.worker.collect(step)
+        with fault_context(**self.where):
+            return self.worker.collect(step)
 
     def publish(self, policy, version: int) -> None:
         self.worker.load_weights(None, version)
@@ -89,7 +92,7 @@ def local_engine(cfg, *, sampler, policy, rewards, reference, kl_fn, dist, devic
     through shared memory."""
     if cfg.rollout.num_workers == 0:
         worker = RolloutWorker(sampler, policy, rewards, cfg.algo, dist, reference=reference, kl_fn=kl_fn, device=device, keep_graph=keep_graph)
-        return InlineEngine(worker)
+        return InlineEngine(worker, cfg)
     # rollout.score_on: learner: this process scores, measures and filters what the workers sample
     scorer = RolloutWorker(sampler, policy, rewards, cfg.algo, dist, reference=reference, kl_fn=kl_fn, device=device) if cfg.rollout.score_on == "learner" else None
     return ProcessEngine(cfg, policy=policy, sampler=sampler, rewards=rewards, reference=reference, dist=dist, run_dir=run_dir, scorer=scorer)
@@ -130,9 +133,7 @@ class _WorkerSpec:
 
 def describe(cfg) -> str:
     """The env (or sampler) and the seed a worker samples, for messages."""
-    env = getattr(cfg, "env", None)
-    where = f"env {env.id or env.type!r}" if env is not None else f"sampler {cfg.sampler.type!r}"
-    return f"{where}, seed {cfg.seed}"
+    return f"{run_source(cfg)}, seed {cfg.seed}"
 
 
 class ProcessEngine:
@@ -263,7 +264,8 @@ class ProcessEngine:
                 break
         out = _combine([m["collected"] for m in kept])
         if self.scorer is not None:
-            out = self.scorer.finish(out, step)
+            with fault_context(source=run_source(self.cfg), seed=self.cfg.seed):
+                out = self.scorer.finish(out, step)
         out.statistics = statistics
         out.dropped = dropped
         out.times = {k: sum(m["times"][k] for m in parts) / len(parts) for k in parts[0]["times"]}
@@ -357,7 +359,9 @@ class ProcessEngine:
         if msg.get("config_error"):
             raise ConfigError(*msg["config_error"])
         j = msg["worker"]
-        raise RolloutWorkerError(f"rollout worker {j} ({describe(self.cfg)}, step {msg['batch']}, groups {self.groups[j][0]}-{sum(self.groups[j]) - 1}) failed: {msg['error']}")
+        error = RolloutWorkerError(f"rollout worker {j} ({describe(self.cfg)}, step {msg['batch']}, groups {self.groups[j][0]}-{sum(self.groups[j]) - 1}) failed: {msg['error']}")
+        error.remote_traceback = msg.get("trace")  # the worker's own traceback, which MMRL_DEBUG=1 prints
+        raise error
 
 
 def _combine(parts: list[Collected]) -> Collected:
@@ -407,8 +411,12 @@ def worker_main(spec: _WorkerSpec, shared, reference_state, version, lock, loade
     except ConfigError as e:
         send(kind="error", batch=batch, error=str(e), config_error=(e.field, e.value, e.allowed))
         _flush_and_exit(results, 1)
+    except UserCodeError as e:  # the simulator's or a reward's fault: what raised, and where as far as the learner's line does not say
+        inner = e.context(skip=("source", "seed", "update", "groups"))
+        send(kind="error", batch=batch, error=f"{e.error} (in {e.call}{', ' + inner if inner else ''})", trace=traceback.format_exc())
+        _flush_and_exit(results, 1)
     except Exception as e:  # noqa: BLE001 - reported to the learner as one line, then this process ends
-        send(kind="error", batch=batch, error=f"{type(e).__name__}: {e}".splitlines()[0])
+        send(kind="error", batch=batch, error=f"{type(e).__name__}: {e}".splitlines()[0], trace=traceback.format_exc())
         _flush_and_exit(results, 1)
     finally:
         try:

@@ -13,9 +13,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from mmrl.algo.advantage import trained_returns, trains_on_step_rewards
 from mmrl.algo.filters import FilterConfig, apply_filters
 from mmrl.config import own_options
 from mmrl.core.rollout import Rollout
+from mmrl.errors import fault_context
 
 
 @dataclass
@@ -68,6 +70,8 @@ class RolloutWorker:
         local = algo.groups_per_step // dist.world
         self.first_group, self.local_groups = groups if groups is not None else (dist.rank * local, local)
         self.filters = [(f.type, own_options(f, FilterConfig)) for f in algo.filters]
+        # the env's step rewards join the combined reward in the advantages (GAE, step level)
+        self.step_reward_weight = algo.advantage.step_reward_weight if trains_on_step_rewards(algo.advantage) else 0.0
         self.version = 0
 
     def load_weights(self, state: dict[str, torch.Tensor] | None, version: int) -> None:
@@ -131,7 +135,8 @@ class RolloutWorker:
         options = {"keep_graph": True} if self.reuse_graph else {}  # only samplers that keep it take the argument
         if getattr(self.sampler, "over_provision", 1) > 1:  # partial rollouts tag each decision with its version
             options["version"] = self.version
-        part = self.sampler.collect(self.policy, self.local_groups, self.algo.group_size, step, offset, **options)
+        with _fault_at(step, range(offset, offset + self.local_groups)):  # a simulator's fault names the update and the groups
+            part = self.sampler.collect(self.policy, self.local_groups, self.algo.group_size, step, offset, **options)
         if part.policy_version is not None:  # a partial rollout's oldest decision
             return part
         return part.with_(policy_version=torch.full((part.batch_size,), self.version, dtype=torch.long))
@@ -140,24 +145,30 @@ class RolloutWorker:
         """Rewards that learn during RL learn from the scored samples (outside ``no_grad``:
         they take gradient steps); their metrics join the step's."""
         if self.rewards.learns:
-            with torch.enable_grad():
+            with torch.enable_grad(), _fault_at(step, part.group_id):
                 for name, value in self.rewards.update(part, part.rewards, step=step, dist=self.dist).items():
                     add_metric(sums, name, torch.tensor([value]))
 
     def _measure(self, part: Rollout, sums: dict[str, torch.Tensor]) -> torch.Tensor:
         """Add the sampler's metrics and the rewards of scored ``part`` to ``sums``; returns
-        the combined reward per sample."""
+        the combined reward per sample. Each component's column is logged unweighted
+        (``reward/<name>``), the combined reward as ``reward/total``; a run whose advantages
+        add the env's step rewards also logs ``trained_return``: the combined reward plus
+        the weighted step rewards of each episode, what those advantages are computed from."""
         for name, values in self.sampler.metrics(part).items():
             add_metric(sums, name, values)
         combined = self.rewards.combine(part.rewards, part.group_id)
         for k, name in enumerate(self.rewards.names):
             add_metric(sums, f"reward/{name}", part.rewards[:, k])
         add_metric(sums, "reward/total", combined)
+        if self.step_reward_weight > 0 and part.step_rewards is not None:
+            add_metric(sums, "trained_return", trained_returns(combined, part.mask.cpu(), part.step_rewards.cpu(), self.step_reward_weight))
         return combined
 
     def score(self, rollout: Rollout, step: int) -> Rollout:
         """Reward columns [B, K] and, for a sampled-log-prob KL, the reference's log-probs."""
-        rewards = self.rewards.score(rollout, policy=self.policy, reference=self.reference, step=step)
+        with _fault_at(step, rollout.group_id):
+            rewards = self.rewards.score(rollout, policy=self.policy, reference=self.reference, step=step)
         rollout = rollout.with_(rewards=rewards, reward_names=list(self.rewards.names))
         if self.reference is not None and self.kl_fn is not None:
             ref_logp = self.reference.log_prob(rollout.to(self.device).replay).detach().cpu()
@@ -166,3 +177,13 @@ class RolloutWorker:
 
     def _keep(self, reward: torch.Tensor, group_id: torch.Tensor) -> torch.Tensor:
         return apply_filters(self.filters, reward, group_id).cpu()
+
+
+def _fault_at(step: int, groups: range | torch.Tensor):
+    """Names update ``step + 1`` (as checkpoints and metrics count) and the span of
+    ``groups`` (global group indices) in a user-code fault (:class:`~mmrl.errors.UserCodeError`)
+    raised inside the block."""
+    if len(groups) == 0:
+        return fault_context(update=step + 1)
+    first, last = (groups[0], groups[-1]) if isinstance(groups, range) else (int(groups.min()), int(groups.max()))
+    return fault_context(update=step + 1, groups=f"{first}-{last}")

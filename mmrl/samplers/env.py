@@ -68,7 +68,7 @@ from mmrl.core.critic import PRIVILEGED
 from mmrl.core.rollout import Rollout
 from mmrl.core.sampler import Sampler, group_seed
 from mmrl.core.statistics import wilson_interval
-from mmrl.errors import ConfigError
+from mmrl.errors import ConfigError, UserCodeError, call_user_code
 from mmrl.registry import ENVS, SAMPLERS
 from mmrl.samplers.partial import EpisodesInFlight, as_numpy, device_of, observation_row, partial_metrics, stack_observation_rows
 from mmrl.samplers.success import LearnedSuccess, WaveScores, success_metrics
@@ -117,6 +117,8 @@ class EnvSampler(Sampler):
         self.seed = train_cfg.seed
         self.gamma = train_cfg.algo.advantage.gamma
         self.env = ENVS.get(train_cfg.env.type, "env.type")(train_cfg.env, train_cfg.seed)
+        if isinstance(self.env, gymnasium.vector.SyncVectorEnv):  # each env names its index when it raises
+            self.env.envs = [_IndexedEnv(env, i) for i, env in enumerate(self.env.envs)]
         self.env_name = train_cfg.env.id or train_cfg.env.type
         self.success_key = train_cfg.env.success_key
         self.success_rewarded = any(reward.type == "success" for reward in train_cfg.rewards)
@@ -209,6 +211,18 @@ class EnvSampler(Sampler):
         if "instruction" in obs:
             out["instruction"] = [str(text) for text in obs["instruction"]]
         return out
+
+    def env_call(self, method: str, seeds: list, *args, **kwargs):
+        """``self.env.<method>(*args, **kwargs)`` (``reset`` or ``step``): what the simulator or
+        an env wrapper raises comes out as a :class:`~mmrl.errors.UserCodeError` naming this
+        env and, where the vector env tells it (gymnasium's SyncVectorEnv), the env index and
+        its reset seed (``seeds[index]``: the seed of the episode that env is running)."""
+        try:
+            return call_user_code(f"env.{method}", getattr(self.env, method), *args, **kwargs)
+        except UserCodeError as e:
+            index = e.where.get("env_index")
+            e.add(source=f"env {self.env_name!r}", reset_seed=seeds[index] if index is not None and index < len(seeds) else None)
+            raise
 
     # ------------------------------------------------------------------ sampling
 
@@ -342,7 +356,8 @@ class EnvSampler(Sampler):
         The step loop only records what the env returned; who was alive when, returns,
         success and truncation are worked out once per wave from those records."""
         n, num_envs = len(seeds), self.num_envs
-        obs, reset_info = self.env.reset(seed=seeds + seeds[:1] * (num_envs - n))
+        reset_seeds = seeds + seeds[:1] * (num_envs - n)
+        obs, reset_info = self.env_call("reset", reset_seeds, seed=reset_seeds)
         kept = _EpisodeRecorder(obs, reset_info, seeds) if keep else None
         costs: list[dict] = []
         device = device_of(policy)
@@ -368,7 +383,7 @@ class EnvSampler(Sampler):
             for j in range(actions.shape[1]):
                 if kept is not None:
                     kept.step(obs, actions[:, j])
-                obs, reward, term, trunc, info = self.env.step(actions[:, j])
+                obs, reward, term, trunc, info = self.env_call("step", reset_seeds, actions[:, j])
                 if "costs" in info:
                     costs.append({name: as_numpy(value) for name, value in info["costs"].items() if not name.startswith("_")})
                 if on is not None:
@@ -537,6 +552,22 @@ class EnvSampler(Sampler):
 
     def close(self) -> None:
         self.env.close()
+
+
+class _IndexedEnv(gymnasium.Wrapper):
+    """The outermost wrapper of env ``index`` of a SyncVectorEnv: what its ``reset`` or
+    ``step`` raises (the simulator's or an env wrapper's) comes out as a
+    :class:`~mmrl.errors.UserCodeError` naming the index, chained from the original."""
+
+    def __init__(self, env: gymnasium.Env, index: int):
+        super().__init__(env)
+        self.index = index
+
+    def reset(self, **kwargs):
+        return call_user_code("env.reset", self.env.reset, where={"env_index": self.index}, **kwargs)
+
+    def step(self, action):
+        return call_user_code("env.step", self.env.step, action, where={"env_index": self.index})
 
 
 class _EpisodeRecorder:

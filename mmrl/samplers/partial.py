@@ -32,7 +32,7 @@ from torch import Tensor
 
 from mmrl.core.rollout import Rollout
 from mmrl.core.sampler import group_seed
-from mmrl.errors import ConfigError
+from mmrl.errors import ConfigError, UserCodeError
 
 
 def partial_metrics(rollout: Rollout) -> dict[str, torch.Tensor]:
@@ -65,6 +65,7 @@ class EpisodesInFlight:
         self.groups: list[dict[str, Any]] = []  # in flight, oldest first: {"born", "envs": [env index] * G}
         self.episodes: dict[int, dict[str, Any]] = {}  # env index -> the records of its episode
         self.obs = None
+        self.reset_seeds: list[int | None] = [None] * sampler.num_envs  # env index -> the reset seed of its episode
         self.started = False  # the first collection has taken its ⌈·o⌉ groups
         self.restarted = 0
 
@@ -94,6 +95,7 @@ class EpisodesInFlight:
             seed = group_seed(self.seed, step, first + j) % 2**31
             for e in envs:
                 seeds[e], reset[e] = seed, True
+                self.reset_seeds[e] = seed
                 self.episodes[e] = {"decisions": [], "versions": [], "reward": [], "term": [], "trunc": [], "success": [], "chunk": [], "alive": True}
             self.groups.append({"born": step, "envs": envs})
         if reset.any():
@@ -110,7 +112,7 @@ class EpisodesInFlight:
                 self.episodes[e]["decisions"].append((sample, e))
                 self.episodes[e]["versions"].append(version)
             for j in range(actions.shape[1]):
-                self.obs, reward, term, trunc, info = s.env.step(actions[:, j])
+                self.obs, reward, term, trunc, info = s.env_call("step", self.reset_seeds, actions[:, j])
                 s.env_steps += s.num_envs
                 reward, term, trunc = as_numpy(reward), as_numpy(term), as_numpy(trunc)
                 success = as_numpy(s._success_flags(info, no_success))
@@ -152,14 +154,18 @@ class EpisodesInFlight:
         return sum(1 for g in self.groups if all(not self.episodes[e]["alive"] for e in g["envs"]))
 
     def _reset(self, seeds: list[int], mask: np.ndarray) -> None:
-        env = self.sampler.env
+        s = self.sampler
         if self.obs is None or mask.all():
-            self.obs, _ = env.reset(seed=seeds)
+            self.obs, _ = s.env_call("reset", self.reset_seeds, seed=seeds)
             return
         try:
-            self.obs, _ = env.reset(seed=seeds, options={"reset_mask": mask})
-        except (TypeError, ValueError) as e:
-            raise ConfigError("rollout.over_provision", self.o, f"partial rollouts reset some envs while others run on, which this vector env cannot ({type(e).__name__}: {e}); use 1") from None
+            self.obs, _ = s.env_call("reset", self.reset_seeds, seed=seeds, options={"reset_mask": mask})
+        except UserCodeError as e:
+            # a vector env that cannot reset some envs refuses the option itself (no env index);
+            # an env of it that raises is the simulator's fault
+            if "env_index" in e.where or not isinstance(e.__cause__, (TypeError, ValueError)):
+                raise
+            raise ConfigError("rollout.over_provision", self.o, f"partial rollouts reset some envs while others run on, which this vector env cannot ({e.error}); use 1") from None
 
     def _episode_rollout(self, ep: dict[str, Any]) -> Rollout:
         decisions = [

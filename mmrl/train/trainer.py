@@ -41,7 +41,7 @@ from mmrl.core.reward import RewardContext, RewardSet
 from mmrl.core.sampler import build_sampler
 from mmrl.core.statistics import add_pending, commit_statistics
 from mmrl.core.weights import build_policy
-from mmrl.errors import ConfigError
+from mmrl.errors import ConfigError, fault_context, run_source
 from mmrl.media import write_media
 from mmrl.train.checkpoint import Checkpointer, rng_state, set_rng_state
 from mmrl.train.distributed import Collectives
@@ -176,7 +176,8 @@ class Trainer:
         result: dict[str, Any] = {}
         if self.rank == 0:
             self.policy.eval()
-            with torch.no_grad():
+            phase = f"evaluation after update {step}" if step else "evaluation before training"
+            with torch.no_grad(), fault_context(source=run_source(self.cfg), seed=self.cfg.seed, phase=phase):
                 result = self.sampler.evaluate(self.policy, self.cfg.eval.episodes, seed=self.cfg.seed + 1_000_003, rewards=self.rewards)
                 if self.learner.data is not None:  # the data source's held-out metrics (e.g. pairwise accuracy)
                     result.update(self.learner.data.evaluate(self.policy))
@@ -237,9 +238,15 @@ def _inner(optimizer):
 
 
 def _postfix(metrics: dict[str, Any], shown: dict[str, str]) -> dict[str, str]:
-    """The progress bar's numbers: the reward, the SFT loss and what the sampler shows."""
+    """The progress bar's numbers: what the advantages are computed from, the SFT loss and
+    what the sampler shows (success). A run whose advantages add the env's step rewards
+    (GAE, step level) shows its episode return as they weight it (``return``:
+    ``trained_return``, the weighted reward components included); any other run its combined
+    reward (``reward``: ``reward/total``). A single component is never shown: one logged with
+    weight 0 is not what the run learns from."""
+    trained = {"return": "trained_return"} if "trained_return" in metrics else {"reward": "reward/total"}
     out = {}
-    for short, key in {"reward": "reward/total", "loss": "loss/sft", **shown}.items():
+    for short, key in {**trained, "loss": "loss/sft", **shown}.items():
         if key in metrics and isinstance(metrics[key], float) and math.isfinite(metrics[key]):
             out[short] = f"{metrics[key]:.3f}"
     return out

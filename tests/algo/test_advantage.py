@@ -2,7 +2,9 @@ import math
 import pytest
 import torch
 
-from mmrl.algo.advantage import best_worst, clip_advantages, discounted_returns, grpo, median, passk, psr_nsr, rloo, step_advantages
+from mmrl.algo.advantage import best_worst, clip_advantages, discounted_returns, grpo, median, passk, psr_nsr, rloo, step_advantages, trained_returns, trains_on_step_rewards
+from mmrl.config import from_dict
+from mmrl.train.run_config import AlgoConfig
 from mmrl.registry import ADVANTAGES
 
 # Two groups with non-contiguous, negative and interleaved ids:
@@ -195,3 +197,25 @@ def test_step_advantages_compare_discounted_returns_within_group_and_decision():
     # rloo within (group, t): t=0 -> 1-1, 1-1; t=1 -> 2-0, 0-2; t=2 -> a cell of one sample: 0
     assert torch.allclose(adv, torch.tensor([[0.0, 2.0, 0.0], [0.0, -2.0, 0.0]]))
     assert keep.tolist() == [True, True]
+
+
+def test_the_trained_return_is_the_undiscounted_sum_of_the_rewards_step_advantages_discount():
+    """The samples above: each one's combined reward plus half its step rewards on its valid
+    decisions (a step past the mask is not counted) — what ``trained_return`` logs."""
+    terminal = torch.tensor([1.0, 0.0])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    step = torch.tensor([[0.0, 2.0, 4.0], [2.0, 0.0, 0.0]])
+    assert trained_returns(terminal, mask, step, 0.5).tolist() == [2.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    ("advantage", "trains"),
+    [
+        ({"type": "gae", "step_reward_weight": 1.0}, True),  # a value baseline over per-decision rewards
+        ({"type": "grpo", "level": "step", "step_reward_weight": 0.5}, True),
+        ({"type": "grpo", "step_reward_weight": 0.5}, False),  # sequence level: the combined reward alone
+        ({"type": "gae"}, False),  # weight 0: GAE on the combined reward at each episode's end
+    ],
+)
+def test_step_rewards_are_trained_on_with_a_weight_and_a_step_or_value_advantage(advantage, trains):
+    assert trains_on_step_rewards(from_dict(AlgoConfig, {"advantage": advantage}).advantage) is trains

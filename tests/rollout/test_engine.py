@@ -260,6 +260,7 @@ def test_a_worker_that_crashes_stops_the_run_naming_worker_env_and_seed_and_keep
     assert proc.returncode == 1, err[-2000:]
     assert err.splitlines() == [err]
     assert err.startswith("mmrl: stopped: rollout worker 0 (env 'mmrl/PointReach-v0', seed 7, step 3, groups 0-1) failed: RuntimeError: simulated simulator crash")
+    assert "crash (in env.reset, env index " in err  # the worker's own line adds the call and which env raised
     assert err.endswith("the last checkpoint is left intact")
     latest = (tmp_path / "run/checkpoints/latest").read_text()
     assert latest in ("step_00000002", "step_00000003")

@@ -12,8 +12,9 @@ from mmrl.errors import NonFiniteError
 from mmrl.registry import REWARDS
 from mmrl.train.run_config import RewardConfig, TrainConfig
 from mmrl.train.metrics import read_metrics
-from mmrl.train.trainer import Trainer, train
+from mmrl.train.trainer import Trainer, _postfix, train
 from tests.conftest import ROOT, point_reach_config
+from tests.train.test_critic import GAE, gae_config
 
 _TOY = {
     "sequence": {"policy": {"type": "categorical_sequence"}, "rewards": [{"type": "token_fraction", "token": 3}]},
@@ -422,3 +423,36 @@ def test_the_training_mask_is_made_on_the_rollouts_device_whatever_device_the_ad
     mask = trainer.learner.train_mask(on_meta, keep)
     assert mask.device.type == "meta" and mask.shape == rollout.mask.shape
     torch.testing.assert_close(trainer.learner.train_mask(rollout, keep), rollout.mask * keep[:, None].to(rollout.mask.dtype) * ~torch.as_tensor(rollout.info["truncated"], dtype=torch.bool)[:, None])
+
+
+def _first_step_and_bar(cfg: TrainConfig, run_dir) -> tuple[dict, dict]:
+    """The metrics of a run's first training step and the progress bar's numbers for them."""
+    trainer = Trainer(cfg, run_dir)
+    metrics = trainer.rl_step(0)
+    return metrics, _postfix(metrics, trainer.sampler.progress_metrics)
+
+
+@pytest.mark.parametrize(("success_weight", "step_reward_weight"), [(0.0, 1.0), (1.0, 0.5)])
+def test_the_bar_of_a_run_on_step_rewards_shows_the_return_it_trains_on_and_success_beside_it(tmp_path, success_weight, step_reward_weight):
+    """GAE on PointReach's dense step reward (-distance), as `make train`'s config on PushCube:
+    the bar shows ``trained_return`` — the combined reward plus the weighted step rewards of
+    the episode (one env step per decision: the weighted env return) — never the combined
+    reward, which with ``success`` at weight 0 is 0 the whole run; success stays beside it."""
+    data = gae_config(total_steps=1, rewards=[{"type": "success", "weight": success_weight}], algo={"advantage": {**GAE["advantage"], "step_reward_weight": step_reward_weight}})
+    metrics, bar = _first_step_and_bar(from_dict(TrainConfig, data), tmp_path / "run")
+    expected = metrics["reward/total"] + step_reward_weight * metrics["episode_return"]
+    assert metrics["trained_return"] == pytest.approx(expected, abs=1e-4) and metrics["episode_return"] < 0
+    assert list(bar)[:2] == ["return", "success"] and "reward" not in bar
+    assert bar["return"] == f"{metrics['trained_return']:.3f}" and bar["success"] == f"{metrics['success_rate']:.3f}"
+    if success_weight == 0:
+        assert metrics["reward/total"] == 0.0
+
+
+@pytest.mark.parametrize("kind", ["env", "sequence"])
+def test_the_bar_of_a_run_on_reward_components_shows_the_combined_reward(tmp_path, kind):
+    """An env run that does not train on step rewards (GRPO on success and the return
+    component, the sequence level) and a token run show the combined reward, as before."""
+    cfg = env_config(total_steps=1) if kind == "env" else toy_config(kind, total_steps=1)
+    metrics, bar = _first_step_and_bar(cfg, tmp_path / "run")
+    assert "trained_return" not in metrics and "return" not in bar
+    assert list(bar)[0] == "reward" and bar["reward"] == f"{metrics['reward/total']:.3f}"
