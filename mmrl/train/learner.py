@@ -273,16 +273,21 @@ class Learner:
             mask = top_entropy_mask(mask, rollout.entropy, cfg.top_entropy_rho)
         return mask
 
-    def optimizer_step(self, pieces: list, loss_of, what: str, step: int) -> torch.Tensor | None:
+    def optimizer_step(self, pieces: list, loss_of, what: str, step: int, proceed=None) -> torch.Tensor | None:
         """One optimizer step: backward of ``loss_of(piece)`` for each piece (the distributed
         wrapper all-reduces once, after the last), gradient clipping, step. Serves the RL
-        update, self-imitation and SFT alike. Returns the gradient norm before clipping."""
+        update, self-imitation and SFT alike. Returns the gradient norm before clipping.
+        ``proceed`` (called after the backward passes, the same answer in every process)
+        returning False drops the gradients instead: no step, and None is returned."""
         for i, piece in enumerate(pieces):
             loss = loss_of(piece)
             if not torch.isfinite(loss):
                 raise NonFiniteError(f"step {step + 1}: {what} is {loss.item()}")
             with self.accelerator.no_sync(self.model) if i + 1 < len(pieces) else nullcontext():
                 self.accelerator.backward(loss)
+        if proceed is not None and not proceed():
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
         if self.critic_only:  # the policy's gradients are dropped: AdamW leaves a parameter without one as it is
             for p in self.policy.parameters():
                 p.grad = None
@@ -338,8 +343,10 @@ class Learner:
         canonical = torch.sort(self.dist.gather_rows(rollout.group_id.cpu(), sizes), stable=True).indices
         gen = torch.Generator().manual_seed(group_seed(self.cfg.seed, step, _UPDATE_STREAM))
         sums: dict[str, torch.Tensor] = {}
-        steps = 0
+        steps, stopped = 0, False
         for _ in range(cfg.ppo_epochs):
+            if stopped:
+                break
             order = torch.randperm(total, generator=gen) if cfg.num_minibatches > 1 else torch.arange(total)
             for positions in order.chunk(cfg.num_minibatches):
                 idx = local_rows(canonical[positions], start, rollout.batch_size)
@@ -353,6 +360,9 @@ class Learner:
                 stats, first_logp = self._minibatch_step(
                     rollout[idx], adv[idx.to(device)], spare.to(device), step, at_sampling_weights=first or self.reuse_graph, rows=active[idx]
                 )
+                if stats is None:  # algo.target_kl: this minibatch went past it, the update ends
+                    stopped = True
+                    break
                 if first:
                     old = rollout.old_logp.clone()
                     old[trained.to(old.device)] = first_logp.to(old)
@@ -361,6 +371,8 @@ class Learner:
                     sums[k] = torch.maximum(sums[k], v) if k.endswith("_max") and k in sums else sums.get(k, 0.0) + v
                 steps += 1
         out = {k: float(v) if k.endswith("_max") else float(v) / steps for k, v in sums.items()}
+        if cfg.target_kl is not None:
+            out["update/steps_fraction"] = steps / (cfg.ppo_epochs * cfg.num_minibatches)
         if source.old_logp_deferred:  # hand the exact old log-probs on (self-imitation memory)
             # how far the sampler's provisional numbers were from the exact ones (the ratio a
             # first step would have started from without deferral), over the rows that ran
@@ -508,13 +520,23 @@ class Learner:
                 sums[k] = sums.get(k, 0.0) + v.detach().cpu()
             return loss
 
-        grad_norm = self.optimizer_step(pieces, loss_of, f"loss ({cfg.objective.type}, {cfg.aggregation.type})", step)
+        kl: list[torch.Tensor] = []
+        verdict: list[bool] = []
+
+        def within_target() -> bool:  # algo.target_kl: this minibatch's approximate KL, all processes
+            kl.append(self.dist.sum(sums["_approx_kl"]) / self.dist.sum(sums["_count"]).clamp_min(1))
+            verdict.append(cfg.target_kl is None or at_sampling_weights or float(kl[0]) <= cfg.target_kl)
+            return verdict[0]
+
+        grad_norm = self.optimizer_step(pieces, loss_of, f"loss ({cfg.objective.type}, {cfg.aggregation.type})", step, proceed=within_target)
+        if not verdict[0]:
+            return None, None  # past the target: the update stops before this step
         # global values: a process's loss is its share of the global loss x processes
         out = {k: self.dist.sum(v) / self.world for k, v in sums.items() if not k.startswith(("_", "correction/"))}
         if grad_norm is not None:
             out["grad_norm"] = grad_norm
         count = self.dist.sum(sums["_count"]).clamp_min(1)
-        out["approx_kl"] = self.dist.sum(sums["_approx_kl"]) / count
+        out["approx_kl"] = kl[0]
         for k, v in sums.items():
             if k.startswith("_objective/"):
                 out[k[1:]] = self.dist.sum(v) / count

@@ -96,6 +96,9 @@ class AlgoConfig:
     mask_truncated: bool = option(False, "drop samples that were truncated (no EOS / time limit) from the loss")
     ppo_epochs: int = option(1, "passes over each rollout", ge=1)
     num_minibatches: int = option(1, "optimizer steps per epoch, each on one slice of a global permutation of the batch", ge=1)
+    target_kl: float | None = option(
+        None, "stop an update's epochs early: a minibatch whose approximate KL to the sampling policy (over all processes) exceeds this takes no step, and the update ends there (null: every step runs)", gt=0
+    )
     micro_batches: int | None = option(
         None,
         "gradient accumulation: each minibatch's forward/backward runs in this many pieces before its one optimizer step (same update, less memory); null: on a CPU as many as keep a piece's activations under micro_batch_mb by the policy's estimate (policy.activation_bytes), else 1",
