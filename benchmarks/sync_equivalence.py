@@ -1,5 +1,5 @@
 """Does a commit train exactly as another one? Runs N updates of the toy, point_reach,
-text-demo and shapes configs at two commits of this repository on this machine and compares
+text-demo, shapes and PushCube (GAE) configs at two commits of this repository on this machine and compares
 every logged metric (less wall-clock times) and the final weights bit for bit.
 
     python benchmarks/sync_equivalence.py --old f205c0b [--new HEAD] [--steps 3]
@@ -32,6 +32,7 @@ def cases(steps: int) -> list[tuple[str, str, list[str], str | None]]:
         ("text_sft", "configs/text_arithmetic_sft.yaml", [*quiet, f"total_steps={10 * steps}"], None),
         ("text_grpo", "configs/text_arithmetic_grpo.yaml", [*quiet, "algo.groups_per_step=4"], "text_sft"),
         ("shapes_flow_grpo", "configs/image_shapes_flow_grpo.yaml", [*quiet, "algo.groups_per_step=4"], None),
+        ("pushcube_gae", "configs/maniskill_pushcube_gae.yaml", quiet, None),  # a critic, GAE, 4 epochs x 32 minibatches
     ]
 
 
@@ -54,8 +55,12 @@ def metrics(run_dir: Path) -> list[dict]:
 def weights(run_dir: Path) -> dict:
     from safetensors.torch import load_file
 
-    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-    return load_file(str(run_dir / "checkpoints" / latest / "model.safetensors"))
+    import torch
+
+    latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    tensors = load_file(str(latest / "model.safetensors"))
+    critic = torch.load(latest / "state.pt", weights_only=True).get("critic", {})  # a critic's weights live beside the policy's
+    return {**tensors, **{f"critic.{k}": v for k, v in critic.items()}}
 
 
 def main() -> int:

@@ -169,6 +169,7 @@ def listed_registries() -> dict:
         "aggregations": registry.AGGREGATIONS,
         "filters": registry.FILTERS,
         "corrections": registry.CORRECTIONS,
+        "losses": registry.LOSSES,
         "kl": registry.KL_ESTIMATORS,
         "engines": registry.ENGINES,
         "data": registry.DATA_SOURCES,
@@ -322,7 +323,7 @@ def _train_help() -> str:
     sections = (
         ("env", registry.ENVS), ("policy", registry.POLICIES), ("sampler", registry.SAMPLERS), ("rewards[i]", registry.REWARDS),
         ("algo.advantage", registry.ADVANTAGES), ("algo.objective", registry.OBJECTIVES), ("algo.aggregation", registry.AGGREGATIONS),
-        ("algo.filters[i]", registry.FILTERS), ("algo.correction", registry.CORRECTIONS), ("data", registry.DATA_SOURCES),
+        ("algo.filters[i]", registry.FILTERS), ("algo.correction", registry.CORRECTIONS), ("algo.loss", registry.LOSSES), ("data", registry.DATA_SOURCES),
     )
     for section, reg in sections:
         for entry in reg.entries():

@@ -116,3 +116,4 @@ KL_ESTIMATORS = Registry("kl estimators", ("mmrl.algo.kl",))
 FILTERS = Registry("filters", ("mmrl.algo.filters",), section="filters")
 ENGINES = Registry("engines", ("mmrl.rollout",))  # rollout.engine: where rollout workers run
 CORRECTIONS = Registry("corrections", ("mmrl.algo.correction",), section="correction")
+LOSSES = Registry("losses", ("mmrl.algo.losses",), "mmrl.losses", section="loss")  # algo.loss: what one piece of a minibatch backpropagates

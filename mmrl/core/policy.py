@@ -125,3 +125,9 @@ class PolicyModule(nn.Module):
         """A frozen model for KL terms; ``None`` lets the trainer keep a frozen copy of the
         initial weights."""
         return None
+
+
+def overrides(policy, method: str) -> bool:
+    """Whether the policy implements an optional hook of :class:`PolicyModule`."""
+    impl = getattr(type(policy), method, None)
+    return impl is not None and impl is not getattr(PolicyModule, method, None)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from mmrl.algo.losses import Targets
 from mmrl.train.trainer import Trainer
 
 
@@ -30,15 +31,15 @@ def batch_gradient(trainer: Trainer, step: int) -> tuple[dict[str, torch.Tensor]
     """One training batch (groups seeded as training step ``step``) and its loss gradient at
     ratio 1, per parameter; plus the batch's success/reward statistics."""
     rollout = trainer.engine.collect(step, trainer.learner.version).rollout
-    adv, keep = trainer.learner.advantages(rollout)
+    targets, keep = trainer.learner.advantage_stage(rollout, trainer.learner.model)
     device = trainer.accelerator.device
     sampled = rollout.mask
     rollout = rollout.with_(mask=trainer.learner.train_mask(rollout, keep)).to(device)
-    adv = adv.to(device)
-    adv = adv[:, None] if adv.dim() == 1 else adv
+    targets = targets.to(device)
+    adv = targets.adv = targets.adv[:, None] if targets.adv.dim() == 1 else targets.adv
     model = trainer.learner.model
     model.zero_grad(set_to_none=True)
-    loss, _, _, _ = trainer.learner.policy_loss(rollout, adv, trainer.learner.normalizers(rollout), at_sampling_weights=True)
+    loss = trainer.learner.loss(model, rollout, targets, trainer.learner.normalizers(rollout), at_sampling_weights=True).loss
     loss.backward()
     grads = {n: p.grad.detach().flatten().cpu().clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)

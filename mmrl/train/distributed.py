@@ -75,3 +75,16 @@ def local_rows(global_rows: Tensor, start: int, count: int) -> Tensor:
     global rows [start, start + count), in the order they appear in ``global_rows``."""
     mine = (global_rows >= start) & (global_rows < start + count)
     return global_rows[mine] - start
+
+
+def normalizers(dist, mb, aggregation) -> dict:
+    """The aggregation's normalizers for minibatch ``mb`` (this process's rows): token count,
+    sequence count and length, over all processes. Each process divides by (global count /
+    processes), so the distributed wrapper's gradient average equals one process's loss on
+    the whole batch."""
+    return {
+        # a minibatch without valid decisions (e.g. all truncated) gives loss 0, not 0/0
+        "num_tokens": max(dist.sum(mb.mask.sum()).item(), 1.0) / dist.world,
+        "num_seqs": dist.sum(mb.batch_size).item() / dist.world,
+        "max_len": getattr(aggregation, "max_len", None) or dist.max(mb.mask.shape[1]),
+    }

@@ -8,6 +8,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+import torch
+
 
 class MetricsWriter:
     def __init__(self, run_dir: Path, tensorboard: bool = True, enabled: bool = True):
@@ -112,3 +114,44 @@ def rl_metrics(dist, collected, rollout, adv, update: dict[str, float], filters_
     out.update(times)
     out.update({f"time/{k}": v for k, v in collected.times.items()})
     return out
+
+
+class MinibatchMetrics:
+    """The metrics of one optimizer step, summed over its pieces (a loss module's
+    :class:`~mmrl.algo.losses.LossOutput` each) and then taken over all processes: the
+    named loss parts as a process's share x processes, the per-decision statistics as masked
+    means over the decisions that ran (a name ending in ``_max``: the maximum)."""
+
+    def __init__(self):
+        self.sums: dict[str, Any] = {}
+        self.maxima: dict[str, float] = {}
+
+    def add(self, out, mask) -> None:
+        """Add one piece's :class:`LossOutput` ``out`` with its training ``mask``."""
+        with torch.no_grad():
+            parts = dict(out.terms)
+            parts["_count"] = mask.sum()
+            for name, v in out.decision_stats.items():
+                if name.endswith("_max"):  # a maximum over the valid decisions, not a mean
+                    self.maxima[name] = max(self.maxima.get(name, float("-inf")), float(v[mask.bool()].max()) if mask.any() else float("-inf"))
+                else:
+                    parts["_mean/" + name] = (v * mask).sum()
+        for name, v in parts.items():
+            self.sums[name] = self.sums.get(name, 0.0) + v.detach().cpu()
+
+    def mean(self, dist, name: str):
+        """The masked mean of decision statistic ``name`` over all processes (None if absent)."""
+        if "_mean/" + name not in self.sums:
+            return None
+        return dist.sum(self.sums["_mean/" + name]) / dist.sum(self.sums["_count"]).clamp_min(1)
+
+    def result(self, dist) -> dict[str, Any]:
+        # global values: a process's loss is its share of the global loss x processes
+        out = {k: dist.sum(v) / dist.world for k, v in self.sums.items() if not k.startswith("_")}
+        count = dist.sum(self.sums["_count"]).clamp_min(1)
+        for k, v in self.sums.items():
+            if k.startswith("_mean/"):  # masked means over the decisions that ran
+                out[k[6:]] = dist.sum(v) / count
+        for k, v in self.maxima.items():
+            out[k] = torch.tensor(dist.max(v))
+        return out

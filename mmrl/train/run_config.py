@@ -10,6 +10,8 @@ from mmrl.algo.correction import CorrectionConfig
 from mmrl.algo.aggregation import AggregationConfig
 from mmrl.algo.filters import FilterConfig
 from mmrl.algo.kl import KLConfig
+from mmrl.algo.losses import LossConfig
+from mmrl.algo.losses.policy_gradient import PolicyGradientConfig
 from mmrl.algo.objective import ObjectiveConfig, PPOClipConfig
 from mmrl.config import MovedKey, option
 from mmrl.core.component_config import EnvConfig, PolicyConfig, RewardConfig, SamplerConfig
@@ -89,6 +91,7 @@ class AlgoConfig:
         factory=CorrectionConfig, doc="off-policy correction of samples whose sampler log-probs differ from the learner's: tis, mis (mmrl list corrections); none"
     )
     resample_rounds: int = option(0, "extra collection rounds to refill the batch after filtering (DAPO dynamic sampling)", ge=0)
+    loss: LossConfig = option(factory=PolicyGradientConfig, doc="the loss module one piece of a minibatch backpropagates (mmrl list losses): policy_gradient is the objective, aggregation, kl and correction below")
     objective: ObjectiveConfig = option(factory=PPOClipConfig, doc="per-decision surrogate and its options")
     aggregation: AggregationConfig = option(factory=AggregationConfig, doc="how per-decision losses become one number")
     kl: KLConfig = option(factory=KLConfig, doc="KL to the reference policy")

@@ -19,7 +19,8 @@ their training masks; only what the policy's ``log_prob`` needs (``replay``) and
 are kept. It is saved in checkpoints (unless ``algo.self_imitation.in_checkpoint`` is
 false), so ``--resume`` continues with the same memory.
 
-Two losses over a batch drawn from the memory (``algo.self_imitation.loss``):
+Two losses over a batch drawn from the memory (``algo.self_imitation.loss``; the
+``self_imitation`` loss module, ``mmrl/algo/losses/supervised.py``):
 
 - ``logp``: ``-sum(A+ m logpi) / count`` through the policy's ``log_prob``;
 - ``sft``: the policy's own supervised loss (flow matching, token cross-entropy) on the
@@ -147,28 +148,3 @@ class SelfImitationMemory:
         mine = torch.arange(data.batch_size) % self.dist.world == self.dist.rank
         if mine.any():
             self.data, self.adv, self.keys = data[mine], state["adv"][mine], state["keys"][mine]
-
-
-def logp_loss(model, replay: dict, mask: torch.Tensor, adv: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """``-sum(A+ m logpi) / count``; ``model`` is the (possibly distributed) policy whose
-    forward is ``log_prob``."""
-    return -(adv * mask * model(replay)).sum() / count
-
-
-def sft_loss(model, policy, replay: dict, weight: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """``sum(w l) / count`` over the decisions with weight w > 0, l the policy's supervised
-    loss of one decision's executed chunk (``policy.imitation_batch``, ``sft_loss``)."""
-    flat = policy.imitation_batch(replay)
-    w = weight.reshape(-1)
-    rows = (w > 0).nonzero().squeeze(1)
-    if rows.numel() == 0:  # nothing to imitate here: a zero-weighted forward keeps the processes in step
-        sub = {k: ([v[0]] if isinstance(v, list) else v[:1]) for k, v in flat.items()}
-        sub["action_mask"] = torch.ones_like(sub["action_mask"], dtype=torch.float32) if "action_mask" in sub else torch.ones(1, sub["actions"].shape[1])
-        return 0.0 * model(sub, mode="sft")
-    sub = {k: ([v[i] for i in rows.tolist()] if isinstance(v, list) else v[rows.to(v.device)]) for k, v in flat.items()}
-    kept = w[rows]
-    # sft_loss is the mean over its action_mask; weights scaled to a mean of 1 make it the
-    # weighted mean sum(w l) / sum(w) (a mask summing below 1 would be clamped), then
-    # rescale to ``count``
-    sub["action_mask"] = (kept / kept.mean())[:, None].expand(-1, sub["actions"].shape[1])
-    return model(sub, mode="sft") * (kept.sum() / count)

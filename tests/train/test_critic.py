@@ -45,8 +45,9 @@ def test_an_update_moves_the_values_towards_the_gae_targets(tmp_path):
     values it had when the advantages were computed; the policy's own weights hold no critic."""
     trainer = Trainer(from_dict(TrainConfig, gae_config(total_steps=1, eval={"at_start": False, "at_end": False})), tmp_path / "run")
     collected = trainer.engine.collect(0, trainer.learner.version)
+    targets, _ = trainer.learner.advantage_stage(collected.rollout, trainer.learner.model)  # what the update will compute, at these weights
     rollout, _, stats = trainer.learner.learn(collected.rollout, collected.spare, 0)
-    returns, old, mask = rollout.info["_returns"], rollout.info["_old_values"], (rollout.mask > 0).cpu()  # targets are kept on the CPU
+    returns, old, mask = targets.returns, targets.old_values, (rollout.mask > 0).cpu()  # targets are kept on the CPU
     with torch.no_grad():
         new = trainer.learner.model(rollout.replay, mode="value").cpu()
     before = (old - returns)[mask].square().mean()

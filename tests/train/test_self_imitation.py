@@ -10,7 +10,6 @@ from mmrl.core.rollout import Rollout
 from mmrl.train.metrics import read_metrics
 from mmrl.train.distributed import Collectives
 from mmrl.train.self_imitation import SelfImitationMemory
-from mmrl.train.self_imitation import sft_loss as sil_sft_loss
 from mmrl.train.trainer import Trainer, train
 from tests.train.test_trainer import env_config, toy_config
 
@@ -190,13 +189,13 @@ def test_sft_self_imitation_fits_the_remembered_actions_and_ignores_zero_weights
     def memory_loss() -> float:
         torch.manual_seed(123)  # the same flow-matching noise every time
         with torch.no_grad():
-            return float(sil_sft_loss(trainer.learner.model, trainer.policy, mem.data.replay, weight, weight.sum()))
+            return float(trainer.learner.imitation.weighted_sft(trainer.learner.model, mem.data.replay, weight, weight.sum()))
 
     # a weighted mean: scaling every weight (up, or down to sums far below 1) changes nothing
     for scale in (2.0, 1e-3):
         torch.manual_seed(123)
         with torch.no_grad():
-            scaled = float(sil_sft_loss(trainer.learner.model, trainer.policy, mem.data.replay, scale * weight, scale * weight.sum()))
+            scaled = float(trainer.learner.imitation.weighted_sft(trainer.learner.model, mem.data.replay, scale * weight, scale * weight.sum()))
         assert scaled == pytest.approx(memory_loss(), rel=1e-5), scale
     # the actions of decisions without a positive advantage (padding, the failures' and
     # zero-advantage decisions) do not count
@@ -211,7 +210,7 @@ def test_sft_self_imitation_fits_the_remembered_actions_and_ignores_zero_weights
         replay["chain"] = {**replay["chain"], "latents": torch.where(zero, torch.randn_like(latents), latents)}
     torch.manual_seed(123)
     with torch.no_grad():
-        assert float(sil_sft_loss(trainer.learner.model, trainer.policy, replay, weight, weight.sum())) == pytest.approx(memory_loss(), rel=1e-5)
+        assert float(trainer.learner.imitation.weighted_sft(trainer.learner.model, replay, weight, weight.sum())) == pytest.approx(memory_loss(), rel=1e-5)
     assert (weight == 0).any() and (weight > 0).any()
 
     before = memory_loss()

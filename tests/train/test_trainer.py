@@ -178,9 +178,9 @@ def test_every_preset_applies_its_options_in_the_loop(tmp_path, preset, monkeypa
         wrapped.needs_proximal = getattr(fn, "needs_proximal", False)
         return wrapped
 
-    trainer.learner.advantage_fn = spy(adv_type, trainer.learner.advantage_fn)
-    trainer.learner.objective_fn = spy(objective_type, trainer.learner.objective_fn)
-    trainer.learner.aggregate_fn = spy(aggregation, trainer.learner.aggregate_fn)
+    trainer.learner.advantage_stage.advantage_fn = spy(adv_type, trainer.learner.advantage_stage.advantage_fn)
+    trainer.learner.loss.objective_fn = spy(objective_type, trainer.learner.loss.objective_fn)
+    trainer.learner.loss.aggregate_fn = spy(aggregation, trainer.learner.loss.aggregate_fn)
     from mmrl.registry import FILTERS
 
     for name in filters:  # the worker looks its filters up by name (mmrl.algo.filters.apply_filters)
@@ -213,7 +213,7 @@ def test_metrics_tensorboard_and_checkpoint_layout(tmp_path):
 
 
 def test_lr_schedules_warm_up_then_decay_to_the_final_ratio():
-    from mmrl.train.learner import lr_factor
+    from mmrl.train.optimization import lr_factor
 
     assert [lr_factor(s, 10, "constant", 2) for s in (0, 1, 2, 9)] == [1 / 3, 2 / 3, 1.0, 1.0]
     linear = [lr_factor(s, 6, "linear", 1, 0.2) for s in range(6)]
@@ -366,8 +366,10 @@ def test_a_minibatch_whose_decisions_are_all_masked_gives_a_zero_loss_not_nan(tm
     trainer = Trainer(toy_config("sequence", algo={"group_size": 8, "groups_per_step": 4, "aggregation": "token_mean"}), tmp_path / "run")
     rollout = trainer.engine.worker.collect(0).rollout
     masked = rollout.with_(mask=torch.zeros_like(rollout.mask))
-    loss, *_ = trainer.learner.policy_loss(masked, torch.ones(rollout.batch_size, 1, device=rollout.mask.device), trainer.learner.normalizers(masked))
-    assert loss.item() == 0.0
+    from mmrl.algo.losses import Targets
+
+    out = trainer.learner.loss(trainer.learner.model, masked, Targets(torch.ones(rollout.batch_size, 1, device=rollout.mask.device)), trainer.learner.normalizers(masked))
+    assert out.loss.item() == 0.0
 
 
 def test_every_evaluation_is_logged_even_between_log_steps(tmp_path):

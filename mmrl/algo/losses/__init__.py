@@ -1,0 +1,106 @@
+"""Loss modules (``algo.loss``), TorchRL's split of a loss from its loop: the learner runs
+the epochs, minibatches, pieces and optimizer steps; a loss module turns one piece of a
+minibatch into the scalar to backpropagate, its named parts and its metrics.
+
+A loss module is a class registered in :data:`mmrl.registry.LOSSES` with its config (a
+subclass of :class:`LossConfig`, the ``algo.loss`` section), built once by the learner ::
+
+    loss = Entry.obj(algo, options, policy, reference=..., critic=...)
+    out = loss(model, batch, targets, norm, at_sampling_weights=False)  # -> LossOutput
+
+``model`` is the trained module as the distributed wrapper holds it (its forward takes the
+policy's modes), ``batch`` a :class:`~mmrl.core.rollout.Rollout` piece with its training
+mask, ``targets`` the learner's per-sample values of that piece (:class:`Targets`: the
+advantages, and where the learner computed them the critic's targets and the proximal
+log-probs), ``norm`` the aggregation's normalizers over the whole minibatch and all
+processes. What a loss reads decides which of the learner's speed-ups apply; it says so in
+its class attributes (:class:`Loss`). A new method is a new module in this package (or a
+plugin's module that registers itself): the learner, the trainer and the run config stay
+as they are.
+
+Built in: ``policy_gradient`` (the clipped-ratio family: ``algo.objective``,
+``aggregation``, ``kl``, ``correction``, and the value loss of a critic), ``sft`` (the
+policy's own supervised loss) and ``self_imitation`` (``algo.self_imitation``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+from torch import Tensor
+
+from mmrl.config import Component, option
+
+
+@dataclass
+class LossConfig(Component):
+    """``algo.loss``: the loss module (``type``) and its own options."""
+
+    type: str = option("policy_gradient", "the loss module (mmrl list losses): policy_gradient is the ratio objective of algo.objective/aggregation/kl/correction")
+
+
+@dataclass
+class Targets:
+    """The learner's per-sample values of one update, row-aligned with its rollout: what a
+    loss compares its forward against. ``adv`` is [B, 1] (a sequence advantage, broadcast
+    over decisions) or [B, T]; ``returns`` and ``old_values`` ([B, T]) are a critic's targets
+    and its values at sampling time; ``prox_logp`` ([B, T]) the proximal policy's log-probs
+    of an objective that needs them. Fields a run does not use are None."""
+
+    adv: Tensor
+    returns: Tensor | None = None
+    old_values: Tensor | None = None
+    prox_logp: Tensor | None = None
+
+    def _apply(self, fn) -> "Targets":
+        return replace(self, **{f.name: fn(getattr(self, f.name)) for f in fields(self) if getattr(self, f.name) is not None})
+
+    def __getitem__(self, idx: Tensor) -> "Targets":
+        return self._apply(lambda t: t[idx.to(t.device)])
+
+    def to(self, device) -> "Targets":
+        return self._apply(lambda t: t.to(device))
+
+    @staticmethod
+    def none_for(batch) -> "Targets":
+        """The targets of a masked no-op piece (a process without rows): advantage 0."""
+        return Targets(adv=torch.zeros_like(batch.mask))
+
+
+@dataclass
+class LossOutput:
+    """``loss``: the scalar to backpropagate, already divided by the minibatch's normalizers
+    (a piece's share). ``terms``: its detached named parts (``loss/policy``, ``kl/ref``),
+    logged as their sum over pieces, averaged over processes. ``decision_stats``: [B, T]
+    per-decision values logged as masked means over the minibatch's valid decisions (a key
+    ending in ``_max``: the maximum instead). ``logp``: the forward's log-probs of the
+    batch's decisions, where the loss computed them (the deferred old log-probs read them)."""
+
+    loss: Tensor
+    terms: dict[str, Tensor] = field(default_factory=dict)
+    decision_stats: dict[str, Tensor] = field(default_factory=dict)
+    logp: Tensor | None = None
+
+
+class Loss:
+    """Base of loss modules. Class attributes say what the loss reads, so that the learner
+    knows which speed-ups apply:
+
+    - ``reads_old_logp``: the ratio reads old log-probs; deferred old log-probs and the
+      approximate KL (``algo.target_kl``) apply.
+    - ``zero_at_zero_advantage``: the loss and its gradient are exactly 0 on a sample with
+      advantage 0 on every valid decision, so such samples may be left out of the passes.
+    - ``needs_proximal``: the loss reads ``targets.prox_logp`` (one no-grad pass before the
+      epochs).
+    - ``reads_sampling_graph``: it can take the sampling pass's own log-probs (with their
+      graph) instead of a recompute forward.
+    """
+
+    reads_old_logp: bool = False
+    zero_at_zero_advantage: bool = False
+    needs_proximal: bool = False
+    reads_sampling_graph: bool = False
+
+    def __call__(self, model, batch, targets: Targets, norm: dict, at_sampling_weights: bool = False) -> LossOutput:
+        raise NotImplementedError
