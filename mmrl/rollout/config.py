@@ -28,14 +28,17 @@ class RolloutConfig:
         "lockstep",
         "async: lockstep = step s always trains on samples of weights max(0, s - max_staleness), deterministic; free = workers sample with the newest weights whenever they have room (prefetch), so what lags how much depends on timing",
     )
-    prefetch: int | None = option(None, "async free: steps a worker may sample ahead of the learner (null = max_staleness, at least 1)", ge=1)
+    prefetch: int | None = option(
+        None, "async free: steps a worker may sample ahead of the learner, the most versions its samples can lag (null = max_staleness, at least 1; lockstep: leave null)", ge=1
+    )
     stale: Literal["drop", "correct"] = option(
-        "drop", "async free: a sample older than max_staleness versions is dropped (counted in staleness/dropped) or kept for algo.correction / decoupled_ppo to weight"
+        "drop",
+        "async free: drop = a sample older than max_staleness versions is dropped (counted in staleness/dropped); correct = nothing is dropped (prefetch at most max_staleness, so no sample lags more) and algo.correction / decoupled_ppo weights the stale ones (lockstep: leave drop)",
     )
     score_on: Literal["worker", "learner"] = option(
         "worker", "worker processes: where rewards score samples (and filters run); learner: in the learner's process with its policy and device (a reward model on the learner's GPU)"
     )
-    worker_device: str | None = option(None, "device of the worker processes' policy copies: cpu, cuda, cuda:N (null = the learner process's device; e.g. cuda:1 samples beside a learner on cuda:0)", choices=None)
+    worker_device: str | None = option(None, "device of the worker processes' policy copies: cpu, cuda, cuda:N (null = the learner process's device; e.g. cuda:1 samples beside a learner on cuda:0; engine ray: cuda gives each actor a GPU of its own, cuda:N puts every actor on GPU N of its node)", choices=None)
     worker_threads: int | None = option(None, "torch threads of each worker process (null = the learner process's count)", ge=1)
     over_provision: float = option(
         1.0,
@@ -68,3 +71,23 @@ class RolloutConfig:
             raise ConfigError(p + "worker_device", self.worker_device, "allowed: cpu, cuda, cuda:N, mps, or null for the learner's device")
         if self.schedule == "free" and self.mode != "async":
             raise ConfigError(p + "schedule", "free", "free-running workers need mode: async")
+        if self.schedule == "lockstep":  # each step samples exactly `lag` versions behind: nothing runs ahead, nothing is dropped
+            if self.prefetch is not None:
+                raise ConfigError(p + "prefetch", self.prefetch, "only free-running workers sample ahead; lockstep samples each step at a fixed lag (async: max_staleness, sync: 0): leave it null, or use mode: async with schedule: free")
+            if self.stale != "drop":
+                raise ConfigError(p + "stale", self.stale, "lockstep samples each step at a fixed lag (async: max_staleness, sync: 0), so no sample is staler than that to drop or correct: leave it drop, or use mode: async with schedule: free")
+        elif self.stale == "correct":  # free: what a worker samples lags at most its prefetch; nothing is dropped
+            if self.max_staleness == 0:
+                raise ConfigError(p + "max_staleness", 0, "stale: correct drops nothing, and a free-running worker samples at least one step ahead (its samples lag up to 1): use 1 or more, or stale: drop")
+            if self.prefetch is not None and self.prefetch > self.max_staleness:
+                raise ConfigError(
+                    p + "prefetch", self.prefetch,
+                    f"stale: correct drops nothing, so samples lag up to prefetch versions, past max_staleness ({self.max_staleness}): use prefetch <= max_staleness (or null), or stale: drop",
+                )
+        if self.num_workers == 0:  # the learner's process samples with its own policy object: no worker process to place
+            for name, default in (("score_on", "worker"), ("worker_threads", None), ("worker_device", None)):
+                if getattr(self, name) != default:
+                    raise ConfigError(
+                        p + name, getattr(self, name),
+                        f"sets up worker processes, and with workers: {self.workers if self.workers is not None else 'null (0 in sync mode)'} the learner's process samples and scores on its own device and threads: leave it {'null' if default is None else default}, or use workers: 1 or more",
+                    )

@@ -13,9 +13,10 @@ Timing of a worker process, per step of the loop (``docs/architecture.md`` draws
 - async lockstep (``lag`` k): step s samples with version max(0, s - k), so the workers
   sample steps s + 1 ... s + k while the learner trains step s; deterministic;
 - async free: a worker samples its next step whenever it has room (``prefetch`` steps
-  ahead of the learner) with the newest weights; the learner drops (or keeps, for a
-  correction) the samples that lag by more than ``max_staleness``. What lags how much
-  depends on timing.
+  ahead of the learner) with the newest weights, so its samples lag by at most ``prefetch``
+  versions; the learner drops the samples that lag by more than ``max_staleness``
+  (``stale: correct`` keeps ``prefetch`` <= ``max_staleness``: none is dropped, and a
+  correction weights the stale ones). What lags how much depends on timing.
 
 In lockstep the learner publishes version v only once every worker has loaded v - 1, so
 the one shared copy always holds the version the next step needs; the last k versions are
@@ -90,12 +91,23 @@ class InlineEngine:
 def local_engine(cfg, *, sampler, policy, rewards, reference, kl_fn, dist, device, keep_graph, run_dir):
     """Workers in this process (workers: 0, sync) or in spawned processes sharing weights
     through shared memory."""
+    check_partial_rollouts(policy, cfg)
     if cfg.rollout.num_workers == 0:
         worker = RolloutWorker(sampler, policy, rewards, cfg.algo, dist, reference=reference, kl_fn=kl_fn, device=device, keep_graph=keep_graph)
         return InlineEngine(worker, cfg)
     # rollout.score_on: learner: this process scores, measures and filters what the workers sample
     scorer = RolloutWorker(sampler, policy, rewards, cfg.algo, dist, reference=reference, kl_fn=kl_fn, device=device) if cfg.rollout.score_on == "learner" else None
     return ProcessEngine(cfg, policy=policy, sampler=sampler, rewards=rewards, reference=reference, dist=dist, run_dir=run_dir, scorer=scorer)
+
+
+def check_partial_rollouts(policy, cfg) -> None:
+    """Partial rollouts (``rollout.over_provision``): what they need of the built policy
+    that its config could not tell at validation (a text policy's generation backend that a
+    factory function builds), a one-line error before anything is sampled. A policy class
+    declares it as ``check_partial_rollouts(config, policy=None)``."""
+    check = getattr(type(policy), "check_partial_rollouts", None)
+    if cfg.rollout.over_provision > 1 and check is not None:
+        check(cfg.policy, policy)
 
 
 def check_runs_in_worker(sampler, policy, rewards, cfg) -> None:
@@ -241,7 +253,8 @@ class ProcessEngine:
     def collect(self, step: int, version: int) -> Collected:
         """The step's samples from every worker (lockstep: sampled for this step; free: the
         next step each worker has ready, without the samples lagging by more than
-        ``max_staleness``, which are dropped or kept per ``rollout.stale``)."""
+        ``max_staleness``, which are dropped: with ``rollout.stale: correct`` no sample lags
+        that much, as a worker samples at most ``prefetch`` <= ``max_staleness`` steps ahead)."""
         dropped, statistics = 0, []
         while True:
             batch = step if not self.free else self.next_batch
@@ -256,7 +269,8 @@ class ProcessEngine:
             kept = []
             for msg in parts:
                 lag = version - msg["version"]
-                if self.free and self.ro.stale == "drop" and lag > self.ro.max_staleness:
+                # stale: correct keeps prefetch <= max_staleness (RolloutConfig.validate), so it drops nothing
+                if self.free and lag > self.ro.max_staleness:
                     dropped += msg["collected"].rollout.batch_size
                 else:
                     kept.append(msg)

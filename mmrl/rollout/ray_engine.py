@@ -11,7 +11,8 @@ On one machine the engine starts a local Ray instance (or joins the one ``RAY_AD
 names); on a cluster start Ray on every node (``ray start --head`` on one, ``ray start
 --address HEAD:6379`` on the others) and run ``mmrl train`` on the head node with
 ``RAY_ADDRESS=auto`` (docs/architecture.md). ``rollout.worker_device: cuda`` places each
-actor on a GPU of its own.
+actor on a GPU of its own; ``cuda:N`` places every actor on GPU N of its node, as the local
+engine's worker processes (:func:`actor_placement`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,30 @@ import torch
 from mmrl.errors import ConfigError, MissingExtraError, RolloutWorkerError
 from mmrl.registry import ENGINES
 from mmrl.rollout.engine import ProcessEngine, _WorkerSpec, build_worker, describe, sample_message
+
+
+# set in an actor's environment, Ray leaves its CUDA_VISIBLE_DEVICES as the node's (Ray >= 1.6)
+NOSET_CUDA_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+
+
+def actor_placement(worker_device: str | None, learner_device: torch.device) -> tuple[dict[str, Any], str]:
+    """(Ray actor options, device of the actor's policy copy) of ``rollout.worker_device``.
+
+    - ``cuda`` (or null beside a learner on a GPU): a GPU of its own per actor: Ray reserves
+      one (``num_gpus: 1``) and its CUDA_VISIBLE_DEVICES names only that one, so the copy goes
+      to ``cuda``;
+    - ``cuda:N``: GPU N as the node numbers its GPUs (one machine: as the learner's process
+      does), whichever GPU Ray would pick: Ray reserves none (``num_gpus: 0``) and is told to
+      leave CUDA_VISIBLE_DEVICES as it is, so the copy goes to ``cuda:N`` and every actor
+      shares GPU N, as the local engine's worker processes do;
+    - ``cpu`` / ``mps`` (or null beside a learner on one): no GPU.
+    """
+    device = worker_device or ("cuda" if learner_device.type == "cuda" else learner_device.type)
+    if device == "cuda":
+        return {"num_gpus": 1}, "cuda"
+    if device.startswith("cuda:"):
+        return {"num_gpus": 0, "runtime_env": {"env_vars": {NOSET_CUDA_VISIBLE_DEVICES: "1"}}}, device
+    return {"num_gpus": 0}, device
 
 
 class RayWorker:
@@ -55,8 +80,9 @@ class RayWorker:
 def ray_engine(cfg, *, sampler, policy, rewards, reference, kl_fn, dist, device, keep_graph, run_dir):
     """Workers as Ray actors (one machine or a cluster), weights through the object store;
     sync and lockstep async."""
-    from mmrl.rollout.engine import RolloutWorker
+    from mmrl.rollout.engine import RolloutWorker, check_partial_rollouts
 
+    check_partial_rollouts(policy, cfg)
     scorer = RolloutWorker(sampler, policy, rewards, cfg.algo, dist, reference=reference, kl_fn=kl_fn, device=device) if cfg.rollout.score_on == "learner" else None
     return RayEngine(cfg, policy=policy, sampler=sampler, rewards=rewards, reference=reference, dist=dist, run_dir=run_dir, scorer=scorer)
 
@@ -87,7 +113,7 @@ class RayEngine(ProcessEngine):
         sequence = [(int(h["version"]), h["weights"]) for h in self.resume.get("history", [])] + [(version, current)]
         self.history = type(self.history)(sequence)
         threads = self.ro.worker_threads or torch.get_num_threads()
-        device = self.ro.worker_device or ("cpu" if self.dist.device.type == "cpu" else str(self.dist.device))
+        placement, device = actor_placement(self.ro.worker_device, self.dist.device)
         states = self.resume.get("workers") or [{} for _ in range(self.m)]
         if len(states) != self.m:
             raise ConfigError("rollout.workers", self.m, f"the checkpoint was written with {len(states)} workers; resume with as many")
@@ -95,12 +121,12 @@ class RayEngine(ProcessEngine):
         # one CPU of the cluster for placement, or a share of them where actors outnumber CPUs
         # (an actor that cannot be placed would wait for ever)
         cpus = min(1.0, ray.cluster_resources().get("CPU", 1.0) / self.m)
-        actor = ray.remote(RayWorker).options(num_cpus=cpus, num_gpus=1 if device.startswith("cuda") else 0)
+        actor = ray.remote(RayWorker).options(num_cpus=cpus, **placement)
         reference = ray.put(self.reference) if self.reference is not None else None
         self.actors = []
         for j in range(self.m):
             spec = _WorkerSpec(j, self.groups[j], config, self.modules, str(self.run_dir), start_step, self.cfg.total_steps, self.lag, self.offset, False,
-                               self.scorer is None, threads, "cuda" if device.startswith("cuda") else device, states[j])
+                               self.scorer is None, threads, device, states[j])
             self.actors.append(actor.remote(spec, reference))
         for j, a in enumerate(self.actors):
             error = self._get(a.ready.remote(), j, "starting", timeout=self.ro.start_timeout_s)

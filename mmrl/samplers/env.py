@@ -109,6 +109,7 @@ class EnvSampler(Sampler):
 
     partial_rollouts = True  # rollout.over_provision: episodes in flight keep stepping (mmrl/samplers/partial.py)
     records_step_rewards = True  # Rollout.step_rewards per decision (step-level advantages, GAE)
+    records_final_replay = True  # info["final_replay"] of training rollouts with algo.advantage.bootstrap_truncated (GAE)
 
     def __init__(self, sampler_cfg: EnvSamplerConfig, train_cfg):
         if train_cfg.env is None:

@@ -118,9 +118,15 @@ class AlgoConfig:
         p = f"{path}." if path else ""
         if self.correction.type != "none" and self.objective.type == "decoupled_ppo":
             raise ConfigError(p + "correction.type", self.correction.type, "decoupled_ppo already weights stale samples by their behaviour ratio; use correction none with it, or ppo_clip with the correction")
-        needed = ADVANTAGES.entry(self.advantage.type, p + "advantage.type").traits.get("min_group_size", 1)
+        traits = ADVANTAGES.entry(self.advantage.type, p + "advantage.type").traits
+        needed = traits.get("min_group_size", 1)
         if self.group_size < needed:  # declared where the advantage registers
             raise ConfigError(p + "group_size", self.group_size, f"must be >= {needed} for the group-relative advantage {self.advantage.type!r}")
+        if traits.get("needs_values", False) and self.advantage.level != "step":
+            raise ConfigError(
+                p + "advantage.level", self.advantage.level,
+                f"{self.advantage.type} gives every decision its own advantage from the critic's values, so it is always step: leave it step, or use a group-relative advantage (grpo, rloo) for one per sample",
+            )
         if self.reuse_sampling_graph is True:
             if self.ppo_epochs != 1 or self.num_minibatches != 1:
                 raise ConfigError(
@@ -236,6 +242,11 @@ class TrainConfig:
                     "algo.advantage.type", kind,
                     f"GAE runs over the decisions of env episodes and their step rewards; sampler.type {self.sampler.type!r} records none (a prompt sampler's sample is one outcome: use a group-relative advantage)",
                 )
+            if getattr(self.algo.advantage, "bootstrap_truncated", False) and not getattr(sampler, "records_final_replay", False):
+                raise ConfigError(
+                    "algo.advantage.bootstrap_truncated", True,
+                    f"bootstraps from the final observation of an episode a time limit cut (info['final_replay']), which sampler.type {self.sampler.type!r} does not record: use false, or a sampler that does (env)",
+                )
 
     def _validate_partial_rollouts(self) -> None:
         from mmrl.registry import POLICIES, SAMPLERS
@@ -248,6 +259,9 @@ class TrainConfig:
         need = getattr(sampler, "partial_rollouts_need", None)
         if need is not None and (policy is None or not hasattr(policy, need)):
             raise ConfigError("rollout.over_provision", o, f"policy.type {self.policy.type!r} cannot pause a sample and continue it; partial rollouts need a policy with sample_partial (text_lm, text_vlm), or 1")
+        check = getattr(policy, "check_partial_rollouts", None)  # what of the policy's options pausing needs (a text policy's generation backend)
+        if need is not None and check is not None:
+            check(self.policy)
         if algo.resample_rounds:
             raise ConfigError("rollout.over_provision", o, f"refill rounds (algo.resample_rounds: {algo.resample_rounds}) and partial rollouts both decide which groups a step trains on: use one of them")
         if algo.reuse_sampling_graph is True:

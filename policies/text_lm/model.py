@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import typing
 from pathlib import Path
 
 import numpy as np
@@ -151,17 +152,50 @@ def _eos_token_ids(tokenizer, model) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
-def _backend(spec: str, policy) -> GenerationBackend:
+def _backend_factory(spec: str):
+    """The callable (policy) -> GenerationBackend that ``policy.generation.backend`` names."""
     if spec == "builtin":
-        return BuiltinBackend(policy)
+        return BuiltinBackend
     field = "policy.generation.backend"
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ConfigError(field, spec, "expected builtin or 'package.module:factory'")
     try:
-        factory = getattr(importlib.import_module(module_name), attr)
+        return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
         raise ConfigError(field, spec, f"could not import it: {e}") from None
+
+
+def _backend_class(spec: str) -> type | None:
+    """The class of the backend ``spec`` builds where the config alone tells (builtin, a
+    factory that is a class, a factory annotated to return a concrete class); None where
+    only calling the factory would (a plain function), or where it does not import (the
+    policy's build names that)."""
+    try:
+        factory = _backend_factory(spec)
+    except ConfigError:
+        return None
+    if not isinstance(factory, type):
+        try:
+            factory = typing.get_type_hints(factory).get("return")
+        except Exception:  # noqa: BLE001 - an annotation that does not resolve tells nothing
+            return None
+    concrete = isinstance(factory, type) and not getattr(factory, "_is_protocol", False) and callable(getattr(factory, "generate", None))
+    return factory if concrete else None
+
+
+def _pauses(backend) -> bool:
+    """Whether a backend (object or class) can pause and continue completions: its
+    ``generate`` takes ``prefixes`` and ``stop`` (partial rollouts pass both)."""
+    parameters = inspect.signature(backend.generate).parameters
+    return "prefixes" in parameters and "stop" in parameters
+
+
+def _backend(spec: str, policy) -> GenerationBackend:
+    if spec == "builtin":
+        return BuiltinBackend(policy)
+    field = "policy.generation.backend"
+    factory = _backend_factory(spec)
     if not callable(factory):
         raise ConfigError(field, spec, f"names a {type(factory).__name__}, not a callable (policy) -> GenerationBackend")
     backend = factory(policy)
@@ -408,8 +442,20 @@ class TextLMPolicy(PolicyModule):
     def samples_partially(self) -> bool:
         """Whether ``sample_partial`` can pause completions (the backend takes ``prefixes``
         and ``stop``: the builtin one does)."""
-        parameters = inspect.signature(self.backend.generate).parameters
-        return "prefixes" in parameters and "stop" in parameters
+        return _pauses(self.backend)
+
+    @classmethod
+    def check_partial_rollouts(cls, config: TextLMConfig, policy: "TextLMPolicy | None" = None) -> None:
+        """A one-line ConfigError where the generation backend cannot pause and continue
+        completions, as partial rollouts (``rollout.over_provision``) need: judged from
+        ``config`` at validation where it tells (:func:`_backend_class`), else from the built
+        ``policy``'s backend before anything is sampled."""
+        backend = policy.backend if policy is not None else _backend_class(config.generation.backend)
+        if backend is not None and not _pauses(backend):
+            raise ConfigError(
+                "policy.generation.backend", config.generation.backend,
+                "its generate takes no prefixes= and stop=, which partial rollouts (rollout.over_provision > 1) pass to pause completions and continue them: use builtin or a backend that takes both, or rollout.over_provision 1",
+            )
 
     @torch.no_grad()
     def sample_partial(self, inputs, states: list[dict | None], generator: torch.Generator | None, stop) -> list[dict]:

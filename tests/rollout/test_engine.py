@@ -178,21 +178,30 @@ def test_two_steps_off_lags_by_two(tmp_path):
 def test_free_running_workers_never_train_on_samples_beyond_the_staleness_bound(tmp_path):
     """free: timing decides the versions; whatever it is, no trained sample lags by more than
     max_staleness (here 0, with workers allowed 3 steps ahead: what they sample ahead is
-    dropped and counted)."""
+    dropped and counted). The worker samples steps 0-2 at once with the initial weights, so
+    step 1's (lagging 1 when the learner takes it) is always dropped."""
     _, records, _ = _train(tmp_path, "free", toy(total_steps=8, rollout={"mode": "async", "schedule": "free", "max_staleness": 0, "prefetch": 3}))
     steps = _steps(records)
     assert len(steps) == 8 and all(r["staleness/lag_max"] == 0 for r in steps)
-    assert sum(r["staleness/dropped"] for r in steps) % 32 == 0  # whole steps of 4 groups x 8
+    dropped = sum(r["staleness/dropped"] for r in steps)
+    assert dropped > 0 and dropped % 32 == 0  # samples were dropped, in whole steps of 4 groups x 8
 
 
 def test_free_running_with_a_correction_keeps_stale_samples_and_weights_them(tmp_path):
+    """Workers allowed 3 steps ahead (max_staleness 3, which stale: correct needs) sample
+    steps 0-2 at once with the initial weights: from step 1 on the learner trains samples
+    of older weights, drops none, and the correction weights them by pi_prox / mu != 1."""
     _, records, _ = _train(tmp_path, "corr", toy(
         total_steps=8, algo={"correction": {"type": "tis", "level": "token", "cap": 2.0}},
-        rollout={"mode": "async", "schedule": "free", "max_staleness": 0, "prefetch": 3, "stale": "correct"},
+        rollout={"mode": "async", "schedule": "free", "max_staleness": 3, "prefetch": 3, "stale": "correct"},
     ))
     steps = _steps(records)
-    assert all(r["staleness/dropped"] == 0 for r in steps)
+    assert len(steps) == 8 and all(r["staleness/dropped"] == 0 for r in steps)
+    assert all(r["staleness/lag_max"] <= 3 for r in steps)
+    stale = [r for r in steps if r["staleness/lag_max"] > 0]
+    assert stale, "no sample was ever stale"
     assert all(0 < r["correction/weight_mean"] <= 2.0 for r in steps)
+    assert any(abs(r["correction/weight_mean"] - 1.0) > 1e-6 for r in stale)  # stale samples were weighted
 
 
 @pytest.mark.parametrize(
