@@ -96,13 +96,26 @@ class PolicyModule(nn.Module):
         one piece."""
         return None
 
-    def forward(self, replay: dict[str, Any], mode: str = "log_prob", reference: nn.Module | None = None, sampled_logp: Tensor | None = None):
+    def velocity(self, replay: dict[str, Any], x: Tensor, sigma: Tensor, rows: Tensor) -> Tensor:
+        """A flow policy's velocity v(x, σ | c) [M, ...] at latents ``x`` [M, ...] and noise
+        levels ``sigma`` [M] (x_σ = (1 − σ)·x0 + σ·ε, v = ε − x0), conditioned as the replay's
+        samples ``rows`` [M] are: what a loss on final samples trains (``algo.loss: nft``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no flow velocity (velocity)")
+
+    def final_samples(self, replay: dict[str, Any]) -> Tensor:
+        """The final samples x0 [N, ...] (latents) of the replay's samples."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no final samples in its replay (final_samples)")
+
+    def forward(self, replay: dict[str, Any], mode: str = "log_prob", reference: nn.Module | None = None, sampled_logp: Tensor | None = None, **kwargs):
         # the distributed wrapper syncs gradients of what goes through forward: the RL pass
-        # (log_prob, with the exact KL when asked) and supervised fine-tuning (sft) all do.
-        # ``sampled_logp``: the sampling pass's graph-carrying log-probs stand in for
-        # log_prob(replay); passing them through forward lets the wrapper see their backward
+        # (log_prob, with the exact KL when asked), a flow's velocity and supervised
+        # fine-tuning (sft) all do. ``sampled_logp``: the sampling pass's graph-carrying
+        # log-probs stand in for log_prob(replay); passing them through forward lets the
+        # wrapper see their backward
         if mode == "sft":
             return self.sft_loss(replay)
+        if mode == "velocity":
+            return self.velocity(replay, **kwargs)
         logp = sampled_logp if sampled_logp is not None else self.log_prob(replay)
         if mode == "log_prob_and_kl":
             return logp, self.exact_kl(replay, reference)

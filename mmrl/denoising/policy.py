@@ -24,6 +24,7 @@ from torch import Tensor
 from mmrl.core.policy import PolicyModule
 from mmrl.denoising.chain import Denoiser, chain_kl, chain_log_probs, random_subset, run_chain
 from mmrl.denoising.options import DenoisingOptions, make_transition, stochastic_mask
+from mmrl.denoising.transitions import FLOW_TRANSITIONS
 
 
 @dataclass
@@ -129,6 +130,28 @@ class DenoisingPolicy(PolicyModule):
         mask = stored["stochastic"].float() if options.logp_granularity == "step" else None
         deferred = not deterministic and options.old_logp == "deferred"
         return ChainDecisions(chain.final, stored, logp, self.decisions(entropies[:, first:]), mask, deferred)
+
+    def flow_sigmas(self) -> Tensor:
+        """σ_0 = 1 … σ_K = 0 [K + 1] of the sampler's steps (a flow transition only)."""
+        transition = make_transition(self.denoising)
+        if not hasattr(transition, "sigmas"):
+            raise NotImplementedError(f"{type(self).__name__} with transition {self.denoising.transition!r} is not a flow")
+        return transition.sigmas
+
+    def velocity(self, replay: dict[str, Any], x: Tensor, sigma: Tensor, rows: Tensor) -> Tensor:
+        """v(x, σ | c) of the flow denoiser, conditioned as the replay's chains ``rows``
+        (:meth:`PolicyModule.velocity`); a flow transition only (its denoiser returns v)."""
+        if self.denoising.transition not in FLOW_TRANSITIONS:
+            raise NotImplementedError(f"{type(self).__name__} with transition {self.denoising.transition!r} predicts no velocity (a flow transition does)")
+        out = self.chain_denoiser(replay)(x, sigma, rows)
+        return out[0] if isinstance(out, tuple) else out  # a learned noise head's std is not the velocity
+
+    def final_samples(self, replay: dict[str, Any]) -> Tensor:
+        """The chains' final latents [N, ...] (the stored chain's last latent)."""
+        chain = replay["chain"]
+        if chain["stochastic"].dim() > 2:  # several chains per sample (an action chunk per env decision)
+            raise NotImplementedError(f"{type(self).__name__} keeps one chain per decision, not one final sample per sample")
+        return chain["latents"][:, -1]
 
     def log_prob(self, replay: dict[str, Any]) -> Tensor:
         """Log-probs [N, T] of the replayed decisions under the current parameters."""

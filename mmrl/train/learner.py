@@ -17,7 +17,6 @@ and the schedule live in ``mmrl/train/optimization.py``; the speed-ups, each exa
 
 from __future__ import annotations
 
-import copy
 import time
 from typing import Any
 
@@ -36,11 +35,11 @@ from mmrl.train import speedups
 from mmrl.train.advantages import Advantages
 from mmrl.train.distributed import local_rows, normalizers
 from mmrl.train.metrics import MinibatchMetrics
-from mmrl.train.optimization import lr_factor, optimizer_step, trained_module
+from mmrl.train.optimization import frozen_reference, lr_factor, optimizer_step, trained_module
 from mmrl.train.run_config import TrainConfig
 
-_UPDATE_STREAM = 1 << 40  # group index reserved for the minibatch-order seed of a step
-_SELF_IMITATION_STREAM = 1 << 41  # ... and for the draws from the self-imitation memory
+# group indices reserved for the seeds of a step's minibatch order and self-imitation draws
+_UPDATE_STREAM, _SELF_IMITATION_STREAM = 1 << 40, 1 << 41
 
 
 class Learner:
@@ -52,11 +51,10 @@ class Learner:
         of ``algo.type: sft`` (None for RL)."""
         algo = cfg.algo
         self.cfg, self.accelerator, self.dist, self.rewards, self.data = cfg, accelerator, dist, rewards, data
-        self.world, self.rank = dist.world, dist.rank
-        self.reference = None
-        if algo.kl.coef > 0:
-            self.reference = policy.reference() or copy.deepcopy(policy)
-            self.reference.requires_grad_(False).eval()
+        self.world = dist.world
+        loss_cls = registry.LOSSES.get(algo.loss.type, "algo.loss.type")
+        # the frozen reference, built here once (the rollout workers get this one)
+        self.reference = frozen_reference(policy) if loss_cls.wants_reference(algo, algo.loss) else None
         si = algo.self_imitation
         self.memory = sil.SelfImitationMemory(si.size, dist) if si.size and algo.type == "rl" else None
         if self.memory is not None:  # the self_imitation loss module, with the memory's options
@@ -64,12 +62,10 @@ class Learner:
         self.critic_cfg = cfg.critic if cfg.critic.type != "none" and algo.type == "rl" else None
         trained, optimizer = trained_module(cfg, policy, self.critic_cfg)
         self.model, self.optimizer = accelerator.prepare(trained, optimizer)
-        if self.reference is not None:
-            self.reference.to(accelerator.device)
+        self.reference = self.reference.to(accelerator.device) if self.reference is not None else None
         self.advantage_stage = Advantages(cfg, dist, rewards, self.critic_cfg)
-        loss_cls = registry.LOSSES.get(algo.loss.type, "algo.loss.type")
         self.reuse_graph = speedups.reuses_sampling_graph(cfg, loss_cls, policy, sampler_keeps_graph)
-        self.loss: Loss = loss_cls(algo, algo.loss, policy, reference=self.reference, critic=self.critic_cfg, sampling_graph=self.reuse_graph)
+        self.loss: Loss = loss_cls(algo, algo.loss, policy, reference=self.reference, critic=self.critic_cfg, sampling_graph=self.reuse_graph, seed=cfg.seed)
         self.kl_fn = getattr(self.loss, "kl_fn", None)  # the rollout workers' KL estimator (kl.in_reward)
         self.critic_only = False  # set during a critic warm-up update (learn)
         self.sft = registry.LOSSES.get("sft")(algo, None, policy) if data is not None else None
@@ -86,12 +82,15 @@ class Learner:
         return model.critic if isinstance(model, ActorCritic) else None
 
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps beyond the policy and the optimizer: the critic's weights."""
-        critic = self.critic
-        return {"critic": {k: v.detach().cpu() for k, v in critic.state_dict().items()}} if critic is not None else {}
+        """What a checkpoint keeps beyond the policy and the optimizer: the critic's weights
+        and the loss module's own state."""
+        critic, loss = self.critic, self.loss.state_dict()
+        return {**({"critic": {k: v.detach().cpu() for k, v in critic.state_dict().items()}} if critic is not None else {}), **({"loss": loss} if loss else {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         critic = self.critic
+        if "loss" in state:
+            self.loss.load_state_dict(state["loss"])
         if critic is not None:
             if "critic" not in state:
                 raise ConfigError("critic.type", self.cfg.critic.type, "the checkpoint holds no critic (it was written without one): resume without it, or start a new run")
@@ -171,12 +170,15 @@ class Learner:
         # the batch in the order one process holds it (by global group index), as rows of
         # the rank-major gathered batch
         canonical = torch.sort(self.dist.gather_rows(rollout.group_id.cpu(), sizes), stable=True).indices
+        targets.index = torch.empty_like(canonical).scatter_(0, canonical, torch.arange(total))[start : start + rollout.batch_size]
+        self.loss.begin_update(step)
         gen = torch.Generator().manual_seed(group_seed(self.cfg.seed, step, _UPDATE_STREAM))
         sums: dict[str, torch.Tensor] = {}
         steps, stopped = 0, False
-        for _ in range(cfg.ppo_epochs):
+        for epoch in range(cfg.ppo_epochs):
             if stopped:
                 break
+            self.loss.begin_epoch(epoch)
             order = torch.randperm(total, generator=gen) if cfg.num_minibatches > 1 else torch.arange(total)
             for positions in order.chunk(cfg.num_minibatches):
                 idx = local_rows(canonical[positions], start, rollout.batch_size)
@@ -198,7 +200,7 @@ class Learner:
                 for k, v in stats.items():  # means over the optimizer steps; a maximum stays one
                     sums[k] = torch.maximum(sums[k], v) if k.endswith("_max") and k in sums else sums.get(k, 0.0) + v
                 steps += 1
-        out = {k: float(v) if k.endswith("_max") else float(v) / steps for k, v in sums.items()}
+        out = {k: float(v) if k.endswith("_max") else float(v) / steps for k, v in sums.items()} | self.loss.end_update(step)
         if cfg.target_kl is not None:
             out["update/steps_fraction"] = steps / (cfg.ppo_epochs * cfg.num_minibatches)
         if source.old_logp_deferred and self.loss.reads_old_logp:  # hand the exact old log-probs on (self-imitation memory)
@@ -255,8 +257,7 @@ class Learner:
     def self_imitation(self, step: int, spare: Rollout | None = None) -> dict[str, float]:
         """``self_imitation.steps`` steps of the ``self_imitation`` loss, each on
         ``self_imitation.batch`` samples drawn from the memory of all processes."""
-        si = self.cfg.algo.self_imitation
-        device = self.accelerator.device
+        si, device = self.cfg.algo.self_imitation, self.accelerator.device
         gen = torch.Generator().manual_seed(group_seed(self.cfg.seed, step, _SELF_IMITATION_STREAM))  # the same draws in every process
         losses = []
         for _ in range(si.steps):
@@ -281,9 +282,7 @@ class Learner:
 
     def sft_step(self, step: int) -> dict[str, float]:
         """One optimizer step of the ``sft`` loss on this process's share of the step's batch."""
-        t0 = time.time()
-        batch = self.data.batch(step, self.accelerator.device)
-        losses = []
+        t0, batch, losses = time.time(), self.data.batch(step, self.accelerator.device), []
 
         def loss_of(piece):
             out = self.sft(self.model, piece, None, {})

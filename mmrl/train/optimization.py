@@ -4,6 +4,7 @@ one optimizer step over the pieces of a minibatch."""
 
 from __future__ import annotations
 
+import copy
 import math
 from contextlib import nullcontext
 
@@ -36,6 +37,13 @@ def trained_module(cfg, policy: torch.nn.Module, critic_cfg) -> tuple[torch.nn.M
         ]
     o = cfg.optim
     return trained, torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.adam_eps, weight_decay=o.weight_decay)
+
+
+def frozen_reference(policy: torch.nn.Module) -> torch.nn.Module:
+    """The frozen reference of KL terms and regularizers: the policy's own (e.g. with its
+    adapters disabled, sharing the base weights), else a copy of its current weights."""
+    reference = policy.reference() or copy.deepcopy(policy)
+    return reference.requires_grad_(False).eval()
 
 
 def optimizer_step(accelerator, model, optimizer, pieces: list, loss_of, what: str, step: int, max_grad_norm: float | None, drop=None, proceed=None) -> torch.Tensor | None:

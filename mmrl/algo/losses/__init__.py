@@ -5,8 +5,10 @@ minibatch into the scalar to backpropagate, its named parts and its metrics.
 A loss module is a class registered in :data:`mmrl.registry.LOSSES` with its config (a
 subclass of :class:`LossConfig`, the ``algo.loss`` section), built once by the learner ::
 
-    loss = Entry.obj(algo, options, policy, reference=..., critic=...)
-    out = loss(model, batch, targets, norm, at_sampling_weights=False)  # -> LossOutput
+    loss = Entry.obj(algo, options, policy, reference=..., critic=..., sampling_graph=..., seed=...)
+    loss.begin_update(step); loss.begin_epoch(epoch)                     # hooks, no-ops by default
+    out = loss(model, batch, targets, norm, at_sampling_weights=False)  # -> LossOutput, per piece
+    metrics = loss.end_update(step)                                      # after the update's last step
 
 ``model`` is the trained module as the distributed wrapper holds it (its forward takes the
 policy's modes), ``batch`` a :class:`~mmrl.core.rollout.Rollout` piece with its training
@@ -20,7 +22,9 @@ as they are.
 
 Built in: ``policy_gradient`` (the clipped-ratio family: ``algo.objective``,
 ``aggregation``, ``kl``, ``correction``, and the value loss of a critic), ``sft`` (the
-policy's own supervised loss) and ``self_imitation`` (``algo.self_imitation``).
+policy's own supervised loss), ``self_imitation`` (``algo.self_imitation``) and ``nft``
+(DiffusionNFT: a flow policy's final samples, no log-probs). A loss with state of its own
+(DiffusionNFT's old policy) returns it from ``state_dict``; checkpoints keep it.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class Targets:
     returns: Tensor | None = None
     old_values: Tensor | None = None
     prox_logp: Tensor | None = None
+    index: Tensor | None = None  # [B] each sample's position in the step's batch in group order, on every process alike
 
     def _apply(self, fn) -> "Targets":
         return replace(self, **{f.name: fn(getattr(self, f.name)) for f in fields(self) if getattr(self, f.name) is not None})
@@ -102,5 +107,27 @@ class Loss:
     needs_proximal: bool = False
     reads_sampling_graph: bool = False
 
+    @classmethod
+    def wants_reference(cls, algo, options) -> bool:
+        """Whether the learner should keep a frozen reference policy for this loss."""
+        return algo.kl.coef > 0
+
     def __call__(self, model, batch, targets: Targets, norm: dict, at_sampling_weights: bool = False) -> LossOutput:
         raise NotImplementedError
+
+    def begin_update(self, step: int) -> None:
+        """Before update ``step``'s first minibatch."""
+
+    def begin_epoch(self, epoch: int) -> None:
+        """Before each pass over the update's batch."""
+
+    def end_update(self, step: int) -> dict[str, float]:
+        """After update ``step``'s last optimizer step; returns metrics to log."""
+        return {}
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the loss (empty: nothing)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned."""

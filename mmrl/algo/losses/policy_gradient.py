@@ -32,7 +32,7 @@ class PolicyGradient(Loss):
     reads_old_logp = True
     reads_sampling_graph = True
 
-    def __init__(self, algo, options: LossConfig, policy, *, reference=None, critic=None, sampling_graph: bool = False):
+    def __init__(self, algo, options: LossConfig, policy, *, reference=None, critic=None, sampling_graph: bool = False, **_):
         """``algo`` is the run's ``algo`` section; ``reference`` the frozen KL reference (None
         without a KL term); ``critic`` the ``critic`` section when a critic trains beside the
         policy; ``sampling_graph`` whether the batch's log-probs are the sampling pass's own
