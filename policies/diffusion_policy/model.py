@@ -147,7 +147,20 @@ class NoisePredictor(nn.Module):
         return self.out(self.blocks(h)).view_as(x)
 
 
-@POLICIES.register("diffusion_policy", config=DiffusionPolicyConfig)
+# The tiny example of itself that every policy declares (``contract``): tests/policies/test_contract.py
+# builds it, samples a rollout, recomputes its log-probs and round-trips its weights.
+CONTRACT = {
+    "train": {
+        "env": {"type": "gym", "id": "mmrl/PointReach-v0", "num_envs": 4, "kwargs": {"max_steps": 6, "min_steps": 3}},
+        "sampler": {"type": "env"},
+        "policy": {"type": "diffusion_policy", "hidden_size": 16, "num_layers": 1, "action_chunk": 2,
+                   "denoising": {"num_train_timesteps": 20, "num_inference_steps": 3, "window_size": 2}},
+        "rewards": [{"type": "success"}],
+    },
+}
+
+
+@POLICIES.register("diffusion_policy", config=DiffusionPolicyConfig, contract=CONTRACT)
 class DiffusionPolicy(ActionChunkPolicy):
     """DDPM/DDIM action-chunk denoiser on images + state; its last K' denoising steps are the decisions (DPPO)."""
 

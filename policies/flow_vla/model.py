@@ -147,7 +147,21 @@ class ActionExpert(nn.Module):
         return self.velocity(h), std
 
 
-@POLICIES.register("flow_vla", config=FlowVLAConfig)
+# The tiny example of itself that every policy declares (``contract``): tests/policies/test_contract.py
+# builds it, samples a rollout, recomputes its log-probs and round-trips its weights.
+CONTRACT = {
+    "train": {  # images, state and instructions: the tabletop at 16 px
+        "env": {"type": "gym", "id": "mmrl/Tabletop-v0", "num_envs": 4, "max_episode_steps": 4, "kwargs": {"task": "spatial", "image_size": 16}},
+        "sampler": {"type": "env"},
+        "policy": {"type": "flow_vla", "action_chunk": 2, "expert_layers": 1, "expert_heads": 2, "denoising": {"num_inference_steps": 2},
+                   "backbone": {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "intermediate_size": 32, "vision_channels": [4], "patch_grid": 2,
+                                "max_instruction_tokens": 6}},
+        "rewards": [{"type": "success"}],
+    },
+}
+
+
+@POLICIES.register("flow_vla", config=FlowVLAConfig, contract=CONTRACT)
 class FlowVLAPolicy(ActionChunkPolicy):
     """Vision-language backbone + flow-matching action expert; RL via Flow-SDE / Flow-Noise chains (πRL)."""
 

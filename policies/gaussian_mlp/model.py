@@ -51,7 +51,20 @@ _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 _OBS_CLIP = 10.0
 
 
-@POLICIES.register("gaussian_mlp", config=GaussianMLPConfig)
+# The tiny example of itself that every policy declares (``contract``): tests/policies/test_contract.py
+# builds it, samples a rollout, recomputes its log-probs and round-trips its weights.
+CONTRACT = {
+    "train": {
+        "env": {"type": "gym", "id": "mmrl/PointReach-v0", "num_envs": 4, "kwargs": {"max_steps": 6, "min_steps": 3}},
+        "sampler": {"type": "env"},
+        # with the running observation statistics and the annealed std cap (state saved with the weights, a cap in the replay)
+        "policy": {"type": "gaussian_mlp", "hidden_sizes": [8], "obs_norm": True, "final_log_std": -1.0, "log_std_anneal_decisions": 100},
+        "rewards": [{"type": "success"}],
+    },
+}
+
+
+@POLICIES.register("gaussian_mlp", config=GaussianMLPConfig, contract=CONTRACT)
 class GaussianMLPPolicy(PolicyModule):
     """Diagonal Gaussian over action chunks, mean from an MLP; for state-based control."""
 

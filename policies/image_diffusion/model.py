@@ -444,7 +444,18 @@ def _allow_missing_unsaved(module: nn.Module, incompatible_keys) -> None:
 # ------------------------------------------------------------------ the policy
 
 
-@POLICIES.register("image_diffusion", config=ImageDiffusionConfig)
+# The tiny example of itself that every policy declares (``contract``): tests/policies/test_contract.py
+# builds it, samples a rollout, recomputes its log-probs and round-trips its weights.
+CONTRACT = {
+    "train": {
+        "sampler": {"type": "prompt", "data": {"num_prompts": 2}},
+        "policy": {"type": "image_diffusion", "tiny": {"resolution": 8}, "guidance_scale": 2.0, "denoising": {"num_inference_steps": 3}},
+        "rewards": [{"type": "jpeg_compressibility"}],
+    },
+}
+
+
+@POLICIES.register("image_diffusion", config=ImageDiffusionConfig, contract=CONTRACT)
 class ImageDiffusionPolicy(DenoisingPolicy):
     """RGB images from a diffusers denoiser (a UNet, an SD3 transformer or a DiT), in pixel
     space or over a VAE's latents; each stochastic denoising step is one decision."""

@@ -45,7 +45,29 @@ def balanced_bce(logits: Tensor, labels: Tensor) -> Tensor:
     return 0.5 * losses[positive].mean() + 0.5 * losses[~positive].mean()
 
 
-@POLICIES.register("learned_success", config=LearnedSuccessConfig)
+def contract_frames(model: "LearnedSuccessModel", generator: torch.Generator) -> dict[str, Any]:
+    """Four labelled random observations, as the ``success_frames`` data source gives them
+    ({"image", "state", "instruction", "label"}, two of each class): the supervised batch of
+    this model's ``contract`` (tests/policies/test_contract.py)."""
+    cfg = model.config
+    return {
+        "image": torch.randint(0, 256, (4, *cfg.image_shape), generator=generator, dtype=torch.uint8),
+        "state": torch.randn(4, cfg.state_dim, generator=generator),
+        "instruction": ["push the red block left", "push the blue block up"] * 2,
+        "label": torch.tensor([1.0, 0.0, 0.0, 1.0]),
+    }
+
+
+# The tiny example of itself that every policy declares (``contract``): tests/policies/test_contract.py
+# builds it, computes its supervised loss on the batch ``sft_batch`` names and round-trips its weights.
+CONTRACT = {
+    "policy": {"type": "learned_success", "image_size": 16, "state_dim": 2, "channels": [8, 16], "strides": [1, 2], "hidden": 16, "shift": 1,
+               "prompt": {"dim": 8, "buckets": 64}},
+    "sft_batch": "mmrl.policies.learned_success.model:contract_frames",
+}
+
+
+@POLICIES.register("learned_success", config=LearnedSuccessConfig, contract=CONTRACT)
 class LearnedSuccessModel(RewardModel):
     """P(success) of one observation (images of every camera, state, instruction)."""
 

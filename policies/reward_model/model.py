@@ -122,6 +122,37 @@ class RewardModel(PolicyModule):
         return next(self.parameters()).device
 
 
+def contract_pairs(model: RewardModel, generator: torch.Generator) -> dict[str, Any]:
+    """Two preference pairs of random items of the kind ``model`` scores, as the
+    ``preferences`` data source gives them ({"prompt", "chosen", "rejected"}): the supervised
+    batch of the reward models' ``contract`` (tests/policies/test_contract.py)."""
+    prompts, c = ["a red circle left of a square", "push the blue block up"], model.config
+
+    def images(*shape: int) -> Tensor:
+        return torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8)
+
+    if model.input_kind == "text":
+        words = ["seven", "7", "the answer is 12", "no"]
+        return {"prompt": prompts, "chosen": words[:2], "rejected": words[2:]}
+    if model.input_kind == "image":
+        return {"prompt": prompts, "chosen": images(2, c.image_size, c.image_size, 3), "rejected": images(2, c.image_size, c.image_size, 3)}
+    if model.input_kind == "image_set":
+        return {"prompt": prompts, "chosen": images(2, 2, c.image_size, c.image_size, 3), "rejected": images(2, 2, c.image_size, c.image_size, 3)}
+    if model.input_kind == "trajectory":
+        from mmrl.demos import Trajectories
+
+        camera = (c.cameras,) if c.cameras > 1 else ()
+        store = {
+            "image": images(4, c.frames, *camera, c.image_size, c.image_size, 3),
+            "state": torch.randn(4, c.frames, c.state_dim, generator=generator),
+            "action": torch.randn(4, c.frames, c.action_dim + 1, generator=generator),
+            "length": torch.tensor([5, 9, 7, 12]),
+        }
+        episodes = Trajectories(store)
+        return {"prompt": prompts, "chosen": episodes[torch.tensor([0, 1])], "rejected": episodes[torch.tensor([2, 3])]}
+    raise NotImplementedError(f"no contract batch for reward models of {model.input_kind!r} items")
+
+
 # ---------------------------------------------------------------- images
 
 
@@ -182,7 +213,12 @@ class ImageTower(nn.Module):
         return torch.cat([x.mean(dim=(2, 3)), x.amax(dim=(2, 3))], dim=1)
 
 
-@POLICIES.register("bt_image", config=BTImageConfig)
+# The tiny example of itself that every policy declares (``contract``): tests/policies/test_contract.py
+# builds it, computes its supervised loss on the batch ``sft_batch`` names and round-trips its weights.
+BT_IMAGE_CONTRACT = {"policy": {"type": "bt_image", "image_size": 16, "channels": [8, 16], "hidden": 16, "prompt": {"dim": 8, "buckets": 64}}, "sft_batch": "mmrl.policies.reward_model.model:contract_pairs"}
+
+
+@POLICIES.register("bt_image", config=BTImageConfig, contract=BT_IMAGE_CONTRACT)
 class BTImageModel(RewardModel):
     """Bradley–Terry reward model of one image given its prompt: FiLM-conditioned CNN + MLP."""
 
@@ -212,7 +248,10 @@ class BTImageModel(RewardModel):
         return self.head(torch.cat([self.tower(items, p), p], dim=1)).squeeze(-1)
 
 
-@POLICIES.register("bt_image_set", config=BTImageSetConfig)
+BT_IMAGE_SET_CONTRACT = {"policy": {"type": "bt_image_set", "image_size": 16, "channels": [8, 16], "hidden": 16, "prompt": {"dim": 8, "buckets": 64}}, "sft_batch": "mmrl.policies.reward_model.model:contract_pairs"}
+
+
+@POLICIES.register("bt_image_set", config=BTImageSetConfig, contract=BT_IMAGE_SET_CONTRACT)
 class BTImageSetModel(BTImageModel):
     """Bradley–Terry reward model of an image set for one prompt: the mean pairwise score over its pairs."""
 
@@ -263,7 +302,14 @@ class BTImageSetModel(BTImageModel):
 # ---------------------------------------------------------------- text
 
 
-@POLICIES.register("bt_text", config=BTTextConfig)
+BT_TEXT_CONTRACT = {
+    "policy": {"type": "bt_text", "max_length": 32,
+               "tiny": {"hidden_size": 16, "num_heads": 2, "num_layers": 1, "intermediate_size": 32, "max_position_embeddings": 32}},
+    "sft_batch": "mmrl.policies.reward_model.model:contract_pairs",
+}
+
+
+@POLICIES.register("bt_text", config=BTTextConfig, contract=BT_TEXT_CONTRACT)
 class BTTextModel(RewardModel):
     """Bradley–Terry reward model of a completion given its prompt: tiny decoder + scalar head."""
 
@@ -319,7 +365,13 @@ class BTTextModel(RewardModel):
 # ---------------------------------------------------------------- robot episodes
 
 
-@POLICIES.register("bt_trajectory", config=BTTrajectoryConfig)
+BT_TRAJECTORY_CONTRACT = {
+    "policy": {"type": "bt_trajectory", "frames": 3, "image_size": 16, "channels": [8], "hidden": 16, "shift": 1, "prompt": {"dim": 8, "buckets": 64}},
+    "sft_batch": "mmrl.policies.reward_model.model:contract_pairs",
+}
+
+
+@POLICIES.register("bt_trajectory", config=BTTrajectoryConfig, contract=BT_TRAJECTORY_CONTRACT)
 class BTTrajectoryModel(RewardModel):
     """Bradley–Terry reward model of a robot episode given its instruction: keyframes, state and actions pooled over time.
 

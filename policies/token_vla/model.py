@@ -58,7 +58,21 @@ def bin_centers(bins: int) -> Tensor:
     return -1.0 + (2 * torch.arange(bins, dtype=torch.float32) + 1) / bins
 
 
-@POLICIES.register("token_vla", config=TokenVLAConfig)
+# The tiny example of itself that every policy declares (``contract``): tests/policies/test_contract.py
+# builds it, samples a rollout, recomputes its log-probs and round-trips its weights.
+CONTRACT = {
+    "train": {  # images, state and instructions: the tabletop at 16 px
+        "env": {"type": "gym", "id": "mmrl/Tabletop-v0", "num_envs": 4, "max_episode_steps": 4, "kwargs": {"task": "spatial", "image_size": 16}},
+        "sampler": {"type": "env"},
+        "policy": {"type": "token_vla", "action_chunk": 2, "action_bins": 8,
+                   "backbone": {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "intermediate_size": 32, "vision_channels": [4], "patch_grid": 2,
+                                "max_instruction_tokens": 6}},
+        "rewards": [{"type": "success"}],
+    },
+}
+
+
+@POLICIES.register("token_vla", config=TokenVLAConfig, contract=CONTRACT)
 class TokenVLAPolicy(PolicyModule):
     """Vision-language-action transformer emitting action chunks as binned tokens."""
 

@@ -38,7 +38,18 @@ def _gumbel(shape: tuple[int, ...], generator: torch.Generator | None) -> Tensor
     return -torch.log(-torch.log(u))
 
 
-@POLICIES.register("categorical_sequence", config=CategoricalSequenceConfig)
+# The tiny example of itself that every policy declares (``contract``): tests/policies/test_contract.py
+# builds it, samples a rollout, recomputes its log-probs and round-trips its weights.
+SEQUENCE_CONTRACT = {
+    "train": {
+        "sampler": {"type": "prompt"},
+        "policy": {"type": "categorical_sequence", "hidden": 8, "seq_len": 4},
+        "rewards": [{"type": "token_fraction", "token": 3}],
+    },
+}
+
+
+@POLICIES.register("categorical_sequence", config=CategoricalSequenceConfig, contract=SEQUENCE_CONTRACT)
 class CategoricalSequencePolicy(PolicyModule):
     """Autoregressive token model (prompt + previous token + position → GRU → logits)."""
 
@@ -111,7 +122,16 @@ class CategoricalSequencePolicy(PolicyModule):
         )
 
 
-@POLICIES.register("gaussian_chain", config=GaussianChainConfig)
+CHAIN_CONTRACT = {  # the tiny example of itself (see SEQUENCE_CONTRACT)
+    "train": {
+        "sampler": {"type": "prompt"},
+        "policy": {"type": "gaussian_chain", "hidden": 8, "denoising": {"num_inference_steps": 4}},
+        "rewards": [{"type": "target_distance", "target": 2.0}],
+    },
+}
+
+
+@POLICIES.register("gaussian_chain", config=GaussianChainConfig, contract=CHAIN_CONTRACT)
 class GaussianChainPolicy(DenoisingPolicy):
     """A conditional denoising chain built on mmrl.denoising; each stochastic step is one decision.
 
