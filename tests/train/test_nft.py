@@ -180,3 +180,9 @@ def test_nft_with_two_processes_matches_one_process(tmp_path, write_config):
     for x, y in zip(_steps(ra), _steps(rb)):
         for key in ("reward/total", "loss/policy", "grad_norm"):
             assert math.isclose(x[key], y[key], rel_tol=1e-4, abs_tol=1e-7), (key, x[key], y[key])
+
+
+def test_nft_refuses_a_kl_term_it_has_no_log_probs_for(tmp_path):
+    data = nft_config(kl={"type": "k3", "coef": 0.01})
+    with pytest.raises(ConfigError, match=r"algo\.kl\.coef: got 0\.01; algo\.loss nft has no log-probs"):
+        Trainer(from_dict(TrainConfig, data), tmp_path / "run")

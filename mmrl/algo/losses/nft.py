@@ -97,6 +97,8 @@ class NFT(Loss):
         denoising = getattr(getattr(policy, "config", None), "denoising", None)
         if not hasattr(policy, "flow_sigmas") or denoising is None:
             raise ConfigError("algo.loss.type", "nft", f"needs a flow policy with a denoising chain (image_diffusion, video_diffusion); {type(policy).__name__} has none")
+        if algo.kl.coef > 0:
+            raise ConfigError("algo.kl.coef", algo.kl.coef, "algo.loss nft has no log-probs for a KL term; its pull toward the reference is algo.loss.ref_coef: use 0")
         if denoising.transition != "flow_ode":
             raise ConfigError("policy.denoising.transition", denoising.transition, "algo.loss nft samples with the ODE and keeps no log-probs: use flow_ode")
         if denoising.logp_granularity != "chain":
