@@ -226,7 +226,7 @@ class Learner:
         if rows is not None and not bool(rows.all()):
             mb, targets = mb[rows], targets[rows]
         # a reused sampling graph is backpropagated once, whole: one piece
-        k = 1 if self.reuse_graph else speedups.num_pieces(self.cfg, self.accelerator.device, self.policy, mb, self.dist)
+        k = 1 if self.reuse_graph else speedups.num_pieces(self.cfg, self.accelerator.device, self.policy, mb, self.dist, self.loss)
         metrics, forward_logp, proceed = MinibatchMetrics(), [], [True]
 
         def loss_of(piece):

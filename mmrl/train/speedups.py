@@ -98,20 +98,23 @@ def active_rows(loss, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.ones(mask.shape[0], dtype=torch.bool)
 
 
-def num_pieces(cfg, device: torch.device, policy, batch: Rollout, dist) -> int:
+def num_pieces(cfg, device: torch.device, policy, batch: Rollout, dist, loss=None) -> int:
     """The forward/backward pieces of this process's rows ``batch`` of one optimizer step:
     ``algo.micro_batches``, or when it is null, on a CPU, as many as keep each piece's share
-    of the policy's activation estimate (``policy.activation_bytes``, bytes per sample)
-    under ``algo.micro_batch_mb`` — one call whose tensors outgrow the cache runs slower than
+    of the activation estimate (the loss's ``activation_bytes``, else the policy's: bytes
+    per sample) under ``algo.micro_batch_mb`` — one call whose tensors outgrow the cache runs slower than
     several that fit; elsewhere, or without an estimate, 1. The largest count over
     processes, so that every process runs the same passes."""
     algo = cfg.algo
     if algo.micro_batches is not None:
         return algo.micro_batches
-    if device.type != "cpu" or not overrides(policy, "activation_bytes"):
+    estimate = getattr(loss, "activation_bytes", None)
+    if estimate is None and overrides(policy, "activation_bytes"):
+        estimate = policy.activation_bytes
+    if device.type != "cpu" or estimate is None:
         return 1  # the same in every process: no need to agree
     k = 1
-    per_sample = policy.activation_bytes(batch.replay) if batch.batch_size else None
+    per_sample = estimate(batch.replay) if batch.batch_size else None
     if per_sample:
         k = min(batch.batch_size, max(1, math.ceil(batch.batch_size * per_sample / (algo.micro_batch_mb * 2**20))))
     return dist.max(k)

@@ -117,6 +117,12 @@ class NFT(Loss):
     def wants_reference(cls, algo, options) -> bool:
         return options.ref_coef > 0
 
+    def activation_bytes(self, replay) -> float | None:
+        """Per sample: one denoiser evaluation's widest feature map at each trained level
+        (the pieces of ``algo.micro_batches: null``)."""
+        per_level = self.policy.step_activation_bytes()
+        return None if per_level is None else float(per_level * len(self.sigmas))
+
     def begin_update(self, step: int) -> None:
         self.step, self.epoch = step, 0
 
