@@ -147,11 +147,12 @@ class DenoisingPolicy(PolicyModule):
         return out[0] if isinstance(out, tuple) else out  # a learned noise head's std is not the velocity
 
     def final_samples(self, replay: dict[str, Any]) -> Tensor:
-        """The chains' final latents [N, ...] (the stored chain's last latent)."""
+        """The chains' final latents, one row per chain [N·calls, ...] (the stored chain's
+        last latent; one chain per sample, or one per env decision of an action-chunk
+        policy), in the order of ``chain_denoiser``'s rows."""
         chain = replay["chain"]
-        if chain["stochastic"].dim() > 2:  # several chains per sample (an action chunk per env decision)
-            raise NotImplementedError(f"{type(self).__name__} keeps one chain per decision, not one final sample per sample")
-        return chain["latents"][:, -1]
+        step_dim = chain["stochastic"].dim() - 1  # latents [*, W + 1, ...]
+        return chain["latents"].select(step_dim, -1).flatten(0, step_dim - 1)
 
     def log_prob(self, replay: dict[str, Any]) -> Tensor:
         """Log-probs [N, T] of the replayed decisions under the current parameters."""

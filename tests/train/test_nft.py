@@ -12,7 +12,9 @@ from safetensors.torch import load_file
 from mmrl.algo.losses import Targets
 from mmrl.algo.losses.nft import ema_decay, nft_terms, optimality
 from mmrl.config import from_dict
+from mmrl.core.component_config import RewardConfig
 from mmrl.errors import ConfigError
+from mmrl.registry import REWARDS
 from mmrl.train.metrics import read_metrics
 from mmrl.train.run_config import TrainConfig
 from mmrl.train.trainer import Trainer, train
@@ -186,3 +188,45 @@ def test_nft_refuses_a_kl_term_it_has_no_log_probs_for(tmp_path):
     data = nft_config(kl={"type": "k3", "coef": 0.01})
     with pytest.raises(ConfigError, match=r"algo\.kl\.coef: got 0\.01; algo\.loss nft has no log-probs"):
         Trainer(from_dict(TrainConfig, data), tmp_path / "run")
+
+
+@REWARDS.register("_test_every_other_sample", config=RewardConfig)
+def _every_other_sample(rollout, cfg):
+    """1 for every other sample of the batch: advantages of both signs in every group."""
+    return (torch.arange(rollout.batch_size) % 2).double()
+
+
+def _vla_config() -> dict:
+    """The flow VLA's contract example (the tabletop at 16 px), sampling with its ODE: one
+    NFT row per env decision (its action chunk), r from the decision's advantage."""
+    from mmrl.registry import POLICIES
+
+    data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in POLICIES.entry("flow_vla").traits["contract"]["train"].items()}
+    data["policy"] = {**data["policy"], "denoising": {"num_inference_steps": 4, "transition": "flow_ode", "logp_granularity": "chain"}}
+    data.update(
+        name="vla_nft", seed=0, total_steps=2, log={"progress": False, "tensorboard": False}, eval={"every": 0, "at_start": False, "at_end": False},
+        algo={"group_size": 2, "groups_per_step": 2, "loss": {"type": "nft", "ref_coef": 0.0}}, optim={"lr": 1e-3},
+        rewards=[{"type": "_test_every_other_sample"}],
+    )
+    return data
+
+
+def test_a_flow_vla_trains_nft_per_decision(tmp_path):
+    """π-StepNFT's shape: each env decision's action chunk is a final sample; at θ = θ_old
+    with every r = ½ the gradient is 0, and with a positive advantage it is not; a run of
+    two updates is finite and moves the weights."""
+    trainer = Trainer(from_dict(TrainConfig, _vla_config()), tmp_path / "vla")
+    rollout = trainer.engine.collect(0, trainer.learner.version).rollout
+    decisions = trainer.policy.final_samples(rollout.replay).shape[0]
+    assert decisions == rollout.batch_size * rollout.mask.shape[1] > rollout.batch_size  # several decisions per episode
+    model = trainer.learner.model
+    _loss(trainer, rollout, 0.0).loss.backward()
+    assert all(int(torch.count_nonzero(p.grad)) == 0 for p in model.parameters() if p.grad is not None)
+    model.zero_grad(set_to_none=True)
+    _loss(trainer, rollout, 5.0).loss.backward()
+    assert sum(float(p.grad.abs().sum()) for p in model.parameters() if p.grad is not None) > 0
+    model.zero_grad(set_to_none=True)
+    before = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
+    summary = trainer.train()
+    assert summary["step"] == 2 and math.isfinite(read_metrics(tmp_path / "vla")[-1].get("loss/policy", 0.0))
+    assert any(not torch.equal(before[k], v) for k, v in trainer.policy.state_dict().items() if v.is_floating_point())

@@ -30,7 +30,13 @@ Where mmrl follows the reference and where not:
 - The samples come from the policy's ODE (``policy.denoising.transition: flow_ode``) at the
   current weights; the reference samples with its old (EMA) adapter. At the start of either
   schedule (d ≈ 0) the two coincide.
-- The fresh noise of a sample is drawn from a generator seeded by (run seed, step, global
+- Flow VLAs (RLinf's "π-StepNFT" for π0): one row per env decision, the action chunk its
+  chain reached with the ODE, r from that decision's advantage (a step-level group
+  advantage or GAE). mmrl follows RLinf's ODE branch (x0 target space, adaptive weights,
+  the MSE form); not its SDE-consistent ``xnext`` target, its 1/σ² weights, its DPO-form
+  loss or its bound on ‖Δv‖/‖v_old‖. RLinf's embodied config also drops groups whose mean
+  reward is outside [0.1, 0.9]: ``algo.filters: [{type: accuracy_band, lo: 0.1, hi: 0.9}]``.
+- The fresh noise of a decision is drawn from a generator seeded by (run seed, step, global
   group index), so N processes train as one process does, and a resumed run as an unbroken
   one (the EMA is in the checkpoint).
 """
@@ -129,14 +135,18 @@ class NFT(Loss):
     def begin_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def _noise(self, index: Tensor | None, x0: Tensor) -> Tensor:
-        """Fresh noise [L·N, ...] (level-major) for the levels of each sample, drawn from (run
-        seed, step, epoch, the sample's place in the step's batch): the same for a sample
-        whichever process or piece holds it. A row without a place (the spare) gets zeros."""
+    def _noise(self, index: Tensor | None, x0: Tensor, per_sample: int) -> Tensor:
+        """Fresh noise [L·M, ...] (level-major) for the levels of each of the M final samples
+        (``per_sample`` consecutive rows per rollout sample: its decisions), drawn from (run
+        seed, step, epoch, the sample's place in the step's batch, the decision): the same for
+        a decision whichever process or piece holds it. Rows without a place (the spare) get
+        zeros."""
         noise = torch.zeros(len(self.sigmas), *x0.shape, dtype=x0.dtype)
-        for row, i in enumerate(index.tolist() if index is not None else []):
-            gen = torch.Generator().manual_seed(group_seed(self.seed, self.step, _NFT_NOISE_STREAM + (self.epoch << 24) + int(i)))
-            noise[:, row] = torch.randn(len(self.sigmas), *x0.shape[1:], generator=gen, dtype=x0.dtype)
+        for sample, i in enumerate(index.tolist() if index is not None else []):
+            for t in range(per_sample):
+                key = _NFT_NOISE_STREAM + (self.epoch << 36) + (int(i) << 16) + t
+                gen = torch.Generator().manual_seed(group_seed(self.seed, self.step, key))
+                noise[:, sample * per_sample + t] = torch.randn(len(self.sigmas), *x0.shape[1:], generator=gen, dtype=x0.dtype)
         return noise.flatten(0, 1).to(x0.device)
 
     @torch.no_grad()
@@ -146,30 +156,33 @@ class NFT(Loss):
     def __call__(self, model, batch, targets: Targets, norm: dict, at_sampling_weights: bool = False) -> LossOutput:
         o = self.options
         replay = batch.replay
-        x0 = self.policy.final_samples(replay).detach()
+        x0 = self.policy.final_samples(replay).detach()  # [M, ...]: a row per chain (per decision)
         n, levels = x0.shape[0], len(self.sigmas)
+        per_sample = n // batch.batch_size
         sigma = self.sigmas.to(x0.device).repeat_interleave(n)  # [L·N], level-major
         rows = torch.arange(n, device=x0.device).repeat(levels)
         x0_rep = x0.repeat(levels, *[1] * (x0.dim() - 1))
         s = sigma.reshape(-1, *[1] * (x0.dim() - 1)).to(x0)
-        x_t = (1 - s) * x0_rep + s * self._noise(targets.index, x0)
+        x_t = (1 - s) * x0_rep + s * self._noise(targets.index, x0, per_sample)
         v = model(replay, mode="velocity", x=x_t, sigma=sigma, rows=rows)
         v_old = self._old_velocity(replay, x_t, sigma, rows)
-        r = optimality(targets.adv.reshape(n, -1)[:, 0].to(v), o.adv_clip).repeat(levels)
+        # per decision: a sequence advantage [B, 1] broadcasts over a sample's decisions
+        adv = targets.adv.expand(batch.batch_size, per_sample) if targets.adv.shape[1] == 1 else targets.adv
+        r = optimality(adv.reshape(n).to(v), o.adv_clip).repeat(levels)
         per_row = nft_terms(v, v_old, x_t, x0_rep, sigma, r, o.beta) * o.adv_clip
-        valid = batch.mask.reshape(n, -1)[:, 0].to(v).repeat(levels)  # a spare sample's rows count 0
-        policy_loss = (per_row * valid).sum() / levels / norm["num_seqs"]
+        valid = batch.mask.reshape(n).to(v).repeat(levels)  # padding and a spare sample's rows count 0
+        policy_loss = (per_row * valid).sum() / levels / norm["num_tokens"]
         loss, terms = policy_loss, {"loss/policy": policy_loss.detach()}
         if self.reference is not None and o.ref_coef > 0:
             with torch.no_grad():
                 v_ref = self.reference.velocity(replay, x_t, sigma, rows)
             dims = tuple(range(1, v.dim()))
-            ref = (((v - v_ref) ** 2).mean(dims) * valid).sum() / levels / norm["num_seqs"]
+            ref = (((v - v_ref) ** 2).mean(dims) * valid).sum() / levels / norm["num_tokens"]
             loss = loss + o.ref_coef * ref
             terms["nft/ref_mse"] = ref.detach()
         with torch.no_grad():
             drift = ((v - v_old) ** 2).mean(tuple(range(1, v.dim()))).reshape(levels, n).mean(0)
-        stats = {"nft/r": r.reshape(levels, n)[0][:, None], "nft/velocity_drift": drift[:, None]}
+        stats = {"nft/r": r.reshape(levels, n)[0].reshape(batch.batch_size, per_sample), "nft/velocity_drift": drift.reshape(batch.batch_size, per_sample)}
         return LossOutput(loss, terms, stats)
 
     @torch.no_grad()
