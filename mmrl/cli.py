@@ -382,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("list", help="list registered components, presets, task suites or tasks")
-    p.add_argument("kind", choices=["envs", "policies", "rewards", "samplers", "presets", "suites", "tasks", "advantages", "objectives", "aggregations", "filters", "corrections", "kl", "engines", "data"])
+    p.add_argument("kind", choices=["envs", "policies", "rewards", "samplers", "presets", "suites", "tasks", "advantages", "objectives", "aggregations", "filters", "corrections", "losses", "kl", "engines", "data"])
     p.set_defaults(func=cmd_list)
 
     p = sub.add_parser("doctor", help="check rendering backends, simulators and extras")

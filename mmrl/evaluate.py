@@ -11,6 +11,7 @@ import torch
 
 from mmrl import registry
 from mmrl.core.reward import RewardContext, RewardSet
+from mmrl.core.sampler import build_sampler, sampler_context
 from mmrl.core.statistics import wilson_interval
 from mmrl.core.weights import build_policy, load_state
 from mmrl.errors import ConfigError, fault_context, run_source
@@ -23,7 +24,6 @@ def evaluate_run(cfg, run_dir: Path | None, episodes: int | None = None, checkpo
     data of its own (``preferences``), that source's held-out metrics. ``save_episodes``: a
     new directory where the env sampler's evaluation episodes are written (LeRobotDataset
     v3's layout, :mod:`mmrl.episodes`)."""
-    from mmrl.core.sampler import build_sampler
     from mmrl.data.sources import DataSource
 
     torch.manual_seed(cfg.seed)
@@ -130,7 +130,7 @@ def evaluate_suite(
     all_successes: list[float] = []
     for task in suite.tasks:
         task_cfg = dataclasses.replace(cfg, env=_task_env_config(suite.env, task, "suite.env"))
-        sampler = registry.SAMPLERS.get(cfg.sampler.type, "sampler.type")(cfg.sampler, task_cfg)
+        sampler = registry.SAMPLERS.get(cfg.sampler.type, "sampler.type")(cfg.sampler, sampler_context(task_cfg))
         successes: list[float] = []
         try:
             for i, seed in enumerate(suite.seeds):
@@ -180,7 +180,7 @@ def _slug(task) -> str:
 def _policy_for(cfg, run_dir: Path | None, checkpoint: str | None):
     """The policy of a run (latest or given checkpoint) or of a config (initial/pretrained
     weights), built with the spec of the config's own env; returns (policy, source, step)."""
-    sampler = registry.SAMPLERS.get(cfg.sampler.type, "sampler.type")(cfg.sampler, cfg)
+    sampler = registry.SAMPLERS.get(cfg.sampler.type, "sampler.type")(cfg.sampler, sampler_context(cfg))
     try:
         policy = build_policy(cfg.policy, sampler.policy_spec())
     finally:

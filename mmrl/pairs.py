@@ -89,6 +89,7 @@ def write_policy_pairs(
     from mmrl import registry
     from mmrl.config import load_config
     from mmrl.core.reward import RewardContext, RewardSet
+    from mmrl.core.sampler import sampler_context
     from mmrl.core.weights import build_policy
     from mmrl.rewards.images import rollout_images
     from mmrl.train.run_config import TrainConfig
@@ -106,7 +107,8 @@ def write_policy_pairs(
     torch.manual_seed(seed)
     data = cfg.sampler.data
     held_out_seed = seed if held_out_seed is None else held_out_seed
-    samplers = {split: registry.SAMPLERS.get("prompt")(dataclasses.replace(cfg.sampler, data=dataclasses.replace(data, train=source, eval=None, eval_fraction=0.0)), dataclasses.replace(cfg, seed=split_seed))
+    context = sampler_context(cfg)
+    samplers = {split: registry.SAMPLERS.get("prompt")(dataclasses.replace(cfg.sampler, data=dataclasses.replace(data, train=source, eval=None, eval_fraction=0.0)), dataclasses.replace(context, seed=split_seed))
                 for split, source, split_seed in (("train", data.train, seed), ("held_out", data.eval, held_out_seed))}
     policy = build_policy(cfg.policy, samplers["train"].policy_spec()).eval()
     rewards = RewardSet(cfg.rewards, cfg.algo.reward_aggregation, RewardContext(device=torch.device("cpu"), run_dir=Path(out), seed=seed), cfg.algo.log_tamed_threshold)

@@ -13,6 +13,7 @@ from mmrl.envs.gym import GymEnvConfig
 from mmrl.errors import ConfigError
 from mmrl.policies.gaussian_mlp import GaussianMLPConfig
 from mmrl.registry import ENVS
+from mmrl.core.sampler import sampler_context
 from mmrl.samplers.env import EnvSampler, EnvSamplerConfig
 from mmrl.train.run_config import AlgoConfig, TrainConfig
 
@@ -60,7 +61,7 @@ class RenameInfoKey(gymnasium.Wrapper):
 
 def sampler_for(env: dict) -> EnvSampler:
     cfg = TrainConfig(env=from_dict(GymEnvConfig, {"type": "gym", "num_envs": 2, **env}, "env"), sampler=EnvSamplerConfig(), algo=AlgoConfig(group_size=2))
-    return EnvSampler(cfg.sampler, cfg)
+    return EnvSampler(cfg.sampler, sampler_context(cfg))
 
 
 def collect(sampler: EnvSampler):

@@ -16,6 +16,7 @@ from mmrl.core.statistics import wilson_interval
 from mmrl.evaluate import evaluate_suite
 from mmrl.media import OUTCOME_COLOURS, _wrap, annotate_episode
 from mmrl.registry import POLICIES
+from mmrl.core.sampler import sampler_context
 from mmrl.samplers.env import EnvSampler, EnvSamplerConfig
 from mmrl.train.checkpoint import Checkpointer
 from mmrl.train.run_config import AlgoConfig, PolicyConfig, TrainConfig
@@ -121,7 +122,7 @@ def test_suite_tables_videos_and_metrics(tmp_path):
 
 def test_evaluation_returns_the_instruction_of_each_recorded_episode():
     cfg = _config()
-    sampler = EnvSampler(cfg.sampler, cfg)
+    sampler = EnvSampler(cfg.sampler, sampler_context(cfg))
     try:
         result = sampler.evaluate(GoRight(cfg.policy, {}), 4, seed=0, videos=2)
     finally:

@@ -14,7 +14,7 @@ from mmrl.config import option
 from mmrl.core.sampler import group_seed
 from mmrl.envs.point_reach import PointReachEnv
 from mmrl.registry import REWARDS
-from mmrl.samplers.env import EnvSampler
+from mmrl.samplers.success import SuccessSource
 from mmrl.train.run_config import RewardConfig
 from tests.conftest import point_reach_config, run_mmrl
 from tests.rollout.test_engine import toy
@@ -175,7 +175,7 @@ def test_a_bug_in_mmrl_itself_keeps_its_traceback(tmp_path, write_config, monkey
     def broken(self, info, no_success):
         raise KeyError("a bug in mmrl")
 
-    monkeypatch.setattr(EnvSampler, "_success_flags", broken)
+    monkeypatch.setattr(SuccessSource, "flags", broken)
     path = write_config(faulty_config(kwargs={"fault_wave": 0}))
     with pytest.raises(KeyError, match="a bug in mmrl"):
         main(["train", str(path), "--run-dir", str(tmp_path / "run")])

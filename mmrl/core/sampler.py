@@ -2,15 +2,87 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
+from mmrl.core.component_config import EnvConfig, RewardConfig
 from mmrl.core.policy import Policy
 from mmrl.core.rollout import Rollout
 
 if TYPE_CHECKING:
     from mmrl.core.reward import RewardSet
+
+
+@dataclass(frozen=True)
+class SamplerContext:
+    """What of the run a sampler reads besides its own section. A sampler is built as
+    ``cls(sampler_cfg, ctx)``: ``sampler_cfg`` its ``sampler`` section, ``ctx`` this, made
+    from the run config in one place (:func:`sampler_context`). Samplers see no other part
+    of the run config (algo, optim, rollout workers, checkpoints ...).
+
+    - ``seed``: the run seed (the run config's ``seed``); reset seeds, the prompt order and
+      the policy's noise derive from it (:func:`group_seed`).
+    - ``env``: the ``env`` section, None without one; the env sampler builds its vector env
+      from it and reads its success options (``success_key``, ``hide_success``,
+      ``success_model``) and cameras (``kwargs.cameras``).
+    - ``rewards``: the reward sections, in order; the env sampler checks that success is
+      there to read when a ``success`` reward reads it.
+    - ``policy_type``: the registered name of the run's policy (``policy.type``); the prompt
+      sampler's ``shared_noise`` needs a policy that shares its initial noise.
+    - ``gamma``: ``algo.advantage.gamma``; the env sampler discounts each action chunk's
+      rewards to its first step by it (``step_rewards``).
+    - ``bootstrap_truncated``: ``algo.advantage.bootstrap_truncated`` (false for advantages
+      without it); the env sampler then keeps the final observation of episodes a time limit
+      cut (``info["final_replay"]``) for a critic to bootstrap from.
+    - ``over_provision``: ``rollout.over_provision``; above 1, samplers keep groups in
+      flight across steps (partial rollouts).
+    - ``groups_per_step``: ``algo.groups_per_step``; the prompt sampler's record stream
+      advances by it each step.
+
+    For a plugin sampler: ``__init__(self, sampler_cfg, ctx: SamplerContext)``. Samplers used
+    to take the whole run config (``train_cfg``); reading a section of it that the context
+    does not carry (``ctx.algo``) raises an AttributeError naming the field to read instead.
+    The built-in samplers still accept a whole run config in place of ``ctx`` and narrow it
+    with :func:`sampler_context` (the old call form, for existing scripts).
+    """
+
+    seed: int = 0
+    env: EnvConfig | None = None
+    rewards: tuple[RewardConfig, ...] = ()
+    policy_type: str = ""
+    gamma: float = 1.0
+    bootstrap_truncated: bool = False
+    over_provision: float = 1.0
+    groups_per_step: int = 8
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        moved = {"algo": "gamma, bootstrap_truncated, groups_per_step", "rollout": "over_provision", "policy": "policy_type"}.get(name)
+        instead = f"; read ctx.{moved.replace(', ', ', ctx.')}" if moved else ""
+        raise AttributeError(
+            f"SamplerContext has no {name!r}: a sampler reads the run through its context ({', '.join(f.name for f in fields(self))}), "
+            f"not the whole run config{instead} (mmrl/core/sampler.py)"
+        )
+
+
+def sampler_context(cfg) -> SamplerContext:
+    """The :class:`SamplerContext` of a run config (a ``TrainConfig``); a context is
+    returned as it is."""
+    if isinstance(cfg, SamplerContext):
+        return cfg
+    return SamplerContext(
+        seed=cfg.seed,
+        env=cfg.env,
+        rewards=tuple(cfg.rewards),
+        policy_type=getattr(cfg.policy, "type", ""),  # no policy section: ""
+        gamma=cfg.algo.advantage.gamma,
+        bootstrap_truncated=getattr(cfg.algo.advantage, "bootstrap_truncated", False),
+        over_provision=cfg.rollout.over_provision,
+        groups_per_step=cfg.algo.groups_per_step,
+    )
 
 
 class Sampler:
@@ -19,7 +91,8 @@ class Sampler:
     These are all the methods the trainer calls. ``group_offset`` is the global index of
     this process's first group, so that every process samples different groups and a group's
     randomness depends only on (seed, step, group index) — the same in one process or many.
-    A sampler is built as ``cls(sampler_cfg, train_cfg)``.
+    A sampler is built as ``cls(sampler_cfg, ctx)``: its own section and the
+    :class:`SamplerContext` of the run.
     """
 
     # collect(..., keep_graph=True) asks a policy that ``keeps_sampling_graph`` to keep it
@@ -77,7 +150,7 @@ def build_sampler(cfg) -> Sampler:
     when the type is empty."""
     from mmrl.registry import SAMPLERS
 
-    return SAMPLERS.get(cfg.sampler.type, "sampler.type")(cfg.sampler, cfg) if cfg.sampler.type else NoRollouts()
+    return SAMPLERS.get(cfg.sampler.type, "sampler.type")(cfg.sampler, sampler_context(cfg)) if cfg.sampler.type else NoRollouts()
 
 
 def group_seed(seed: int, step: int, group: int) -> int:

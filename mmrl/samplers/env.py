@@ -13,14 +13,14 @@ returns after its episode ended (gymnasium's next-step reset, a same-step reset,
 steps of a finished episode) is masked out and never counted.
 
 Per sample, ``info`` holds the episode's ``success`` (float; at any step or at the last
-step, see ``success_at``; read from the env's ``info[env.success_key]``, by default the first
-of :data:`SUCCESS_KEYS` the env reports), ``return`` (undiscounted sum of env rewards), ``length`` (env
-steps) and ``truncated`` (ended by a time limit or ``max_decisions``, not by the task).
+step, see ``success_at``; the env's flag or a learned one, :mod:`mmrl.samplers.success`),
+``return`` (undiscounted sum of env rewards), ``length`` (env steps) and ``truncated`` (ended
+by a time limit or ``max_decisions``, not by the task).
 ``step_rewards[b, t]`` is decision t's chunk reward discounted to its first env step,
-sum_j gamma^j r_{t,j} (gamma = ``algo.advantage.gamma``), for step-level advantages, and
-``info["decision_steps"][b, t]`` the env steps decision t took (at the last column of a
-decision with several log-prob columns, 0 at the others): GAE discounts the next decision's
-value by gamma to that power.
+sum_j gamma^j r_{t,j} (gamma = ``algo.advantage.gamma``, handed over as
+``SamplerContext.gamma``), for step-level advantages, and ``info["decision_steps"][b, t]``
+the env steps decision t took (at the last column of a decision with several log-prob
+columns, 0 at the others): GAE discounts the next decision's value by gamma to that power.
 An env whose Dict observation has a ``"privileged"`` entry (e.g. ``mmrl/Tabletop-v0`` with
 ``privileged_state``) keeps it out of the policy's view; each decision's replay holds it as
 ``"privileged"`` for a critic that reads it (``critic.inputs: privileged``).
@@ -28,12 +28,8 @@ An env that reports its episode's costs so far in ``info["costs"]`` (``mmrl/Tabl
 path length, steps, collisions) gives ``info["costs"][name]``, each episode's value at its
 last step (logged as ``cost/<name>``).
 
-Whole episodes (every observation, action, reward, the instruction, task, seed, success and
-costs, as :class:`~mmrl.demos.Episode` objects) are kept on request: evaluation returns them
-(``keep_episodes``, what ``mmrl eval --save-episodes`` writes) and writes them itself under
-``save_eval_episodes``; training collections keep ``keep_frames`` keyframes of each
-(:func:`mmrl.demos.keyframes`) in ``info["trajectory"]``, with ``info["instruction"]``, for a
-trajectory reward model (``pairwise_preference`` with ``bt_trajectory``).
+Whole episodes, their keyframes and evaluation videos are recorded on request
+(:mod:`mmrl.samplers.recording`).
 
 A simulator that returns torch tensors (ManiSkill's GPU backend: CUDA tensors) keeps them
 where they are: actions are clipped with torch on the simulator's device and handed to it as
@@ -66,23 +62,19 @@ from torch import Tensor
 from mmrl.config import option
 from mmrl.core.critic import PRIVILEGED
 from mmrl.core.rollout import Rollout
-from mmrl.core.sampler import Sampler, group_seed
+from mmrl.core.sampler import Sampler, SamplerContext, group_seed, sampler_context
 from mmrl.core.statistics import wilson_interval
 from mmrl.errors import ConfigError, UserCodeError, call_user_code
 from mmrl.registry import ENVS, SAMPLERS
 from mmrl.samplers.partial import EpisodesInFlight, as_numpy, device_of, observation_row, partial_metrics, stack_observation_rows
-from mmrl.samplers.success import LearnedSuccess, WaveScores, success_metrics
+from mmrl.samplers.recording import EpisodeRecorder, VideoFrames, camera_names, check_recording, save_episodes, trajectory_info
+from mmrl.samplers.success import SuccessSource, success_metrics
 from mmrl.core.component_config import SamplerConfig
 
 # Training resets use seeds below 2**31; evaluation uses seeds in [2**31, 2**32) so that
 # evaluation episodes never repeat training episodes (2**32 is the largest seed numpy's
 # legacy RandomState, used by some simulators, accepts).
 _TRAIN_SEEDS = 2**31
-
-# Names under which simulators report a step's success, looked up in this order when
-# env.success_key is null: mmrl's envs, ManiSkill, LIBERO and Meta-World say "success";
-# gymnasium-robotics (Fetch, Shadow hand) and panda-gym "is_success"; lerobot-env-so101 "succeed".
-SUCCESS_KEYS = ("success", "is_success", "succeed")
 
 logger = logging.getLogger(__name__)
 
@@ -111,62 +103,40 @@ class EnvSampler(Sampler):
     records_step_rewards = True  # Rollout.step_rewards per decision (step-level advantages, GAE)
     records_final_replay = True  # info["final_replay"] of training rollouts with algo.advantage.bootstrap_truncated (GAE)
 
-    def __init__(self, sampler_cfg: EnvSamplerConfig, train_cfg):
-        if train_cfg.env is None:
+    def __init__(self, sampler_cfg: EnvSamplerConfig, ctx: SamplerContext):
+        ctx = sampler_context(ctx)  # a whole run config (the old call form) is narrowed to its context
+        if ctx.env is None:
             raise ConfigError("env", None, "the env sampler needs an env section, e.g. env: {type: gym, id: mmrl/PointReach-v0}")
         self.config = sampler_cfg
-        self.seed = train_cfg.seed
-        self.gamma = train_cfg.algo.advantage.gamma
-        self.env = ENVS.get(train_cfg.env.type, "env.type")(train_cfg.env, train_cfg.seed)
+        self.seed = ctx.seed
+        self.gamma = ctx.gamma
+        self.env = ENVS.get(ctx.env.type, "env.type")(ctx.env, ctx.seed)
         if isinstance(self.env, gymnasium.vector.SyncVectorEnv):  # each env names its index when it raises
             self.env.envs = [_IndexedEnv(env, i) for i, env in enumerate(self.env.envs)]
-        self.env_name = train_cfg.env.id or train_cfg.env.type
-        self.success_key = train_cfg.env.success_key
-        self.success_rewarded = any(reward.type == "success" for reward in train_cfg.rewards)
-        self.success_reported = False  # whether the env reported success at any step of the current collection
-        self.warned_no_success = False
+        self.env_name = ctx.env.id or ctx.env.type
         self.num_envs = self.env.num_envs
         space = self.env.single_action_space
         if not isinstance(space, gymnasium.spaces.Box):
             self.env.close()
-            raise ConfigError("env.id", train_cfg.env.id, f"the env sampler needs a continuous (Box) action space; this env has {space}")
+            raise ConfigError("env.id", ctx.env.id, f"the env sampler needs a continuous (Box) action space; this env has {space}")
         self.action_low = space.low.astype(np.float32)
         self.action_high = space.high.astype(np.float32)
         self.structured = _is_structured(self.env.single_observation_space)
         self.env_steps = 0  # env steps of training rollouts, masked ones included (evaluation not counted)
         # a critic bootstraps an episode cut by a time limit from its final observation's value
-        self.bootstrap = getattr(train_cfg.algo.advantage, "bootstrap_truncated", False)
-        o = train_cfg.rollout.over_provision
+        self.bootstrap = ctx.bootstrap_truncated
+        o = ctx.over_provision
         self.over_provision = o
         self.partial = EpisodesInFlight(self, o, self.seed) if o > 1 else None
-        if sampler_cfg.keep_frames and self.partial is not None:
-            self.env.close()
-            raise ConfigError("sampler.keep_frames", sampler_cfg.keep_frames, "keeps whole episodes, which partial rollouts split across collections: use rollout.over_provision 1")
-        if (sampler_cfg.keep_frames or sampler_cfg.save_eval_episodes) and not (self.structured and "image" in self.env.single_observation_space.spaces):
-            self.env.close()
-            field = "sampler.keep_frames" if sampler_cfg.keep_frames else "sampler.save_eval_episodes"
-            raise ConfigError(field, sampler_cfg.keep_frames or sampler_cfg.save_eval_episodes, f"keeps episodes' camera images; env {self.env_name!r} has no image observations")
-        cameras = (getattr(train_cfg.env, "kwargs", None) or {}).get("cameras")
-        self.cameras = [cameras] if isinstance(cameras, str) else (list(cameras) if cameras else None)
-        self.hide_success = train_cfg.env.hide_success
-        self.learned = None
+        self.cameras = camera_names(ctx.env)
         try:
-            self._check_success_source(train_cfg)
-            if train_cfg.env.success_model is not None:
-                self.learned = LearnedSuccess(train_cfg.env.success_model, self.env.single_observation_space)
+            has_images = self.structured and "image" in self.env.single_observation_space.spaces
+            check_recording(sampler_cfg.keep_frames, sampler_cfg.save_eval_episodes, self.partial is not None, has_images, self.env_name)
+            # the env's success flag or a learned one (mmrl/samplers/success.py)
+            self.success_source = SuccessSource(ctx.env, ctx.rewards, self.env_name, self.env.single_observation_space, o)
         except ConfigError:
             self.env.close()
             raise
-
-    def _check_success_source(self, train_cfg) -> None:
-        """What training reads as success must exist: a hidden flag needs a learned source
-        when the success reward reads it; a learned source scores whole waves."""
-        model = train_cfg.env.success_model
-        if self.hide_success and model is None and self.success_rewarded:
-            raise ConfigError("env.hide_success", True, "hides the env's success from training, but the success reward reads it: give training a learned source (env.success_model) or drop that reward")
-        if (model is not None or self.hide_success) and self.partial is not None:
-            field, value = ("env.success_model", model.path) if model is not None else ("env.hide_success", True)
-            raise ConfigError(field, value, f"applies to whole waves, not to partial rollouts (rollout.over_provision {self.over_provision:g}); set over_provision: 1")
 
     def policy_spec(self) -> dict:
         spec = {
@@ -240,7 +210,7 @@ class EnvSampler(Sampler):
                 "set env.num_envs to %d (each learner process and each rollout worker builds its own env)", self.num_envs, episodes, self.num_envs - episodes, episodes,
             )
         parts = []
-        self.success_reported = False
+        self.success_source.reported = False
         for start in range(0, episodes, wave):
             members = range(start, min(start + wave, episodes))
             first_group, first_copy = divmod(start, group_size)
@@ -248,18 +218,12 @@ class EnvSampler(Sampler):
             reset_seeds = [seeds[i // group_size] % _TRAIN_SEEDS for i in members]
             vector_steps, part, *kept = self._run_wave(policy, reset_seeds, generator, deterministic=False, final=self.bootstrap, keep=bool(self.config.keep_frames), training=True)
             if kept:
-                from mmrl.demos import Trajectories
-
-                part.info["trajectory"] = Trajectories.from_episodes(kept[0], self.config.keep_frames).store
-                part.info["instruction"] = [episode.instruction for episode in kept[0]]
+                part.info.update(trajectory_info(kept[0], self.config.keep_frames))
             self.env_steps += vector_steps * self.num_envs
             part.group_id = torch.tensor([group_offset + i // group_size for i in members], device=part.group_id.device)
             parts.append(part)
-        if self.success_rewarded and self.learned is None:
-            self._warn_if_success_unreported("training collection", "the success reward is 0 for every episode")
         rollout = Rollout.cat(parts)
-        if "env_success" in rollout.info and not self.success_reported:  # an env without a flag: no truth to log
-            del rollout.info["env_success"]
+        self.success_source.finish_training(rollout.info)
         return rollout
 
     def metrics(self, rollout: Rollout) -> dict[str, Tensor]:
@@ -298,7 +262,7 @@ class EnvSampler(Sampler):
         generator = None if deterministic else torch.Generator().manual_seed(group_seed(seed, 1, 0))
         parts, frames, instructions, kept = [], [], [], []
         keep = keep_episodes or self.config.save_eval_episodes is not None
-        self.success_reported = False
+        self.success_source.reported = False
         for s in range(0, episodes, self.num_envs):
             record = max(0, min(videos - s, self.num_envs)) if self.structured else 0
             _, part, *recorded = self._run_wave(policy, seeds[s : s + self.num_envs], generator, deterministic, record=record, keep=keep)
@@ -308,9 +272,8 @@ class EnvSampler(Sampler):
             if recorded:
                 frames += recorded[0]
                 instructions += recorded[1]
-        self._warn_if_success_unreported("evaluation", "its success_rate reads 0" if self.learned is None else "its success_rate is the learned success of env.success_model")
         info = Rollout.cat(parts).info
-        success = info["success"] if self.success_reported or self.learned is None else info["learned_success"]
+        success, learned = self.success_source.finish_evaluation(info)
         low, high = wilson_interval(success.sum().item(), episodes)
         out = {
             "success_rate": success.mean().item(),
@@ -321,22 +284,13 @@ class EnvSampler(Sampler):
             "episodes": episodes,
             "successes": success.tolist(),
         }
-        if self.learned is not None:
-            out["learned_success_rate"] = info["learned_success"].mean().item()
-            out["learned_successes"] = info["learned_success"].tolist()
-            if self.success_reported:
-                out["success_agreement"] = (info["learned_success"] == success).float().mean().item()
+        out.update(learned)
         costs = info.get("costs", {})
         out.update({f"cost_{name}_mean": value.float().mean().item() for name, value in costs.items()})
         if videos:
             out["frames"], out["instructions"] = frames, instructions
         if self.config.save_eval_episodes is not None:
-            from pathlib import Path
-
-            from mmrl.episodes import write_episodes
-
-            fps = int((getattr(self.env, "metadata", None) or {}).get("render_fps") or 10)
-            write_episodes(Path(self.config.save_eval_episodes) / f"env_steps_{self.env_steps:012d}", kept, fps=fps, cameras=self.cameras, metadata={"env": self.env_name, "seed": seed})
+            save_episodes(self.config.save_eval_episodes, self.env_steps, kept, self.env, self.cameras, self.env_name, seed)
         if keep_episodes:
             out["kept_episodes"] = kept
         return out
@@ -359,7 +313,7 @@ class EnvSampler(Sampler):
         n, num_envs = len(seeds), self.num_envs
         reset_seeds = seeds + seeds[:1] * (num_envs - n)
         obs, reset_info = self.env_call("reset", reset_seeds, seed=reset_seeds)
-        kept = _EpisodeRecorder(obs, reset_info, seeds) if keep else None
+        kept = EpisodeRecorder(obs, reset_info, seeds) if keep else None
         costs: list[dict] = []
         device = device_of(policy)
         on = _tensor_device(obs)  # a simulator that returns torch tensors: bookkeeping stays on its device
@@ -369,10 +323,9 @@ class EnvSampler(Sampler):
             low, high = (torch.as_tensor(b, device=on) for b in (self.action_low, self.action_high))
         samples, rewards, terminated, truncated, success, chunk_index = [], [], [], [], [], []
         cap = self.config.max_decisions
-        images = [_first_camera(obs)[:record]] if record else None
-        instructions = [str(text) for text in obs["instruction"][:record]] if record and "instruction" in obs else [None] * record
+        frames = VideoFrames(obs, record) if record else None
         last_obs = {}  # env -> its observation after its episode's last step (final=True)
-        scores = WaveScores(self.learned, num_envs, device) if self.learned is not None else None
+        scores = self.success_source.wave_scores(num_envs, device)
         while alive.any() and (cap is None or len(samples) < cap):
             chunk_end, scored = {}, alive  # env -> the observation its episode ended at in this chunk
             sample = self.sample(policy, obs, device, generator, deterministic)
@@ -395,7 +348,7 @@ class EnvSampler(Sampler):
                     rewards.append(as_numpy(reward))
                 terminated.append(term)
                 truncated.append(trunc)
-                success.append(self._success_flags(info, no_success))
+                success.append(self.success_source.flags(info, no_success))
                 chunk_index.append(j)
                 done = term | trunc
                 if (final or scores is not None) and (ended := alive & done).any():
@@ -403,14 +356,14 @@ class EnvSampler(Sampler):
                         if e < n:
                             last_obs[e] = chunk_end[e] = observation_row(obs, e)
                 alive = alive & ~done
-                if images is not None:
-                    images.append(_first_camera(obs)[:record])
+                if frames is not None:
+                    frames.step(obs)
                 if not alive.any():
                     break
             if scores is not None:
                 reached = stack_observation_rows([chunk_end[e] if e in chunk_end else observation_row(obs, e) for e in range(num_envs)])
                 fired = scores.score(self.observation(reached, device), scored)
-                if training and self.learned.config.terminates:  # the learned success ends the episode, as a terminating env's would
+                if training and scores.source.config.terminates:  # the learned success ends the episode, as a terminating env's would
                     ends = alive & (fired.to(on) if on is not None else fired.cpu().numpy())
                     terminated[-1] = terminated[-1] | ends
                     alive = alive & ~ends
@@ -421,58 +374,17 @@ class EnvSampler(Sampler):
         if final:  # episodes still running (cut by max_decisions) end at the last observation
             rows = [last_obs[e] if e in last_obs else observation_row(obs, e) for e in range(n)]
             rollout.info["final_replay"] = self.final_replay(policy, stack_observation_rows(rows), device)
-        episodes = [kept.episodes(rollout, rewards, success if self.success_reported else None)] if kept is not None else []
-        if scores is not None or self.hide_success:  # after the kept episodes, which record the env's own success
-            self._success_sources(rollout.info, scores, n, training)
-        if images is None:
+        episodes = [kept.episodes(rollout, rewards, success if self.success_source.reported else None)] if kept is not None else []
+        # after the kept episodes, which record the env's own success
+        self.success_source.resolve(rollout.info, scores, n, training, self.config.success_at)
+        if frames is None:
             return len(rewards), rollout, *episodes
-        # frame 0 is the reset observation, frame t the one seen after action t; with
-        # gymnasium's default next-step auto-reset the frame after the last action is the
-        # episode's final observation
-        stacked = np.stack(images, 1)  # [record, S + 1, H, W, 3]
-        lengths = rollout.info["length"].tolist()
-        return len(rewards), rollout, [stacked[i, : lengths[i] + 1] for i in range(record)], instructions, *episodes
-
-    def _success_sources(self, info: dict, scores: WaveScores | None, n: int, training: bool) -> None:
-        """``info["success"]`` as training reads it: with ``env.success_model`` the learned
-        success in training waves, none with ``env.hide_success`` alone, the env's flag in
-        evaluation; the env's own flag moves to ``info["env_success"]`` and the learned one
-        is ``info["learned_success"]``."""
-        info["env_success"] = info.pop("success")
-        if scores is not None:
-            info["learned_success"] = scores.episode_success(self.config.success_at)[:n].to(info["env_success"].device).float()
-        if not training:
-            info["success"] = info["env_success"]
-        elif scores is not None:
-            info["success"] = info["learned_success"]
+        return len(rewards), rollout, frames.clips(rollout), frames.instructions, *episodes
 
     def final_replay(self, policy, obs, device) -> dict:
         """The policy's replay [n, 1, ...] of ``obs``, final observations: what a critic
         reads of them (a deterministic call: no running statistics or clocks move)."""
         return self.sample(policy, obs, device, None, deterministic=True).replay
-
-    def _success_flags(self, info: dict, no_success: np.ndarray) -> np.ndarray:
-        """The vector env's per-env success flags of one step, from ``info[env.success_key]``
-        or the first of :data:`SUCCESS_KEYS` present; ``no_success`` if the step has none."""
-        key = self.success_key or next((k for k in SUCCESS_KEYS if k in info), None)
-        if key is None or key not in info:
-            return no_success
-        self.success_reported = True
-        if isinstance(no_success, Tensor):
-            return torch.as_tensor(info[key], device=no_success.device).bool()
-        return as_numpy(info[key])
-
-    def _warn_if_success_unreported(self, collection: str, consequence: str) -> None:
-        """One warning per sampler when a whole collection went by without a success flag:
-        success would read 0 silently, e.g. for an env that names it differently."""
-        if self.success_reported or self.warned_no_success:
-            return
-        self.warned_no_success = True
-        looked_for = repr(self.success_key) if self.success_key else " / ".join(SUCCESS_KEYS)
-        logger.warning(
-            f"mmrl: warning: env {self.env_name!r} reported no success in its info during {collection} (looked for {looked_for}), "
-            f"so {consequence}; if it reports success under another info key, name that key in env.success_key"
-        )
 
     def _wave_rollout(self, samples: list, n: int, rewards: list, terminated: list, truncated: list, success: list, chunk_index: list) -> Rollout:
         """Per-episode stats and the [n, T] decision tensors of one wave (first ``n`` envs).
@@ -569,55 +481,6 @@ class _IndexedEnv(gymnasium.Wrapper):
 
     def step(self, action):
         return call_user_code("env.step", self.env.step, action, where={"env_index": self.index})
-
-
-class _EpisodeRecorder:
-    """Every observation (before each action) and action of a wave's first ``len(seeds)``
-    envs, made into :class:`~mmrl.demos.Episode` objects once the wave's rollout says how
-    long each episode lasted."""
-
-    def __init__(self, obs, reset_info: dict, seeds: list[int]):
-        self.seeds = list(seeds)
-        n = len(seeds)
-        self.instructions = [str(text) for text in obs["instruction"][:n]] if "instruction" in obs else [""] * n
-        tasks = reset_info.get("task")
-        self.tasks = [str(t) for t in tasks[:n]] if tasks is not None else self.instructions
-        self.images, self.states, self.actions = [], [], []
-
-    def step(self, obs, action) -> None:
-        n = len(self.seeds)
-        self.images.append(as_numpy(obs["image"])[:n].copy())
-        self.states.append(as_numpy(obs["state"])[:n].astype(np.float32) if "state" in obs else np.zeros((n, 0), np.float32))
-        self.actions.append(as_numpy(action)[:n].astype(np.float32))
-
-    def episodes(self, rollout: Rollout, rewards: list, success: list | None) -> list:
-        """The episodes, given the wave's rollout and its per-step env rewards and success
-        flags (the env's own, after each action: ``step_success``; None where the env
-        reports no success)."""
-        from mmrl.demos import Episode
-
-        info = rollout.info
-        n = len(self.seeds)
-        lengths = info["length"].cpu().tolist()
-        images, states, actions = np.stack(self.images, 1), np.stack(self.states, 1), np.stack(self.actions, 1)  # [n, S, ...]
-        reward = np.stack([as_numpy(r)[:n] for r in rewards], 1).astype(np.float32)
-        flags = np.stack([as_numpy(f)[:n] for f in success], 1).astype(bool) if success is not None else None
-        out = []
-        for i, steps in enumerate(lengths):
-            costs = {name: float(value[i]) for name, value in info.get("costs", {}).items()}
-            out.append(Episode(
-                image=images[i, :steps].astype(np.uint8), state=states[i, :steps], action=actions[i, :steps],
-                reward=reward[i, :steps], success=bool(info["success"][i]), instruction=self.instructions[i],
-                task=self.tasks[i], seed=int(self.seeds[i]), costs=costs,
-                step_success=flags[i, :steps] if flags is not None else None,
-            ))
-        return out
-
-
-def _first_camera(obs) -> np.ndarray:
-    """[N, H, W, 3] uint8 images of the first camera of a batch of image observations."""
-    image = as_numpy(obs["image"])
-    return image[:, 0] if image.ndim == 5 else image
 
 
 def _is_structured(space) -> bool:

@@ -115,7 +115,7 @@ class EpisodesInFlight:
                 self.obs, reward, term, trunc, info = s.env_call("step", self.reset_seeds, actions[:, j])
                 s.env_steps += s.num_envs
                 reward, term, trunc = as_numpy(reward), as_numpy(term), as_numpy(trunc)
-                success = as_numpy(s._success_flags(info, no_success))
+                success = as_numpy(s.success_source.flags(info, no_success))
                 for e in live:
                     ep = self.episodes[e]
                     if not ep["alive"]:

@@ -61,7 +61,7 @@ from mmrl.core.component_config import SamplerConfig
 from mmrl.core.policy import Policy, Sample
 from mmrl.core.reward import RewardSet
 from mmrl.core.rollout import Rollout
-from mmrl.core.sampler import Sampler, group_seed
+from mmrl.core.sampler import Sampler, SamplerContext, group_seed, sampler_context
 from mmrl.core.statistics import wilson_interval
 from mmrl.data.prompts import EpochOrder, PromptData, PromptDataConfig, PromptRecord, clusters_by, prompt_input
 from mmrl.errors import ConfigError
@@ -115,20 +115,21 @@ class PromptSampler(Sampler):
     partial_rollouts_need = "sample_partial"  # of the policy: it pauses and continues completions
     progress_metrics = {"success": "success_rate", "eval_acc": "eval/accuracy"}
 
-    def __init__(self, sampler_cfg: PromptSamplerConfig, train_cfg):
+    def __init__(self, sampler_cfg: PromptSamplerConfig, ctx: SamplerContext):
+        ctx = sampler_context(ctx)  # a whole run config (the old call form) is narrowed to its context
         self.config = sampler_cfg
-        self.seed = train_cfg.seed
-        self.groups_per_step = train_cfg.algo.groups_per_step
+        self.seed = ctx.seed
+        self.groups_per_step = ctx.groups_per_step
         if sampler_cfg.shared_noise:
-            policy_cls = POLICIES.get(train_cfg.policy.type, "policy.type")
+            policy_cls = POLICIES.get(ctx.policy_type, "policy.type")
             if not getattr(policy_cls, "shares_initial_noise", False):
-                raise ConfigError("sampler.shared_noise", True, f"policy {train_cfg.policy.type!r} starts no denoising chain from a noise it could share; policies that do: image_diffusion, video_diffusion")
+                raise ConfigError("sampler.shared_noise", True, f"policy {ctx.policy_type!r} starts no denoising chain from a noise it could share; policies that do: image_diffusion, video_diffusion")
         self.data = PromptData.load(sampler_cfg.data, "sampler.data")
         key = sampler_cfg.cluster_key
         self.order = EpochOrder(len(self.data.train), self.seed, clusters_by(self.data.train, key) if key else None)
         # the step that the stream position `next_position` starts (see the module docstring)
         self.next_step, self.next_position = 0, 0
-        self.over_provision = train_cfg.rollout.over_provision
+        self.over_provision = ctx.over_provision
         # partial rollouts: the groups in flight, each {"record": train index, "born": step,
         # "rows": [policy state or None] * G, "versions": [[version per decision]] * G}
         self.in_flight: list[dict[str, Any]] = []

@@ -61,6 +61,7 @@ def test_bad_maniskill_observation_settings_are_config_errors(mani_skill, sectio
 def test_maniskill_pushcube_state_collects_a_small_rollout(mani_skill):
     from mmrl.core.weights import build_policy
     from mmrl.policies.gaussian_mlp import GaussianMLPConfig
+    from mmrl.core.sampler import sampler_context
     from mmrl.samplers.env import EnvSampler, EnvSamplerConfig
     from mmrl.train.run_config import AlgoConfig, TrainConfig
 
@@ -70,7 +71,7 @@ def test_maniskill_pushcube_state_collects_a_small_rollout(mani_skill):
         sampler=EnvSamplerConfig(max_decisions=4),
         algo=AlgoConfig(group_size=2),
     )
-    sampler = EnvSampler(cfg.sampler, cfg)
+    sampler = EnvSampler(cfg.sampler, sampler_context(cfg))
     try:
         spec = sampler.policy_spec()
         assert spec["obs_dim"] == 35 and spec["action_dim"] == 4
@@ -162,6 +163,7 @@ class ImageRecorder:
 
 
 def test_pick_cube_rgb_observations_reach_the_policy_as_image_proprio_state_and_instruction(mani_skill):
+    from mmrl.core.sampler import sampler_context
     from mmrl.samplers.env import EnvSampler, EnvSamplerConfig
     from mmrl.train.run_config import AlgoConfig, PolicyConfig, TrainConfig
 
@@ -172,7 +174,7 @@ def test_pick_cube_rgb_observations_reach_the_policy_as_image_proprio_state_and_
         sampler=EnvSamplerConfig(max_decisions=2),
         algo=AlgoConfig(group_size=2),
     )
-    sampler = EnvSampler(cfg.sampler, cfg)
+    sampler = EnvSampler(cfg.sampler, sampler_context(cfg))
     policy = ImageRecorder()
     try:
         env = sampler.env

@@ -445,6 +445,7 @@ def test_a_chunked_policy_samples_the_same_rollout_with_image_every_set_to_its_c
 
     from mmrl.config import from_dict
     from mmrl.core.weights import build_policy
+    from mmrl.core.sampler import sampler_context
     from mmrl.samplers.env import EnvSampler
     from mmrl.train.run_config import TrainConfig
 
@@ -456,7 +457,7 @@ def test_a_chunked_policy_samples_the_same_rollout_with_image_every_set_to_its_c
             "policy": {"type": "token_vla", "action_chunk": 3, "backbone": {"hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "vision_channels": [8, 8]}},
             "log": {"progress": False, "tensorboard": False},
         })
-        sampler = EnvSampler(cfg.sampler, cfg)
+        sampler = EnvSampler(cfg.sampler, sampler_context(cfg))
         torch.manual_seed(0)
         policy = build_policy(cfg.policy, sampler.policy_spec())
         rollouts.append(sampler.collect(policy, num_groups=2, group_size=2, step=0))

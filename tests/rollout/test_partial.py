@@ -15,6 +15,7 @@ from mmrl.core.weights import build_policy  # noqa: E402
 from mmrl.errors import ConfigError  # noqa: E402
 from mmrl.policies.text_lm import TextLMConfig, TextLMPolicy  # noqa: E402
 from mmrl.registry import POLICIES, REWARDS, SAMPLERS  # noqa: E402
+from mmrl.core.sampler import sampler_context  # noqa: E402
 from mmrl.samplers.env import EnvSampler, EnvSamplerConfig  # noqa: E402
 from mmrl.samplers.prompt import PromptSampler  # noqa: E402
 from mmrl.train.metrics import read_metrics  # noqa: E402
@@ -94,7 +95,7 @@ def test_a_paused_completion_continues_from_its_prefix():
 
 def test_the_sampler_trains_on_finished_groups_and_carries_the_rest_with_their_versions():
     cfg = from_dict(TrainConfig, text())
-    policy, sampler = _policy(cfg), PromptSampler(cfg.sampler, cfg)
+    policy, sampler = _policy(cfg), PromptSampler(cfg.sampler, sampler_context(cfg))
     records, resumed_seen = [], 0
     for step in range(4):
         before = {g["record"]: [list(st["token_ids"]) if st else [] for st in g["rows"]] for g in sampler.in_flight}
@@ -118,7 +119,7 @@ def test_the_sampler_trains_on_finished_groups_and_carries_the_rest_with_their_v
     assert resumed_seen > 0  # some samples hold tokens of two versions
     assert len(records) == len(set(records))  # no record trained twice within the epoch
     state = sampler.state_dict()
-    again = PromptSampler(cfg.sampler, cfg)
+    again = PromptSampler(cfg.sampler, sampler_context(cfg))
     again.load_state_dict(state)
     assert again.in_flight == sampler.in_flight and again.provisioned
 
@@ -158,7 +159,7 @@ class NoPartialEnvSampler(EnvSampler):
 
 
 def _env_episodes_by_step(cfg, steps):
-    sampler = EnvSampler(cfg.sampler, cfg)
+    sampler = EnvSampler(cfg.sampler, sampler_context(cfg))
     torch.manual_seed(0)
     policy = build_policy(cfg.policy, sampler.policy_spec())
     try:

@@ -8,6 +8,7 @@ import torch
 
 from mmrl.config import from_dict
 from mmrl.core.weights import build_policy
+from mmrl.core.sampler import sampler_context
 from mmrl.samplers.env import EnvSampler
 from mmrl.train.run_config import TrainConfig
 
@@ -61,7 +62,7 @@ def _collect_both(cfg, inner_takes: str, kinds=("numpy", "torch"), groups=2):
     """The same groups of step 3, collected from the env as NumPy arrays and as tensors."""
     out = {}
     for kind in kinds:
-        sampler = EnvSampler(cfg.sampler, cfg)
+        sampler = EnvSampler(cfg.sampler, sampler_context(cfg))
         try:
             torch.manual_seed(0)
             policy = build_policy(cfg.policy, sampler.policy_spec())

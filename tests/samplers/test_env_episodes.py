@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mmrl.config import from_dict
-from mmrl.core.sampler import group_seed
+from mmrl.core.sampler import group_seed, sampler_context
 from mmrl.core.weights import build_policy
 from mmrl.demos import keyframes
 from mmrl.errors import ConfigError
@@ -27,7 +27,7 @@ RUN = {
 
 def _sampler(**sampler):
     cfg = from_dict(TrainConfig, {**RUN, "sampler": {"type": "env", **sampler}})
-    sampler = EnvSampler(cfg.sampler, cfg)
+    sampler = EnvSampler(cfg.sampler, sampler_context(cfg))
     torch.manual_seed(0)
     return sampler, build_policy(cfg.policy, sampler.policy_spec())
 
@@ -99,4 +99,4 @@ def test_keyframes_take_the_first_and_last_observation_and_segment_means_of_the_
 def test_keeping_frames_where_it_cannot_work_is_a_config_error_naming_the_field(change, field):
     with pytest.raises(ConfigError, match=field):
         cfg = from_dict(TrainConfig, {**RUN, **change})
-        EnvSampler(cfg.sampler, cfg)
+        EnvSampler(cfg.sampler, sampler_context(cfg))

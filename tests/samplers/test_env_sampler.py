@@ -5,7 +5,7 @@ import torch
 
 from mmrl.core.policy import Sample
 from mmrl.core.weights import build_policy
-from mmrl.core.sampler import group_seed
+from mmrl.core.sampler import group_seed, sampler_context
 from mmrl.core.statistics import wilson_interval
 from mmrl.envs.gym import GymEnvConfig
 from mmrl.errors import ConfigError
@@ -29,7 +29,7 @@ def make_sampler(num_envs=4, group_size=2, seed=0, gamma=1.0, env_kwargs=ENV_KWA
         sampler=EnvSamplerConfig(**sampler_fields),
         algo=AlgoConfig(group_size=group_size, advantage=GroupNormConfig(gamma=gamma)),
     )
-    return EnvSampler(cfg.sampler, cfg)
+    return EnvSampler(cfg.sampler, sampler_context(cfg))
 
 
 def make_policy(sampler, **fields):
@@ -178,7 +178,7 @@ def test_success_at_decides_whether_a_success_before_the_last_step_counts(succes
         sampler=EnvSamplerConfig(success_at=success_at),
         algo=AlgoConfig(group_size=2),
     )
-    sampler = EnvSampler(cfg.sampler, cfg)
+    sampler = EnvSampler(cfg.sampler, sampler_context(cfg))
     rollout = sampler.collect(make_policy(sampler), num_groups=1, group_size=2, step=0)
     assert rollout.info["success"].tolist() == [expected] * 2
     assert rollout.info["length"].tolist() == [5, 5] and rollout.info["truncated"].all()
@@ -246,7 +246,7 @@ def test_policy_spec_describes_the_single_env_spaces():
 def test_env_sampler_without_an_env_section_is_a_config_error():
     cfg = TrainConfig(sampler=EnvSamplerConfig())
     with pytest.raises(ConfigError) as err:
-        EnvSampler(cfg.sampler, cfg)
+        EnvSampler(cfg.sampler, sampler_context(cfg))
     assert err.value.field == "env"
     assert SAMPLERS.get("env") is EnvSampler
 
@@ -280,7 +280,7 @@ def test_stochastic_evaluation_is_seeded_and_differs_from_the_mean_action():
             },
         )
         torch.manual_seed(0)
-        sampler = SAMPLERS.get("env")(cfg.sampler, cfg)
+        sampler = SAMPLERS.get("env")(cfg.sampler, sampler_context(cfg))
         policy = build_policy(cfg.policy, sampler.policy_spec())
         try:
             return sampler.evaluate(policy, 8, seed=5)["return_mean"]
@@ -327,7 +327,7 @@ def named_success_sampler(key, success_key=None, also=None, rewards=()):
         algo=AlgoConfig(group_size=2),
         rewards=list(rewards),
     )
-    return EnvSampler(cfg.sampler, cfg)
+    return EnvSampler(cfg.sampler, sampler_context(cfg))
 
 
 @pytest.mark.parametrize("key", ["is_success", "succeed"])
@@ -347,7 +347,7 @@ def test_success_keys_are_looked_up_in_their_documented_order_and_success_key_ov
     assert named.collect(make_policy(named), num_groups=1, group_size=2, step=0).info["success"].tolist() == [1.0, 1.0]
     custom = named_success_sampler("goal_reached", success_key="goal_reached")
     assert custom.collect(make_policy(custom), num_groups=1, group_size=2, step=0).info["success"].tolist() == [1.0, 1.0]
-    from mmrl.samplers.env import SUCCESS_KEYS
+    from mmrl.samplers.success import SUCCESS_KEYS
     from mmrl.train.run_config import EnvConfig
 
     doc = EnvConfig.__dataclass_fields__["success_key"].metadata["doc"]

@@ -13,6 +13,7 @@ from mmrl.envs.gym import GymEnvConfig
 from mmrl.errors import ConfigError
 from mmrl.policies.learned_success import LearnedSuccessConfig, LearnedSuccessModel
 from mmrl.rewards.env import SuccessRewardConfig, success
+from mmrl.core.sampler import sampler_context
 from mmrl.samplers.env import EnvSampler, EnvSamplerConfig
 from mmrl.samplers.success import debounced_success
 from mmrl.train.run_config import AlgoConfig, PolicyConfig, TrainConfig
@@ -84,7 +85,7 @@ def make_sampler(model=None, hide=True, num_envs=8, rewards=("success",), keep_f
     env = GymEnvConfig(id="test/ColourSide-v0", num_envs=num_envs, hide_success=hide, success_model=success_cfg)
     sampler = EnvSamplerConfig(keep_frames=keep_frames)
     cfg = TrainConfig(env=env, policy=PolicyConfig(), sampler=sampler, algo=AlgoConfig(group_size=2), rewards=[SuccessRewardConfig(type=r) for r in rewards])
-    return EnvSampler(cfg.sampler, cfg)
+    return EnvSampler(cfg.sampler, sampler_context(cfg))
 
 
 def _sides(rollout_or_policy_inputs):
@@ -201,7 +202,7 @@ def test_partial_rollouts_with_a_learned_source_are_refused(classifier):
     cfg = TrainConfig(env=env, policy=PolicyConfig(), sampler=EnvSamplerConfig(), algo=AlgoConfig(group_size=2), rewards=[SuccessRewardConfig()])
     cfg.rollout.over_provision = 2.0
     with pytest.raises(ConfigError) as e:
-        EnvSampler(cfg.sampler, cfg)
+        EnvSampler(cfg.sampler, sampler_context(cfg))
     assert "env.success_model" in _one_line(e.value) and "over_provision" in str(e.value)
 
 

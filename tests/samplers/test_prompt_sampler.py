@@ -14,7 +14,7 @@ from mmrl.config import from_dict, load_config
 from mmrl.core.policy import Sample
 from mmrl.core.reward import RewardContext, RewardSet
 from mmrl.core.rollout import Rollout
-from mmrl.core.sampler import group_seed
+from mmrl.core.sampler import group_seed, sampler_context
 from mmrl.core.weights import build_policy
 from mmrl.data.prompts import EpochOrder, PromptDataConfig
 from mmrl.errors import ConfigError
@@ -41,7 +41,7 @@ def run_rewards(cfg: TrainConfig) -> RewardSet:
 
 def setup(policy_cfg, rewards=(), **kwargs):
     cfg = train_config(policy_cfg, rewards, **kwargs)
-    sampler = PromptSampler(cfg.sampler, cfg)
+    sampler = PromptSampler(cfg.sampler, sampler_context(cfg))
     sampler.rewards = run_rewards(cfg)
     torch.manual_seed(0)
     return sampler, build_policy(policy_cfg, sampler.policy_spec())
@@ -49,7 +49,7 @@ def setup(policy_cfg, rewards=(), **kwargs):
 
 def sampler_only(**kwargs) -> PromptSampler:
     cfg = train_config(**kwargs)
-    sampler = PromptSampler(cfg.sampler, cfg)
+    sampler = PromptSampler(cfg.sampler, sampler_context(cfg))
     sampler.rewards = run_rewards(cfg)
     return sampler
 
@@ -116,7 +116,7 @@ def test_prompt_sampler_is_registered_with_its_config():
 def test_a_missing_prompt_file_fails_when_the_sampler_is_built(tmp_path):
     cfg = train_config(data={"train": str(tmp_path / "none.jsonl")})
     with pytest.raises(ConfigError, match="no such file") as err:
-        PromptSampler(cfg.sampler, cfg)
+        PromptSampler(cfg.sampler, sampler_context(cfg))
     assert err.value.field == "sampler.data.train"
 
 
@@ -366,7 +366,7 @@ def test_eval_deterministic_false_evaluates_seeded_samples_drawn_as_in_training(
 
 def test_evaluate_reports_success_rate_when_the_policy_reports_success():
     cfg = train_config(rewards=[TargetDistanceConfig(type="target_distance", target=2.0)], accuracy_threshold=-0.5)
-    metrics = PromptSampler(cfg.sampler, cfg).evaluate(RecordingPolicy(), episodes=8, seed=0, rewards=run_rewards(cfg))
+    metrics = PromptSampler(cfg.sampler, sampler_context(cfg)).evaluate(RecordingPolicy(), episodes=8, seed=0, rewards=run_rewards(cfg))
     # conditions 0 1 2 3 0 1 2 3: rewards -2 -1 0 -1 ..., correct and successful on the two 2s
     assert metrics == pytest.approx({"episodes": 8, "reward_mean": -1.0, "accuracy": 0.25, "accuracy_ci_low": 0.07148, "accuracy_ci_high": 0.59073, "success_rate": 0.25}, abs=1e-5)
 
@@ -386,7 +386,7 @@ def test_the_answers_example_learns_every_records_answer(tmp_path, learning_seed
     before 0 to 0.229 (<= 0.4); accuracy after, worst category 1 to 1 (>= 1).
     """
     cfg = example_config(total_steps=30, seed=learning_seed)
-    sampler = PromptSampler(cfg.sampler, cfg)
+    sampler = PromptSampler(cfg.sampler, sampler_context(cfg))
     torch.manual_seed(cfg.seed)
     before = sampler.evaluate(build_policy(cfg.policy, sampler.policy_spec()), cfg.eval.episodes, seed=1, rewards=run_rewards(cfg))
     after = train(cfg, tmp_path / "run")["eval"]

@@ -7,6 +7,7 @@ from gymnasium import spaces
 
 from mmrl.core.policy import Sample
 from mmrl.envs.gym import GymEnvConfig
+from mmrl.core.sampler import sampler_context
 from mmrl.samplers.env import EnvSampler, EnvSamplerConfig
 from mmrl.train.run_config import AlgoConfig, PolicyConfig, TrainConfig
 
@@ -64,7 +65,7 @@ class Recorder:
 
 def make_sampler(num_envs=4):
     cfg = TrainConfig(env=GymEnvConfig(id="test/ColourSide-v0", num_envs=num_envs), policy=PolicyConfig(), sampler=EnvSamplerConfig(), algo=AlgoConfig(group_size=2))
-    return EnvSampler(cfg.sampler, cfg)
+    return EnvSampler(cfg.sampler, sampler_context(cfg))
 
 
 def test_spec_describes_image_state_and_instructions():

@@ -209,12 +209,13 @@ def test_the_final_observation_of_a_cut_episode_is_the_next_decisions_observatio
     final observation. Cut at 3 decisions, that is the observation the same episode's 4th
     decision sees when the cap is 4 (same seeds, same noise)."""
     from mmrl.core.weights import build_policy
+    from mmrl.core.sampler import sampler_context
     from mmrl.samplers.env import EnvSampler
 
     replays = {}
     for cap in (3, 4):
         cfg = from_dict(TrainConfig, gae_config(sampler={"type": "env", "max_decisions": cap}, algo={**GAE, "advantage": {**GAE["advantage"], "bootstrap_truncated": True}}))
-        sampler = EnvSampler(cfg.sampler, cfg)
+        sampler = EnvSampler(cfg.sampler, sampler_context(cfg))
         torch.manual_seed(0)
         policy = build_policy(cfg.policy, sampler.policy_spec())
         try:

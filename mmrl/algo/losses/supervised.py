@@ -43,9 +43,10 @@ class SelfImitationLossConfig(LossConfig):
 
 @registry.LOSSES.register("self_imitation", SelfImitationLossConfig)
 class SelfImitation(Loss):
-    """Imitate the decisions with a positive advantage: ``-sum(A+ m logpi) / count``, or
-    ``sum(A+ l) / sum(A+)`` with ``l`` the policy's supervised loss of each decision's
-    executed chunk (``policy.imitation_batch``)."""
+    """Imitate the decisions with a positive advantage (by log-prob or supervised loss).
+
+    ``-sum(A+ m logpi) / count``, or ``sum(A+ l) / sum(A+)`` with ``l`` the policy's
+    supervised loss of each decision's executed chunk (``policy.imitation_batch``)."""
 
     zero_at_zero_advantage = True
 

@@ -1,0 +1,131 @@
+"""Recording an env sampler's episodes: whole episodes, keyframes and evaluation videos.
+
+Whole episodes (every observation, action, reward, the instruction, task, seed, success and
+costs, as :class:`~mmrl.demos.Episode` objects) are kept on request: evaluation returns them
+(``keep_episodes``, what ``mmrl eval --save-episodes`` writes) and writes them itself under
+``save_eval_episodes``; training collections keep ``keep_frames`` keyframes of each
+(:func:`mmrl.demos.keyframes`) in ``info["trajectory"]``, with ``info["instruction"]``, for a
+trajectory reward model (``pairwise_preference`` with ``bt_trajectory``).
+
+Evaluation's videos (``videos`` > 0) are the first camera's images of its first episodes:
+frame 0 the reset observation, frame t the one seen after action t.
+
+Both keep camera images, so they need an env with image observations; keyframes need whole
+episodes, which partial rollouts (``rollout.over_provision`` > 1) split across collections.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mmrl.core.rollout import Rollout
+from mmrl.errors import ConfigError
+from mmrl.samplers.partial import as_numpy
+
+
+def check_recording(keep_frames: int, save_eval_episodes: str | None, partial: bool, has_images: bool, env_name: str) -> None:
+    """Raises a :class:`~mmrl.errors.ConfigError` for recording options this env sampler
+    cannot serve (see the module docstring); ``partial``: it keeps episodes in flight,
+    ``has_images``: the env has image observations."""
+    if keep_frames and partial:
+        raise ConfigError("sampler.keep_frames", keep_frames, "keeps whole episodes, which partial rollouts split across collections: use rollout.over_provision 1")
+    if (keep_frames or save_eval_episodes) and not has_images:
+        field = "sampler.keep_frames" if keep_frames else "sampler.save_eval_episodes"
+        raise ConfigError(field, keep_frames or save_eval_episodes, f"keeps episodes' camera images; env {env_name!r} has no image observations")
+
+
+def camera_names(env_cfg) -> list[str] | None:
+    """The env's cameras as its section names them (``env.kwargs.cameras``: a name or a
+    list), for the episodes written; None where it names none."""
+    cameras = (getattr(env_cfg, "kwargs", None) or {}).get("cameras")
+    return [cameras] if isinstance(cameras, str) else (list(cameras) if cameras else None)
+
+
+class EpisodeRecorder:
+    """Every observation (before each action) and action of a wave's first ``len(seeds)``
+    envs, made into :class:`~mmrl.demos.Episode` objects once the wave's rollout says how
+    long each episode lasted."""
+
+    def __init__(self, obs, reset_info: dict, seeds: list[int]):
+        self.seeds = list(seeds)
+        n = len(seeds)
+        self.instructions = [str(text) for text in obs["instruction"][:n]] if "instruction" in obs else [""] * n
+        tasks = reset_info.get("task")
+        self.tasks = [str(t) for t in tasks[:n]] if tasks is not None else self.instructions
+        self.images, self.states, self.actions = [], [], []
+
+    def step(self, obs, action) -> None:
+        n = len(self.seeds)
+        self.images.append(as_numpy(obs["image"])[:n].copy())
+        self.states.append(as_numpy(obs["state"])[:n].astype(np.float32) if "state" in obs else np.zeros((n, 0), np.float32))
+        self.actions.append(as_numpy(action)[:n].astype(np.float32))
+
+    def episodes(self, rollout: Rollout, rewards: list, success: list | None) -> list:
+        """The episodes, given the wave's rollout and its per-step env rewards and success
+        flags (the env's own, after each action: ``step_success``; None where the env
+        reports no success)."""
+        from mmrl.demos import Episode
+
+        info = rollout.info
+        n = len(self.seeds)
+        lengths = info["length"].cpu().tolist()
+        images, states, actions = np.stack(self.images, 1), np.stack(self.states, 1), np.stack(self.actions, 1)  # [n, S, ...]
+        reward = np.stack([as_numpy(r)[:n] for r in rewards], 1).astype(np.float32)
+        flags = np.stack([as_numpy(f)[:n] for f in success], 1).astype(bool) if success is not None else None
+        out = []
+        for i, steps in enumerate(lengths):
+            costs = {name: float(value[i]) for name, value in info.get("costs", {}).items()}
+            out.append(Episode(
+                image=images[i, :steps].astype(np.uint8), state=states[i, :steps], action=actions[i, :steps],
+                reward=reward[i, :steps], success=bool(info["success"][i]), instruction=self.instructions[i],
+                task=self.tasks[i], seed=int(self.seeds[i]), costs=costs,
+                step_success=flags[i, :steps] if flags is not None else None,
+            ))
+        return out
+
+
+class VideoFrames:
+    """The first camera's images of a wave's first ``record`` episodes (evaluation videos),
+    with each one's instruction (None without language observations)."""
+
+    def __init__(self, obs, record: int):
+        self.record = record
+        self.images = [first_camera(obs)[:record]]
+        self.instructions = [str(text) for text in obs["instruction"][:record]] if "instruction" in obs else [None] * record
+
+    def step(self, obs) -> None:
+        self.images.append(first_camera(obs)[: self.record])
+
+    def clips(self, rollout: Rollout) -> list[np.ndarray]:
+        """Each recorded episode's frames [length + 1, H, W, 3]."""
+        # frame 0 is the reset observation, frame t the one seen after action t; with
+        # gymnasium's default next-step auto-reset the frame after the last action is the
+        # episode's final observation
+        stacked = np.stack(self.images, 1)  # [record, S + 1, H, W, 3]
+        lengths = rollout.info["length"].tolist()
+        return [stacked[i, : lengths[i] + 1] for i in range(self.record)]
+
+
+def first_camera(obs) -> np.ndarray:
+    """[N, H, W, 3] uint8 images of the first camera of a batch of image observations."""
+    image = as_numpy(obs["image"])
+    return image[:, 0] if image.ndim == 5 else image
+
+
+def trajectory_info(episodes: list, keep_frames: int) -> dict:
+    """What a training collection keeps of its episodes for a trajectory reward model:
+    ``trajectory`` (``keep_frames`` keyframes of each) and ``instruction``."""
+    from mmrl.demos import Trajectories
+
+    return {"trajectory": Trajectories.from_episodes(episodes, keep_frames).store, "instruction": [episode.instruction for episode in episodes]}
+
+
+def save_episodes(directory: str, env_steps: int, episodes: list, env, cameras: list[str] | None, env_name: str, seed: int) -> None:
+    """An evaluation's episodes written to ``<directory>/env_steps_<N>`` (N: training env
+    steps so far; LeRobotDataset v3 layout, :mod:`mmrl.episodes`) at the env's frame rate."""
+    from pathlib import Path
+
+    from mmrl.episodes import write_episodes
+
+    fps = int((getattr(env, "metadata", None) or {}).get("render_fps") or 10)
+    write_episodes(Path(directory) / f"env_steps_{env_steps:012d}", episodes, fps=fps, cameras=cameras, metadata={"env": env_name, "seed": seed})
