@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from mmrl.core.sampler import sampler_context
 from mmrl.cli import main
 from mmrl.config import from_dict
 from mmrl.data.preferences import read_pairs
@@ -125,7 +126,7 @@ def test_a_trained_model_scores_the_env_samplers_episodes_as_a_pairwise_reward(t
 
     def rollout(keep_frames):
         cfg = from_dict(TrainConfig, {**run, "sampler": {"type": "env", "keep_frames": keep_frames}})
-        sampler = EnvSampler(cfg.sampler, cfg)
+        sampler = EnvSampler(cfg.sampler, sampler_context(cfg))
         try:
             return sampler.collect(build_policy(cfg.policy, sampler.policy_spec()), 2, 2, step=0)
         finally:

@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from mmrl.core.sampler import sampler_context
 from mmrl.config import from_dict
 from mmrl.core.weights import build_policy, load_pretrained, save_pretrained
 from mmrl.errors import ConfigError
@@ -280,7 +281,7 @@ def test_env_sampler_rollout_replays_exactly_and_a_train_step_runs(tmp_path):
     cfg = from_dict(TrainConfig, data)
     from mmrl.samplers.env import EnvSampler
 
-    sampler = EnvSampler(cfg.sampler, cfg)
+    sampler = EnvSampler(cfg.sampler, sampler_context(cfg))
     policy = make(sampler.policy_spec())
     rollout = sampler.collect(policy, num_groups=4, group_size=2, step=0)
     assert rollout.old_logp.shape[1] % 3 == 0

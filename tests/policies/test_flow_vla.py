@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from mmrl.core.sampler import sampler_context
 from mmrl.config import from_dict
 from mmrl.core.weights import build_policy, load_pretrained, save_pretrained
 from mmrl.denoising import flow_sde_step, gaussian_log_prob, make_transition
@@ -341,7 +342,7 @@ def test_env_sampler_rollout_replays_exactly_and_a_train_step_runs(tmp_path, gra
     data["policy"] = {"type": "flow_vla", "backbone": BACKBONE, "action_chunk": 2, "expert_layers": 1, "expert_heads": 2,
                       "denoising": {"num_inference_steps": 3, "stochastic_steps": "random", "logp_granularity": granularity}}
     cfg = from_dict(TrainConfig, data)
-    sampler = EnvSampler(cfg.sampler, cfg)
+    sampler = EnvSampler(cfg.sampler, sampler_context(cfg))
     policy = build_policy(cfg.policy, sampler.policy_spec())
     rollout = sampler.collect(policy, num_groups=4, group_size=2, step=0)
     logp = policy.log_prob(rollout.replay)
