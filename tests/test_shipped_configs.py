@@ -18,6 +18,7 @@ SFT_OF["tabletop_spatial_flow_vla_gae"] = "tabletop_spatial_flow_vla_sft"  # the
 SFT_OF["tabletop_object_state_gae"] = "tabletop_object_state_sft"  # the state policy's value-baseline RL
 SFT_OF["image_shapes_flow_grpo"] = "image_shapes_flow_sft_words"  # the word-level generator
 SFT_OF["image_shapes_flow_grpo_adversarial"] = "image_shapes_flow_sft_words"
+SFT_OF["image_shapes_nft"] = "image_shapes_flow_sft_words"  # DiffusionNFT from the same generator
 # RL configs rewarded by a learned reward model: the reward-model config whose smoke run they score with
 REWARD_MODEL_OF = {"image_shapes_flow_grpo_pairwise": "reward_shapes_single_count_pairwise"}
 # RL configs rewarded by a trajectory reward model (win rate): the reward-model config whose smoke run they score with

@@ -268,7 +268,7 @@ class Learner:
             norm = {"count": self.dist.sum(self.imitation.counts(batch, targets)).clamp_min(1e-8 if si.loss == "sft" else 1).to(device) / self.world}
             # an empty piece runs a masked spare sample: it keeps the all-reduce in step
             k = speedups.num_pieces(self.cfg, device, self.policy, batch, self.dist)
-            pieces = speedups.pieces_of(batch, targets, k, spare.to(device))
+            pieces = speedups.pieces_of(batch, targets, k, spare.to(device) if spare is not None else None)
             total = []
 
             def loss_of(piece):
