@@ -16,7 +16,9 @@ counted; evaluation is left out, the same for every method):
   + 1 for the reference when ``ref_coef`` > 0).
 
 Wall-clock is the sum of each update's ``time/step_s``: runs side by side on shared cores
-slow each other, so compare runs made under the same load. For each run the table gives the
+slow each other, so compare runs made under the same load, or give ``--seconds NAME=S``, a
+variant's seconds per update measured back to back with the others' (e.g. 4 updates each,
+``total_steps=4 eval.at_start=false eval.at_end=false``), which then stand in for its runs' own. For each run the table gives the
 first evaluation at or above ``--target`` (updates, NFE, minutes) and the last evaluation.
 """
 
@@ -50,8 +52,9 @@ def nfe_per_update(config: dict) -> tuple[float, float]:
     return sampling, (epochs * samples * trained + extra) * guidance
 
 
-def curve(run: Path) -> tuple[list[tuple[int, float, float, float]], float]:
-    """[(update, held-out accuracy, NFE so far, minutes so far)] and the NFE of one update."""
+def curve(run: Path, seconds: float | None = None) -> tuple[list[tuple[int, float, float, float]], float]:
+    """[(update, held-out accuracy, NFE so far, minutes so far)] and the NFE of one update;
+    ``seconds`` per update replaces the run's own step times."""
     config = yaml.safe_load((run / "config.yaml").read_text())
     sampling, training = nfe_per_update(config)
     per_update = sampling + training
@@ -63,7 +66,8 @@ def curve(run: Path) -> tuple[list[tuple[int, float, float, float]], float]:
             minutes[m["step"]] = total
         if "eval/accuracy" in m:
             step = m["step"]
-            points.append((step, m["eval/accuracy"], step * per_update, minutes.get(step, total)))
+            elapsed = step * seconds / 60 if seconds is not None else minutes.get(step, total)
+            points.append((step, m["eval/accuracy"], step * per_update, elapsed))
     return points, per_update
 
 
@@ -72,9 +76,11 @@ def main() -> int:
     parser.add_argument("--variant", action="append", default=[], help="NAME=run-directory prefix (seed S is prefix + S)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--target", type=float, default=0.9)
+    parser.add_argument("--seconds", action="append", default=[], help="NAME=S: seconds per update of that variant, measured under the same load as the others'")
     parser.add_argument("--out", default=None, help="a PNG of the curves against updates, NFE and minutes")
     args = parser.parse_args()
     curves: dict[str, list] = {}
+    seconds = {k: float(v) for k, v in (s.split("=", 1) for s in args.seconds)}
     print(f"| variant | seed | NFE per update | first >= {args.target}: update | NFE | minutes | last: update | held-out |")
     print("|---|---|---|---|---|---|---|---|")
     for spec in args.variant:
@@ -83,7 +89,7 @@ def main() -> int:
             run = Path(f"{prefix}{seed}")
             if not (run / "metrics.jsonl").exists():
                 continue
-            points, per_update = curve(run)
+            points, per_update = curve(run, seconds.get(name))
             curves.setdefault(name, []).append(points)
             first = next((p for p in points if round(p[1] * 1000) >= round(args.target * 1000)), None)
             reach = f"{first[0]} | {first[2]:.3g} | {first[3]:.1f}" if first else "— | — | —"
