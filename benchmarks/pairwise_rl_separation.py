@@ -22,6 +22,7 @@ import torch
 
 from mmrl import registry
 from mmrl.config import load_config
+from mmrl.core.sampler import sampler_context
 from mmrl.core.reward import RewardContext, RewardSet
 from mmrl.core.weights import build_policy
 from mmrl.train.run_config import TrainConfig
@@ -42,7 +43,7 @@ def main() -> int:
 
             rewards.load_state_dict(torch.load(latest_checkpoint(args.reward_state) / CHECKPOINT_STATE, weights_only=True)["rewards"])
         for split, source in (("train", cfg.sampler.data.train), ("held_out", cfg.sampler.data.eval)):
-            sampler = registry.SAMPLERS.get("prompt")(dataclasses.replace(cfg.sampler, data=dataclasses.replace(cfg.sampler.data, train=source, eval=None)), cfg)
+            sampler = registry.SAMPLERS.get("prompt")(dataclasses.replace(cfg.sampler, data=dataclasses.replace(cfg.sampler.data, train=source, eval=None)), sampler_context(cfg))
             torch.manual_seed(0)
             policy = build_policy(cfg.policy, sampler.policy_spec()).eval()
             with torch.no_grad():

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from mmrl.config import from_dict
+from mmrl.core.sampler import sampler_context
 from mmrl.core.weights import build_policy
 from mmrl.registry import SAMPLERS
 from mmrl.train.run_config import TrainConfig
@@ -104,7 +105,7 @@ def main():
             "algo": {"group_size": args.group_size, "groups_per_step": args.num_envs // args.group_size},
         },
     )
-    sampler = SAMPLERS.get("env")(cfg.sampler, cfg)
+    sampler = SAMPLERS.get("env")(cfg.sampler, sampler_context(cfg))
     policy = build_policy(cfg.policy, sampler.policy_spec()).to(args.device)
     s, h = interleaved_rates(sampler, policy, hand_loop, args.num_envs // args.group_size, args.group_size, args.rounds)
     sampler.close()

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from mmrl.config import from_dict
+from mmrl.core.sampler import sampler_context
 from mmrl.core.policy import Sample
 from mmrl.core.weights import build_policy
 from mmrl.registry import ENVS, SAMPLERS
@@ -104,7 +105,7 @@ def train_config(args, num_envs: int, vectorization: str = "sync", image_every: 
 def sampler_vs_hand(args) -> tuple[float, float]:
     """Median env steps/s of EnvSampler.collect and of the hand loop, interleaved rounds."""
     cfg = train_config(args, args.num_envs)
-    sampler = SAMPLERS.get("env")(cfg.sampler, cfg)
+    sampler = SAMPLERS.get("env")(cfg.sampler, sampler_context(cfg))
     spec = sampler.policy_spec()
     torch.manual_seed(0)
     policy = build_policy(cfg.policy, spec) if args.policy == "token_vla" else UniformChunkPolicy(spec, TOKEN_VLA["action_chunk"])
@@ -119,7 +120,7 @@ def image_every_vs_dense(args) -> tuple[float, float]:
     samplers = {}
     for every in (chunk, 1):
         cfg = train_config(args, args.num_envs, image_every=every)
-        samplers[every] = SAMPLERS.get("env")(cfg.sampler, cfg)
+        samplers[every] = SAMPLERS.get("env")(cfg.sampler, sampler_context(cfg))
     spec = samplers[1].policy_spec()
     torch.manual_seed(0)
     policy = build_policy(train_config(args, args.num_envs).policy, spec) if args.policy == "token_vla" else UniformChunkPolicy(spec, chunk)

@@ -44,8 +44,6 @@ class SamplerContext:
     For a plugin sampler: ``__init__(self, sampler_cfg, ctx: SamplerContext)``. Samplers used
     to take the whole run config (``train_cfg``); reading a section of it that the context
     does not carry (``ctx.algo``) raises an AttributeError naming the field to read instead.
-    The built-in samplers still accept a whole run config in place of ``ctx`` and narrow it
-    with :func:`sampler_context` (the old call form, for existing scripts).
     """
 
     seed: int = 0
@@ -69,10 +67,7 @@ class SamplerContext:
 
 
 def sampler_context(cfg) -> SamplerContext:
-    """The :class:`SamplerContext` of a run config (a ``TrainConfig``); a context is
-    returned as it is."""
-    if isinstance(cfg, SamplerContext):
-        return cfg
+    """The :class:`SamplerContext` of a run config (a ``TrainConfig``)."""
     return SamplerContext(
         seed=cfg.seed,
         env=cfg.env,

@@ -62,7 +62,7 @@ from torch import Tensor
 from mmrl.config import option
 from mmrl.core.critic import PRIVILEGED
 from mmrl.core.rollout import Rollout
-from mmrl.core.sampler import Sampler, SamplerContext, group_seed, sampler_context
+from mmrl.core.sampler import Sampler, SamplerContext, group_seed
 from mmrl.core.statistics import wilson_interval
 from mmrl.errors import ConfigError, UserCodeError, call_user_code
 from mmrl.registry import ENVS, SAMPLERS
@@ -104,7 +104,6 @@ class EnvSampler(Sampler):
     records_final_replay = True  # info["final_replay"] of training rollouts with algo.advantage.bootstrap_truncated (GAE)
 
     def __init__(self, sampler_cfg: EnvSamplerConfig, ctx: SamplerContext):
-        ctx = sampler_context(ctx)  # a whole run config (the old call form) is narrowed to its context
         if ctx.env is None:
             raise ConfigError("env", None, "the env sampler needs an env section, e.g. env: {type: gym, id: mmrl/PointReach-v0}")
         self.config = sampler_cfg

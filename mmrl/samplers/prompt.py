@@ -61,7 +61,7 @@ from mmrl.core.component_config import SamplerConfig
 from mmrl.core.policy import Policy, Sample
 from mmrl.core.reward import RewardSet
 from mmrl.core.rollout import Rollout
-from mmrl.core.sampler import Sampler, SamplerContext, group_seed, sampler_context
+from mmrl.core.sampler import Sampler, SamplerContext, group_seed
 from mmrl.core.statistics import wilson_interval
 from mmrl.data.prompts import EpochOrder, PromptData, PromptDataConfig, PromptRecord, clusters_by, prompt_input
 from mmrl.errors import ConfigError
@@ -116,7 +116,6 @@ class PromptSampler(Sampler):
     progress_metrics = {"success": "success_rate", "eval_acc": "eval/accuracy"}
 
     def __init__(self, sampler_cfg: PromptSamplerConfig, ctx: SamplerContext):
-        ctx = sampler_context(ctx)  # a whole run config (the old call form) is narrowed to its context
         self.config = sampler_cfg
         self.seed = ctx.seed
         self.groups_per_step = ctx.groups_per_step

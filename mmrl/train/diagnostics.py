@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from mmrl.algo.losses import Targets
 from mmrl.train.trainer import Trainer
 
 

@@ -265,7 +265,7 @@ class Learner:
             if batch is None or batch.batch_size == 0:  # none of the draws lives here
                 batch, adv = spare, torch.zeros_like(spare.mask)
             batch, targets = batch.to(device), Targets(adv.to(device))
-            norm = {"count": self.dist.sum(self.imitation.counts(batch, targets)).clamp_min(1e-8 if si.loss == "sft" else 1).to(device) / self.world}
+            norm = {"count": self.dist.sum(self.imitation.counts(batch, targets)).clamp_min(self.imitation.count_floor).to(device) / self.world}
             # an empty piece runs a masked spare sample: it keeps the all-reduce in step
             k = speedups.num_pieces(self.cfg, device, self.policy, batch, self.dist)
             pieces = speedups.pieces_of(batch, targets, k, spare.to(device) if spare is not None else None)

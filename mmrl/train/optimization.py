@@ -11,8 +11,7 @@ from contextlib import nullcontext
 import torch
 
 from mmrl.core.critic import ActorCritic, build_critic
-from mmrl.errors import NonFiniteError
-from mmrl.errors import ConfigError
+from mmrl.errors import ConfigError, NonFiniteError
 
 
 def trained_module(cfg, policy: torch.nn.Module, critic_cfg) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -125,9 +125,9 @@ def test_policy_spec_holds_the_number_of_conditions(tmp_path):
     assert sampler.policy_spec() == {"num_prompts": 3}
     assert policy.prompt_embedding.num_embeddings == 3
     conditions = train_config(data={"train": write_jsonl(tmp_path / "c.jsonl", [{"prompt": 0}, {"prompt": 5}])})
-    assert PromptSampler(conditions.sampler, conditions).policy_spec() == {"num_prompts": 6}
+    assert PromptSampler(conditions.sampler, sampler_context(conditions)).policy_spec() == {"num_prompts": 6}
     texts = train_config(data={"train": write_jsonl(tmp_path / "t.jsonl", [{"prompt": "hi"}])})
-    assert PromptSampler(texts.sampler, texts).policy_spec() == {}
+    assert PromptSampler(texts.sampler, sampler_context(texts)).policy_spec() == {}
 
 
 # ------------------------------------------------------------------ collect

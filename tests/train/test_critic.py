@@ -228,7 +228,7 @@ def test_the_final_observation_of_a_cut_episode_is_the_next_decisions_observatio
     final = three.info["final_replay"]["obs"][:, 0]
     torch.testing.assert_close(final[cut], four.replay["obs"][cut, 3], rtol=0, atol=0)
     plain_cfg = from_dict(TrainConfig, gae_config())
-    plain = EnvSampler(plain_cfg.sampler, plain_cfg)
+    plain = EnvSampler(plain_cfg.sampler, sampler_context(plain_cfg))
     try:
         assert "final_replay" not in plain.collect(policy, 1, 4, step=0).info  # only when asked
     finally:

@@ -52,12 +52,14 @@ class SelfImitation(Loss):
 
     def __init__(self, algo, options: LossConfig, policy, field: str = "algo.loss.loss", **_):
         self.kind, self.policy = options.loss, policy
+        self.count_floor = 1e-8 if self.kind == "sft" else 1.0  # the normalizer's floor: an advantage mass, or a count
         if self.kind == "sft" and not overrides(policy, "imitation_batch"):
             raise ConfigError(field, "sft", f"policy {type(policy).__name__} cannot turn its replay into a supervised batch; use logp")
 
     def counts(self, batch, targets: Targets) -> torch.Tensor:
-        """This process's part of the loss's normalizer (summed over processes by the
-        caller): the valid decisions (``logp``) or the advantage mass (``sft``)."""
+        """This process's part of the loss's normalizer (summed over processes and floored at
+        ``count_floor`` by the caller): the valid decisions (``logp``) or the advantage mass
+        (``sft``)."""
         adv = targets.adv.clamp_min(0)
         return (adv * batch.mask).sum() if self.kind == "sft" else batch.mask.sum()
 
