@@ -40,6 +40,8 @@ class SamplerContext:
       flight across steps (partial rollouts).
     - ``groups_per_step``: ``algo.groups_per_step``; the prompt sampler's record stream
       advances by it each step.
+    - ``group_size``: ``algo.group_size``; a step draws ``groups_per_step × group_size``
+      samples, which a prompt sampler with ``budget.type: knapsack`` shares unevenly.
 
     For a plugin sampler: ``__init__(self, sampler_cfg, ctx: SamplerContext)``. Samplers used
     to take the whole run config (``train_cfg``); reading a section of it that the context
@@ -54,11 +56,12 @@ class SamplerContext:
     bootstrap_truncated: bool = False
     over_provision: float = 1.0
     groups_per_step: int = 8
+    group_size: int = 8
 
     def __getattr__(self, name: str):
         if name.startswith("__"):
             raise AttributeError(name)
-        moved = {"algo": "gamma, bootstrap_truncated, groups_per_step", "rollout": "over_provision", "policy": "policy_type"}.get(name)
+        moved = {"algo": "gamma, bootstrap_truncated, groups_per_step, group_size", "rollout": "over_provision", "policy": "policy_type"}.get(name)
         instead = f"; read ctx.{moved.replace(', ', ', ctx.')}" if moved else ""
         raise AttributeError(
             f"SamplerContext has no {name!r}: a sampler reads the run through its context ({', '.join(f.name for f in fields(self))}), "
@@ -77,6 +80,7 @@ def sampler_context(cfg) -> SamplerContext:
         bootstrap_truncated=getattr(cfg.algo.advantage, "bootstrap_truncated", False),
         over_provision=cfg.rollout.over_provision,
         groups_per_step=cfg.algo.groups_per_step,
+        group_size=cfg.algo.group_size,
     )
 
 
@@ -93,6 +97,9 @@ class Sampler:
     # collect(..., keep_graph=True) asks a policy that ``keeps_sampling_graph`` to keep it
     # and carries its log-probs to ``Rollout.sampling_graph_logp`` (algo.reuse_sampling_graph)
     keeps_sampling_graph: bool = False
+    # observe() uses the rewards: they must be scored where this sampler samples, and every
+    # sample of a step must reach it (one worker process at most)
+    observes_rewards: bool = False
     # what the progress bar shows of a training step's and an evaluation's metrics (short name -> key)
     progress_metrics: dict[str, str] = {"success": "success_rate", "eval_success": "eval/success_rate"}
 
@@ -109,6 +116,13 @@ class Sampler:
         episode success, return and length; accuracy). Each is a 1-D tensor over the rollout's
         samples; the trainer logs the mean over the samples of all processes."""
         return {}
+
+    def observe(self, rollout: Rollout, reward: Tensor, gather=None) -> None:
+        """The scored samples of a collection (all of them, before any filter) with their
+        combined ``reward`` [B], for a sampler that adapts what it samples next to how its
+        samples fared (``observes_rewards``: the prompt sampler's knapsack budgets).
+        ``gather(t)`` concatenates a tensor's rows over the learner processes (rank-major),
+        so that every process sees every sample; call it on every process alike."""
 
     def counters(self) -> dict[str, float]:
         """Running totals of this process (e.g. env steps); the trainer logs their sum over

@@ -164,6 +164,10 @@ class ProcessEngine:
         local = cfg.algo.groups_per_step // dist.world
         if local < self.m:
             raise ConfigError("rollout.workers", self.m, f"at most the groups each learner process samples a step ({local})")
+        if getattr(sampler, "observes_rewards", False) and (scorer is not None or self.m > 1 or dist.world > 1):
+            why = "rollout.score_on: learner scores them in another process than the worker's sampler" if scorer is not None else (
+                f"with {self.m} worker processes" + (f" per learner process ({dist.world})" if dist.world > 1 else "") + " each sees only its share")
+            raise ConfigError("sampler.budget.type", getattr(getattr(cfg.sampler, "budget", None), "type", None), f"shares each step's samples by the rewards of every earlier sample, and {why}; use one worker process with score_on: worker, or workers: 0")
         if cfg.algo.resample_rounds and dist.world > 1:
             raise ConfigError("rollout.workers", self.m, f"refill rounds (algo.resample_rounds) decide over all {dist.world} learner processes' groups, which worker processes cannot; use workers: 0")
         base = dist.rank * local

@@ -46,6 +46,9 @@ class OneProcess:
     def offset(self, sizes: list[int]) -> int:
         return 0
 
+    def gather_rows(self, t: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
+        return t
+
 
 def add_metric(sums: dict[str, torch.Tensor], name: str, values: torch.Tensor) -> None:
     """Add ``values`` to the float64 [sum, count] pair of metric ``name``."""
@@ -103,13 +106,14 @@ class RolloutWorker:
                 self._learn_rewards(part, step, sums)
                 num_collected += part.batch_size
                 combined = self._measure(part, sums)
+                self.sampler.observe(part, combined, self.dist.gather_rows)
                 if not self.filters:
                     kept_parts.append(part)
                     break
                 kept = part[self._keep(combined, part.group_id)]
                 sizes = self.dist.sizes(kept.batch_size)
                 room = max(0, target - kept_total - self.dist.offset(sizes))
-                kept_parts.append(kept[: min(kept.batch_size, room)])
+                kept_parts.append(kept[: _group_end(kept.group_id, room)])
                 kept_total += sum(sizes)
                 if kept_total >= target:
                     break
@@ -125,6 +129,7 @@ class RolloutWorker:
         self._learn_rewards(part, step, sums)
         with torch.no_grad():
             combined = self._measure(part, sums)
+            self.sampler.observe(part, combined, self.dist.gather_rows)
             kept = part[self._keep(combined, part.group_id)] if self.filters else part
         return replace(collected, rollout=kept, sums=sums, num_collected=part.batch_size)
 
@@ -177,6 +182,19 @@ class RolloutWorker:
 
     def _keep(self, reward: torch.Tensor, group_id: torch.Tensor) -> torch.Tensor:
         return apply_filters(self.filters, reward, group_id).cpu()
+
+
+def _group_end(group_id: torch.Tensor, room: int) -> int:
+    """The rows of the groups that start before row ``room``: a group that crosses the
+    target is kept whole (groups are contiguous runs of ``group_id``; with groups of one
+    size and a target that is a multiple of it, that is the first ``room`` rows)."""
+    if room >= len(group_id):
+        return len(group_id)
+    if room == 0:
+        return 0
+    gid = group_id.cpu()
+    later = (gid[room:] != gid[room - 1]).nonzero()
+    return room + int(later[0]) if len(later) else len(gid)
 
 
 def _fault_at(step: int, groups: range | torch.Tensor):

@@ -40,10 +40,21 @@ stream positions P + ⌈f·o⌉ and advances the stream by ⌈groups_per_step·o
 fresh records at P + f (a group out for each group in) and advance by groups_per_step. One
 process and N processes sample different batches here (the batch decides when to stop).
 
+Samples per prompt (``budget``): ``algo.group_size`` each, or, with ``budget.type: knapsack``,
+the step's ``groups_per_step × group_size`` samples shared among its records by their pass
+rates (:mod:`mmrl.samplers.budgets`, Knapsack RL). The rates come from ``observe``: the
+outcome of every scored training sample (a pass when its combined reward is ≥
+``accuracy_threshold``), gathered over the learner processes, kept per record and
+checkpointed in ``state_dict``. Each round of ``groups_per_step`` groups (the step's, then each
+refill round's) is shared once, from the rates of its records, so every process gives a group
+the same size; a refill round is shared after the rounds before it were scored. With partial
+rollouts the fresh records of each step share their ``group_size`` each.
+
 Per sample, ``rollout.info`` holds the policy's own info plus the record: ``prompt`` (what
 the policy received), ``answer`` (list, None where the record has none), ``metadata``
 (list of dicts, shared by a group's samples: read them, do not change them) and
-``record_id`` (LongTensor, the record's row in its source).
+``record_id`` (LongTensor, the record's row in its source); training samples also hold
+``train_index`` (LongTensor, the record's index among the train records).
 """
 
 from __future__ import annotations
@@ -66,6 +77,7 @@ from mmrl.core.statistics import wilson_interval
 from mmrl.data.prompts import EpochOrder, PromptData, PromptDataConfig, PromptRecord, clusters_by, prompt_input
 from mmrl.errors import ConfigError
 from mmrl.registry import POLICIES, SAMPLERS
+from mmrl.samplers.budgets import BudgetConfig, PassHistory, allocate
 from mmrl.samplers.partial import partial_metrics
 
 
@@ -89,6 +101,7 @@ class PromptSamplerConfig(SamplerConfig):
         False,
         "training: the G samples of a group start from one initial noise (DanceGRPO), so the group's differences come from the stochastic steps alone; needs a policy that shares_initial_noise (image_diffusion, video_diffusion). Evaluation keeps one noise per sample",
     )
+    budget: BudgetConfig = option(factory=BudgetConfig, doc="samples per prompt: fixed (algo.group_size) or shared by pass rate (knapsack)")
 
 
 def _device(policy: Policy) -> torch.device:
@@ -119,6 +132,18 @@ class PromptSampler(Sampler):
         self.config = sampler_cfg
         self.seed = ctx.seed
         self.groups_per_step = ctx.groups_per_step
+        budget = sampler_cfg.budget
+        # knapsack: each train record's recent outcomes (observe), from which a step's records
+        # share its samples; sizes[(step, round)]: the group sizes of a round of groups_per_step
+        self.history = PassHistory(budget.history, budget.min_history) if budget.type == "knapsack" else None
+        self.observes_rewards = self.history is not None
+        self.sizes: dict[tuple[int, int], list[int]] = {}
+        if self.history is not None:
+            if sampler_cfg.shared_noise:
+                raise ConfigError("sampler.budget.type", budget.type, "gives groups different sizes, and sampler.shared_noise starts each group from one noise of a fixed group size; use one of the two")
+            if not budget.min_size <= ctx.group_size <= budget.max_size:
+                raise ConfigError("sampler.budget.min_size" if budget.min_size > ctx.group_size else "sampler.budget.max_size", budget.min_size if budget.min_size > ctx.group_size else budget.max_size,
+                                  f"must leave algo.group_size ({ctx.group_size}), what a prompt without a pass rate gets, between min_size and max_size")
         if sampler_cfg.shared_noise:
             policy_cls = POLICIES.get(ctx.policy_type, "policy.type")
             if not getattr(policy_cls, "shares_initial_noise", False):
@@ -138,15 +163,19 @@ class PromptSampler(Sampler):
         n = self.data.num_conditions
         return {"num_prompts": n} if n is not None else {}
 
-    def _inputs(self, records: list[PromptRecord], copies: int, device: torch.device) -> Tensor | list[str]:
+    def _inputs(self, records: list[PromptRecord], copies: int | list[int], device: torch.device) -> Tensor | list[str]:
+        """One input per sample: ``copies`` of each record (a count per record, or one for all)."""
+        copies = [copies] * len(records) if isinstance(copies, int) else copies
         if self.data.kind == "condition":
-            return torch.tensor([r.prompt for r in records], dtype=torch.long, device=device).repeat_interleave(copies)
-        return [prompt for r in records for prompt in [prompt_input(r)] * copies]
+            return torch.tensor([r.prompt for r in records], dtype=torch.long, device=device).repeat_interleave(torch.tensor(copies, device=device))
+        return [prompt for r, n in zip(records, copies) for prompt in [prompt_input(r)] * n]
 
-    def _rollout(self, sample: Sample, inputs, records: list[PromptRecord], copies: int, group_id: Tensor, keep_graph: bool = False) -> Rollout:
+    def _rollout(self, sample: Sample, inputs, records: list[PromptRecord], copies: int | list[int], group_id: Tensor, keep_graph: bool = False, train_index: list[int] | None = None) -> Rollout:
         logp = sample.logp.detach()
         mask = sample.mask.float() if sample.mask is not None else torch.ones_like(logp)
-        per_sample = [r for r in records for _ in range(copies)]
+        copies = [copies] * len(records) if isinstance(copies, int) else copies
+        per_sample = [r for r, n in zip(records, copies) for _ in range(n)]
+        extra = {"train_index": torch.tensor([i for i, n in zip(train_index, copies) for _ in range(n)], dtype=torch.long, device=logp.device)} if train_index is not None else {}
         return Rollout(
             group_id=group_id.to(logp.device),
             old_logp=logp,
@@ -161,6 +190,7 @@ class PromptSampler(Sampler):
                 "answer": [r.answer for r in per_sample],
                 "metadata": [r.metadata for r in per_sample],
                 "record_id": torch.tensor([r.record_id for r in per_sample], dtype=torch.long, device=logp.device),
+                **extra,
             },
         )
 
@@ -186,13 +216,50 @@ class PromptSampler(Sampler):
             options["noise_group_size"] = group_size
         parts = []
         for first, end in _call_ranges(group_offset, group_offset + num_groups, self.config.batch_groups):
-            records = [self.data.train[i] for i in self.order.indices(start + first, end - first)]
-            inputs = self._inputs(records, group_size, device)
+            index = self.order.indices(start + first, end - first)
+            records = [self.data.train[i] for i in index]
+            sizes = self._group_sizes(step, start, first, end, group_size)
+            inputs = self._inputs(records, sizes, device)
             generator = torch.Generator().manual_seed(group_seed(self.seed, step, first))
             sample = policy.sample(inputs, generator, **options)
-            group_id = torch.arange(first, end).repeat_interleave(group_size)
-            parts.append(self._rollout(sample, inputs, records, group_size, group_id, keep_graph))
+            group_id = torch.arange(first, end).repeat_interleave(torch.tensor(sizes))
+            parts.append(self._rollout(sample, inputs, records, sizes, group_id, keep_graph, train_index=index))
         return Rollout.cat(parts)
+
+    def _group_sizes(self, step: int, start: int, first: int, end: int, group_size: int) -> list[int]:
+        """Samples of global groups [first, end) of ``step`` (whose group 0 is at stream
+        position ``start``): ``group_size`` each, or (knapsack) their share of their round's
+        budget. A round is groups_per_step consecutive groups (the step's, then each refill
+        round's); its sizes are worked out once, from the pass rates of its records, so
+        every process computes the same sizes."""
+        if self.history is None:
+            return [group_size] * (end - first)
+        out = []
+        for g in range(first, end):
+            round_ = g // self.groups_per_step
+            if (step, round_) not in self.sizes:
+                self.sizes = {k: v for k, v in self.sizes.items() if k[0] == step}  # earlier steps' are spent
+                index = self.order.indices(start + round_ * self.groups_per_step, self.groups_per_step)
+                self.sizes[step, round_] = self._allocate(index, group_size)
+            out.append(self.sizes[step, round_][g % self.groups_per_step])
+        return out
+
+    def _allocate(self, index: list[int], group_size: int) -> list[int]:
+        """Knapsack sizes of the train records ``index`` from a budget of ``group_size`` each."""
+        b = self.config.budget
+        return allocate([self.history.rate(i) for i in index], group_size * len(index), group_size, b.min_size, b.max_size, b.alpha, b.explore)
+
+    def observe(self, rollout: Rollout, reward: Tensor, gather=None) -> None:
+        """Knapsack: add the outcome of each scored training sample (a pass when its
+        combined ``reward`` is ≥ ``accuracy_threshold``) to its record's history. ``gather``
+        concatenates a tensor's rows over the learner processes, so every process keeps the
+        same histories."""
+        if self.history is None or "train_index" not in rollout.info:
+            return
+        gather = gather or (lambda t: t)
+        index = gather(torch.as_tensor(rollout.info["train_index"]).cpu())
+        passed = gather((torch.as_tensor(reward).cpu() >= self.config.accuracy_threshold).float())
+        self.history.add(index.tolist(), passed.tolist())
 
     def _collect_partial(self, policy: Policy, num_groups: int, group_size: int, step: int, group_offset: int, version: int) -> Rollout:
         """Partial rollouts (module docstring): finish ``num_groups`` groups of the ones in
@@ -206,8 +273,10 @@ class PromptSampler(Sampler):
         start = self._step_start(step, advance)
         fresh = max(0, provision - len(self.in_flight))
         self.provisioned = True
+        index = self.order.indices(start + first, fresh)
+        sizes = self._allocate(index, group_size) if self.history is not None and index else [group_size] * len(index)
         groups = self.in_flight + [
-            {"record": i, "born": step, "rows": [None] * group_size, "versions": [[] for _ in range(group_size)]} for i in self.order.indices(start + first, fresh)
+            {"record": i, "born": step, "rows": [None] * n, "versions": [[] for _ in range(n)]} for i, n in zip(index, sizes)
         ]
         active = [(g, r) for g, group in enumerate(groups) for r, st in enumerate(group["rows"]) if st is None or st["reason"] == "paused"]
         open_rows = [0] * len(groups)
@@ -235,23 +304,25 @@ class PromptSampler(Sampler):
         self.in_flight = [group for g, group in enumerate(groups) if g not in set(finished)]
         out = [groups[g] for g in finished]
         records = [self.data.train[group["record"]] for group in out]
-        inputs = self._inputs(records, group_size, _device(policy))
+        sizes = [len(group["rows"]) for group in out]
+        inputs = self._inputs(records, sizes, _device(policy))
         sample = policy.sample_of_states(inputs, [st for group in out for st in group["rows"]])
-        group_id = torch.arange(group_offset, group_offset + num_groups).repeat_interleave(group_size)
-        rollout = self._rollout(sample, inputs, records, group_size, group_id)
+        group_id = torch.arange(group_offset, group_offset + num_groups).repeat_interleave(torch.tensor(sizes))
+        rollout = self._rollout(sample, inputs, records, sizes, group_id, train_index=[group["record"] for group in out])
         versions = [v for group in out for v in group["versions"]]
         tags = torch.zeros(rollout.mask.shape, dtype=torch.long)
         for row, v in enumerate(versions):
             tags[row, : len(v)] = torch.tensor(v, dtype=torch.long)
         oldest = torch.tensor([min(v) if v else version for v in versions], dtype=torch.long)
-        born = torch.tensor([group["born"] for group in out for _ in range(group_size)], dtype=torch.long)
+        born = torch.tensor([group["born"] for group in out for _ in group["rows"]], dtype=torch.long)
         return rollout.with_(policy_version=oldest, info={**rollout.info, "decision_version": tags.to(rollout.mask.device), "steps_in_flight": (step - born + 1).to(rollout.mask.device)})
 
     def metrics(self, rollout: Rollout) -> dict[str, Tensor]:
         """Per-sample values the trainer averages over all collected samples: ``success_rate``
         when the policy reports success; for text completions, ``completion_length`` (tokens,
         EOS or stop string included) and ``truncated_rate`` (the fraction cut off by the
-        token budget)."""
+        token budget); with knapsack budgets ``budget/group_size``, the size of each
+        sample's group (its mean is Σ n² / Σ n over the groups: ``group_size`` when even)."""
         out = {}
         if "success" in rollout.info:
             out["success_rate"] = torch.as_tensor(rollout.info["success"]).float().reshape(-1)
@@ -260,6 +331,9 @@ class PromptSampler(Sampler):
         if "truncated" in rollout.info:
             out["truncated_rate"] = torch.as_tensor(rollout.info["truncated"]).float().reshape(-1).cpu()
         out.update(partial_metrics(rollout))  # partial rollouts: how many steps a sample took, and its versions' spread
+        if self.history is not None:  # knapsack: the size of each sample's group (its mean is groups' spread: group_size when even)
+            _, index, counts = torch.unique(rollout.group_id.cpu(), return_inverse=True, return_counts=True)
+            out["budget/group_size"] = counts[index].float()
         return out
 
     @torch.no_grad()
@@ -328,6 +402,8 @@ class PromptSampler(Sampler):
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"next_step": self.next_step, "next_position": self.next_position}
+        if self.history is not None:
+            state["pass_history"] = self.history.state_dict()
         if self.provisioned:
             state.update(in_flight=[{**g, "rows": [dict(st) if st else None for st in g["rows"]], "versions": [list(v) for v in g["versions"]]} for g in self.in_flight], provisioned=True)
         return state
@@ -337,3 +413,5 @@ class PromptSampler(Sampler):
         self.next_position = int(state.get("next_position", 0))
         self.in_flight = list(state.get("in_flight", []))
         self.provisioned = bool(state.get("provisioned", False))
+        if self.history is not None:
+            self.history.load_state_dict(state.get("pass_history", {}))

@@ -98,6 +98,10 @@ def rl_metrics(dist, collected, rollout, adv, update: dict[str, float], filters_
     if filters_on:
         out["filter/kept_fraction"] = kept / max(num_collected, 1.0)
     out["adv/abs_mean"] = (dist.sum(adv.abs().sum()) / max(dist.sum(adv.numel()).item(), 1.0)).item()
+    # the share of trained samples with any non-zero advantage (a group whose rewards are all
+    # equal gives its samples none: what dynamic sampling and knapsack budgets act on)
+    nonzero = (adv.reshape(adv.shape[0], -1) != 0).any(1) if adv.numel() else adv.new_zeros(0, dtype=torch.bool)
+    out["adv/nonzero_fraction"] = (dist.sum(nonzero.sum()) / max(dist.sum(adv.shape[0]).item(), 1.0)).item()
     out["decisions"] = dist.sum(rollout.mask.sum()).item()
     if rollout.entropy is not None:
         # the sampling policy's entropy per decision (sharpening or spreading under RL)

@@ -22,7 +22,7 @@ def _gae_run() -> TrainConfig:
 def test_the_context_holds_what_samplers_read_of_the_run_config():
     cfg = _gae_run()
     ctx = sampler_context(cfg)
-    assert ctx == SamplerContext(seed=cfg.seed, env=cfg.env, rewards=tuple(cfg.rewards), policy_type="gaussian_mlp", gamma=0.9, bootstrap_truncated=True, over_provision=1.5, groups_per_step=6)
+    assert ctx == SamplerContext(seed=cfg.seed, env=cfg.env, rewards=tuple(cfg.rewards), policy_type="gaussian_mlp", gamma=0.9, bootstrap_truncated=True, over_provision=1.5, groups_per_step=6, group_size=4)
     assert sampler_context(from_dict(TrainConfig, point_reach_config())).bootstrap_truncated is False  # an advantage without the option
     with pytest.raises(dataclasses.FrozenInstanceError):
         ctx.seed = 1  # type: ignore[misc]

@@ -103,6 +103,37 @@ def test_dynamic_sampling_with_two_processes_matches_one_process(tmp_path):
             assert math.isclose(x[key], y[key], rel_tol=1e-9, abs_tol=1e-12), (key, x[key], y[key])
 
 
+@pytest.mark.numerics
+def test_knapsack_budgets_with_two_processes_match_one_process(tmp_path):
+    """Knapsack budgets and DAPO refill rounds: each process observes every process's samples
+    (so both share each round's samples alike), groups of different sizes are split between
+    them, and the kept batch ends at a whole group; the result is one process's, to float64
+    rounding."""
+    data = yaml.safe_load((ROOT / "configs" / "toy_sequence_grpo.yaml").read_text())
+    data["defaults"] = str(ROOT / "configs" / "presets" / "dapo.yaml")
+    data.update(total_steps=5, log={"progress": False, "tensorboard": False}, eval={"at_end": False})
+    data["policy"].update(seq_len=1, vocab_size=4, dtype="float64")
+    data["rewards"] = [{"type": "token_fraction", "token": 3}]
+    # 4 records, 4 groups a step: every record is back each step with its pass rate
+    data["sampler"].update(batch_groups=2, data={"num_prompts": 4}, budget={"type": "knapsack", "min_history": 4})
+    data["algo"].update(groups_per_step=4, group_size=4, ppo_epochs=2, num_minibatches=2, resample_rounds=2)
+    path = tmp_path / "knapsack.yaml"
+    path.write_text(yaml.safe_dump(data))
+    ra, rb = _one_and_two_processes(tmp_path, path, 29537)
+    a = load_file(str(tmp_path / "one/checkpoints/step_00000005/model.safetensors"))
+    b = load_file(str(tmp_path / "two/checkpoints/step_00000005/model.safetensors"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-12)
+    ra, rb = [r for r in ra if "budget/group_size" in r], [r for r in rb if "budget/group_size" in r]
+    assert max(r["budget/group_size"] for r in ra) > 4  # the groups were uneven
+    assert len(ra) == len(rb) == 5
+    for key in ("budget/group_size", "filter/kept_fraction", "reward/total", "decisions", "loss/policy", "grad_norm"):
+        for x, y in zip(ra, rb):
+            assert (key in x) == (key in y), key  # a step whose filter kept nothing has no loss
+            assert key not in x or math.isclose(x[key], y[key], rel_tol=1e-9, abs_tol=1e-12), (key, x[key], y[key])
+    assert sum("loss/policy" in r for r in ra) >= 3
+
+
 def test_the_robot_configuration_shape_with_two_processes_matches_one_process(tmp_path, write_config):
     """Env sampler, observation normalization and an annealed noise clock (running statistics),
     two minibatches of two micro-batches, the zero-variance filter without refill and
