@@ -1,4 +1,4 @@
-"""The ``mmrl`` command: train, train-reward, eval, list, doctor, plot, collect.
+"""The ``mmrl`` command: train, train-reward, eval, list, doctor, plot, collect, serve-reward.
 
 Bad input (config keys, values, types, files, ids) ends with one line naming the field, the
 value and what is allowed, and exit code 2 — never a traceback. A fault of code the user
@@ -152,6 +152,26 @@ def cmd_eval(args) -> int:
         return 0
     result = evaluate_run(cfg, run_dir, episodes=args.episodes, checkpoint=args.checkpoint, out_dir=args.out, save_episodes=args.save_episodes)
     print(json.dumps(result, indent=2))
+    return 0
+
+
+def cmd_serve_reward(args) -> int:
+    """Serve the ``rewards:`` of a run config over HTTP (the ``remote`` reward's protocol,
+    docs/reward_models.md) until interrupted; one line per request on stderr."""
+    from mmrl.serve_reward import build_server
+
+    cfg, _ = _config_and_dir(args.config, args.overrides)
+    log = None if args.quiet else (lambda line: print(f"mmrl serve-reward: {line}", file=sys.stderr, flush=True))
+    server = build_server(cfg, args.host, args.port, log=log)
+    names = ", ".join(f"{name} (weight {weight:g})" for name, weight in zip(server.rewards.names, server.rewards.weights))
+    print(f"mmrl: serving {names}, combined by {server.rewards.aggregation}, at {server.url} (protocol version {server.version}); Ctrl-C stops", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
+    print(f"mmrl: stopped serving after {server.requests} requests", flush=True)
     return 0
 
 
@@ -403,6 +423,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-failures", action="store_true", help="also write episodes the expert failed (success false)")
     p.add_argument("--append", action="store_true", help="add to an existing demonstrations directory")
     p.set_defaults(func=cmd_collect)
+
+    p = sub.add_parser(
+        "serve-reward", help="serve the rewards of a run config over HTTP (for the remote reward)",
+        description="Serve the rewards: of a run config over HTTP, combined as the run combines them (algo.reward_aggregation), "
+        "for the remote reward of another run or any client of the protocol in docs/reward_models.md ('Rewards served over HTTP').",
+    )
+    p.add_argument("config", help="YAML config (its rewards: and algo.reward_aggregation), or a run directory")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. 'rewards=[{type: jpeg_compressibility}]'")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, this machine only; 0.0.0.0: every interface)")
+    p.add_argument("--port", type=_non_negative_int, default=8000, help="port to listen on (default 8000; 0: a free port, printed)")
+    p.add_argument("--quiet", action="store_true", help="no line per request on stderr")
+    p.set_defaults(func=cmd_serve_reward)
 
     p = sub.add_parser("plot", help="write PNG learning curves of a run")
     p.add_argument("run_dir")
