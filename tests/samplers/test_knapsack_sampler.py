@@ -176,3 +176,13 @@ def test_budget_options_are_checked():
         from_dict(TrainConfig, _toy({"type": "knapsack", "min_size": 40}))
     with pytest.raises(ConfigError, match="history"):
         from_dict(TrainConfig, _toy({"type": "knapsack", "min_history": 20}))
+
+
+def test_knapsack_budgets_in_one_worker_process(tmp_path):
+    """The pass histories live in the worker's sampler, which scores its own samples: one-step-off
+    with a worker process shares the samples unevenly too."""
+    data = _toy(KNAPSACK, total_steps=4, rollout={"mode": "async", "workers": 1})
+    train(from_dict(TrainConfig, data), tmp_path / "run")
+    steps = [r for r in read_metrics(tmp_path / "run") if "budget/group_size" in r]
+    assert len(steps) == 4 and max(r["budget/group_size"] for r in steps) > 8
+    assert all(r["decisions"] == 48 for r in steps)
