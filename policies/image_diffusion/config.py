@@ -119,7 +119,7 @@ class ImageDiffusionConfig(PolicyConfig):
     type: str = option("image_diffusion", "registered name of this component (see `mmrl list`)")
     model_path: str | None = option(
         None,
-        "local directory laid out like a diffusers pipeline: unet/ (UNet2DModel or UNet2DConditionModel) or transformer/ (SD3Transformer2DModel or DiTTransformer2DModel), optional vae/ (AutoencoderKL: the chain runs over its latents), text_encoder/ + tokenizer/ (and _2, _3 for SD3) for text prompts, optional scheduler/ (its training schedule and prediction type are checked against denoising); null = the random tiny model of `tiny`",
+        "local directory laid out like a diffusers pipeline: unet/ (UNet2DModel or UNet2DConditionModel, SD 1.x/2.x or SDXL shaped) or transformer/ (SD3Transformer2DModel or DiTTransformer2DModel), optional vae/ (AutoencoderKL: the chain runs over its latents), text_encoder/ + tokenizer/ (and _2 for SDXL, _2 and _3 for SD3) for text prompts, optional scheduler/ (its training schedule and prediction type are checked against denoising); null = the random tiny model of `tiny`",
     )
     tiny: TinyDenoiserConfig = option(factory=TinyDenoiserConfig, doc="the random tiny model built when model_path is null")
     prediction_type: Literal["epsilon", "v_prediction", "sample", "velocity"] | None = option(
@@ -135,11 +135,28 @@ class ImageDiffusionConfig(PolicyConfig):
     max_prompt_tokens: int | None = option(None, "text: prompts are padded / truncated to this many tokens (at most the text encoder's positions); null = the tokenizer's model_max_length (77 for CLIP)", ge=1)
     train_text_encoder: bool = option(False, "text: also train the text encoder(s) (default: frozen, only the denoiser learns)")
     max_t5_tokens: int = option(256, "SD3 with a T5 encoder (text_encoder_3/): prompts are padded / truncated to this many T5 tokens (256 as diffusers' pipeline)", ge=1)
+    sdxl_original_size: list[int] | None = option(
+        None, "SDXL (a UNet with added time conditions): the original_size (height, width) of its micro-conditioning time ids; null = the generated image's size, as StableDiffusionXLPipeline's default"
+    )
+    sdxl_crops_coords_top_left: list[int] = option(factory=lambda: [0, 0], doc="SDXL: the crops_coords_top_left (top, left) of its time ids ((0, 0) as the pipeline's default)")
+    prompt_cache: int = option(
+        4096,
+        "text: prompt embeddings kept in an LRU cache (CPU memory) keyed by the prompts' token ids, so the frozen text encoders run once per distinct prompt, for sampling, log_prob and sft_loss alike; the number of prompts kept; 0 = off (also off while train_text_encoder)",
+        ge=0,
+    )
+    prompt_files: list[str] = option(
+        factory=list,
+        doc="text: prompt files (.jsonl / .csv / a dataset saved with save_to_disk, read by their `prompt` field: the sampler's train and eval files) encoded into the prompt cache before the first text encoding",
+    )
+    release_text_encoders: bool = option(
+        False,
+        "text: once the cache holds every prompt of prompt_files (or of a cache_prompts call), move the text encoders to the CPU and keep them there (moving the policy leaves them), freeing accelerator memory; a prompt not in the cache is then encoded on the CPU",
+    )
     save_frozen_weights: bool = option(
         True,
         "checkpoints and save_pretrained hold every weight; false (with model_path): they leave out the frozen weights read from model_path (VAE, text encoders, the denoiser's base under LoRA), which loading reads from model_path again — megabytes instead of gigabytes per checkpoint of a real pipeline",
     )
-    lora: ImageLoraOptions = option(factory=ImageLoraOptions, doc="low-rank adapters on the denoiser (r > 0): only they train, and the KL reference is the denoiser with its adapters disabled")
+    lora: ImageLoraOptions = option(factory=ImageLoraOptions, doc="low-rank adapters on the denoiser (r > 0): only they train, and the KL reference is the denoiser with its adapters disabled; checkpoints and save_pretrained also write them in diffusers' LoRA format (lora_diffusers/, for pipeline.load_lora_weights) for a UNet2DConditionModel or SD3Transformer2DModel")
     denoising: DenoisingOptions = option(
         factory=lambda: DenoisingOptions(transition="ddim", num_inference_steps=8, eta=1.0, min_std=0.01, beta_schedule="linear", clip_denoised=1.0),
         doc="the denoising chain: transition (ddim / ddpm for noise-predicting UNets, flow_* for velocity ones), steps, which steps are decisions, log-prob options",
@@ -149,6 +166,15 @@ class ImageDiffusionConfig(PolicyConfig):
         p = f"{path}." if path else ""
         self.tiny.validate(p + "tiny")
         self.lora.validate(p + "lora")
+        if self.sdxl_original_size is not None and (len(self.sdxl_original_size) != 2 or min(self.sdxl_original_size) < 1):
+            raise ConfigError(p + "sdxl_original_size", self.sdxl_original_size, "expected [height, width] in pixels")
+        if len(self.sdxl_crops_coords_top_left) != 2 or min(self.sdxl_crops_coords_top_left) < 0:
+            raise ConfigError(p + "sdxl_crops_coords_top_left", self.sdxl_crops_coords_top_left, "expected [top, left], each >= 0")
+        if self.release_text_encoders and (self.train_text_encoder or not self.prompt_cache):
+            why = "the text encoders train (train_text_encoder)" if self.train_text_encoder else "there is no prompt cache (prompt_cache: 0)"
+            raise ConfigError(p + "release_text_encoders", True, f"needs the prompt cache to hold the prompts' embeddings, but {why}")
+        if self.prompt_files and (self.train_text_encoder or not self.prompt_cache):
+            raise ConfigError(p + "prompt_files", self.prompt_files, "fills the prompt cache, which is off (prompt_cache: 0, or train_text_encoder)")
         if self.lora.r and self.train_text_encoder:
             raise ConfigError(p + "train_text_encoder", True, "LoRA trains adapters on the denoiser only (the KL reference is the adapter-disabled model); set lora.r: 0 to train the text encoder too")
         self.denoising.validate(p + "denoising")

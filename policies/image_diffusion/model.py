@@ -4,15 +4,17 @@ One decision is one stochastic denoising step of an image's chain (DDPO with ``d
 or ``ddpm``; Flow-GRPO with ``flow_sde``; CPS with ``flow_cps``), all from
 :mod:`mmrl.denoising`: this module only says how the denoiser is conditioned and what it
 predicts. The denoiser is a UNet (``UNet2DModel`` class-conditional or unconditional,
-``UNet2DConditionModel`` under a CLIP text encoder), an ``SD3Transformer2DModel`` (CLIP /
-T5 text encoders, pooled projections) or a ``DiTTransformer2DModel`` (class-conditional).
+``UNet2DConditionModel`` under a CLIP text encoder, or SDXL's under two CLIPs with its added
+conditions), an ``SD3Transformer2DModel`` (CLIP / T5 text encoders, pooled projections) or a
+``DiTTransformer2DModel`` (class-conditional).
 ``sample`` takes the prompt sampler's inputs — a LongTensor of condition ids or a list of
 prompt strings — and returns the chains in the replay layout beside the conditioning:
 
     chain              the latents, step indices and stochastic mask (mmrl.denoising.chain)
     condition [N]      class ids (class conditioning), or
-    prompt_ids [N, L]  token ids (text conditioning; the encoders run again in log_prob),
-                       with prompt_ids_2 / prompt_ids_3 for SD3's second CLIP and T5
+    prompt_ids [N, L]  token ids (text conditioning; log_prob embeds them again, from the
+                       prompt cache unless it is off), with prompt_ids_2 / prompt_ids_3
+                       for SD3's and SDXL's second CLIP and SD3's T5
 
 The chain runs in pixel space, in [-1, 1], or over the latents of an ``AutoencoderKL``
 (scaled as diffusers does); the final latent is decoded to ``info["images"]`` (uint8
@@ -27,12 +29,16 @@ step that was sampled; the unconditional pass uses the null condition (the last 
 or the empty prompt).
 
 With ``lora.r > 0`` peft LoRA layers are injected into the denoiser and only they train;
-``reference()`` is then the policy itself with its adapters disabled.
+``reference()`` is then the policy itself with its adapters disabled, and every save also
+writes the adapters in diffusers' LoRA format (``lora_diffusers/``, :func:`save_diffusers_lora`).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,6 +130,8 @@ class _Parts:
     tokenizers: list = field(default_factory=list)
     vae: nn.Module | None = None
     scheduler: dict | None = None  # the pipeline's scheduler_config.json
+    sdxl: bool = False  # a UNet with SDXL's added conditions (pooled text embeds + time ids)
+    zero_null_prompt: bool = False  # SDXL's force_zeros_for_empty_prompt: the null condition is zeros
 
 
 def _kind(denoiser: nn.Module) -> str:
@@ -269,26 +277,33 @@ def _class_name(directory: Path, config_file: str = "config.json") -> str | None
     return data.get("_class_name") or (data.get("architectures") or [None])[0]
 
 
-def _load_text_encoders(root: Path, kind: str) -> tuple[list, list]:
+def _load_text_encoders(root: Path, kind: str, sdxl: bool = False) -> tuple[list, list]:
     """The pipeline's text encoders and tokenizers by slot: text_encoder/ + tokenizer/ (a
-    UNet2DConditionModel's CLIPTextModel; SD3's first CLIPTextModelWithProjection), and for SD3
+    UNet2DConditionModel's CLIPTextModel; SD3's first CLIPTextModelWithProjection), for SDXL
+    text_encoder_2/ + tokenizer_2/ (its CLIPTextModelWithProjection, required), and for SD3
     text_encoder_2/ + tokenizer_2/ (the second CLIP) and text_encoder_3/ + tokenizer_3/ (T5),
     each None when absent."""
     tf = _transformers()
     field_name, value = "policy.model_path", str(root)
     encoders, tokenizers = [], []
-    for suffix in ("", "_2", "_3") if kind == "sd3" else ("",):
+    for suffix in ("", "_2", "_3") if kind == "sd3" else ("", "_2") if sdxl else ("",):
         encoder_dir, tokenizer_dir = root / f"text_encoder{suffix}", root / f"tokenizer{suffix}"
         if not encoder_dir.is_dir():
-            if suffix == "":
-                raise ConfigError(field_name, value, f"a text-conditioned {'SD3Transformer2DModel' if kind == 'sd3' else 'UNet2DConditionModel'} needs text_encoder/ and tokenizer/ beside it")
+            if suffix == "" or sdxl:
+                denoiser = "SD3Transformer2DModel" if kind == "sd3" else "SDXL-style UNet2DConditionModel" if sdxl else "UNet2DConditionModel"
+                raise ConfigError(field_name, value, f"a text-conditioned {denoiser} needs text_encoder{suffix}/ and tokenizer{suffix}/ beside it")
             encoders.append(None)
             tokenizers.append(None)
             continue
         if not tokenizer_dir.is_dir():
             raise ConfigError(field_name, value, f"text_encoder{suffix}/ needs tokenizer{suffix}/ beside it")
         class_name = _class_name(encoder_dir)
-        allowed = ("T5EncoderModel",) if suffix == "_3" else ("CLIPTextModelWithProjection",) if kind == "sd3" else ("CLIPTextModel",)
+        if suffix == "_3":
+            allowed = ("T5EncoderModel",)
+        elif kind == "sd3" or (sdxl and suffix == "_2"):
+            allowed = ("CLIPTextModelWithProjection",)
+        else:
+            allowed = ("CLIPTextModel",)
         if class_name not in allowed:
             raise ConfigError(field_name, value, f"text_encoder{suffix}/ holds a {class_name}; supported there: {list(allowed)}")
         # local_files_only: a directory name that looks like a hub id must never start a download
@@ -317,8 +332,12 @@ def _load_parts(config: ImageDiffusionConfig) -> _Parts:
         raise ConfigError(field_name, config.model_path, f"{sub}/ holds a {class_name}; supported denoisers: {list(UNET_CLASSES + TRANSFORMER_CLASSES)}")
     denoiser = getattr(diffusers, class_name).from_pretrained(str(root / sub))
     kind = _kind(denoiser)
-    if class_name == "UNet2DConditionModel" and (denoiser.config.addition_embed_type or denoiser.config.class_embed_type):
-        raise ConfigError(field_name, config.model_path, "the UNet2DConditionModel takes added conditions (an SDXL-style UNet); supported: UNets conditioned on the text encoder's states only")
+    sdxl = class_name == "UNet2DConditionModel" and denoiser.config.addition_embed_type == "text_time"
+    if class_name == "UNet2DConditionModel" and ((denoiser.config.addition_embed_type and not sdxl) or denoiser.config.class_embed_type):
+        raise ConfigError(
+            field_name, config.model_path,
+            "the UNet2DConditionModel takes added conditions other than SDXL's (addition_embed_type text_time); supported: UNets conditioned on the text encoder's states, and SDXL's",
+        )
     vae = None
     vae_name = _class_name(root / "vae")
     if vae_name is not None:
@@ -340,8 +359,12 @@ def _load_parts(config: ImageDiffusionConfig) -> _Parts:
         if not denoiser.config.num_embeds_ada_norm:
             raise ConfigError(field_name, config.model_path, "the DiTTransformer2DModel has no class embedding (num_embeds_ada_norm)")
         return _Parts(denoiser, kind, "class", vae=vae, scheduler=scheduler)
-    encoders, tokenizers = _load_text_encoders(root, kind)
-    return _Parts(denoiser, kind, "text", encoders, tokenizers, vae, scheduler)
+    encoders, tokenizers = _load_text_encoders(root, kind, sdxl)
+    # StableDiffusionXLPipeline's force_zeros_for_empty_prompt (model_index.json; True by default)
+    index_file = root / "model_index.json"
+    index = json.loads(index_file.read_text()) if index_file.is_file() else {}
+    zero_null = sdxl and bool(index.get("force_zeros_for_empty_prompt", True))
+    return _Parts(denoiser, kind, "text", encoders, tokenizers, vae, scheduler, sdxl=sdxl, zero_null_prompt=zero_null)
 
 
 def _check_scheduler(config: ImageDiffusionConfig, scheduler: dict) -> None:
@@ -432,6 +455,100 @@ class _AdapterDisabledReference(DenoisingPolicy):
         return self.log_prob(replay)
 
 
+class _PromptCache:
+    """An LRU cache of text conditionings (the embeddings of one prompt: a tensor, or a tuple
+    for SD3 / SDXL), keyed by the bytes of the prompt's token ids of every tokenizer, held in
+    CPU memory. A plain attribute of the policy: not a parameter or buffer, so it never
+    reaches ``state_dict`` or a checkpoint; a deep copy of the policy (the trainer's frozen
+    reference) shares it, as the frozen text encoders it caches are the same."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.entries: OrderedDict[bytes, object] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.entries
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def get(self, key: bytes):
+        entry = self.entries.get(key)
+        if entry is not None:
+            self.entries.move_to_end(key)
+        return entry
+
+    def put(self, key: bytes, entry) -> None:
+        self.entries[key] = entry
+        self.entries.move_to_end(key)
+        while len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+
+
+# the pipeline class whose save_lora_weights / load_lora_weights a denoiser's adapters follow
+LORA_EXPORTS = {"UNet2DConditionModel": "unet", "SD3Transformer2DModel": "transformer"}
+
+
+def save_diffusers_lora(policy: "ImageDiffusionPolicy", out_dir: str | os.PathLike) -> Path:
+    """Write the policy's LoRA adapters where diffusers' LoRA loaders read them:
+    ``out_dir/pytorch_lora_weights.safetensors``, which ``pipeline.load_lora_weights(out_dir)``
+    of the user's pipeline (built from the same base directory) loads into its denoiser.
+
+    Follows diffusers' LoRA training scripts (``train_text_to_image_lora.py``,
+    ``train_dreambooth_lora_sdxl.py``, ``train_dreambooth_lora_sd3.py``): peft's
+    ``get_peft_model_state_dict`` of the denoiser (diffusers' key names for a UNet,
+    ``convert_state_dict_to_diffusers``), saved with the pipeline class's
+    ``save_lora_weights`` — ``StableDiffusionPipeline`` (SD 1.x / 2.x) or
+    ``StableDiffusionXLPipeline`` (SDXL), keys prefixed ``unet.``; ``StableDiffusion3Pipeline``,
+    keys prefixed ``transformer.`` — with the adapter's ``LoraConfig`` as metadata, so the
+    loader applies the same rank, alpha and target modules (scale alpha / r). The directory
+    is written under a temporary name and renamed into place. A ``DiTTransformer2DModel`` or
+    ``UNet2DModel`` has no diffusers LoRA loader: a config error (its adapters are in
+    ``model.safetensors``)."""
+    lora = policy.config.lora
+    if not lora.r:
+        raise ConfigError("policy.lora.r", lora.r, "there are no adapters to export (LoRA is off)")
+    diffusers = _diffusers()
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft.utils import get_peft_model_state_dict
+
+    model = policy.denoiser_model
+    slot = LORA_EXPORTS.get(type(model).__name__)
+    if slot is None:
+        raise ConfigError("policy.lora.r", lora.r, f"diffusers has no LoRA loader for a {type(model).__name__} (supported: {list(LORA_EXPORTS)}); its adapters are in model.safetensors")
+    layers = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(model).items()}
+    metadata = model.peft_config["default"].to_dict()
+    if slot == "unet":
+        pipeline = diffusers.StableDiffusionXLPipeline if policy.sdxl else diffusers.StableDiffusionPipeline
+        kwargs = {"unet_lora_layers": convert_state_dict_to_diffusers(layers), "unet_lora_adapter_metadata": metadata}
+    else:
+        pipeline = diffusers.StableDiffusion3Pipeline
+        kwargs = {"transformer_lora_layers": layers, "transformer_lora_adapter_metadata": metadata}
+    out = Path(out_dir)
+    tmp = out.with_name(f".{out.name}.tmp_{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    pipeline.save_lora_weights(str(tmp), safe_serialization=True, **kwargs)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def _read_prompt_files(paths: list[str]) -> list[str]:
+    """The prompts of ``policy.prompt_files`` (read as the prompt sampler reads its sources)."""
+    from mmrl.data.prompts import PromptDataConfig, read_records
+
+    prompts = []
+    for i, path in enumerate(paths):
+        records = read_records(PromptDataConfig(train=path, answer_field=None, image_field=None), "train", f"policy.prompt_files[{i}]")
+        prompts.extend(str(r.prompt) for r in records)
+    return prompts
+
+
 def _drop_unsaved(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
     for name in module._unsaved:
         state_dict.pop(prefix + name, None)
@@ -471,6 +588,7 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         if parts.scheduler is not None:
             _check_scheduler(config, parts.scheduler)
         self.kind = parts.kind
+        self.sdxl, self.zero_null_prompt = parts.sdxl, parts.zero_null_prompt
         # the UNet keeps its attribute (and state-dict prefix) ``unet``; transformers are ``transformer``
         if self.kind == "unet":
             self.unet = parts.denoiser
@@ -501,6 +619,8 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         self.prompt_tokens = self.prompt_lengths[0]  # the first (or only) text encoder's
         if self.kind == "sd3":
             self._check_sd3_widths()
+        if self.sdxl:
+            self._check_sdxl_widths()
         self.prediction_type = config.prediction_type or self._default_prediction(parts.scheduler)
         if self.prediction_type not in config.allowed_predictions:
             raise ConfigError("policy.prediction_type", self.prediction_type, f"the pipeline's scheduler predicts it, but transition {config.denoising.transition} takes one of {list(config.allowed_predictions)}")
@@ -522,6 +642,14 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         self.resolution = tuple(sample_size) if isinstance(sample_size, (list, tuple)) else (sample_size, sample_size)
         self.image_resolution = tuple(r * self.vae_factor for r in self.resolution) if self.vae is not None else self.resolution
         self.channels = int(model_config.in_channels)
+        if self.sdxl:  # StableDiffusionXLPipeline._get_add_time_ids: original_size + crops_coords_top_left + target_size
+            original = tuple(config.sdxl_original_size or self.image_resolution)
+            self.sdxl_time_ids = (*original, *config.sdxl_crops_coords_top_left, *self.image_resolution)
+        # the prompt cache (frozen text encoders only); the prompts of prompt_files are read now, encoded at the first encoding
+        cached = self.conditioning == "text" and config.prompt_cache > 0 and not config.train_text_encoder
+        self._prompt_cache = _PromptCache(config.prompt_cache) if cached else None
+        self._pending_prompts = _read_prompt_files(config.prompt_files) if cached else []
+        self._text_encoders_released = False
         options = config.denoising
         if config.is_diffusion:
             ab = alphas_cumprod(ddpm_betas(options.num_train_timesteps, options.beta_schedule, options.beta_start, options.beta_end)).float()
@@ -564,6 +692,21 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         where = self.config.model_path or "policy.tiny"
         if width > joint or pooled != pooled_dim or (self.text_encoder_3 is not None and self.text_encoder_3.config.d_model != joint):
             raise ConfigError("policy.model_path", where, f"the text encoders (CLIP widths {width}, projections {pooled}) do not fit the SD3 transformer (joint_attention_dim {joint}, pooled_projection_dim {pooled_dim})")
+
+    def _check_sdxl_widths(self) -> None:
+        """SDXL's UNet takes the two CLIPs' states side by side (cross_attention_dim), and adds
+        the second one's pooled projection and six time ids (projection_class_embeddings_input_dim)."""
+        unet, first, second = self.unet.config, self.text_encoder.config, self.text_encoder_2.config
+        width = first.hidden_size + second.hidden_size
+        added = unet.addition_time_embed_dim * 6 + second.projection_dim
+        if self.prompt_lengths[0] != self.prompt_lengths[1]:
+            raise ConfigError("policy.max_prompt_tokens", self.config.max_prompt_tokens, f"SDXL's two tokenizers pad to {self.prompt_lengths[0]} and {self.prompt_lengths[1]} tokens; their states are joined token by token, so they must agree")
+        if width != unet.cross_attention_dim or added != unet.projection_class_embeddings_input_dim:
+            raise ConfigError(
+                "policy.model_path", self.config.model_path,
+                f"the text encoders (CLIP widths {first.hidden_size} + {second.hidden_size}, projection {second.projection_dim}) do not fit the SDXL UNet "
+                f"(cross_attention_dim {unet.cross_attention_dim}, projection_class_embeddings_input_dim {unet.projection_class_embeddings_input_dim} = 6 x {unet.addition_time_embed_dim} + projection)",
+            )
 
     def _no_label_dropout(self) -> None:
         """DiT drops class labels at random in train mode (its own CFG training); RL compares
@@ -644,31 +787,150 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         return out
 
     def _encode(self, ids: dict[str, Tensor]):
-        """Text embeddings the denoiser attends to (no grad unless the encoders train): the
-        CLIP states [N, L, D] for a UNet; for SD3 as diffusers' pipeline builds them, the
-        tuple (token states [N, L, joint_dim], pooled [N, P]) — the CLIPs' penultimate states
-        side by side, zero-padded to joint_attention_dim, then the T5 states (when there is a
-        T5 encoder) after them; the CLIPs' pooled projections side by side."""
-        with torch.set_grad_enabled(torch.is_grad_enabled() and self.config.train_text_encoder):
-            if self.kind != "sd3":
-                return self.text_encoder(ids["prompt_ids"]).last_hidden_state.to(self.dtype)
-            states, pooled = [], []
-            for key, encoder in (("prompt_ids", self.text_encoder), ("prompt_ids_2", self.text_encoder_2)):
-                if encoder is not None:
-                    out = encoder(ids[key], output_hidden_states=True)
-                    states.append(out.hidden_states[-2])
-                    pooled.append(out.text_embeds)
-            clip = torch.cat(states, dim=-1)
-            joint = self.transformer.config.joint_attention_dim
-            clip = nn.functional.pad(clip, (0, joint - clip.shape[-1]))
-            if self.text_encoder_3 is not None:
-                clip = torch.cat([clip, self.text_encoder_3(ids["prompt_ids_3"]).last_hidden_state], dim=-2)
-            return clip.to(self.dtype), torch.cat(pooled, dim=-1).to(self.dtype)
+        """Text embeddings the denoiser attends to (no grad unless the encoders train), in the
+        denoiser's dtype and on its device: the CLIP states [N, L, D] for an SD 1.x / 2.x UNet;
+        for SD3 and SDXL as diffusers' pipelines build them (:meth:`_encode_texts`).
+
+        Each distinct prompt of the batch is encoded once and alone (a batch of one), and its
+        rows share that embedding: a prompt's embedding never depends on the prompts it came
+        with (a linear layer's float32 result can differ in the last bit between a batch of
+        one and of several), so sampling, ``log_prob`` on any minibatch and the prompt cache
+        all see the same numbers. With the prompt cache the embeddings also outlive the call
+        (:meth:`_cached_entries`), and the encoders run once per distinct prompt in all."""
+        keys, entries = self._cached_entries(ids)
+        rows = [entries[key] for key in keys]
+        if isinstance(rows[0], tuple):
+            return tuple(torch.cat([r[j] for r in rows]).to(self.device, self.dtype) for j in range(len(rows[0])))
+        return torch.cat(rows).to(self.device, self.dtype)
+
+    def _encode_texts(self, ids: dict[str, Tensor]):
+        """The text encoders' conditioning of token ids, in the encoders' dtype: the CLIP's
+        last states [N, L, D] for an SD 1.x / 2.x UNet; for SD3 as StableDiffusion3Pipeline's
+        ``encode_prompt``, the tuple (token states [N, L, joint_dim], pooled [N, P]) — the
+        CLIPs' penultimate states side by side, zero-padded to joint_attention_dim, then the
+        T5 states (when there is a T5 encoder) after them; the CLIPs' pooled projections side
+        by side; for SDXL as StableDiffusionXLPipeline's ``encode_prompt`` (no clip_skip), the
+        tuple (states [N, L, D1 + D2], pooled [N, P], time ids [N, 6]) — both CLIPs'
+        penultimate states side by side, text_encoder_2's pooled projection, and the
+        micro-conditioning (original_size, crops_coords_top_left, target_size) of
+        ``_get_add_time_ids``. Token ids go to each encoder's device (the CPU once released)."""
+
+        def run(encoder, key, **kwargs):
+            return encoder(ids[key].to(next(encoder.parameters()).device), **kwargs)
+
+        if self.kind != "sd3" and not self.sdxl:
+            return run(self.text_encoder, "prompt_ids").last_hidden_state
+        if self.sdxl:
+            first = run(self.text_encoder, "prompt_ids", output_hidden_states=True)
+            second = run(self.text_encoder_2, "prompt_ids_2", output_hidden_states=True)
+            states = torch.cat([first.hidden_states[-2], second.hidden_states[-2].to(first.hidden_states[-2].device)], dim=-1)
+            pooled = second.text_embeds.to(states.device)
+            time_ids = torch.tensor([self.sdxl_time_ids], dtype=states.dtype, device=states.device).expand(states.shape[0], -1)
+            return states, pooled, time_ids
+        states, pooled = [], []
+        for key, encoder in (("prompt_ids", self.text_encoder), ("prompt_ids_2", self.text_encoder_2)):
+            if encoder is not None:
+                out = run(encoder, key, output_hidden_states=True)
+                states.append(out.hidden_states[-2])
+                pooled.append(out.text_embeds)
+        clip = torch.cat(states, dim=-1)
+        joint = self.transformer.config.joint_attention_dim
+        clip = nn.functional.pad(clip, (0, joint - clip.shape[-1]))
+        if self.text_encoder_3 is not None:
+            clip = torch.cat([clip, run(self.text_encoder_3, "prompt_ids_3").last_hidden_state.to(clip.device)], dim=-2)
+        return clip, torch.cat(pooled, dim=-1)
+
+    # -------------------------------------------------------------- the prompt cache
+
+    def _cache_keys(self, ids: dict[str, Tensor]) -> list[bytes]:
+        """One key per row: the bytes of its token ids of every tokenizer, side by side (a
+        function of the prompt's text, and what the replay keeps of it)."""
+        rows = torch.cat([ids[key] for key in self._prompt_keys], dim=-1).cpu()
+        return [row.numpy().tobytes() for row in rows]
+
+    def _cached_entries(self, ids: dict[str, Tensor]) -> tuple[list[bytes], dict[bytes, object]]:
+        """The rows' keys and the embedding of each distinct one (in the encoders' dtype): from
+        the prompt cache when it holds it, else encoded alone — with grad when the encoders
+        train — and, with the cache, stored in CPU memory (the least recently used entry
+        making room)."""
+        cache = self._prompt_cache
+        if cache is not None:
+            self._fill_pending_prompts()
+        grad = torch.is_grad_enabled() and self.config.train_text_encoder
+        keys, entries = self._cache_keys(ids), {}
+        for i, key in enumerate(keys):
+            if key in entries:
+                continue
+            entry = cache.get(key) if cache is not None else None
+            if entry is None:
+                with torch.set_grad_enabled(grad):
+                    entry = self._encode_texts({k: ids[k][i : i + 1] for k in self._prompt_keys})
+                if cache is not None:
+                    entry = _map(lambda c: c.detach().cpu(), entry)
+                    cache.put(key, entry)
+            entries[key] = entry
+        return keys, entries
+
+    def cache_prompts(self, prompts: list[str], batch_size: int = 64) -> int:
+        """Encode ``prompts`` into the prompt cache (each distinct prompt once; the empty
+        prompt too when guidance needs it) and return how many distinct prompts it holds for
+        them. With ``release_text_encoders`` the text encoders then move to the CPU
+        (:meth:`release_text_encoders`). The cache must hold them all."""
+        cache = self._prompt_cache
+        if cache is None:
+            why = "the text encoders train (train_text_encoder)" if self.config.train_text_encoder else "the policy takes no text prompts" if self.conditioning != "text" else "it is off"
+            raise ConfigError("policy.prompt_cache", self.config.prompt_cache, f"cannot cache prompts: {why}")
+        distinct = list(dict.fromkeys(str(p) for p in prompts))
+        if self.config.guidance_scale != 1 and not self.zero_null_prompt and "" not in distinct:
+            distinct.append("")
+        if len(distinct) > cache.size:
+            raise ConfigError("policy.prompt_cache", cache.size, f"holds fewer prompts than the {len(distinct)} distinct prompts to cache (the empty one included)")
+        self._pending_prompts = []
+        for start in range(0, len(distinct), batch_size):
+            self._cached_entries(self._tokenize(distinct[start : start + batch_size]))
+        if self.config.release_text_encoders:
+            self.release_text_encoders()
+        return len(distinct)
+
+    def _fill_pending_prompts(self) -> None:
+        """The prompts of ``prompt_files``, encoded at the first encoding (when the policy is
+        on its device)."""
+        if self._pending_prompts:
+            prompts, self._pending_prompts = self._pending_prompts, []
+            self.cache_prompts(prompts)
+
+    def release_text_encoders(self) -> None:
+        """Move the text encoders to the CPU and keep them there: moving the policy (``to``,
+        ``cuda``, ``half``) leaves them, so they no longer take accelerator memory. Their
+        weights stay in ``state_dict`` (checkpoints are unchanged); a prompt missing from the
+        cache is encoded on the CPU, its embedding then moved to the denoiser's device."""
+        for encoder in (self.text_encoder, self.text_encoder_2, self.text_encoder_3):
+            if encoder is not None:
+                encoder.to("cpu")
+        self._text_encoders_released = True
+
+    def _apply(self, fn, recurse: bool = True):
+        if not getattr(self, "_text_encoders_released", False):
+            return super()._apply(fn, recurse)
+        held = {name: self._modules[name] for name in ("text_encoder", "text_encoder_2", "text_encoder_3") if self._modules.get(name) is not None}
+        for name in held:  # None keeps each module's place in the state dict's order
+            self._modules[name] = None
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            self._modules.update(held)
 
     def _null(self, n: int):
-        """The null condition for n rows: the null class, or the empty prompt's embedding."""
+        """The null condition for n rows: the null class, or the empty prompt's embedding
+        (for SDXL with the pipeline's ``force_zeros_for_empty_prompt``, zero states and pooled
+        embeddings beside the same time ids, as StableDiffusionXLPipeline's negative prompt)."""
         if self.conditioning == "class":
             return torch.full((n,), self.null_class, dtype=torch.long, device=self.device)
+        if self.zero_null_prompt:
+            unet = self.unet.config
+            states = torch.zeros(n, self.prompt_lengths[0], unet.cross_attention_dim, device=self.device, dtype=self.dtype)
+            pooled = torch.zeros(n, self.text_encoder_2.config.projection_dim, device=self.device, dtype=self.dtype)
+            return states, pooled, torch.tensor([self.sdxl_time_ids], device=self.device, dtype=self.dtype).expand(n, -1)
         return _map(lambda c: c.expand(n, *c.shape[1:]), self._encode(self._tokenize([""])))
 
     # -------------------------------------------------------------- the denoiser
@@ -682,6 +944,9 @@ class ImageDiffusionPolicy(DenoisingPolicy):
             out = self.transformer(x, timestep=timestep.expand(x.shape[0]), class_labels=condition).sample
         elif self.conditioning == "class":
             out = self.unet(x, timestep, class_labels=condition).sample
+        elif self.conditioning == "text" and self.sdxl:
+            states, pooled, time_ids = condition
+            out = self.unet(x, timestep, encoder_hidden_states=states, added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids}).sample
         elif self.conditioning == "text":
             out = self.unet(x, timestep, encoder_hidden_states=condition).sample
         else:
@@ -790,6 +1055,14 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         with torch.no_grad():
             images = pixels_to_uint8(self.decode_latents(out.final))
         return Sample(output=out.final, logp=out.logp, replay=replay, mask=out.mask, entropy=out.entropy, info={"images": images}, logp_deferred=out.deferred)
+
+    def save_extra(self, directory) -> None:
+        """With LoRA on a denoiser diffusers has a LoRA loader for (a UNet2DConditionModel, an
+        SD3Transformer2DModel), the adapters also go to ``lora_diffusers/`` in diffusers'
+        format (:func:`save_diffusers_lora`), beside every ``save_pretrained`` and checkpoint,
+        for ``pipeline.load_lora_weights``."""
+        if self.config.lora.r and type(self.denoiser_model).__name__ in LORA_EXPORTS:
+            save_diffusers_lora(self, Path(directory) / "lora_diffusers")
 
     def media(self, rollout) -> dict[str, Tensor]:
         """The generated images, written at evaluation as a PNG grid (and to TensorBoard)."""
