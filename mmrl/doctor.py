@@ -108,6 +108,7 @@ _EXTRAS = (
     ("math-verify", ("math-verify",), "the math_answer reward", "text"),
     ("gguf", ("gguf",), "GGUF checkpoints (text_lm gguf_file)", "text"),
     ("datasets", ("datasets",), "prompt datasets saved with save_to_disk", "data"),
+    ("rapidocr", ("rapidocr-onnxruntime", "onnxruntime"), "the ocr reward (PP-OCRv4 in the wheel)", "ocr"),
     ("trl", ("trl",), "tests/parity against TRL", "parity"),
     ("verl", ("verl",), "tests/parity against verl (installed with --no-deps)", "parity"),
 )
