@@ -1,4 +1,5 @@
-"""Noise schedules: DDPM betas → ᾱ_t, the timesteps a K-step sampler visits, flow sigmas.
+"""Noise schedules: DDPM betas → ᾱ_t, the timesteps a K-step sampler visits, flow sigmas
+(and their resolution-dependent shift).
 
 Diffusion (DDPM, Ho et al. 2020): x_t = sqrt(ᾱ_t)·x_0 + sqrt(1 − ᾱ_t)·ε, ᾱ_t = Π_{s≤t}(1 − β_s),
 t = 0 … T−1 (t = 0 the least noisy).
@@ -78,6 +79,28 @@ def flow_sigmas(num_steps: int, shift: float = 1.0) -> Tensor:
         raise ValueError(f"shift must be > 0, got {shift}")
     sigmas = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
     return shift * sigmas / (1 + (shift - 1) * sigmas)
+
+
+def resolution_shift(
+    image_seq_len: int, base_seq_len: int = 256, max_seq_len: int = 4096, base_shift: float = 0.5, max_shift: float = 1.15, shift_type: str = "exponential"
+) -> float:
+    """The shift of :func:`flow_sigmas` for a resolution-dependent ("dynamic") time shift, as
+    diffusers' FLUX pipelines and ``FlowMatchEulerDiscreteScheduler`` with
+    ``use_dynamic_shifting`` apply it: μ = ``calculate_shift`` — linear in the image's token
+    count, ``base_shift`` at ``base_seq_len`` tokens and ``max_shift`` at ``max_seq_len`` —
+    and the scheduler's ``time_shift`` σ' = e^μ / (e^μ + (1/σ − 1)) (``exponential``; FLUX.1)
+    or μ / (μ + (1/σ − 1)) (``linear``), which is SD3's shift σ' = s·σ / (1 + (s − 1)·σ) with
+    s = e^μ (or μ). Returns s."""
+    if shift_type not in ("exponential", "linear"):
+        raise ValueError(f"shift_type must be exponential or linear, got {shift_type!r}")
+    if max_seq_len == base_seq_len:
+        raise ValueError(f"max_seq_len must differ from base_seq_len ({base_seq_len})")
+    m = (max_shift - base_shift) / (max_seq_len - base_seq_len)
+    mu = image_seq_len * m + (base_shift - m * base_seq_len)
+    shift = math.exp(mu) if shift_type == "exponential" else mu
+    if shift <= 0:
+        raise ValueError(f"the shift must be > 0, got {shift} (mu = {mu}, {shift_type})")
+    return shift
 
 
 def lcm_timesteps(num_train_timesteps: int, num_steps: int, original_steps: int = 50) -> Tensor:

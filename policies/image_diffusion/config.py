@@ -112,14 +112,14 @@ class ImageLoraOptions:
 
 @dataclass
 class ImageDiffusionConfig(PolicyConfig):
-    """An image generator over a diffusers denoiser (UNet, SD3 transformer or DiT; class-,
+    """An image generator over a diffusers denoiser (UNet, SD3 or FLUX transformer, or DiT; class-,
     text- or un-conditioned; in pixel space or over VAE latents), whose denoising steps are
     the RL decisions (DDPO with ddim/ddpm, Flow-GRPO with flow_sde)."""
 
     type: str = option("image_diffusion", "registered name of this component (see `mmrl list`)")
     model_path: str | None = option(
         None,
-        "local directory laid out like a diffusers pipeline: unet/ (UNet2DModel or UNet2DConditionModel, SD 1.x/2.x or SDXL shaped) or transformer/ (SD3Transformer2DModel or DiTTransformer2DModel), optional vae/ (AutoencoderKL: the chain runs over its latents), text_encoder/ + tokenizer/ (and _2 for SDXL, _2 and _3 for SD3) for text prompts, optional scheduler/ (its training schedule and prediction type are checked against denoising); null = the random tiny model of `tiny`",
+        "local directory laid out like a diffusers pipeline: unet/ (UNet2DModel or UNet2DConditionModel, SD 1.x/2.x or SDXL shaped) or transformer/ (SD3Transformer2DModel, FluxTransformer2DModel or DiTTransformer2DModel), optional vae/ (AutoencoderKL: the chain runs over its latents; FLUX needs it), text_encoder/ + tokenizer/ (and _2 for SDXL and FLUX's T5, _2 and _3 for SD3) for text prompts, optional scheduler/ (its training schedule and prediction type are checked against denoising); null = the random tiny model of `tiny`",
     )
     tiny: TinyDenoiserConfig = option(factory=TinyDenoiserConfig, doc="the random tiny model built when model_path is null")
     prediction_type: Literal["epsilon", "v_prediction", "sample", "velocity"] | None = option(
@@ -134,7 +134,16 @@ class ImageDiffusionConfig(PolicyConfig):
     condition_dropout: float = option(0.1, "sft_loss: probability of training a sample on the null condition (null class / empty prompt), which guidance needs", ge=0, le=1)
     max_prompt_tokens: int | None = option(None, "text: prompts are padded / truncated to this many tokens (at most the text encoder's positions); null = the tokenizer's model_max_length (77 for CLIP)", ge=1)
     train_text_encoder: bool = option(False, "text: also train the text encoder(s) (default: frozen, only the denoiser learns)")
-    max_t5_tokens: int = option(256, "SD3 with a T5 encoder (text_encoder_3/): prompts are padded / truncated to this many T5 tokens (256 as diffusers' pipeline)", ge=1)
+    max_t5_tokens: int = option(256, "SD3 with a T5 encoder (text_encoder_3/), FLUX (text_encoder_2/): prompts are padded / truncated to this many T5 tokens (StableDiffusion3Pipeline's and FluxPipeline's max_sequence_length: 256 for SD3 and FLUX.1-schnell, 512 (the most) for FLUX.1-dev)", ge=1)
+    resolution: list[int] | None = option(
+        None,
+        "FLUX: [height, width] of the generated images in pixels, each a multiple of twice the VAE's downsampling (16 for FLUX.1: 8x VAE, 2x2 latent packing); null = FluxPipeline's default 1024 x 1024. Other denoisers generate at their sample_size and take null",
+    )
+    flux_guidance: float | None = option(
+        None,
+        "FLUX guidance-distilled transformers (guidance_embeds: FLUX.1-dev): the guidance value embedded beside the timestep (FluxPipeline's guidance_scale; one pass, no doubling); null = 3.5 as FluxPipeline; other models take null (classifier-free guidance is guidance_scale, FluxPipeline's true_cfg_scale with the empty negative prompt)",
+        ge=0,
+    )
     sdxl_original_size: list[int] | None = option(
         None, "SDXL (a UNet with added time conditions): the original_size (height, width) of its micro-conditioning time ids; null = the generated image's size, as StableDiffusionXLPipeline's default"
     )
@@ -156,7 +165,7 @@ class ImageDiffusionConfig(PolicyConfig):
         True,
         "checkpoints and save_pretrained hold every weight; false (with model_path): they leave out the frozen weights read from model_path (VAE, text encoders, the denoiser's base under LoRA), which loading reads from model_path again — megabytes instead of gigabytes per checkpoint of a real pipeline",
     )
-    lora: ImageLoraOptions = option(factory=ImageLoraOptions, doc="low-rank adapters on the denoiser (r > 0): only they train, and the KL reference is the denoiser with its adapters disabled; checkpoints and save_pretrained also write them in diffusers' LoRA format (lora_diffusers/, for pipeline.load_lora_weights) for a UNet2DConditionModel or SD3Transformer2DModel")
+    lora: ImageLoraOptions = option(factory=ImageLoraOptions, doc="low-rank adapters on the denoiser (r > 0): only they train, and the KL reference is the denoiser with its adapters disabled; checkpoints and save_pretrained also write them in diffusers' LoRA format (lora_diffusers/, for pipeline.load_lora_weights) for a UNet2DConditionModel, SD3Transformer2DModel or FluxTransformer2DModel")
     denoising: DenoisingOptions = option(
         factory=lambda: DenoisingOptions(transition="ddim", num_inference_steps=8, eta=1.0, min_std=0.01, beta_schedule="linear", clip_denoised=1.0),
         doc="the denoising chain: transition (ddim / ddpm for noise-predicting UNets, flow_* for velocity ones), steps, which steps are decisions, log-prob options",
@@ -168,6 +177,8 @@ class ImageDiffusionConfig(PolicyConfig):
         self.lora.validate(p + "lora")
         if self.sdxl_original_size is not None and (len(self.sdxl_original_size) != 2 or min(self.sdxl_original_size) < 1):
             raise ConfigError(p + "sdxl_original_size", self.sdxl_original_size, "expected [height, width] in pixels")
+        if self.resolution is not None and (len(self.resolution) != 2 or min(self.resolution) < 1):
+            raise ConfigError(p + "resolution", self.resolution, "expected [height, width] in pixels")
         if len(self.sdxl_crops_coords_top_left) != 2 or min(self.sdxl_crops_coords_top_left) < 0:
             raise ConfigError(p + "sdxl_crops_coords_top_left", self.sdxl_crops_coords_top_left, "expected [top, left], each >= 0")
         if self.release_text_encoders and (self.train_text_encoder or not self.prompt_cache):

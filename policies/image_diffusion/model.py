@@ -5,8 +5,10 @@ or ``ddpm``; Flow-GRPO with ``flow_sde``; CPS with ``flow_cps``), all from
 :mod:`mmrl.denoising`: this module only says how the denoiser is conditioned and what it
 predicts. The denoiser is a UNet (``UNet2DModel`` class-conditional or unconditional,
 ``UNet2DConditionModel`` under a CLIP text encoder, or SDXL's under two CLIPs with its added
-conditions), an ``SD3Transformer2DModel`` (CLIP / T5 text encoders, pooled projections) or a
-``DiTTransformer2DModel`` (class-conditional).
+conditions), an ``SD3Transformer2DModel`` (CLIP / T5 text encoders, pooled projections), a
+``FluxTransformer2DModel`` (FLUX.1: CLIP pooled + T5 states, 2×2-packed latents, the guidance
+embedding of guidance-distilled models, a resolution-dependent time shift; as
+``FluxPipeline``) or a ``DiTTransformer2DModel`` (class-conditional).
 ``sample`` takes the prompt sampler's inputs — a LongTensor of condition ids or a list of
 prompt strings — and returns the chains in the replay layout beside the conditioning:
 
@@ -14,7 +16,7 @@ prompt strings — and returns the chains in the replay layout beside the condit
     condition [N]      class ids (class conditioning), or
     prompt_ids [N, L]  token ids (text conditioning; log_prob embeds them again, from the
                        prompt cache unless it is off), with prompt_ids_2 / prompt_ids_3
-                       for SD3's and SDXL's second CLIP and SD3's T5
+                       for SD3's and SDXL's second CLIP, FLUX's T5 and SD3's T5
 
 The chain runs in pixel space, in [-1, 1], or over the latents of an ``AutoencoderKL``
 (scaled as diffusers does); the final latent is decoded to ``info["images"]`` (uint8
@@ -35,6 +37,7 @@ writes the adapters in diffusers' LoRA format (``lora_diffusers/``, :func:`save_
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -47,7 +50,7 @@ import torch
 from torch import Tensor, nn
 
 from mmrl.core.policy import Sample
-from mmrl.denoising import DenoisingPolicy, alphas_cumprod, ddpm_betas
+from mmrl.denoising import DenoisingOptions, DenoisingPolicy, alphas_cumprod, ddpm_betas, resolution_shift
 from mmrl.errors import ConfigError, MissingExtraError
 from mmrl.policies.image_diffusion.config import ImageDiffusionConfig
 from mmrl.policies.lora import adapters_disabled
@@ -116,7 +119,7 @@ def uint8_to_pixels(images: Tensor) -> Tensor:
 # ------------------------------------------------------------------ building the parts
 
 UNET_CLASSES = ("UNet2DModel", "UNet2DConditionModel")
-TRANSFORMER_CLASSES = ("SD3Transformer2DModel", "DiTTransformer2DModel")
+TRANSFORMER_CLASSES = ("SD3Transformer2DModel", "FluxTransformer2DModel", "DiTTransformer2DModel")
 VAE_CLASSES = ("AutoencoderKL",)
 TEXT_ENCODER_CLASSES = ("CLIPTextModel", "CLIPTextModelWithProjection", "T5EncoderModel")
 
@@ -124,9 +127,9 @@ TEXT_ENCODER_CLASSES = ("CLIPTextModel", "CLIPTextModelWithProjection", "T5Encod
 @dataclass
 class _Parts:
     denoiser: nn.Module
-    kind: str  # unet | sd3 | dit
+    kind: str  # unet | sd3 | flux | dit
     conditioning: str  # class | text | none
-    text_encoders: list = field(default_factory=list)  # up to three: CLIP, CLIP (SD3), T5 (SD3)
+    text_encoders: list = field(default_factory=list)  # up to three: CLIP, CLIP (SD3) or T5 (FLUX), T5 (SD3)
     tokenizers: list = field(default_factory=list)
     vae: nn.Module | None = None
     scheduler: dict | None = None  # the pipeline's scheduler_config.json
@@ -135,7 +138,7 @@ class _Parts:
 
 
 def _kind(denoiser: nn.Module) -> str:
-    return {"SD3Transformer2DModel": "sd3", "DiTTransformer2DModel": "dit"}.get(type(denoiser).__name__, "unet")
+    return {"SD3Transformer2DModel": "sd3", "FluxTransformer2DModel": "flux", "DiTTransformer2DModel": "dit"}.get(type(denoiser).__name__, "unet")
 
 
 def tiny_text_encoder(
@@ -282,15 +285,16 @@ def _load_text_encoders(root: Path, kind: str, sdxl: bool = False) -> tuple[list
     UNet2DConditionModel's CLIPTextModel; SD3's first CLIPTextModelWithProjection), for SDXL
     text_encoder_2/ + tokenizer_2/ (its CLIPTextModelWithProjection, required), and for SD3
     text_encoder_2/ + tokenizer_2/ (the second CLIP) and text_encoder_3/ + tokenizer_3/ (T5),
-    each None when absent."""
+    each None when absent; for FLUX text_encoder/ (CLIPTextModel, its pooled output) and
+    text_encoder_2/ (T5EncoderModel), both required, as FluxPipeline."""
     tf = _transformers()
     field_name, value = "policy.model_path", str(root)
     encoders, tokenizers = [], []
-    for suffix in ("", "_2", "_3") if kind == "sd3" else ("", "_2") if sdxl else ("",):
+    for suffix in ("", "_2", "_3") if kind == "sd3" else ("", "_2") if sdxl or kind == "flux" else ("",):
         encoder_dir, tokenizer_dir = root / f"text_encoder{suffix}", root / f"tokenizer{suffix}"
         if not encoder_dir.is_dir():
-            if suffix == "" or sdxl:
-                denoiser = "SD3Transformer2DModel" if kind == "sd3" else "SDXL-style UNet2DConditionModel" if sdxl else "UNet2DConditionModel"
+            if suffix == "" or sdxl or kind == "flux":
+                denoiser = {"sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel"}.get(kind, "SDXL-style UNet2DConditionModel" if sdxl else "UNet2DConditionModel")
                 raise ConfigError(field_name, value, f"a text-conditioned {denoiser} needs text_encoder{suffix}/ and tokenizer{suffix}/ beside it")
             encoders.append(None)
             tokenizers.append(None)
@@ -298,7 +302,7 @@ def _load_text_encoders(root: Path, kind: str, sdxl: bool = False) -> tuple[list
         if not tokenizer_dir.is_dir():
             raise ConfigError(field_name, value, f"text_encoder{suffix}/ needs tokenizer{suffix}/ beside it")
         class_name = _class_name(encoder_dir)
-        if suffix == "_3":
+        if suffix == "_3" or (kind == "flux" and suffix == "_2"):
             allowed = ("T5EncoderModel",)
         elif kind == "sd3" or (sdxl and suffix == "_2"):
             allowed = ("CLIPTextModelWithProjection",)
@@ -347,7 +351,12 @@ def _load_parts(config: ImageDiffusionConfig) -> _Parts:
     channels = vae.config.latent_channels if vae is not None else 3
     in_channels = denoiser.config.in_channels
     out_channels = denoiser.config.out_channels or in_channels
-    if in_channels != channels or out_channels not in (channels, 2 * channels):
+    if kind == "flux":
+        # FluxPipeline packs 2 x 2 patches of the VAE's latent into one token: 4 x its channels
+        if vae is None or in_channels != 4 * channels or out_channels != in_channels:
+            where = f"4 x the VAE's {channels} latent channels (2 x 2 packed latents)" if vae is not None else "packed VAE latents, and vae/ beside it"
+            raise ConfigError(field_name, config.model_path, f"the FluxTransformer2DModel has {in_channels} input and {out_channels} output channels; it must take {where}")
+    elif in_channels != channels or out_channels not in (channels, 2 * channels):
         where = f"the VAE's {channels} latent channels" if vae is not None else "RGB pixels (3 channels; a latent-space model needs vae/ beside it)"
         raise ConfigError(field_name, config.model_path, f"the {class_name} has {in_channels} input and {out_channels} output channels; it must denoise {where}")
     scheduler_file = root / "scheduler" / "scheduler_config.json"
@@ -367,14 +376,27 @@ def _load_parts(config: ImageDiffusionConfig) -> _Parts:
     return _Parts(denoiser, kind, "text", encoders, tokenizers, vae, scheduler, sdxl=sdxl, zero_null_prompt=zero_null)
 
 
-def _check_scheduler(config: ImageDiffusionConfig, scheduler: dict) -> None:
-    """The pipeline's scheduler must describe the schedule ``policy.denoising`` samples with."""
+def _check_scheduler(config: ImageDiffusionConfig, scheduler: dict, kind: str = "unet") -> None:
+    """The pipeline's scheduler must describe the schedule ``policy.denoising`` samples with.
+    FLUX's may shift its sigmas by the resolution (``use_dynamic_shifting``; the policy then
+    computes the shift itself, :meth:`ImageDiffusionPolicy.denoising`), but nothing else that
+    FluxPipeline's Euler loop would do and the flow transitions do not."""
     options, path = config.denoising, "policy.denoising."
     is_flow = "FlowMatch" in str(scheduler.get("_class_name", ""))
     if is_flow == config.is_diffusion:
-        kind = "a flow-matching" if is_flow else "a diffusion"
+        kind_name = "a flow-matching" if is_flow else "a diffusion"
         allowed = "flow_sde, flow_cps or flow_ode" if is_flow else "ddim or ddpm"
-        raise ConfigError(path + "transition", options.transition, f"the pipeline's scheduler ({scheduler.get('_class_name')}) is {kind} schedule; use {allowed}")
+        raise ConfigError(path + "transition", options.transition, f"the pipeline's scheduler ({scheduler.get('_class_name')}) is {kind_name} schedule; use {allowed}")
+    if is_flow and kind == "flux":
+        unsupported = [k for k in ("shift_terminal", "use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "invert_sigmas", "stochastic_sampling") if scheduler.get(k)]
+        if unsupported:
+            raise ConfigError("policy.model_path", config.model_path, f"the scheduler sets {unsupported}; the flow transitions take FluxPipeline's plain shifted Euler sigmas")
+        if scheduler.get("time_shift_type", "exponential") not in ("exponential", "linear"):
+            raise ConfigError("policy.model_path", config.model_path, f"the scheduler's time_shift_type {scheduler.get('time_shift_type')!r} is not exponential or linear")
+        if scheduler.get("use_dynamic_shifting"):
+            if options.time_shift != 1.0:
+                raise ConfigError(path + "time_shift", options.time_shift, "the pipeline's scheduler shifts its sigmas by the image size (use_dynamic_shifting), which the policy follows; leave time_shift at 1")
+            return
     if is_flow:
         if scheduler.get("use_dynamic_shifting"):
             raise ConfigError(path + "time_shift", options.time_shift, "the pipeline's scheduler shifts its sigmas by the image size (use_dynamic_shifting, FLUX-style); only a fixed shift is supported")
@@ -438,6 +460,10 @@ class _AdapterDisabledReference(DenoisingPolicy):
     def config(self) -> ImageDiffusionConfig:
         return self.policy.config
 
+    @property
+    def denoising(self) -> DenoisingOptions:
+        return self.policy.denoising
+
     def chain_denoiser(self, replay: dict):
         inner = self.policy.chain_denoiser(replay)
 
@@ -489,7 +515,7 @@ class _PromptCache:
 
 
 # the pipeline class whose save_lora_weights / load_lora_weights a denoiser's adapters follow
-LORA_EXPORTS = {"UNet2DConditionModel": "unet", "SD3Transformer2DModel": "transformer"}
+LORA_EXPORTS = {"UNet2DConditionModel": "unet", "SD3Transformer2DModel": "transformer", "FluxTransformer2DModel": "transformer"}
 
 
 def save_diffusers_lora(policy: "ImageDiffusionPolicy", out_dir: str | os.PathLike) -> Path:
@@ -502,8 +528,8 @@ def save_diffusers_lora(policy: "ImageDiffusionPolicy", out_dir: str | os.PathLi
     ``get_peft_model_state_dict`` of the denoiser (diffusers' key names for a UNet,
     ``convert_state_dict_to_diffusers``), saved with the pipeline class's
     ``save_lora_weights`` — ``StableDiffusionPipeline`` (SD 1.x / 2.x) or
-    ``StableDiffusionXLPipeline`` (SDXL), keys prefixed ``unet.``; ``StableDiffusion3Pipeline``,
-    keys prefixed ``transformer.`` — with the adapter's ``LoraConfig`` as metadata, so the
+    ``StableDiffusionXLPipeline`` (SDXL), keys prefixed ``unet.``; ``StableDiffusion3Pipeline``
+    or ``FluxPipeline`` (``train_dreambooth_lora_flux.py``), keys prefixed ``transformer.`` — with the adapter's ``LoraConfig`` as metadata, so the
     loader applies the same rank, alpha and target modules (scale alpha / r). The directory
     is written under a temporary name and renamed into place. A ``DiTTransformer2DModel`` or
     ``UNet2DModel`` has no diffusers LoRA loader: a config error (its adapters are in
@@ -525,7 +551,7 @@ def save_diffusers_lora(policy: "ImageDiffusionPolicy", out_dir: str | os.PathLi
         pipeline = diffusers.StableDiffusionXLPipeline if policy.sdxl else diffusers.StableDiffusionPipeline
         kwargs = {"unet_lora_layers": convert_state_dict_to_diffusers(layers), "unet_lora_adapter_metadata": metadata}
     else:
-        pipeline = diffusers.StableDiffusion3Pipeline
+        pipeline = diffusers.FluxPipeline if policy.kind == "flux" else diffusers.StableDiffusion3Pipeline
         kwargs = {"transformer_lora_layers": layers, "transformer_lora_adapter_metadata": metadata}
     out = Path(out_dir)
     tmp = out.with_name(f".{out.name}.tmp_{os.getpid()}")
@@ -586,8 +612,12 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         self.config, self.spec = config, dict(spec)
         parts = _load_parts(config) if config.model_path else _tiny_parts(config, spec)
         if parts.scheduler is not None:
-            _check_scheduler(config, parts.scheduler)
+            _check_scheduler(config, parts.scheduler, parts.kind)
         self.kind = parts.kind
+        if self.kind != "flux":
+            for name in ("resolution", "flux_guidance"):
+                if getattr(config, name) is not None:
+                    raise ConfigError(f"policy.{name}", getattr(config, name), "only a FLUX transformer takes it (the other denoisers generate at their sample_size, and guide with guidance_scale)")
         self.sdxl, self.zero_null_prompt = parts.sdxl, parts.zero_null_prompt
         # the UNet keeps its attribute (and state-dict prefix) ``unet``; transformers are ``transformer``
         if self.kind == "unet":
@@ -621,6 +651,8 @@ class ImageDiffusionPolicy(DenoisingPolicy):
             self._check_sd3_widths()
         if self.sdxl:
             self._check_sdxl_widths()
+        if self.kind == "flux":
+            self._check_flux_widths()
         self.prediction_type = config.prediction_type or self._default_prediction(parts.scheduler)
         if self.prediction_type not in config.allowed_predictions:
             raise ConfigError("policy.prediction_type", self.prediction_type, f"the pipeline's scheduler predicts it, but transition {config.denoising.transition} takes one of {list(config.allowed_predictions)}")
@@ -637,11 +669,15 @@ class ImageDiffusionPolicy(DenoisingPolicy):
             num_prompts = spec.get("num_prompts")
             if isinstance(num_prompts, int) and num_prompts > self.null_class:
                 raise ConfigError("policy.model_path", config.model_path, f"the denoiser has {self.null_class} classes besides the null class (the last); the sampler has {num_prompts} conditions")
-        sample_size = model_config.sample_size
-        # what the chain denoises (the latent's height and width with a VAE), and the images' size
-        self.resolution = tuple(sample_size) if isinstance(sample_size, (list, tuple)) else (sample_size, sample_size)
-        self.image_resolution = tuple(r * self.vae_factor for r in self.resolution) if self.vae is not None else self.resolution
-        self.channels = int(model_config.in_channels)
+        self.flow_shift = None  # FLUX's resolution-dependent time shift (denoising.time_shift otherwise)
+        if self.kind == "flux":
+            self._setup_flux(parts.scheduler)
+        else:
+            sample_size = model_config.sample_size
+            # what the chain denoises (the latent's height and width with a VAE), and the images' size
+            self.resolution = tuple(sample_size) if isinstance(sample_size, (list, tuple)) else (sample_size, sample_size)
+            self.image_resolution = tuple(r * self.vae_factor for r in self.resolution) if self.vae is not None else self.resolution
+            self.channels = int(model_config.in_channels)
         if self.sdxl:  # StableDiffusionXLPipeline._get_add_time_ids: original_size + crops_coords_top_left + target_size
             original = tuple(config.sdxl_original_size or self.image_resolution)
             self.sdxl_time_ids = (*original, *config.sdxl_crops_coords_top_left, *self.image_resolution)
@@ -676,7 +712,9 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         return self
 
     def _prompt_length(self, slot: int, encoder: nn.Module, tokenizer) -> int:
-        if slot == 2:  # T5: relative positions, no limit of its own
+        if slot == 2 or (self.kind == "flux" and slot == 1):  # T5: relative positions, no limit of its own
+            if self.kind == "flux" and self.config.max_t5_tokens > 512:
+                raise ConfigError("policy.max_t5_tokens", self.config.max_t5_tokens, "FluxPipeline's max_sequence_length is at most 512")
             return self.config.max_t5_tokens
         positions = encoder.config.max_position_embeddings
         length = self.config.max_prompt_tokens or tokenizer.model_max_length
@@ -707,6 +745,57 @@ class ImageDiffusionPolicy(DenoisingPolicy):
                 f"the text encoders (CLIP widths {first.hidden_size} + {second.hidden_size}, projection {second.projection_dim}) do not fit the SDXL UNet "
                 f"(cross_attention_dim {unet.cross_attention_dim}, projection_class_embeddings_input_dim {unet.projection_class_embeddings_input_dim} = 6 x {unet.addition_time_embed_dim} + projection)",
             )
+
+    def _check_flux_widths(self) -> None:
+        """FLUX takes the CLIP's pooled output (pooled_projection_dim) and the T5's states
+        (joint_attention_dim)."""
+        flux, clip, t5 = self.transformer.config, self.text_encoder.config, self.text_encoder_2.config
+        if clip.hidden_size != flux.pooled_projection_dim or t5.d_model != flux.joint_attention_dim:
+            raise ConfigError(
+                "policy.model_path", self.config.model_path,
+                f"the text encoders (CLIP width {clip.hidden_size}, T5 width {t5.d_model}) do not fit the FLUX transformer (pooled_projection_dim {flux.pooled_projection_dim}, joint_attention_dim {flux.joint_attention_dim})",
+            )
+
+    def _setup_flux(self, scheduler: dict | None) -> None:
+        """FLUX's geometry and schedule, as FluxPipeline: the chain denoises the VAE's latent
+        [C, H / f, W / f] (f the VAE's downsampling), which the transformer sees as 2 x 2
+        packed tokens (``_pack_latents``) at the latent image ids (row, column of each token);
+        the text ids are zeros. With ``use_dynamic_shifting`` the sigmas are shifted by
+        ``calculate_shift`` of the image's token count (:func:`~mmrl.denoising.resolution_shift`).
+        The guidance embedding of a guidance-distilled transformer (``guidance_embeds``) takes
+        ``flux_guidance``."""
+        config = self.config
+        height, width = config.resolution or (1024, 1024)  # FluxPipeline: default_sample_size 128 x vae_scale_factor 8
+        multiple = 2 * self.vae_factor
+        if height % multiple or width % multiple:
+            raise ConfigError("policy.resolution", [height, width], f"each must be a multiple of {multiple} (the VAE's {self.vae_factor}x downsampling, then 2 x 2 packing)")
+        self.image_resolution = (height, width)
+        self.resolution = (height // self.vae_factor, width // self.vae_factor)
+        self.channels = int(self.transformer.config.in_channels) // 4
+        tokens_h, tokens_w = self.resolution[0] // 2, self.resolution[1] // 2
+        ids = torch.zeros(tokens_h, tokens_w, 3)  # FluxPipeline._prepare_latent_image_ids
+        ids[..., 1] += torch.arange(tokens_h)[:, None]
+        ids[..., 2] += torch.arange(tokens_w)[None, :]
+        self.register_buffer("flux_image_ids", ids.reshape(tokens_h * tokens_w, 3), persistent=False)
+        self.register_buffer("flux_text_ids", torch.zeros(self.prompt_lengths[1], 3), persistent=False)
+        distilled = bool(self.transformer.config.guidance_embeds)
+        if config.flux_guidance is not None and not distilled:
+            raise ConfigError("policy.flux_guidance", config.flux_guidance, "the FLUX transformer has no guidance embedding (guidance_embeds false); guide it with guidance_scale (true CFG) instead")
+        self.flux_guidance = (3.5 if config.flux_guidance is None else float(config.flux_guidance)) if distilled else None
+        scheduler = scheduler or {}
+        if scheduler.get("use_dynamic_shifting"):
+            self.flow_shift = resolution_shift(
+                tokens_h * tokens_w, scheduler.get("base_image_seq_len", 256), scheduler.get("max_image_seq_len", 4096),
+                scheduler.get("base_shift", 0.5), scheduler.get("max_shift", 1.15), scheduler.get("time_shift_type", "exponential"),
+            )
+
+    @property
+    def denoising(self) -> DenoisingOptions:
+        """``config.denoising``, with FLUX's resolution-dependent shift as its ``time_shift``
+        when the pipeline's scheduler shifts dynamically."""
+        if self.flow_shift is None:
+            return self.config.denoising
+        return dataclasses.replace(self.config.denoising, time_shift=self.flow_shift)
 
     def _no_label_dropout(self) -> None:
         """DiT drops class labels at random in train mode (its own CFG training); RL compares
@@ -813,11 +902,16 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         tuple (states [N, L, D1 + D2], pooled [N, P], time ids [N, 6]) — both CLIPs'
         penultimate states side by side, text_encoder_2's pooled projection, and the
         micro-conditioning (original_size, crops_coords_top_left, target_size) of
-        ``_get_add_time_ids``. Token ids go to each encoder's device (the CPU once released)."""
+        ``_get_add_time_ids``; for FLUX as FluxPipeline's ``encode_prompt``, the tuple (T5
+        states [N, L, joint_dim], the CLIP's pooled output [N, P]). Token ids go to each encoder's device (the CPU once released)."""
 
         def run(encoder, key, **kwargs):
             return encoder(ids[key].to(next(encoder.parameters()).device), **kwargs)
 
+        if self.kind == "flux":  # FluxPipeline.encode_prompt: the T5's last states, the CLIP's pooled output
+            pooled = run(self.text_encoder, "prompt_ids", output_hidden_states=False).pooler_output
+            states = run(self.text_encoder_2, "prompt_ids_2", output_hidden_states=False)[0]
+            return states, pooled.to(states.device)
         if self.kind != "sd3" and not self.sdxl:
             return run(self.text_encoder, "prompt_ids").last_hidden_state
         if self.sdxl:
@@ -940,6 +1034,8 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         if self.kind == "sd3":
             states, pooled = condition
             return self.transformer(x, encoder_hidden_states=states, pooled_projections=pooled, timestep=timestep.expand(x.shape[0])).sample
+        if self.kind == "flux":
+            return self._flux(x, timestep, condition)
         if self.kind == "dit":
             out = self.transformer(x, timestep=timestep.expand(x.shape[0]), class_labels=condition).sample
         elif self.conditioning == "class":
@@ -954,6 +1050,21 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         # a model that learns its variance (DiT) outputs it after the prediction; the chain's std is the transition's
         return out[:, : self.channels] if out.shape[1] == 2 * self.channels else out
 
+    def _flux(self, x: Tensor, timestep: Tensor, condition) -> Tensor:
+        """One FluxPipeline transformer call on the latents ``x`` [B, C, H, W]: packed into
+        2 x 2 patches (``_pack_latents``), the timestep divided by 1000 (the transformer
+        multiplies it back), the guidance embedding's value when the model is distilled,
+        the output unpacked (``_unpack_latents``) to the velocity in the latent's layout."""
+        states, pooled = condition
+        b, c, h, w = x.shape
+        packed = x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+        guidance = None if self.flux_guidance is None else torch.full((b,), self.flux_guidance, device=x.device, dtype=torch.float32)
+        out = self.transformer(
+            hidden_states=packed, timestep=timestep.expand(b) / 1000, guidance=guidance, pooled_projections=pooled, encoder_hidden_states=states,
+            txt_ids=self.flux_text_ids, img_ids=self.flux_image_ids,
+        ).sample
+        return out.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
+
     def step_activation_bytes(self) -> int:
         """The widest feature map of one denoiser evaluation per latent, in bytes: the UNet's
         first level (block_out_channels[0] x height x width), a transformer's patch tokens x
@@ -963,6 +1074,8 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         height, width = self.resolution
         if self.kind == "unet":
             elements = model.config.block_out_channels[0] * height * width
+        elif self.kind == "flux":  # 2 x 2 packed tokens (and the T5 tokens beside them)
+            elements = ((height // 2) * (width // 2) + self.prompt_lengths[1]) * model.config.num_attention_heads * model.config.attention_head_dim
         else:
             patch = model.config.patch_size
             elements = (height // patch) * (width // patch) * model.config.num_attention_heads * model.config.attention_head_dim
@@ -1058,7 +1171,7 @@ class ImageDiffusionPolicy(DenoisingPolicy):
 
     def save_extra(self, directory) -> None:
         """With LoRA on a denoiser diffusers has a LoRA loader for (a UNet2DConditionModel, an
-        SD3Transformer2DModel), the adapters also go to ``lora_diffusers/`` in diffusers'
+        SD3Transformer2DModel, a FluxTransformer2DModel), the adapters also go to ``lora_diffusers/`` in diffusers'
         format (:func:`save_diffusers_lora`), beside every ``save_pretrained`` and checkpoint,
         for ``pipeline.load_lora_weights``."""
         if self.config.lora.r and type(self.denoiser_model).__name__ in LORA_EXPORTS:
