@@ -1,6 +1,7 @@
 """Does a commit train exactly as another one? Runs N updates of the toy, point_reach,
 text-demo, shapes and PushCube (GAE) configs at two commits of this repository on this machine and compares
-every logged metric (less wall-clock times) and the final weights bit for bit.
+every logged metric (less wall-clock times; a metric only one commit logs is listed, not
+compared) and the final weights bit for bit.
 
     python benchmarks/sync_equivalence.py --old f205c0b [--new HEAD] [--steps 3]
 
@@ -78,8 +79,8 @@ def main() -> int:
             trees[label] = tmp / label
             subprocess.run(["git", "worktree", "add", "--detach", str(trees[label]), ref], cwd=ROOT, check=True, capture_output=True)
         try:
-            print(f"| case | metric records | metrics equal | weight tensors | weights equal |  ({args.old} vs {args.new}, torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()})")
-            print("|---|---|---|---|---|")
+            print(f"| case | metric records | metrics equal | weight tensors | weights equal | metrics new / gone |  ({args.old} vs {args.new}, torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()})")
+            print("|---|---|---|---|---|---|")
             runs: dict[str, dict[str, Path]] = {"old": {}, "new": {}}
             for name, config, overrides, start in cases(args.steps):
                 for label in ("old", "new"):
@@ -89,7 +90,12 @@ def main() -> int:
                 a, b = metrics(runs["old"][name]), metrics(runs["new"][name])
                 wa, wb = weights(runs["old"][name]), weights(runs["new"][name])
                 same_weights = wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-                print(f"| {name} | {len(a)} | {a == b} | {len(wa)} | {same_weights} |")
+                # a metric one commit logs and the other does not is listed, not counted as a difference
+                keys_a, keys_b = set().union(*a) if a else set(), set().union(*b) if b else set()
+                shared = keys_a & keys_b
+                equal = len(a) == len(b) and all({k: v for k, v in x.items() if k in shared} == {k: v for k, v in y.items() if k in shared} for x, y in zip(a, b))
+                changed = ", ".join([*(f"+{k}" for k in sorted(keys_b - keys_a)), *(f"-{k}" for k in sorted(keys_a - keys_b))]) or "none"
+                print(f"| {name} | {len(a)} | {equal} | {len(wa)} | {same_weights} | {changed} |")
         finally:
             for tree in trees.values():
                 subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, capture_output=True)
