@@ -429,7 +429,7 @@ def _map2(fn, a, b):
     return tuple(fn(x, y) for x, y in zip(a, b)) if isinstance(a, tuple) else fn(a, b)
 
 
-def _with_lora(denoiser: nn.Module, lora) -> None:
+def with_lora(denoiser: nn.Module, lora) -> None:
     """Inject ``peft`` LoRA layers into the denoiser in place (any diffusers model, with or
     without diffusers' own adapter mixin) and leave only them trainable."""
     try:
@@ -481,7 +481,7 @@ class _AdapterDisabledReference(DenoisingPolicy):
         return self.log_prob(replay)
 
 
-class _PromptCache:
+class PromptCache:
     """An LRU cache of text conditionings (the embeddings of one prompt: a tensor, or a tuple
     for SD3 / SDXL), keyed by the bytes of the prompt's token ids of every tokenizer, held in
     CPU memory. A plain attribute of the policy: not a parameter or buffer, so it never
@@ -575,12 +575,12 @@ def _read_prompt_files(paths: list[str]) -> list[str]:
     return prompts
 
 
-def _drop_unsaved(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+def drop_unsaved(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
     for name in module._unsaved:
         state_dict.pop(prefix + name, None)
 
 
-def _allow_missing_unsaved(module: nn.Module, incompatible_keys) -> None:
+def allow_missing_unsaved(module: nn.Module, incompatible_keys) -> None:
     incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys if k not in module._unsaved]
 
 
@@ -683,7 +683,7 @@ class ImageDiffusionPolicy(DenoisingPolicy):
             self.sdxl_time_ids = (*original, *config.sdxl_crops_coords_top_left, *self.image_resolution)
         # the prompt cache (frozen text encoders only); the prompts of prompt_files are read now, encoded at the first encoding
         cached = self.conditioning == "text" and config.prompt_cache > 0 and not config.train_text_encoder
-        self._prompt_cache = _PromptCache(config.prompt_cache) if cached else None
+        self._prompt_cache = PromptCache(config.prompt_cache) if cached else None
         self._pending_prompts = _read_prompt_files(config.prompt_files) if cached else []
         self._text_encoders_released = False
         options = config.denoising
@@ -691,7 +691,7 @@ class ImageDiffusionPolicy(DenoisingPolicy):
             ab = alphas_cumprod(ddpm_betas(options.num_train_timesteps, options.beta_schedule, options.beta_start, options.beta_end)).float()
             self.register_buffer("alphas_cumprod", ab, persistent=False)
         if config.lora.r:
-            _with_lora(self.denoiser_model, config.lora)
+            with_lora(self.denoiser_model, config.lora)
         self.train()
         # T5's input embedding is tied to its shared embedding: safetensors takes one name per tensor
         self.register_state_dict_post_hook(_drop_tied_aliases)
@@ -699,8 +699,8 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         # the frozen weights read from model_path, left out of saved weights on request
         self._unsaved = set() if config.save_frozen_weights else {n for n, p in self.named_parameters() if not p.requires_grad}
         if self._unsaved:
-            self.register_state_dict_post_hook(_drop_unsaved)
-            self.register_load_state_dict_post_hook(_allow_missing_unsaved)
+            self.register_state_dict_post_hook(drop_unsaved)
+            self.register_load_state_dict_post_hook(allow_missing_unsaved)
 
     def train(self, mode: bool = True) -> "ImageDiffusionPolicy":
         """Train mode for the denoiser only: the text encoders and the VAE stay in eval mode

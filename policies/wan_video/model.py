@@ -55,7 +55,7 @@ from mmrl.denoising.chain import chain_kl, chain_log_probs, random_subset, run_c
 from mmrl.denoising.options import DenoisingOptions, stochastic_mask
 from mmrl.denoising.transitions import FlowTransition
 from mmrl.errors import ConfigError, MissingExtraError
-from mmrl.policies.image_diffusion.model import _allow_missing_unsaved, _drop_unsaved, _PromptCache, _with_lora
+from mmrl.policies.image_diffusion.model import allow_missing_unsaved, drop_unsaved, PromptCache, with_lora
 from mmrl.policies.lora import adapters_disabled
 from mmrl.policies.text_lm.model import _allow_missing_tied_aliases, _drop_tied_aliases
 from mmrl.policies.video_diffusion.model import videos_to_uint8
@@ -378,17 +378,17 @@ class WanVideoPolicy(_SchedulerChain):
             if isinstance(module, nn.Dropout):
                 module.p = 0.0
         self._grids: dict[int, Tensor] = {}
-        self._prompt_cache = _PromptCache(config.prompt_cache) if config.prompt_cache > 0 else None
+        self._prompt_cache = PromptCache(config.prompt_cache) if config.prompt_cache > 0 else None
         if config.lora.r:
-            _with_lora(self.transformer, config.lora)
+            with_lora(self.transformer, config.lora)
         self.train()
         # T5's input embedding is tied to its shared embedding: safetensors takes one name per tensor
         self.register_state_dict_post_hook(_drop_tied_aliases)
         self.register_load_state_dict_post_hook(_allow_missing_tied_aliases)
         self._unsaved = set() if config.save_frozen_weights else {n for n, p in self.named_parameters() if not p.requires_grad}
         if self._unsaved:
-            self.register_state_dict_post_hook(_drop_unsaved)
-            self.register_load_state_dict_post_hook(_allow_missing_unsaved)
+            self.register_state_dict_post_hook(drop_unsaved)
+            self.register_load_state_dict_post_hook(allow_missing_unsaved)
 
     def train(self, mode: bool = True) -> "WanVideoPolicy":
         """Train mode for the transformer only: UMT5 and the VAE stay in eval mode."""
