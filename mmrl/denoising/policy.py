@@ -111,7 +111,7 @@ class DenoisingPolicy(PolicyModule):
         log-probs ``log_prob`` would recompute, with its gradient."""
         options = self.denoising.deterministic_options() if deterministic else self.denoising
         n, device = x_init.shape[0], x_init.device
-        transition = make_transition(options, deterministic, device)
+        transition = self.transition(options, deterministic, device)
         if deterministic:
             stochastic = torch.zeros(n, options.num_inference_steps, dtype=torch.bool, device=device)
         else:
@@ -131,9 +131,16 @@ class DenoisingPolicy(PolicyModule):
         deferred = not deterministic and options.old_logp == "deferred"
         return ChainDecisions(chain.final, stored, logp, self.decisions(entropies[:, first:]), mask, deferred)
 
+    def transition(self, options: DenoisingOptions, deterministic: bool = False, device=None):
+        """The K-step transition that sampling, ``log_prob`` and ``exact_kl`` run under
+        ``options``: :func:`~mmrl.denoising.options.make_transition` (mmrl's own σ / β grid).
+        A policy whose pipeline has a grid of its own (a diffusers scheduler's sigmas)
+        overrides this one method."""
+        return make_transition(options, deterministic, device)
+
     def flow_sigmas(self) -> Tensor:
         """σ_0 = 1 … σ_K = 0 [K + 1] of the sampler's steps (a flow transition only)."""
-        transition = make_transition(self.denoising)
+        transition = self.transition(self.denoising)
         if not hasattr(transition, "sigmas"):
             raise NotImplementedError(f"{type(self).__name__} with transition {self.denoising.transition!r} is not a flow")
         return transition.sigmas
@@ -159,7 +166,7 @@ class DenoisingPolicy(PolicyModule):
         options = self.denoising
         chain = replay["chain"]
         per_step = chain_log_probs(
-            self.chain_denoiser(replay), make_transition(options, device=chain["latents"].device), chain, **options.log_prob_options,
+            self.chain_denoiser(replay), self.transition(options, device=chain["latents"].device), chain, **options.log_prob_options,
             chunk_steps=options.chunk_steps, checkpoint_chunks=options.checkpoint_chunks,
         )
         return self.decisions(per_step)
@@ -179,7 +186,7 @@ class DenoisingPolicy(PolicyModule):
         kl = chain_kl(
             self.chain_denoiser(replay),
             reference_denoiser,
-            make_transition(options, device=chain["latents"].device),
+            self.transition(options, device=chain["latents"].device),
             chain,
             min_std=options.min_std,
             reduce=options.logp_reduction,

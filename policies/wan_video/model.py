@@ -50,9 +50,8 @@ from torch import Tensor, nn
 
 from mmrl.core.policy import Sample
 from mmrl.core.rollout import Rollout
-from mmrl.denoising import ChainDecisions, DenoisingPolicy
-from mmrl.denoising.chain import chain_kl, chain_log_probs, random_subset, run_chain
-from mmrl.denoising.options import DenoisingOptions, stochastic_mask
+from mmrl.denoising import DenoisingPolicy
+from mmrl.denoising.options import DenoisingOptions
 from mmrl.denoising.transitions import FlowTransition
 from mmrl.errors import ConfigError, MissingExtraError
 from mmrl.policies.image_diffusion.model import allow_missing_unsaved, drop_unsaved, PromptCache, with_lora
@@ -225,62 +224,17 @@ def save_wan_lora(policy: "WanVideoPolicy", out_dir: str | os.PathLike) -> Path:
 
 class _SchedulerChain(DenoisingPolicy):
     """:class:`DenoisingPolicy` with its transitions on the scheduler's sigma grid
-    (:func:`scheduler_sigmas`) instead of mmrl's evenly spaced one; the bodies are
-    DenoisingPolicy's, with that transition."""
+    (:func:`scheduler_sigmas`) instead of mmrl's evenly spaced one (the ``transition`` hook)."""
 
     def _sigmas(self, num_steps: int) -> Tensor:
         raise NotImplementedError
 
-    def _transition(self, options: DenoisingOptions, deterministic: bool = False, device=None) -> FlowTransition:
+    def transition(self, options: DenoisingOptions, deterministic: bool = False, device=None) -> FlowTransition:
         name = "flow_ode" if deterministic else options.transition
         return FlowTransition(self._sigmas(options.num_inference_steps).to(device), name, options.noise_level, options.sde_diffusion)
 
     def flow_sigmas(self) -> Tensor:
         return self._sigmas(self.denoising.num_inference_steps)
-
-    def sample_chain(self, denoiser, x_init: Tensor, generator: torch.Generator | None = None, deterministic: bool = False, keep_graph: bool = False):
-        options = self.denoising.deterministic_options() if deterministic else self.denoising
-        n, device = x_init.shape[0], x_init.device
-        transition = self._transition(options, deterministic, device)
-        if deterministic:
-            stochastic = torch.zeros(n, options.num_inference_steps, dtype=torch.bool, device=device)
-        else:
-            stochastic = stochastic_mask(options, n, generator, device)
-        chain = run_chain(denoiser, transition, x_init, stochastic, generator, **options.log_prob_options, keep_graph=keep_graph)
-        first = options.window[0]
-        stored = chain.replay(first)
-        log_probs, entropies = chain.log_probs, chain.entropies
-        with torch.set_grad_enabled(keep_graph):
-            if not deterministic and options.train_fraction < 1:
-                trained = random_subset(chain.stochastic, options.train_fraction, generator)
-                stored["stochastic"] = trained[:, first:]
-                log_probs, entropies = log_probs * trained, entropies * trained
-            logp = self.decisions(log_probs[:, first:])
-        mask = stored["stochastic"].float() if options.logp_granularity == "step" else None
-        deferred = not deterministic and options.old_logp == "deferred"
-        return ChainDecisions(chain.final, stored, logp, self.decisions(entropies[:, first:]), mask, deferred)
-
-    def log_prob(self, replay: dict) -> Tensor:
-        options = self.denoising
-        chain = replay["chain"]
-        per_step = chain_log_probs(
-            self.chain_denoiser(replay), self._transition(options, device=chain["latents"].device), chain, **options.log_prob_options,
-            chunk_steps=options.chunk_steps, checkpoint_chunks=options.checkpoint_chunks,
-        )
-        return self.decisions(per_step)
-
-    def exact_kl(self, replay: dict, reference: DenoisingPolicy) -> Tensor:
-        if not hasattr(reference, "chain_denoiser"):
-            raise TypeError(f"the exact KL of a denoising policy needs a denoising reference policy, got {type(reference).__name__}")
-        options = self.denoising
-        chain = replay["chain"]
-        with torch.no_grad():
-            reference_denoiser = reference.chain_denoiser(replay)
-        kl = chain_kl(
-            self.chain_denoiser(replay), reference_denoiser, self._transition(options, device=chain["latents"].device), chain,
-            min_std=options.min_std, reduce=options.logp_reduction, chunk_steps=options.chunk_steps, checkpoint_chunks=options.checkpoint_chunks,
-        )
-        return self.decisions(kl)
 
 
 class _AdapterDisabledReference(_SchedulerChain):
