@@ -27,12 +27,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from mmrl.train.metrics import read_metrics
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_VARIANTS = ["fixed=sampler.budget.type=fixed", "knapsack=sampler.budget.type=knapsack"]
-
-
-def read_rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
 def mmrl(*args: str) -> None:
@@ -65,13 +63,13 @@ def main() -> None:
     for seed in args.seeds:
         for name, overrides in variants:
             run = work / f"{name}_s{seed}"
-            if not (run / "metrics.jsonl").exists() or not any("eval/accuracy" in r and r.get("step") == args.updates for r in read_rows(run)):
+            if not (run / "metrics.jsonl").exists() or not any("eval/accuracy" in r and r.get("step") == args.updates for r in read_metrics(run)):
                 mmrl(
                     "train", "configs/text_arithmetic_grpo.yaml", f"seed={seed}", f"total_steps={args.updates}", f"policy.pretrained={init}",
                     f"sampler.data.train={pool}", f"eval.every={args.eval_every}", "eval.at_start=true", "checkpoint.every=0", "log.progress=false",
                     *overrides, "--run-dir", str(run),
                 )
-            metrics = read_rows(run)
+            metrics = read_metrics(run)
             steps = [r for r in metrics if "adv/nonzero_fraction" in r]
             evals = {r["step"]: r["eval/accuracy"] for r in metrics if "eval/accuracy" in r}
             samples = 128  # 16 prompts x 8 samples a step, both variants
