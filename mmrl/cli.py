@@ -268,6 +268,13 @@ def cmd_doctor(args) -> int:
     return report()
 
 
+def cmd_export(args) -> int:
+    from mmrl.export import export_policy
+
+    print(export_policy(args.source, args.format, args.out))
+    return 0
+
+
 def cmd_plot(args) -> int:
     from mmrl.plot import plot_run
 
@@ -435,6 +442,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=_non_negative_int, default=8000, help="port to listen on (default 8000; 0: a free port, printed)")
     p.add_argument("--quiet", action="store_true", help="no line per request on stderr")
     p.set_defaults(func=cmd_serve_reward)
+
+    p = sub.add_parser(
+        "export", help="write a trained policy in the layout its users' stack reads (LeRobot, diffusers LoRA, transformers)",
+        description="Write the policy of a run (its latest checkpoint), a checkpoint or a save_pretrained directory in another layout: "
+        "lerobot (a LeRobot policy directory), diffusers-lora (pipeline.load_lora_weights), transformers (the VLM a VLA sits on). "
+        "A wrong --format lists the ones this policy writes.",
+    )
+    p.add_argument("source", help="run directory (latest checkpoint), checkpoint directory or save_pretrained directory")
+    p.add_argument("--format", required=True, help="layout to write (the error for a wrong one lists this policy's)")
+    p.add_argument("--out", required=True, help="new directory to write (must not exist, or be empty)")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("plot", help="write PNG learning curves of a run")
     p.add_argument("run_dir")

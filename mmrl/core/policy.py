@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -138,6 +139,17 @@ class PolicyModule(nn.Module):
         """A frozen model for KL terms; ``None`` lets the trainer keep a frozen copy of the
         initial weights."""
         return None
+
+    def export_formats(self) -> dict[str, str]:
+        """The formats ``mmrl export --format`` writes this policy in, as it is configured:
+        ``{name: what is written}``. Default: none (mmrl's own ``config.yaml`` +
+        ``model.safetensors`` is the only layout)."""
+        return {}
+
+    def export(self, fmt: str, out: Path) -> None:
+        """Write this policy in format ``fmt`` (a key of :meth:`export_formats`) into the
+        directory ``out``, which does not exist yet (``mmrl export`` renames it into place)."""
+        raise NotImplementedError(f"{type(self).__name__} lists no export format")
 
 
 def overrides(policy, method: str) -> bool:

@@ -1177,6 +1177,15 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         if self.config.lora.r and type(self.denoiser_model).__name__ in LORA_EXPORTS:
             save_diffusers_lora(self, Path(directory) / "lora_diffusers")
 
+    def export_formats(self) -> dict[str, str]:
+        """``diffusers-lora`` with LoRA on a denoiser diffusers has a LoRA loader for."""
+        if self.config.lora.r and type(self.denoiser_model).__name__ in LORA_EXPORTS:
+            return {"diffusers-lora": "the LoRA adapters as pytorch_lora_weights.safetensors, for pipeline.load_lora_weights(DIR)"}
+        return {}
+
+    def export(self, fmt: str, out: Path) -> None:
+        save_diffusers_lora(self, out)
+
     def media(self, rollout) -> dict[str, Tensor]:
         """The generated images, written at evaluation as a PNG grid (and to TensorBoard)."""
         return {"images": rollout.info["images"]}

@@ -408,6 +408,14 @@ class AdapterFreeReference(nn.Module):
         return self.log_prob(replay)
 
 
+def vlm_export_formats(policy: nn.Module) -> dict[str, str]:
+    """``transformers`` for a VLA on a pretrained VLM without LoRA adapters (:func:`export_vlm`)."""
+    backbone = getattr(policy, "backbone", None)
+    if backbone is not None and getattr(backbone, "pretrained", False) and not backbone.lora:
+        return {"transformers": "the VLM with its trained weights, tokenizer and image processor (save_pretrained); the action head stays in the checkpoint"}
+    return {}
+
+
 def export_vlm(policy: nn.Module, out) -> Path:
     """Write the VLM a VLA sits on, with the weights it has now (after SFT or RL), as a
     transformers ``save_pretrained`` directory with its tokenizer and image processor: a

@@ -494,6 +494,13 @@ class WanVideoPolicy(_SchedulerChain):
         """The sampled videos, to be written at evaluation (an mp4 and a PNG of the frames)."""
         return {"videos": rollout.info["videos"]}
 
+    def export_formats(self) -> dict[str, str]:
+        """``diffusers-lora`` with LoRA on the transformer."""
+        return {"diffusers-lora": "the LoRA adapters as pytorch_lora_weights.safetensors, for WanPipeline.load_lora_weights(DIR)"} if self.config.lora.r else {}
+
+    def export(self, fmt: str, out: Path) -> None:
+        save_wan_lora(self, out)
+
     def save_extra(self, directory) -> None:
         """With LoRA, the adapters also go to ``lora_diffusers/`` in diffusers' format
         (:func:`save_wan_lora`), beside every ``save_pretrained`` and checkpoint."""
