@@ -26,6 +26,14 @@ class Sample:
     # ``log_prob(replay)`` at the sampling parameters, which the trainer computes when it
     # first needs them (docs/architecture.md, "Deferred old log-probs")
     logp_deferred: bool = False
+    # a policy that ``carries_state``: what it hands itself for its next call in the same
+    # episodes (one entry per input row; a language agent's token history). The env sampler
+    # keeps it for the wave and passes it back as ``inputs["carry"]``; opaque to the sampler
+    carry: Any = None
+    # [N] bool: rows whose episodes the policy can act no further in (a language agent's
+    # context is full); the env sampler ends them as truncated without counting this step's
+    # outcome (their decision's mask is the policy's, normally 0)
+    end: Tensor | None = None
 
 
 @runtime_checkable
@@ -48,6 +56,11 @@ class PolicyModule(nn.Module):
     # ``sample(..., noise_group_size=G)`` starts each run of G consecutive samples from one
     # initial noise (DanceGRPO's shared noise within a group; sampler.shared_noise)
     shares_initial_noise: bool = False
+    # ``sample(inputs)`` reads ``inputs["carry"]`` (what its previous call in the same episodes
+    # returned as ``Sample.carry``; None at an episode's first decision) and ``inputs["active"]``
+    # ([N] bool, the rows whose episodes are still running): a recurrent policy, or a language
+    # agent whose decision is a turn and whose token history runs through the episode
+    carries_state: bool = False
 
     def sample(self, inputs: Any, generator: torch.Generator | None = None, deterministic: bool = False) -> Sample:
         raise NotImplementedError

@@ -116,12 +116,23 @@ def load_pretrained(directory: str | os.PathLike, **overrides) -> nn.Module:
     return policy
 
 
+# what samplers tell a policy about its inputs and outputs (``Sampler.policy_spec``)
+SPEC_KEYS = ("obs_dim", "action_dim", "action_low", "action_high", "state_dim", "image_shape", "instructions", "privileged_dim", "num_prompts", "action_space", "observation_space", "max_action_length")
+
+
 def build_policy(cfg, spec: dict) -> nn.Module:
     """Build the policy named by ``cfg.type`` from its config and the sampler's spec;
     ``cfg.pretrained`` loads local weights on top."""
     from mmrl import registry
 
-    policy = registry.POLICIES.get(cfg.type, "policy.type")(cfg, spec)
+    try:
+        policy = registry.POLICIES.get(cfg.type, "policy.type")(cfg, spec)
+    except KeyError as e:  # a spec entry the sampler does not offer: the policy and the env do not fit
+        key = e.args[0] if e.args else None
+        if key not in SPEC_KEYS or key in spec:
+            raise
+        offered = ", ".join(sorted(spec)) or "nothing"
+        raise ConfigError("policy.type", cfg.type, f"reads {key!r} from the sampler's spec, which this env and sampler do not give (they give: {offered}); pick a policy for this env") from None
     if cfg.pretrained:
         load_state(policy, cfg.pretrained)
     return policy

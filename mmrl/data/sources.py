@@ -10,6 +10,8 @@ it: one process and N train on the same samples.
 - ``completions``: (prompt, completion) text pairs from a JSONL or CSV file or a saved
   ``datasets`` directory; a batch is ``{"prompt": [...], "completion": [...]}``. A record with
   images (``image_field``) gives an :class:`~mmrl.data.prompts.ImagePrompt` as its prompt.
+- ``conversations``: demonstrated episodes of a language agent, (observation, action) turns
+  from a JSONL file; a batch is ``{"turns": [...]}``.
 - ``preferences``: preference pairs (:mod:`mmrl.data.preferences`) for pairwise reward
   models; a batch is ``{"prompt": [...], "chosen": ..., "rejected": ...}``.
 
@@ -130,6 +132,42 @@ class Completions(DataSource):
             raise ConfigError("data.completion_field", cfg.completion_field, f"missing in {len(missing)} records (first: record {missing[0]})")
         self.samples = {"prompt": [prompt_input(replace(r, prompt=str(r.prompt))) for r in records], "completion": [str(r.answer) for r in records]}
         self.info = {"samples": self.num_samples}
+
+
+@dataclass
+class ConversationsConfig(DataSourceConfig):
+    type: str = option("conversations", "data source (mmrl list data)")
+    path: str | None = option(None, "a .jsonl file, one demonstrated episode per line: {\"turns\": [[observation, action], ...]}")
+
+
+@DATA_SOURCES.register("conversations", config=ConversationsConfig)
+class Conversations(DataSource):
+    """Demonstrated episodes of a language agent in a text env: each a list of (observation,
+    action) turns; a batch is ``{"turns": [...]}``, what ``text_agent``'s ``sft_loss`` takes."""
+
+    def __init__(self, cfg: ConversationsConfig, policy, seed: int, world: int, rank: int):
+        import json
+        from pathlib import Path
+
+        super().__init__(cfg, seed, world, rank)
+        path = Path(cfg.path)
+        if not path.is_file():
+            raise ConfigError("data.path", cfg.path, "no such file (a .jsonl of {\"turns\": [[observation, action], ...]} lines)")
+        episodes = []
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                turns = json.loads(line)["turns"]
+                if not turns or not all(isinstance(t, list) and len(t) == 2 and all(isinstance(x, str) for x in t) for t in turns):
+                    raise ValueError
+            except (ValueError, KeyError, TypeError):
+                raise ConfigError("data.path", cfg.path, f"line {number} is not {{\"turns\": [[observation, action], ...]}} with string pairs") from None
+            episodes.append([tuple(t) for t in turns])
+        if not episodes:
+            raise ConfigError("data.path", cfg.path, "holds no episodes")
+        self.samples = {"turns": episodes}
+        self.info = {"episodes": len(episodes), "turns": sum(len(e) for e in episodes)}
 
 
 @dataclass

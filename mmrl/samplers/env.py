@@ -115,11 +115,15 @@ class EnvSampler(Sampler):
         self.env_name = ctx.env.id or ctx.env.type
         self.num_envs = self.env.num_envs
         space = self.env.single_action_space
-        if not isinstance(space, gymnasium.spaces.Box):
+        # a language agent's env: each action is the text of one turn (mmrl/tasks/guess_number)
+        self.text_actions = isinstance(space, gymnasium.spaces.Text)
+        if not isinstance(space, gymnasium.spaces.Box) and not self.text_actions:
             self.env.close()
-            raise ConfigError("env.id", ctx.env.id, f"the env sampler needs a continuous (Box) action space; this env has {space}")
-        self.action_low = space.low.astype(np.float32)
-        self.action_high = space.high.astype(np.float32)
+            raise ConfigError("env.id", ctx.env.id, f"the env sampler needs a continuous (Box) or a text (Text) action space; this env has {space}")
+        self.action_low = None if self.text_actions else space.low.astype(np.float32)
+        self.action_high = None if self.text_actions else space.high.astype(np.float32)
+        self.max_action_length = int(space.max_length) if self.text_actions else None
+        self.text_obs = isinstance(self.env.single_observation_space, gymnasium.spaces.Text)
         self.structured = _is_structured(self.env.single_observation_space)
         self.env_steps = 0  # env steps of training rollouts, masked ones included (evaluation not counted)
         # a critic bootstraps an episode cut by a time limit from its final observation's value
@@ -130,6 +134,9 @@ class EnvSampler(Sampler):
         self.cameras = camera_names(ctx.env)
         try:
             has_images = self.structured and "image" in self.env.single_observation_space.spaces
+            if self.text_actions and (sampler_cfg.keep_frames or sampler_cfg.save_eval_episodes):
+                field = "sampler.keep_frames" if sampler_cfg.keep_frames else "sampler.save_eval_episodes"
+                raise ConfigError(field, sampler_cfg.keep_frames or sampler_cfg.save_eval_episodes, f"records robot episodes (frames, action vectors); {self.env_name} acts in text")
             check_recording(sampler_cfg.keep_frames, sampler_cfg.save_eval_episodes, self.partial is not None, has_images, self.env_name)
             # the env's success flag or a learned one (mmrl/samplers/success.py)
             self.success_source = SuccessSource(ctx.env, ctx.rewards, self.env_name, self.env.single_observation_space, o)
@@ -138,12 +145,17 @@ class EnvSampler(Sampler):
             raise
 
     def policy_spec(self) -> dict:
-        spec = {
-            "action_dim": int(np.prod(self.action_low.shape)),
-            "action_low": self.action_low.reshape(-1).tolist(),
-            "action_high": self.action_high.reshape(-1).tolist(),
-        }
         space = self.env.single_observation_space
+        if self.text_actions:  # a language agent: text turns out; text (and images) in
+            spec = {"action_space": "text", "max_action_length": self.max_action_length}
+            if self.text_obs:
+                return {**spec, "observation_space": "text"}
+        else:
+            spec = {
+                "action_dim": int(np.prod(self.action_low.shape)),
+                "action_low": self.action_low.reshape(-1).tolist(),
+                "action_high": self.action_high.reshape(-1).tolist(),
+            }
         if not self.structured:
             return {"obs_dim": int(gymnasium.spaces.flatdim(space)), **spec}
         state = space.spaces.get("state")
@@ -156,11 +168,19 @@ class EnvSampler(Sampler):
             spec["privileged_dim"] = int(gymnasium.spaces.flatdim(space[PRIVILEGED]))
         return spec
 
-    def sample(self, policy, obs, device, generator, deterministic: bool = False):
+    def sample(self, policy, obs, device, generator, deterministic: bool = False, carry=None, active=None):
         """``policy.sample`` on the policy's view of ``obs`` (:meth:`observation`); an env's
         ``"privileged"`` observation (a critic's input, never the policy's) joins the
-        sample's replay as ``"privileged"`` [N, 1, D]."""
-        sample = policy.sample(self.observation(obs, device), generator, deterministic=deterministic)
+        sample's replay as ``"privileged"`` [N, 1, D]. A policy that ``carries_state`` also
+        gets ``carry`` (its previous call's ``Sample.carry`` in these episodes, None at their
+        start) and ``active`` ([N] bool, the rows whose episodes still run)."""
+        inputs = self.observation(obs, device)
+        if getattr(policy, "carries_state", False):
+            inputs = dict(inputs) if isinstance(inputs, dict) else {"state": inputs}
+            n = len(inputs["text"]) if "text" in inputs else next(iter(inputs.values())).shape[0]
+            inputs["carry"] = carry
+            inputs["active"] = torch.ones(n, dtype=torch.bool) if active is None else torch.as_tensor(active).to("cpu", torch.bool)
+        sample = policy.sample(inputs, generator, deterministic=deterministic)
         if self.structured and PRIVILEGED in obs:
             sample.replay[PRIVILEGED] = _obs_tensor(obs[PRIVILEGED], device).unsqueeze(1)
         return sample
@@ -168,7 +188,11 @@ class EnvSampler(Sampler):
     def observation(self, obs, device) -> "Tensor | dict":
         """The policy's input for a batch of env observations: a float tensor [N, D] for flat
         observations; for image/language observations a dict {"image": uint8 [N, (K,) H, W, 3],
-        "state": float32 [N, D], "instruction": list of N strings} (keys the env has)."""
+        "state": float32 [N, D], "instruction": list of N strings} (keys the env has); for
+        text observations (a language agent's env) {"text": list of N strings}, beside the
+        images of a Dict observation that also has a "text" entry."""
+        if self.text_obs:
+            return {"text": [str(text) for text in obs]}
         if not self.structured:
             return _obs_tensor(obs, device)
         out: dict[str, Any] = {}
@@ -180,6 +204,8 @@ class EnvSampler(Sampler):
             out["state"] = _obs_tensor(obs["state"], device)
         if "instruction" in obs:
             out["instruction"] = [str(text) for text in obs["instruction"]]
+        if "text" in obs:
+            out["text"] = [str(text) for text in obs["text"]]
         return out
 
     def env_call(self, method: str, seeds: list, *args, **kwargs):
@@ -197,6 +223,8 @@ class EnvSampler(Sampler):
     # ------------------------------------------------------------------ sampling
 
     def collect(self, policy, num_groups: int, group_size: int, step: int, group_offset: int = 0, version: int = 0) -> Rollout:
+        if self.partial is not None and getattr(policy, "carries_state", False):
+            raise ConfigError("rollout.over_provision", self.over_provision, f"episodes in flight across collections do not keep a {type(policy).__name__}'s carried state yet: use 1")
         if self.partial is not None:  # partial rollouts; ``version`` tags each decision
             return self.partial.collect(policy, num_groups, group_size, step, group_offset, version)
         seeds = [group_seed(self.seed, step, group_offset + g) for g in range(num_groups)]
@@ -318,8 +346,9 @@ class EnvSampler(Sampler):
         on = _tensor_device(obs)  # a simulator that returns torch tensors: bookkeeping stays on its device
         alive = torch.arange(num_envs, device=on) < n if on is not None else np.arange(num_envs) < n
         no_success = torch.zeros(num_envs, dtype=torch.bool, device=on) if on is not None else np.zeros(num_envs, dtype=bool)
-        if on is not None:
+        if on is not None and not self.text_actions:
             low, high = (torch.as_tensor(b, device=on) for b in (self.action_low, self.action_high))
+        carry = None  # a policy that carries_state: its state in this wave's episodes
         samples, rewards, terminated, truncated, success, chunk_index = [], [], [], [], [], []
         cap = self.config.max_decisions
         frames = VideoFrames(obs, record) if record else None
@@ -327,16 +356,26 @@ class EnvSampler(Sampler):
         scores = self.success_source.wave_scores(num_envs, device)
         while alive.any() and (cap is None or len(samples) < cap):
             chunk_end, scored = {}, alive  # env -> the observation its episode ended at in this chunk
-            sample = self.sample(policy, obs, device, generator, deterministic)
-            if on is not None:
-                actions = torch.minimum(torch.maximum(sample.output.to(on), low), high)
+            sample = self.sample(policy, obs, device, generator, deterministic, carry=carry, active=alive)
+            carry = sample.carry
+            if self.text_actions:  # one turn: one env step with each env's text
+                actions = [tuple(str(text) for text in sample.output)]
+            elif on is not None:
+                actions = torch.minimum(torch.maximum(sample.output.to(on), low), high).unbind(1)
             else:
-                actions = np.minimum(np.maximum(as_numpy(sample.output), self.action_low), self.action_high)
+                actions = list(np.moveaxis(np.minimum(np.maximum(as_numpy(sample.output), self.action_low), self.action_high), 1, 0))
             samples.append(sample)
-            for j in range(actions.shape[1]):
+            ended_by_policy = None  # the policy could act no further in these episodes
+            if sample.end is not None and bool(sample.end.any()):
+                ended_by_policy = torch.as_tensor(sample.end).to(on) if on is not None else as_numpy(sample.end).astype(bool)
+            for j, action in enumerate(actions):
                 if kept is not None:
-                    kept.step(obs, actions[:, j])
-                obs, reward, term, trunc, info = self.env_call("step", reset_seeds, actions[:, j])
+                    kept.step(obs, action)
+                obs, reward, term, trunc, info = self.env_call("step", reset_seeds, action)
+                if ended_by_policy is not None:  # truncated before this step: its outcome does not count
+                    reward = reward * ~ended_by_policy
+                    term = term & ~ended_by_policy
+                    trunc = trunc | ended_by_policy
                 if "costs" in info:
                     costs.append({name: as_numpy(value) for name, value in info["costs"].items() if not name.startswith("_")})
                 if on is not None:

@@ -1,0 +1,1 @@
+"""Guess the number: a game with feedback over several turns, for language agents."""

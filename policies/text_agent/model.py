@@ -1,0 +1,251 @@
+"""``text_agent``: a causal LM acting in a gymnasium env, one turn per decision (docs/agents.md).
+
+The env sampler that runs robots runs the agent: the env's observation and action are text
+(``gymnasium.spaces.Text``), every decision is one turn of the agent, and the turn's tokens
+are that decision's log-prob columns. Between turns the conversation lives in the policy's
+carried state (``PolicyModule.carries_state``): the env sampler hands each call's
+``Sample.carry`` back to the next call of the same episodes, and knows nothing of tokens.
+
+**Token in, token out.** The carry is each episode's conversation as token ids. A turn
+appends the env's new observation, encoded on its own, and generates after it; earlier turns
+are never re-tokenized, so the tokens the loss scores are exactly the tokens sampled (a
+re-tokenized history can merge or split tokens at turn boundaries and change their
+log-probs). With ``generation.chat_template`` the observation is a user message of the
+tokenizer's chat template and each turn the assistant's reply: what the template puts between
+the end of an assistant reply and the next generation prompt is worked out once from two
+renderings of a short conversation, so the history grows by appending. A template that
+re-renders earlier turns (one that strips the reasoning of past replies) cannot be appended
+to and is refused. Without a chat template the transcript is the first observation (encoded
+as ``text_lm`` encodes a prompt), then each turn followed by ``turn_separator`` and the next
+observation.
+
+**Masks.** Only the agent's own tokens are decisions: each turn's tokens (up to and including
+its EOS, or the token completing a stop string) are columns with mask 1; the env's tokens sit
+in the prompt of the next turn and are never scored.
+
+**Limits.** ``generation.max_new_tokens`` per turn, ``max_context_tokens`` for the history plus
+one turn (an episode whose history leaves no room for another turn ends there, truncated:
+``Sample.end``), and the env sampler's ``max_decisions`` or the env's time limit for turns.
+
+**Replay per turn** (call dim 1; fixed widths, so the waves and steps of a run concatenate):
+
+    prompt_ids [N, 1, C − K], prompt_mask      the history before the turn (left-padded)
+    completion_ids [N, 1, K], completion_mask  the turn (right-padded)
+
+with C = ``max_context_tokens`` and K = ``max_new_tokens``; ``log_prob`` scores the turns of
+a [B, T] replay as ``text_lm`` scores completions (rows of similar lengths together, each cut
+to its real lengths, so the padding costs nothing) and returns [B, T·K].
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from mmrl.core.policy import Sample
+from mmrl.errors import ConfigError
+from mmrl.policies.text_agent.config import TextAgentConfig
+from mmrl.policies.text_lm.model import _TEXT_REPLAY, TextLMPolicy
+from mmrl.registry import POLICIES
+
+CONTRACT = {
+    "train": {
+        "env": {"type": "gym", "id": "mmrl/GuessNumber-v0", "num_envs": 4, "max_episode_steps": 3},
+        "sampler": {"type": "env"},
+        "policy": {"type": "text_agent", "tiny": {"hidden_size": 16, "num_heads": 2, "intermediate_size": 32}, "generation": {"max_new_tokens": 4}, "max_context_tokens": 192},
+        "rewards": [{"type": "success"}],
+    },
+    "ratio_atol": 1e-4,
+    "ratio_why": (
+        "the old log-probs are deferred (the trainer's ratio is exactly 1); the provisional numbers are the key/value-cache decoding "
+        "loop's, which sums each token's float32 logits in another order than log_prob's one teacher-forced pass (as text_lm's, docs/text.md)"
+    ),
+}
+
+# stand-ins for the contents of a rendered conversation, found again in the rendering
+_USER, _REPLY, _OBSERVATION = "MMRL_FIRST_MESSAGE", "MMRL_AGENT_REPLY", "MMRL_NEXT_OBSERVATION"
+
+
+@POLICIES.register("text_agent", config=TextAgentConfig, contract=CONTRACT)
+class TextAgentPolicy(TextLMPolicy):
+    """A causal LM whose decision is a turn in a text env; the conversation is its carried state."""
+
+    carries_state = True
+
+    def __init__(self, config: TextAgentConfig, spec: dict):
+        if spec.get("action_space") != "text":
+            raise ConfigError("policy.type", config.type, "acts in text: it needs an env whose observations and actions are text (gymnasium Text spaces, e.g. mmrl/GuessNumber-v0) under the env sampler")
+        super().__init__(config, spec)
+        self._glue: tuple[str, str, str, str] | None = None
+        self.glue_texts()  # a template that cannot be appended to is refused now, not mid-run
+
+    # ------------------------------------------------------------------ the conversation
+
+    def glue_texts(self) -> tuple[str, str, str, str]:
+        """(after a turn that ended with EOS, after a turn cut without it, before an
+        observation, after an observation): the text that joins a turn to the next observation
+        and that observation to the next generation prompt."""
+        if self._glue is not None:
+            return self._glue
+        generation = self.config.generation
+        if not generation.chat_template:
+            self._glue = ("", "", self.config.turn_separator, "")
+            return self._glue
+        system = [{"role": "system", "content": generation.system_prompt}] if generation.system_prompt is not None else []
+        talk = [*system, {"role": "user", "content": _USER}, {"role": "assistant", "content": _REPLY}]
+        base = self.tokenizer.apply_chat_template(talk, tokenize=False)
+        full = self.tokenizer.apply_chat_template([*talk, {"role": "user", "content": _OBSERVATION}], tokenize=False, add_generation_prompt=True)
+        if not full.startswith(base) or _REPLY not in base or full[len(base):].count(_OBSERVATION) != 1:
+            raise ConfigError(
+                "policy.generation.chat_template", True,
+                "the tokenizer's chat template does not render a conversation by appending turns (it rewrites earlier ones), which token-in/token-out turns need: set it false",
+            )
+        suffix = base[base.rindex(_REPLY) + len(_REPLY):]  # what the template closes a reply with
+        eos = self.tokenizer.decode([self.sampling.eos_token_ids[0]])
+        before, after = full[len(base):].split(_OBSERVATION)
+        self._glue = (suffix[len(eos):] if suffix.startswith(eos) else suffix, suffix, before, after)
+        return self._glue
+
+    def first_ids(self, observation: str) -> list[int]:
+        """The tokens of an episode's first observation, up to the first generation prompt."""
+        return self.encode_prompts([observation])[0]
+
+    def next_ids(self, observation: str, turn_ended_with_eos: bool) -> list[int]:
+        """The tokens appended after a turn: the template's close of that turn (the part the
+        model did not generate), the observation as the next message, the next generation
+        prompt."""
+        after_eos, after_cut, before, after = self.glue_texts()
+        text = (after_eos if turn_ended_with_eos else after_cut) + before + observation + after
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    # ------------------------------------------------------------------ protocol
+
+    @torch.no_grad()
+    def sample(self, inputs, generator: torch.Generator | None = None, deterministic: bool = False) -> Sample:
+        """One turn for each of the N episodes in ``inputs`` (``text``: the env's new
+        observations; ``carry``: each episode's conversation so far, None at its start;
+        ``active``: the episodes still running — the others generate nothing). Returns the
+        turns' texts (without the final EOS) as ``output``, per-token ``logp``/``entropy``/
+        ``mask`` [N, K], the replay (module docstring), the grown conversations as ``carry``
+        and, as ``end``, the episodes whose history leaves no room for a turn."""
+        if not isinstance(inputs, dict) or "text" not in inputs:
+            raise ConfigError("policy.type", self.config.type, "takes the env sampler's text observations ({'text': [...], 'carry': ..., 'active': ...})")
+        texts = [str(t) for t in inputs["text"]]
+        n = len(texts)
+        carry = inputs.get("carry") or [None] * n
+        active = inputs.get("active")
+        active = [True] * n if active is None else [bool(a) for a in torch.as_tensor(active).tolist()]
+        budget = self.sampling.max_new_tokens
+        width = self.config.max_context_tokens - budget
+        histories, run, end = [], [], []
+        for i, (text, state) in enumerate(zip(texts, carry)):
+            if state is None:
+                ids = self.first_ids(text)
+            elif active[i]:
+                ids = state["ids"] + self.next_ids(text, state["eos"])
+            else:  # an ended episode: its conversation stays as it was
+                ids = state["ids"]
+            histories.append(ids)
+            fits = len(ids) <= width
+            if active[i] and fits:
+                run.append(i)
+            end.append(active[i] and not fits)
+        turns: list[list[int]] = [[] for _ in range(n)]
+        logps: list[list[float]] = [[] for _ in range(n)]
+        entropies: list[list[float]] = [[] for _ in range(n)]
+        reasons: list[str | None] = [None] * n
+        if run:
+            generated = self.backend.generate([histories[i] for i in run], self.sampling, generator, deterministic)
+            for k, i in enumerate(run):
+                turns[i], logps[i], reasons[i] = generated.token_ids[k], generated.logp[k], generated.finish_reason[k]
+                entropies[i] = generated.entropy[k] if generated.entropy is not None else [0.0] * len(turns[i])
+        next_carry = []
+        for i in range(n):
+            ended_with_eos = reasons[i] == "eos" if reasons[i] is not None else (carry[i]["eos"] if carry[i] is not None else True)
+            next_carry.append({"ids": histories[i] + turns[i], "eos": ended_with_eos})
+        replay = self._turn_replay([h[-width:] for h in histories], turns, width)
+        mask = replay["completion_mask"][:, 0].float()
+        if self.config.generation.old_logp == "recompute":
+            logp, entropy = self._turn_scores(replay, with_entropy=True)
+        else:
+            logp, entropy = (torch.tensor([row + [0.0] * (budget - len(row)) for row in values], device=mask.device) for values in (logps, entropies))
+        outputs = [self.tokenizer.decode(t[:-1] if reasons[i] == "eos" else t, skip_special_tokens=True) for i, t in enumerate(turns)]
+        return Sample(
+            output=outputs, logp=logp, replay=replay, mask=mask, entropy=entropy,
+            info={"turns": outputs, "finish_reason": reasons},
+            logp_deferred=self.config.generation.old_logp == "deferred",
+            carry=next_carry,
+            end=torch.tensor(end, dtype=torch.bool),
+        )
+
+    def _turn_replay(self, prompts: list[list[int]], turns: list[list[int]], width: int) -> dict[str, Tensor]:
+        """The replay of one call (module docstring): fixed widths, call dim 1."""
+        n, budget, pad = len(prompts), self.sampling.max_new_tokens, self.tokenizer.pad_token_id
+        prompt_ids = torch.full((n, width), pad, dtype=torch.long)
+        prompt_mask = torch.zeros((n, width), dtype=torch.long)
+        completion_ids = torch.full((n, budget), pad, dtype=torch.long)
+        completion_mask = torch.zeros((n, budget), dtype=torch.long)
+        for i, (prompt, turn) in enumerate(zip(prompts, turns)):
+            if prompt:
+                prompt_ids[i, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+                prompt_mask[i, width - len(prompt):] = 1
+            if turn:
+                completion_ids[i, : len(turn)] = torch.tensor(turn, dtype=torch.long)
+                completion_mask[i, : len(turn)] = 1
+        device = self.device
+        replay = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids, "completion_mask": completion_mask}
+        return {key: value.unsqueeze(1).to(device) for key, value in replay.items()}
+
+    def _turn_scores(self, replay: dict, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+        """log q'(token) (and the entropy of q') [B, T·K] of every turn token of a [B, T]
+        replay; the turns without tokens (ended episodes, padding) run in no pass."""
+        b, t, k = replay["completion_ids"].shape
+        flat = {key: replay[key].flatten(0, 1) for key in _TEXT_REPLAY}
+        rows = (flat["completion_mask"].sum(1) > 0).nonzero().flatten()
+        device = self.device
+        logp = torch.zeros(b * t, k, device=device)
+        entropy = torch.zeros(b * t, k, device=device) if with_entropy else None
+        if rows.numel():
+            scored, scored_entropy = self._scores({key: value[rows] for key, value in flat.items()}, with_entropy)
+            logp = logp.index_put((rows.to(device),), scored)
+            if with_entropy:
+                entropy = entropy.index_put((rows.to(device),), scored_entropy)
+        return logp.view(b, t * k), entropy.view(b, t * k) if entropy is not None else None
+
+    def log_prob(self, replay: dict) -> Tensor:
+        """log q'(token) [B, T·K] of every turn token of the replayed turns under the current
+        parameters (0 on padding and on turns without tokens)."""
+        return self._turn_scores(replay)[0]
+
+    def sft_loss(self, batch: dict) -> Tensor:
+        """Supervised fine-tuning on demonstrated episodes: ``batch["turns"]``, B lists of
+        (observation, action) pairs, encoded as the agent's conversations are (each action
+        followed by EOS, so the model learns to end a turn); the mean cross-entropy of the
+        actions' tokens, in one teacher-forced pass per episode (the observations are context)."""
+        eos = self.sampling.eos_token_ids[0]
+        sequences, targets = [], []
+        for episode in batch["turns"]:
+            ids: list[int] = []
+            scored: list[int] = []
+            for j, (observation, action) in enumerate(episode):
+                context = self.first_ids(observation) if j == 0 else self.next_ids(observation, True)
+                reply = self.tokenizer(str(action), add_special_tokens=False)["input_ids"] + [eos]
+                ids += context + reply
+                scored += [0] * len(context) + [1] * len(reply)
+            if len(ids) > self.config.max_context_tokens:
+                raise ValueError(f"a demonstrated episode of {len(ids)} tokens exceeds policy.max_context_tokens ({self.config.max_context_tokens})")
+            sequences.append(ids)
+            targets.append(scored)
+        width = max(len(s) for s in sequences)
+        device = self.device
+        ids = torch.full((len(sequences), width), self.tokenizer.pad_token_id, dtype=torch.long, device=device)
+        mask = torch.zeros((len(sequences), width), dtype=torch.long, device=device)
+        scored = torch.zeros((len(sequences), width), dtype=torch.float32, device=device)
+        for i, (seq, tgt) in enumerate(zip(sequences, targets)):
+            ids[i, : len(seq)] = torch.tensor(seq, device=device)
+            mask[i, : len(seq)] = 1
+            scored[i, : len(tgt)] = torch.tensor(tgt, dtype=torch.float32, device=device)
+        logits = self.forward_logits(ids, mask).float()[:, :-1]
+        ce = nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="none").view(len(sequences), -1)
+        weight = scored[:, 1:]
+        return (ce * weight).sum() / weight.sum().clamp(min=1.0)

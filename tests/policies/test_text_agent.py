@@ -1,0 +1,150 @@
+"""The language agent (`text_agent`) in a text env through the env sampler: the conversation is
+kept as token ids and only grows (token in, token out), only the agent's tokens are decisions,
+recomputed log-probs give ratio 1, limits end episodes as truncated, SFT on demonstrated
+episodes and a policy-gradient step move the turns' log-probs the right way."""
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from mmrl.config import from_dict  # noqa: E402
+from mmrl.errors import ConfigError  # noqa: E402
+from mmrl.tasks.guess_number.demos import binary_search_episode  # noqa: E402
+from mmrl.train.run_config import TrainConfig  # noqa: E402
+from mmrl.train.trainer import Trainer  # noqa: E402
+
+TINY = {"hidden_size": 32, "num_heads": 2, "intermediate_size": 64}
+
+
+def config(**changes) -> dict:
+    cfg = {
+        "name": "agent", "seed": 0, "total_steps": 1, "device": "cpu",
+        "env": {"type": "gym", "id": "mmrl/GuessNumber-v0", "num_envs": 4, "max_episode_steps": 3},
+        "sampler": {"type": "env"},
+        "policy": {"type": "text_agent", "tiny": TINY, "generation": {"max_new_tokens": 4}, "max_context_tokens": 192},
+        "rewards": [{"type": "success"}],
+        "algo": {"group_size": 2, "groups_per_step": 2, "kl": {"coef": 0.0}},
+        "eval": {"at_start": False, "at_end": False, "episodes": 4}, "log": {"progress": False, "tensorboard": False},
+    }
+    for key, value in changes.items():
+        cfg[key] = {**cfg[key], **value} if isinstance(value, dict) and isinstance(cfg.get(key), dict) else value
+    return cfg
+
+
+@pytest.fixture
+def trainer(tmp_path):
+    made = []
+
+    def make(**changes):
+        t = Trainer(from_dict(TrainConfig, config(**changes)), tmp_path / f"run{len(made)}")
+        made.append(t)
+        return t
+
+    yield make
+    for t in made:
+        t.metrics.close()
+        t.engine.close()
+        t.sampler.close()
+
+
+def _turns(rollout, tokenizer, b):
+    """(prompt ids, turn ids) of each turn of sample b that has tokens."""
+    replay = rollout.replay
+    out = []
+    for t in range(replay["completion_ids"].shape[1]):
+        turn = replay["completion_ids"][b, t][replay["completion_mask"][b, t].bool()].tolist()
+        if turn:
+            out.append((replay["prompt_ids"][b, t][replay["prompt_mask"][b, t].bool()].tolist(), turn))
+    return out
+
+
+def test_the_conversation_only_grows_and_only_the_agents_tokens_are_decisions(trainer):
+    t = trainer()
+    rollout = t.engine.collect(0, t.learner.version).rollout
+    tok = t.policy.tokenizer
+    assert rollout.old_logp.shape == rollout.mask.shape == (4, 3 * 4)  # 3 turns of at most 4 tokens
+    for b in range(4):
+        turns = _turns(rollout, tok, b)
+        assert len(turns) == int(rollout.info["length"][b])  # one turn per env step
+        for (prompt, turn), (later_prompt, _) in zip(turns, turns[1:]):
+            # token in, token out: the next prompt starts with exactly this prompt and this turn's tokens
+            assert later_prompt[: len(prompt) + len(turn)] == prompt + turn
+            env_part = tok.decode(later_prompt[len(prompt) + len(turn):])
+            assert env_part.startswith(("\n<|im_start|>user\n", "<|im_end|>\n<|im_start|>user\n")) and env_part.endswith("<|im_start|>assistant\n")
+        # the decisions are the turns' tokens, nothing else
+        assert int(rollout.mask[b].sum()) == sum(len(turn) for _, turn in turns)
+    first = tok.decode(_turns(rollout, tok, 0)[0][0])
+    assert first == "<|im_start|>user\nI am thinking of a number between 1 and 16. Guess it.<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.numerics
+def test_recomputed_turn_log_probs_equal_the_sampled_ones(trainer):
+    """old_logp: recompute makes sample() score the replay itself; a second pass over the whole
+    [B, T] replay gives the same numbers to the bit."""
+    t = trainer(policy={"generation": {"max_new_tokens": 4, "old_logp": "recompute"}})
+    rollout = t.engine.collect(0, t.learner.version).rollout
+    assert not rollout.old_logp_deferred
+    with torch.no_grad():
+        again = t.policy.log_prob(rollout.replay)
+    valid = rollout.mask > 0
+    assert valid.any()
+    assert torch.equal(again[valid], rollout.old_logp[valid])
+
+
+def test_a_full_context_ends_the_episode_truncated_without_crashing(trainer):
+    # the first prompt is ~75 tokens: a 100-token context leaves room for one 8-token turn at most
+    t = trainer(policy={"generation": {"max_new_tokens": 8}, "max_context_tokens": 100}, env={"max_episode_steps": 5})
+    rollout = t.engine.collect(0, t.learner.version).rollout
+    assert rollout.info["truncated"].all() and (rollout.info["success"] == 0).all()
+    assert (rollout.info["length"] <= 2).all()
+    steps = rollout.mask.view(4, -1, 8).sum(-1)
+    assert (steps[:, 0] > 0).all() and (steps[:, 2:] == 0).all()
+
+
+def test_a_positive_advantage_raises_the_turns_log_prob(trainer):
+    t = trainer()
+    rollout = t.engine.collect(0, t.learner.version).rollout
+    policy = t.policy
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.05)
+    mask = rollout.mask
+    before = (policy.log_prob(rollout.replay) * mask).sum().item()
+    loss = -(policy.log_prob(rollout.replay) * mask).sum() / mask.sum()  # advantage +1 on every turn token
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    with torch.no_grad():
+        after = (policy.log_prob(rollout.replay) * mask).sum().item()
+    assert after > before + 1.0
+
+
+def test_sft_on_demonstrated_episodes_teaches_the_first_guess(trainer, tmp_path):
+    demos = tmp_path / "demos.jsonl"
+    demos.write_text("".join(json.dumps({"turns": binary_search_episode(seed)}) + "\n" for seed in range(16)))
+    t = trainer(algo={"type": "sft"}, total_steps=60, policy={"max_context_tokens": 512}, data={"type": "conversations", "path": str(demos), "batch_size": 8}, optim={"lr": 3e-3})
+    episodes = [binary_search_episode(seed) for seed in range(4)]
+    with torch.no_grad():
+        before = t.policy.sft_loss({"turns": episodes}).item()
+    t.train()
+    with torch.no_grad():
+        after = t.policy.sft_loss({"turns": episodes}).item()
+    assert after < 0.5 * before
+    # greedy play: every demonstration opens with the midpoint
+    first = t.policy.sample({"text": ["I am thinking of a number between 1 and 16. Guess it."], "carry": None, "active": torch.ones(1, dtype=torch.bool)}, deterministic=True)
+    assert first.output == ["8"]
+
+
+def test_the_conversation_source_and_the_agent_refuse_bad_input(trainer, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"turns": [["only an observation"]]}\n')
+    with pytest.raises(ConfigError, match="data.path"):
+        trainer(algo={"type": "sft"}, data={"type": "conversations", "path": str(bad)})
+    with pytest.raises(ConfigError, match="max_context_tokens"):
+        trainer(policy={"max_context_tokens": 4})
+    with pytest.raises(ConfigError, match="policy.type"):
+        trainer(env={"id": "mmrl/PointReach-v0", "max_episode_steps": 3})
+    robot_policy = {**config(), "policy": {"type": "gaussian_mlp"}}
+    with pytest.raises(ConfigError, match="reads 'obs_dim'"):  # a robot policy on a text env
+        Trainer(from_dict(TrainConfig, robot_policy), tmp_path / "robot")
