@@ -78,6 +78,21 @@ class ActionChunkPolicy(DenoisingPolicy):
         """Final latents [..., C, A] → the env-unit chunks they execute (clipped to [−1, 1] first)."""
         return self.action_center + self.action_half_range * latents.clamp(-1.0, 1.0)
 
+    @property
+    def latent_shape(self) -> tuple[int, ...]:
+        """Shape of one chain's latent: [C, A] here; a policy that denoises more than the env
+        executes (a checkpoint's padded action dims) says so."""
+        return (self.chunk, self.action_dim)
+
+    def actions_to_latents(self, actions: Tensor) -> Tensor:
+        """Expert chunks [B, C, A] in env units → the latents ``sft_loss`` trains towards
+        (normalized and clipped to [−1, 1])."""
+        return self.normalize_actions(actions).clamp(-1.0, 1.0)
+
+    def latents_to_actions(self, latents: Tensor) -> Tensor:
+        """Final latents → the env-unit chunks ``imitation_batch`` hands to ``sft_loss``."""
+        return self.env_actions(latents)
+
     # ------------------------------------------------------------------ protocol
 
     def chain_denoiser(self, replay: dict):
@@ -94,7 +109,7 @@ class ActionChunkPolicy(DenoisingPolicy):
         obs = self.observation(inputs)
         cond = self.conditioning(obs)
         device = self.action_center.device
-        shape = (next(iter(obs.values())).shape[0], self.chunk, self.action_dim)
+        shape = (next(iter(obs.values())).shape[0], *self.latent_shape)
         x_init = torch.zeros(shape, device=device) if deterministic else torch.randn(shape, generator=generator).to(device)
         out = self.sample_chain(self._denoiser(cond), x_init, generator, deterministic)
         replay = {key: value.unsqueeze(1) for key, value in obs.items()}
@@ -103,22 +118,22 @@ class ActionChunkPolicy(DenoisingPolicy):
 
     def sft_loss(self, batch: dict) -> Tensor:
         """Behaviour cloning on expert chunks ``batch["actions"]`` [B, C, A] (env units;
-        normalized and clipped to [−1, 1]): :meth:`sft_errors` averaged over the valid
+        :meth:`actions_to_latents`): :meth:`sft_errors` averaged over the valid
         actions of ``batch["action_mask"]`` [B, C] (all valid if absent)."""
         cond = self.conditioning(self.observation(batch))
-        x0 = self.normalize_actions(batch["actions"]).clamp(-1.0, 1.0)
-        if tuple(x0.shape[1:]) != (self.chunk, self.action_dim):
-            raise ValueError(f"expected actions [B, {self.chunk}, {self.action_dim}], got {list(x0.shape)}")
+        x0 = self.actions_to_latents(batch["actions"])
+        if tuple(x0.shape[1:]) != tuple(self.latent_shape):
+            raise ValueError(f"expected actions [B, {self.chunk}, {self.action_dim}], got {list(batch['actions'].shape)}")
         mask = batch.get("action_mask")
         mask = torch.ones(x0.shape[0], self.chunk, device=x0.device) if mask is None else mask.to(x0.device, torch.float32)
         return (self.sft_errors(cond, x0) * mask).sum() / mask.sum().clamp(min=1.0)
 
     def imitation_batch(self, replay: dict) -> dict:
         """The N·T replayed decisions as a ``sft_loss`` batch: each one's observations and
-        the chunk its chain executed (:meth:`env_actions` of the final latent), so a chunk
+        the chunk its chain executed (:meth:`latents_to_actions` of the final latent), so a chunk
         is imitated with the supervised loss rather than through its chain's likelihood."""
         chain = replay["chain"]
         flat = {key: self.per_decision(replay[key], chain) for key in self.obs_keys if key in replay}
         final = self.per_decision(chain["latents"][:, :, -1], chain).to(self.action_center.device)
-        flat["actions"] = self.env_actions(final)
+        flat["actions"] = self.latents_to_actions(final)
         return flat

@@ -20,6 +20,11 @@ Each policy declares its example where it registers, as the ``contract`` trait
   ``{"policy": {...}, "spec": {...}, "sft_batch": "package.module:function"}``: its policy
   section, the spec it is built with (default none) and the function ``(model, generator) ->
   batch`` that makes a small batch of what its ``sft_loss`` trains on.
+
+A sampling contract may add ``"prepare": "package.module:function"``: a function
+``(directory) -> overrides`` that writes what the example needs (a checkpoint directory a
+policy loads) under a temporary ``directory`` and returns the sections to merge into
+``train`` (e.g. ``{"policy": {"checkpoint": ...}}``).
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from tests.conftest import ROOT
 # every policy mmrl or an installed plugin registers; a test module's own stand-ins (registered
 # when that module is imported, so only in some sessions) are not policies users get
 NAMES = [n for n in registry.POLICIES.names() if not registry.POLICIES.entry(n).obj.__module__.startswith("tests.")]
-SAMPLING_KEYS = {"train", "ratio_atol", "ratio_why"}
+SAMPLING_KEYS = {"train", "ratio_atol", "ratio_why", "prepare"}
 SUPERVISED_KEYS = {"policy", "spec", "sft_batch"}
 GROUPS, GROUP_SIZE = 2, 2
 # what a contract's train sections are completed with: one step, no KL (no reference pass),
@@ -70,6 +75,8 @@ def contract_of(name: str) -> dict[str, Any]:
         train = contract["train"]
         assert isinstance(train, dict) and isinstance(train.get("policy"), dict), f"policy {name!r}: contract['train'] must hold a policy section"
         assert train["policy"].get("type") == name, f"policy {name!r}: contract['train']['policy']['type'] is {train['policy'].get('type')!r}"
+        prepare = contract.get("prepare")
+        assert prepare is None or (isinstance(prepare, str) and ":" in prepare), f"policy {name!r}: contract['prepare'] must name a function 'package.module:function'"
         atol = contract.get("ratio_atol", 0.0)
         assert isinstance(atol, (int, float)) and atol >= 0, f"policy {name!r}: ratio_atol must be a number >= 0, got {atol!r}"
         why = contract.get("ratio_why")
@@ -122,7 +129,11 @@ def _build(name: str, directory) -> Built:
         from mmrl.train.run_config import TrainConfig
         from mmrl.train.trainer import Trainer
 
-        trainer = Trainer(from_dict(TrainConfig, _merge(RUN, contract["train"])), directory / "run")
+        train = contract["train"]
+        if "prepare" in contract:
+            module, _, function = contract["prepare"].partition(":")
+            train = _merge(train, getattr(importlib.import_module(module), function)(directory / "prepared"))
+        trainer = Trainer(from_dict(TrainConfig, _merge(RUN, train)), directory / "run")
         rollout = trainer.engine.collect(0, trainer.learner.version).rollout
         return Built(trainer.policy, trainer, rollout, trainer.learner.model)
     entry = registry.POLICIES.entry(name)
