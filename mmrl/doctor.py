@@ -1,5 +1,6 @@
 """``mmrl doctor``: what this machine can run — torch devices, MuJoCo offscreen rendering
-backends, ManiSkill's Vulkan device, LIBERO scenes, and which optional extras are installed."""
+backends, ManiSkill's Vulkan device, LIBERO scenes, the python tool's sandbox, and which
+optional extras are installed."""
 
 from __future__ import annotations
 
@@ -100,6 +101,16 @@ def libero_row() -> tuple[str, str, str]:
     return ("libero", "BROKEN", f"{versions}; cannot run a scene: {err[:160]}")
 
 
+def sandbox_row() -> tuple[str, str, str]:
+    """The python tool's sandbox (mmrl/tools/sandbox.py): is bwrap installed, and does code run in it?"""
+    from mmrl.tools.sandbox import bwrap_path, check_sandbox
+
+    if bwrap_path() is None:
+        return ("sandbox", "missing", "apt-get install bubblewrap (the python tool's sandbox; scripts/setup.sh installs it)")
+    ok, detail = check_sandbox()
+    return ("sandbox", "ok" if ok else "BROKEN", detail)
+
+
 # Optional packages by what they enable: (row name, distributions, what needs them, extra).
 _EXTRAS = (
     ("diffusers", ("diffusers",), "the image_diffusion policy", "image"),
@@ -150,6 +161,7 @@ def report() -> int:
         rows.append(("mujoco", "ok" if good and chosen else "no-render", detail))
     rows.append(maniskill_row())
     rows.append(libero_row())
+    rows.append(sandbox_row())
     v = _version("opencv-python") or _version("opencv-python-headless")
     rows.append(("opencv", "ok" if v else "missing", f"{v}; image rewards and the shapes renderer" if v else "pip install 'mmrl[image]' (image rewards, the shapes renderer)"))
     rows.extend(extra_rows())

@@ -27,6 +27,8 @@ install_system_packages() {
     local need=()
     dpkg -s libosmesa6 >/dev/null 2>&1 || need+=(libosmesa6)
     dpkg -s libegl1 >/dev/null 2>&1 || need+=(libegl1)
+    # bubblewrap: the sandbox of the agents' python tool (mmrl/tools/sandbox.py)
+    dpkg -s bubblewrap >/dev/null 2>&1 || need+=(bubblewrap)
     if ! have_mesa25_lavapipe; then
         # SAPIEN needs a Vulkan device even for state observations; stock bookworm Mesa 22
         # lavapipe is refused, bookworm-backports Mesa 25 works.
