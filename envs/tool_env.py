@@ -12,7 +12,8 @@
 - a call beyond ``max_calls`` (unreadable ones count) ends the episode, truncated, reward 0.
 
 ``info["tool_calls"]`` and ``info["tool_errors"]`` count the episode's calls and failed calls
-so far. The first observation is the task's, followed by the tools and how to call them
+so far (also under ``info["costs"]``, which the env sampler logs per episode as
+``cost/tool_calls`` and ``cost/tool_errors``). The first observation is the task's, followed by the tools and how to call them
 (``call_format``), unless ``instructions: false`` (a sampler that renders
 ``env.tool_schemas`` with the chat template's ``tools=``).
 """
@@ -103,7 +104,9 @@ class ToolEnv(gymnasium.Wrapper):
         return f"No tool calls left (at most {self.max_calls}).", 0.0, False, True, self._info({})
 
     def _info(self, info: dict) -> dict:
-        return {"success": False, **info, "tool_calls": self.calls, "tool_errors": self.errors}
+        # also as the episode's costs so far: the env sampler logs them per episode (cost/tool_calls)
+        counts = {"tool_calls": float(self.calls), "tool_errors": float(self.errors)}
+        return {"success": False, **info, "tool_calls": self.calls, "tool_errors": self.errors, "costs": counts}
 
     def _cut(self, text: str) -> str:
         text = str(text)

@@ -148,3 +148,18 @@ def test_the_conversation_source_and_the_agent_refuse_bad_input(trainer, tmp_pat
     robot_policy = {**config(), "policy": {"type": "gaussian_mlp"}}
     with pytest.raises(ConfigError, match="reads 'obs_dim'"):  # a robot policy on a text env
         Trainer(from_dict(TrainConfig, robot_policy), tmp_path / "robot")
+
+
+def test_the_agent_calls_tools_through_the_tool_env_and_its_calls_are_counted(trainer):
+    """The tools env around a text task under the env sampler: turns with a call get the tool's
+    result, each episode's calls and failed calls are logged (cost/tool_calls, cost/tool_errors)."""
+    t = trainer(
+        env={"type": "tools", "id": "mmrl/LongArithmetic-v0", "tools": ["calculator"], "max_calls": 2, "max_episode_steps": 3, "num_envs": 4},
+        policy={"max_context_tokens": 640},
+    )
+    rollout = t.engine.collect(0, t.learner.version).rollout
+    costs = rollout.info["costs"]
+    assert set(costs) >= {"tool_calls", "tool_errors"}
+    assert ((costs["tool_errors"] >= 0) & (costs["tool_errors"] <= costs["tool_calls"]) & (costs["tool_calls"] <= 2)).all()
+    metrics = t.sampler.metrics(rollout)
+    assert "cost/tool_calls" in metrics
