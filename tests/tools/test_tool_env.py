@@ -30,13 +30,13 @@ def test_episode_call_then_answer_is_scored_by_the_task():
     obs, info = env.reset(seed=3)
     expression = env.unwrapped.expression
     assert obs.startswith(f"Compute {expression} exactly.") and "- calculator: " in obs
-    assert info == {"success": False, "tool_calls": 0, "tool_errors": 0}
+    assert info == {"success": False, "tool_calls": 0, "tool_errors": 0, "costs": {"tool_calls": 0.0, "tool_errors": 0.0}}
     obs, reward, terminated, truncated, info = env.step(f"I will use the calculator.\n{call(expression)}")
     assert obs == f"Result of calculator:\n{env.unwrapped.value}"
-    assert (reward, terminated, truncated, info) == (0.0, False, False, {"success": False, "tool_calls": 1, "tool_errors": 0})
+    assert (reward, terminated, truncated, info) == (0.0, False, False, {"success": False, "tool_calls": 1, "tool_errors": 0, "costs": {"tool_calls": 1.0, "tool_errors": 0.0}})
     obs, reward, terminated, truncated, info = env.step(f"Answer: {int(obs.splitlines()[1]):,}")
     assert (obs, reward, terminated, truncated) == ("Correct.", 1.0, True, False)
-    assert info == {"success": True, "tool_calls": 1, "tool_errors": 0}
+    assert info == {"success": True, "tool_calls": 1, "tool_errors": 0, "costs": {"tool_calls": 1.0, "tool_errors": 0.0}}
 
 
 def test_wrong_answer_scores_zero_and_reset_clears_the_counts():
