@@ -61,6 +61,10 @@ class PolicyModule(nn.Module):
     # ([N] bool, the rows whose episodes are still running): a recurrent policy, or a language
     # agent whose decision is a turn and whose token history runs through the episode
     carries_state: bool = False
+    # ``sample(..., final_only=True)`` keeps in the replay only what its final samples and its
+    # conditioning need (a denoising chain's last latent), with zero log-probs: for a loss
+    # that reads no log-probs (``needs_log_probs=False``, DiffusionNFT); the samplers ask for it
+    samples_final_only: bool = False
 
     def sample(self, inputs: Any, generator: torch.Generator | None = None, deterministic: bool = False) -> Sample:
         raise NotImplementedError

@@ -42,6 +42,9 @@ class SamplerContext:
       advances by it each step.
     - ``group_size``: ``algo.group_size``; a step draws ``groups_per_step × group_size``
       samples, which a prompt sampler with ``budget.type: knapsack`` shares unevenly.
+    - ``log_probs``: whether the run's loss reads log-probs (its ``needs_log_probs`` trait;
+      DiffusionNFT does not). Without, the samplers ask a policy that ``samples_final_only``
+      for its final samples alone: no log-probs, no stored chain.
 
     For a plugin sampler: ``__init__(self, sampler_cfg, ctx: SamplerContext)``. Samplers used
     to take the whole run config (``train_cfg``); reading a section of it that the context
@@ -57,6 +60,7 @@ class SamplerContext:
     over_provision: float = 1.0
     groups_per_step: int = 8
     group_size: int = 8
+    log_probs: bool = True
 
     def __getattr__(self, name: str):
         if name.startswith("__"):
@@ -71,6 +75,10 @@ class SamplerContext:
 
 def sampler_context(cfg) -> SamplerContext:
     """The :class:`SamplerContext` of a run config (a ``TrainConfig``)."""
+    from mmrl import registry
+
+    loss = getattr(cfg.algo, "loss", None)
+    log_probs = True if loss is None else registry.LOSSES.entry(loss.type, "algo.loss.type").traits.get("needs_log_probs", True)
     return SamplerContext(
         seed=cfg.seed,
         env=cfg.env,
@@ -81,6 +89,7 @@ def sampler_context(cfg) -> SamplerContext:
         over_provision=cfg.rollout.over_provision,
         groups_per_step=cfg.algo.groups_per_step,
         group_size=cfg.algo.group_size,
+        log_probs=log_probs,
     )
 
 

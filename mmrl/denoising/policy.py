@@ -101,14 +101,29 @@ class DenoisingPolicy(PolicyModule):
         return torch.randn((n // group_size, *shape[1:]), generator=generator).repeat_interleave(group_size, dim=0)
 
     def sample_chain(
-        self, denoiser: Denoiser, x_init: Tensor, generator: torch.Generator | None = None, deterministic: bool = False, keep_graph: bool = False
+        self, denoiser: Denoiser, x_init: Tensor, generator: torch.Generator | None = None, deterministic: bool = False, keep_graph: bool = False,
+        final_only: bool = False,
     ) -> ChainDecisions:
         """Run N chains from ``x_init`` [N, …] under ``config.denoising``; ``deterministic``
         makes every step deterministic (no decision has a log-prob), over
         ``eval_num_inference_steps`` steps when set. ``keep_graph``: the
         log-probs keep the autograd graph of the stochastic steps' denoiser calls, latents
         detached between steps (:func:`~mmrl.denoising.chain.run_chain`), so they are the
-        log-probs ``log_prob`` would recompute, with its gradient."""
+        log-probs ``log_prob`` would recompute, with its gradient. ``final_only``: the stored
+        chain is the final latent alone (no steps), one decision per chain with log-prob 0 —
+        for a loss that reads final samples, not log-probs (``samples_final_only``)."""
+        if final_only:
+            options = self.denoising.deterministic_options() if deterministic else self.denoising
+            n, device = x_init.shape[0], x_init.device
+            stochastic = torch.zeros(n, options.num_inference_steps, dtype=torch.bool, device=device) if deterministic else stochastic_mask(options, n, generator, device)
+            chain = run_chain(denoiser, self.transition(options, deterministic, device), x_init, stochastic, generator, **options.log_prob_options)
+            stored = {
+                "latents": chain.final.detach().unsqueeze(1),
+                "step_index": torch.zeros(n, 0, dtype=torch.long, device=device),
+                "stochastic": torch.zeros(n, 0, dtype=torch.bool, device=device),
+            }
+            zeros = torch.zeros(n, 1, device=device)
+            return ChainDecisions(chain.final, stored, zeros, zeros.clone(), None, False)
         options = self.denoising.deterministic_options() if deterministic else self.denoising
         n, device = x_init.shape[0], x_init.device
         transition = self.transition(options, deterministic, device)

@@ -109,6 +109,7 @@ class EnvSampler(Sampler):
         self.config = sampler_cfg
         self.seed = ctx.seed
         self.gamma = ctx.gamma
+        self.log_probs = ctx.log_probs  # the run's loss reads log-probs; else final samples suffice
         self.env = ENVS.get(ctx.env.type, "env.type")(ctx.env, ctx.seed)
         if isinstance(self.env, gymnasium.vector.SyncVectorEnv):  # each env names its index when it raises
             self.env.envs = [_IndexedEnv(env, i) for i, env in enumerate(self.env.envs)]
@@ -180,7 +181,8 @@ class EnvSampler(Sampler):
             n = len(inputs["text"]) if "text" in inputs else next(iter(inputs.values())).shape[0]
             inputs["carry"] = carry
             inputs["active"] = torch.ones(n, dtype=torch.bool) if active is None else torch.as_tensor(active).to("cpu", torch.bool)
-        sample = policy.sample(inputs, generator, deterministic=deterministic)
+        options = {"final_only": True} if not self.log_probs and getattr(policy, "samples_final_only", False) else {}
+        sample = policy.sample(inputs, generator, deterministic=deterministic, **options)
         if self.structured and PRIVILEGED in obs:
             sample.replay[PRIVILEGED] = _obs_tensor(obs[PRIVILEGED], device).unsqueeze(1)
         return sample

@@ -132,6 +132,7 @@ class PromptSampler(Sampler):
         self.config = sampler_cfg
         self.seed = ctx.seed
         self.groups_per_step = ctx.groups_per_step
+        self.log_probs = ctx.log_probs  # the run's loss reads log-probs; else final samples suffice
         budget = sampler_cfg.budget
         # knapsack: each train record's recent outcomes (observe), from which a step's records
         # share its samples; sizes[(step, round)]: the group sizes of a round of groups_per_step
@@ -214,6 +215,8 @@ class PromptSampler(Sampler):
         options = {"keep_graph": True} if keep_graph else {}
         if self.config.shared_noise:
             options["noise_group_size"] = group_size
+        if not self.log_probs and getattr(policy, "samples_final_only", False):
+            options["final_only"] = True  # the loss reads final samples: no chain is stored
         parts = []
         for first, end in _call_ranges(group_offset, group_offset + num_groups, self.config.batch_groups):
             index = self.order.indices(start + first, end - first)

@@ -605,6 +605,7 @@ class ImageDiffusionPolicy(DenoisingPolicy):
 
     keeps_sampling_graph = True
     shares_initial_noise = True
+    samples_final_only = True
 
     def __init__(self, config: ImageDiffusionConfig, spec: dict):
         super().__init__()
@@ -1152,18 +1153,20 @@ class ImageDiffusionPolicy(DenoisingPolicy):
     # -------------------------------------------------------------- sampling and SFT
 
     def sample(
-        self, inputs, generator: torch.Generator | None = None, deterministic: bool = False, keep_graph: bool = False, noise_group_size: int | None = None
+        self, inputs, generator: torch.Generator | None = None, deterministic: bool = False, keep_graph: bool = False, noise_group_size: int | None = None,
+        final_only: bool = False,
     ) -> Sample:
         """One image per input (condition id or prompt string); ``deterministic`` takes the
         deterministic update at every step (the initial noise is still drawn from ``generator``).
         ``keep_graph``: the log-probs keep the autograd graph (``keeps_sampling_graph``); the
         conditioning is then embedded with grad too, as ``log_prob`` embeds it.
-        ``noise_group_size`` G: every G consecutive inputs start from one initial noise."""
+        ``noise_group_size`` G: every G consecutive inputs start from one initial noise.
+        ``final_only``: the replay keeps the final latent, not the chain (``samples_final_only``)."""
         with torch.set_grad_enabled(keep_graph):
             conditions = self._conditions(inputs)
             n = len(inputs)
             x_init = self.initial_noise((n, self.channels, *self.resolution), generator, noise_group_size).to(self.device)
-            out = self.sample_chain(self._denoiser(self._embedded(conditions)), x_init, generator, deterministic, keep_graph=keep_graph)
+            out = self.sample_chain(self._denoiser(self._embedded(conditions)), x_init, generator, deterministic, keep_graph=keep_graph, final_only=final_only)
         replay = {"chain": out.chain, **conditions}
         with torch.no_grad():
             images = pixels_to_uint8(self.decode_latents(out.final))

@@ -33,6 +33,8 @@ from mmrl.denoising.chain import Denoiser
 class ActionChunkPolicy(DenoisingPolicy):
     """A denoising policy whose samples are action chunks [N, C, A] in env units."""
 
+    samples_final_only = True  # sample(..., final_only=True): the final chunk's latent, no chain
+
     obs_keys: tuple[str, ...] = ()  # the keys :meth:`observation` may return (what replay stores)
 
     def __init__(self, config: Any, spec: dict):
@@ -101,7 +103,7 @@ class ActionChunkPolicy(DenoisingPolicy):
         return self._denoiser(self.conditioning(obs))
 
     @torch.no_grad()
-    def sample(self, inputs, generator: torch.Generator | None = None, deterministic: bool = False) -> Sample:
+    def sample(self, inputs, generator: torch.Generator | None = None, deterministic: bool = False, final_only: bool = False) -> Sample:
         """Actions [N, C, A] (env units); logp / entropy per decision of the chunk's chain:
         [N, 1] with ``logp_granularity: chain`` (the chain's joint log-likelihood and the
         summed entropy of its stochastic steps), [N, W] with ``step`` (one per stored
@@ -111,7 +113,7 @@ class ActionChunkPolicy(DenoisingPolicy):
         device = self.action_center.device
         shape = (next(iter(obs.values())).shape[0], *self.latent_shape)
         x_init = torch.zeros(shape, device=device) if deterministic else torch.randn(shape, generator=generator).to(device)
-        out = self.sample_chain(self._denoiser(cond), x_init, generator, deterministic)
+        out = self.sample_chain(self._denoiser(cond), x_init, generator, deterministic, final_only=final_only)
         replay = {key: value.unsqueeze(1) for key, value in obs.items()}
         replay["chain"] = {key: value.unsqueeze(1) for key, value in out.chain.items()}
         return Sample(output=self.env_actions(out.final), logp=out.logp, replay=replay, mask=out.mask, entropy=out.entropy, logp_deferred=out.deferred)

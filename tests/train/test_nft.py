@@ -230,3 +230,34 @@ def test_a_flow_vla_trains_nft_per_decision(tmp_path):
     summary = trainer.train()
     assert summary["step"] == 2 and math.isfinite(read_metrics(tmp_path / "vla")[-1].get("loss/policy", 0.0))
     assert any(not torch.equal(before[k], v) for k, v in trainer.policy.state_dict().items() if v.is_floating_point())
+
+
+@pytest.mark.parametrize("case", ["image", "flow_vla"])
+def test_nft_samplers_keep_only_final_samples_and_train_as_with_the_whole_chain(tmp_path, monkeypatch, case):
+    """The loss reads no log-probs (``needs_log_probs=False``), so the samplers ask the policy
+    for its final samples alone (``samples_final_only``): the stored chain is one latent per
+    sample instead of K + 1, and the run's metrics and weights are those of a run that stores
+    the whole chain, to the bit."""
+    from mmrl.policies.flow_vla.model import FlowVLAPolicy
+    from mmrl.policies.image_diffusion.model import ImageDiffusionPolicy
+
+    data = _vla_config() if case == "flow_vla" else nft_config()
+    runs = {}
+    for final_only in (True, False):
+        if not final_only:  # as a policy that cannot sample final samples alone: the whole chain is kept
+            monkeypatch.setattr(FlowVLAPolicy, "samples_final_only", False)
+            monkeypatch.setattr(ImageDiffusionPolicy, "samples_final_only", False)
+        trainer = Trainer(from_dict(TrainConfig, data), tmp_path / str(final_only))
+        rollout = trainer.engine.collect(0, trainer.learner.version).rollout
+        latents = rollout.replay["chain"]["latents"]
+        steps = latents.shape[2] if case == "flow_vla" else latents.shape[1]
+        assert steps == (1 if final_only else 5)  # the final latent, or the 4 steps' 5 latents
+        trainer.metrics.close()
+        trainer.engine.close()
+        trainer.sampler.close()
+        train(from_dict(TrainConfig, data), tmp_path / f"run_{final_only}")
+        runs[final_only] = tmp_path / f"run_{final_only}"
+    _same(_steps(read_metrics(runs[True])), _steps(read_metrics(runs[False])))
+    a = load_file(str(runs[True] / "checkpoints/step_00000002/model.safetensors"))
+    b = load_file(str(runs[False] / "checkpoints/step_00000002/model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
