@@ -6,6 +6,7 @@ from the SFT smoke run of the same family (trained once, in a directory of its o
 import pytest
 
 from tests.conftest import ROOT, run_mmrl
+from tests.test_vla_checkpoint_configs import CHECKPOINT_OF, cpu_overrides
 
 CONFIGS = sorted(p.stem for p in (ROOT / "configs").glob("*.yaml"))
 SHORT = ["total_steps=1", "log.progress=false", "log.tensorboard=false", "eval.at_end=false"]
@@ -88,6 +89,8 @@ def _train(workdir, name: str, run):
 
             write_episode_pairs(pairs, episodes, held_out_fraction=0.0)
         overrides += [f"data.path={pairs}", "data.batch_size=4"]
+    if name in CHECKPOINT_OF:  # a released VLA checkpoint's config: a tiny checkpoint of its format, shrunk for a CPU
+        overrides += cpu_overrides(name, workdir / "checkpoints" / name)
     if name in SFT_OF:
         overrides.append(f"policy.pretrained={_start(workdir, SFT_OF[name])}")
     if name in TRAJECTORY_MODEL_OF:

@@ -73,14 +73,18 @@ def _randomize(module: torch.nn.Module, generator: torch.Generator, scale: float
 
 def write_tiny_openvla(out, seed: int = 0, image_size: int = 28, patch_size: int = 7, vision_dim: int = 32, vision_depth: int = 3,
                        hidden_size: int = 32, num_layers: int = 2, num_heads: int = 2, shards: int = 1,
-                       resize_strategy: str = "resize-naive") -> Path:
+                       resize_strategy: str = "resize-naive", statistics: dict | None = None) -> Path:
     """Write a tiny random OpenVLA checkpoint into ``out`` (see the module docstring); with
-    ``shards`` > 1 its weights are split into that many files with an index."""
+    ``shards`` > 1 its weights are split into that many files with an index. ``statistics``
+    ({dataset name: {"action": ..., "proprio": ..., ...}}, as :data:`STATISTICS_DATA`) replaces
+    the two default datasets in ``norm_stats`` and ``dataset_statistics.json`` (e.g. a 7-dim
+    ``libero_spatial`` for a LIBERO-shaped checkpoint)."""
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    statistics = STATISTICS_DATA if statistics is None else statistics
     g = torch.Generator().manual_seed(seed)
     grid = image_size // patch_size
     dino_id, siglip_id = VISION_BACKBONES[VISION_BACKBONE]
@@ -124,7 +128,7 @@ def write_tiny_openvla(out, seed: int = 0, image_size: int = 28, patch_size: int
         "llm_max_length": 2048,
         "model_type": "openvla",
         "n_action_bins": 256,
-        "norm_stats": STATISTICS_DATA,
+        "norm_stats": statistics,
         "output_projector_states": False,
         "pad_to_multiple_of": PAD_TO_MULTIPLE,
         "pad_token_id": BASE_VOCAB,
@@ -137,7 +141,7 @@ def write_tiny_openvla(out, seed: int = 0, image_size: int = 28, patch_size: int
         "vision_backbone_id": VISION_BACKBONE,
     }
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / STATISTICS).write_text(json.dumps(STATISTICS_DATA, indent=2) + "\n")
+    (out / STATISTICS).write_text(json.dumps(statistics, indent=2) + "\n")
     means, stds = [[0.485, 0.456, 0.406], [0.5, 0.5, 0.5]], [[0.229, 0.224, 0.225], [0.5, 0.5, 0.5]]
     # the saved tvf_* fields hold the DINOv2 statistics rounded to bf16, as the released files do
     rounded = [[float(torch.tensor(v).to(torch.bfloat16)) for v in row] for row in means], [[float(torch.tensor(v).to(torch.bfloat16)) for v in row] for row in stds]
