@@ -16,7 +16,9 @@ One env is one task:
   orientation as an axis-angle vector and the two finger positions (8 numbers, the
   proprioception LIBERO fine-tunings of OpenVLA-OFT and pi0 use); ``state: proprio`` is
   robosuite's 39-D ``robot0_proprio-state`` (joint cos/sin/velocities, end effector,
-  gripper). Images are upright (MuJoCo's OpenGL frames are flipped vertically).
+  gripper). Images are upright (MuJoCo's OpenGL frames are flipped vertically); with
+  ``image_flip: rotate_180`` they are also mirrored left-right, as LIBERO's datasets store them
+  and the released LIBERO fine-tunes (LeRobot's, OpenVLA's, openpi's) were trained on them.
 - ``instructions``: the sentences of every task of the suite, so that one policy's
   vocabulary covers the whole suite.
 - action: 7-D in [-1, 1]: end-effector delta position (3) and rotation (3) of robosuite's
@@ -77,6 +79,9 @@ class LiberoEnvConfig(EnvConfig):
     state: Literal["eef", "proprio"] = option("eef", "proprioception: eef (position, axis-angle, fingers: 8) or proprio (robosuite's 39-D robot state)")
     settle_steps: int = option(10, "no-op steps after placing the initial state, while objects come to rest (not part of the episode)", ge=0)
     fast_render: bool = option(True, "render without shadows and multisampling (faster software rendering; images differ slightly from LIBERO's datasets)")
+    image_flip: Literal["vertical", "rotate_180"] = option(
+        "vertical", "how the renderer's bottom-up frames are turned: vertical (upright, as a person sees the scene) or rotate_180 (upright and mirrored left-right, as LIBERO's datasets and the LIBERO fine-tunes of LeRobot, OpenVLA and openpi see it)"
+    )
 
     def validate(self, path: str) -> None:
         p = f"{path}." if path else ""
@@ -150,6 +155,7 @@ class LiberoEnv(gymnasium.Env):
         settle_steps: int = 10,
         max_episode_steps: int | None = None,
         fast_render: bool = True,
+        image_flip: str = "vertical",
     ):
         _import_benchmark()
         from libero.libero import get_libero_path
@@ -161,6 +167,7 @@ class LiberoEnv(gymnasium.Env):
         self.suite, self.task_index, self.task_name, self.instruction = suite, index, spec.name, spec.language
         self.instructions = [t.language for t in benchmark.tasks]
         self.cameras, self.state_kind, self.settle_steps = list(cameras), state, settle_steps
+        self.image_flip = image_flip
         self.max_episode_steps = max_episode_steps or MAX_STEPS.get(suite, 300)
         self._init_states = np.asarray(benchmark.get_task_init_states(index))
         bddl = os.path.join(get_libero_path("bddl_files"), spec.problem_folder, spec.bddl_file)
@@ -201,7 +208,8 @@ class LiberoEnv(gymnasium.Env):
         return len(self._init_states)
 
     def _observe(self, raw: dict) -> dict:
-        frames = [raw[f"{camera}_image"][::-1] for camera in self.cameras]  # OpenGL rows run bottom-up
+        # OpenGL rows run bottom-up: flip them, and mirror the columns too with rotate_180
+        frames = [raw[f"{camera}_image"][::-1] if self.image_flip == "vertical" else raw[f"{camera}_image"][::-1, ::-1] for camera in self.cameras]
         image = frames[0] if len(frames) == 1 else np.stack(frames)
         if self.state_kind == "eef":
             state = np.concatenate([raw["robot0_eef_pos"], quat_to_axis_angle(raw["robot0_eef_quat"]), raw["robot0_gripper_qpos"]])
@@ -300,7 +308,7 @@ def make_vector_env(cfg: LiberoEnvConfig, seed: int) -> gymnasium.vector.VectorE
     cfg.validate("env")
     kwargs = dict(
         suite=cfg.suite, task=cfg.task, image_size=cfg.image_size, cameras=list(cfg.cameras), state=cfg.state,
-        settle_steps=cfg.settle_steps, max_episode_steps=cfg.max_episode_steps, fast_render=cfg.fast_render,
+        settle_steps=cfg.settle_steps, max_episode_steps=cfg.max_episode_steps, fast_render=cfg.fast_render, image_flip=cfg.image_flip,
     )
     make_one = partial(_make_env, kwargs, list(cfg.wrappers))
     if cfg.vectorization == "async":

@@ -26,6 +26,9 @@ class OpenVLAConfig(PolicyConfig):
     attn_implementation: str = option("sdpa", "transformers attention kernel of the language model", choices=("sdpa", "eager"))
     freeze_vision_tower: bool = option(False, "keep the vision backbone (both featurizers) fixed")
     lora: LoraOptions = option(factory=LoraOptions, doc="LoRA adapters on the language model (r > 0: base weights frozen, the adapter-free model is the KL reference)")
+    gripper: Literal["as_is", "libero"] = option(
+        "as_is", "the last action dim as the model gives it, or as OpenVLA's LIBERO evaluation sends it: [0, 1] (1 = open) mapped to LIBERO's -1 = open / +1 = close, binarized"
+    )
 
     def validate(self, path: str) -> None:
         p = f"{path}." if path else ""

@@ -277,6 +277,25 @@ class OpenVLAPolicy(PolicyModule):
         bins = (self.vocab_size - tokens.long() - 1).clamp(0, self.bin_centers.shape[0] - 1)
         return unnormalize(self.bin_centers[bins], self.q01, self.q99, self.unnorm_mask).float()
 
+    def to_env(self, actions: Tensor) -> Tensor:
+        """The model's actions [..., A] → what the env is sent: with ``gripper: libero`` the last
+        dim g ∈ [0, 1] (1 = open) becomes −sign(2g − 1), LIBERO's −1 = open / +1 = close
+        (OpenVLA's ``normalize_gripper_action(binarize=True)`` then ``invert_gripper_action``)."""
+        if self.config.gripper == "as_is":
+            return actions
+        out = actions.clone()
+        out[..., -1] = -torch.sign(2 * actions[..., -1] - 1)
+        return out
+
+    def from_env(self, actions: Tensor) -> Tensor:
+        """The inverse of :meth:`to_env` on binarized grippers (a demonstration's env actions →
+        the model's): −1 (open) → 1, +1 (close) → 0."""
+        if self.config.gripper == "as_is":
+            return actions
+        out = actions.clone()
+        out[..., -1] = (1 - actions[..., -1].sign()) / 2
+        return out
+
     def actions_to_tokens(self, actions: Tensor) -> Tensor:
         """Env actions [..., A] → vocabulary ids (OpenVLA's action tokenizer: np.digitize of
         the normalized action over the bin edges; id = V - bin)."""
@@ -317,7 +336,7 @@ class OpenVLAPolicy(PolicyModule):
         logp, entropy = torch.stack(logps, 1), torch.stack(entropies, 1)
         if self.config.logp_granularity == "chunk":
             logp, entropy = logp.sum(1, keepdim=True), entropy.sum(1, keepdim=True)
-        actions = self.tokens_to_actions(tokens_t).unsqueeze(1)
+        actions = self.to_env(self.tokens_to_actions(tokens_t)).unsqueeze(1)
         # the trainer's teacher-forced pass gives the old log-probs: ratios of exactly 1
         return Sample(output=actions, logp=logp, replay=replay, entropy=entropy, logp_deferred=not deterministic)
 
@@ -351,7 +370,7 @@ class OpenVLAPolicy(PolicyModule):
         actions = batch["actions"]
         if actions.shape[1] != 1:
             raise ConfigError("policy.type", "openvla", f"OpenVLA predicts one action per step; the batch holds chunks of {actions.shape[1]}")
-        tokens = self.actions_to_tokens(actions[:, 0])
+        tokens = self.actions_to_tokens(self.from_env(actions[:, 0].to(self.q01.device)))
         replay = {k: batch[k].unsqueeze(1) for k in ("image", "prompt_ids", "prompt_mask") if k in batch}
         if "prompt_ids" not in replay:
             replay = {k: v.unsqueeze(1) for k, v in self.encode_inputs(batch).items()}
@@ -366,7 +385,7 @@ class OpenVLAPolicy(PolicyModule):
         tokens decode to."""
         tokens = replay["action_tokens"]
         batch = {k: v.flatten(0, 1) for k, v in replay.items() if k != "action_tokens"}
-        batch["actions"] = self.tokens_to_actions(tokens.flatten(0, 1).to(self.q01.device)).unsqueeze(1)
+        batch["actions"] = self.to_env(self.tokens_to_actions(tokens.flatten(0, 1).to(self.q01.device))).unsqueeze(1)
         return batch
 
     def reference(self):

@@ -218,3 +218,19 @@ def test_mmrl_train_runs_a_vla_policy_on_a_libero_task(libero, tmp_path, write_c
     assert proc.returncode == 0, proc.stderr[-2000:]
     metrics = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(metrics) >= 2
+
+
+def test_rotate_180_mirrors_the_upright_frames_left_right_as_liberos_datasets_store_them(libero):
+    """image_flip: rotate_180 gives the frames the released LIBERO fine-tunes were trained on:
+    the default upright frames, mirrored left-right (the same reset, the same scene)."""
+    frames = {}
+    for flip in ("vertical", "rotate_180"):
+        cfg = LiberoEnvConfig(suite="libero_goal", task=3, num_envs=1, image_size=32, cameras=["agentview", "robot0_eye_in_hand"], settle_steps=2, max_episode_steps=3, image_flip=flip)
+        env = ENVS.get("libero")(cfg, seed=0)
+        try:
+            obs, _ = env.reset(seed=[5])
+            frames[flip] = obs["image"][0]
+        finally:
+            env.close()
+    assert np.array_equal(frames["rotate_180"], frames["vertical"][:, :, ::-1])
+    assert not np.array_equal(frames["rotate_180"], frames["vertical"])

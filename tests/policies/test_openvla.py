@@ -346,3 +346,19 @@ def test_mmrl_export_writes_a_saved_policy_in_the_openvla_layout(checkpoint, tmp
     exported = make(tmp_path / "out").state_dict()
     for name, tensor in policy.state_dict().items():
         assert torch.equal(exported[name], tensor.to(torch.bfloat16).float()), name
+
+
+def test_the_libero_gripper_is_sent_as_openvlas_libero_evaluation_sends_it(checkpoint):
+    """gripper: libero — the last dim g ∈ [0, 1] (1 = open) goes to the env as −sign(2g − 1)
+    (LIBERO: −1 open, +1 close); the other dims and the log-probs are untouched, and a
+    demonstration's env actions come back to the model's gripper (−1 → 1, +1 → 0)."""
+    plain, libero = make(checkpoint), make(checkpoint, gripper="libero")
+    inputs = observations(n=6)
+    a = plain.sample(inputs, torch.Generator().manual_seed(2))
+    b = libero.sample(inputs, torch.Generator().manual_seed(2))
+    assert torch.equal(a.replay["action_tokens"], b.replay["action_tokens"]) and torch.equal(a.logp, b.logp)
+    assert torch.equal(a.output[..., :-1], b.output[..., :-1])
+    assert torch.equal(b.output[..., -1], -torch.sign(2 * a.output[..., -1] - 1))
+    env = torch.tensor([[0.3, -1.0], [0.1, 1.0]])
+    assert torch.equal(libero.from_env(env)[:, -1], torch.tensor([1.0, 0.0])) and torch.equal(libero.from_env(env)[:, 0], env[:, 0])
+    assert torch.equal(libero.to_env(libero.from_env(env)), env)
