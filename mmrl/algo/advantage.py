@@ -42,6 +42,9 @@ class AdvantageConfig(Component):
     )
     gamma: float = option(1.0, "step level: discount of the returns-to-go (and of the env sampler's chunk rewards)", ge=0, le=1)
     step_reward_weight: float = option(0.0, "step level: weight of the env's per-step rewards added to the returns-to-go", ge=0)
+    step_reward_gate: float | None = option(
+        None, "gated reward accumulation (G-RA): the step rewards count only in episodes whose combined terminal reward reaches this (e.g. 1 = success); null = in every episode"
+    )
     best_worst: int | None = option(
         None,
         "train on the k highest- and k lowest-reward samples of each group only (DanceGRPO's best/worst-of-n); the advantages are computed over the whole group first, the other samples leave the update (and its recompute); null = every sample",
@@ -243,15 +246,19 @@ def discounted_returns(step_rewards: Tensor, mask: Tensor, gamma: float) -> Tens
     return returns
 
 
-def decision_rewards(terminal: Tensor, mask: Tensor, step_rewards: Tensor | None, step_reward_weight: float) -> Tensor:
+def decision_rewards(terminal: Tensor, mask: Tensor, step_rewards: Tensor | None, step_reward_weight: float, gate: float | None = None) -> Tensor:
     """Per-decision rewards [B, T] of env episodes: the combined terminal reward on each
-    sample's last valid decision, plus ``step_reward_weight`` × the env's step rewards."""
+    sample's last valid decision, plus ``step_reward_weight`` × the env's step rewards — with
+    a ``gate``, only in episodes whose terminal reward reaches it (gated reward accumulation:
+    turn rewards of an episode whose outcome failed are not accumulated, so they cannot
+    outweigh the outcome)."""
     B, T = mask.shape
     per_step = torch.zeros(B, T)
     last = (mask * torch.arange(1, T + 1)).argmax(1)
     per_step[torch.arange(B), last] = terminal
     if step_reward_weight > 0:
-        per_step = per_step + step_reward_weight * step_rewards
+        steps = step_rewards if gate is None else step_rewards * (terminal >= gate).to(step_rewards.dtype)[:, None]
+        per_step = per_step + step_reward_weight * steps
     return per_step
 
 
@@ -264,19 +271,19 @@ def trains_on_step_rewards(advantage: AdvantageConfig) -> bool:
     return advantage.level == "step" or ADVANTAGES.entry(advantage.type, "algo.advantage.type").traits.get("needs_values", False)
 
 
-def trained_returns(terminal: Tensor, mask: Tensor, step_rewards: Tensor, step_reward_weight: float) -> Tensor:
+def trained_returns(terminal: Tensor, mask: Tensor, step_rewards: Tensor, step_reward_weight: float, gate: float | None = None) -> Tensor:
     """Per sample [B], the undiscounted sum of the per-decision rewards that a step-level or
     value advantage discounts (:func:`decision_rewards` over the valid decisions): the
     combined reward ``terminal`` plus ``step_reward_weight`` × the episode's step rewards.
     The trainer logs its mean as ``trained_return``, the progress bar's and the plot's
     headline for such runs."""
     valid = (mask > 0).to(torch.float32)
-    return (decision_rewards(terminal.float(), valid, step_rewards.float(), step_reward_weight) * valid).sum(1)
+    return (decision_rewards(terminal.float(), valid, step_rewards.float(), step_reward_weight, gate) * valid).sum(1)
 
 
 def step_advantages(
     advantage_fn, terminal: Tensor, group_id: Tensor, mask: Tensor, step_rewards: Tensor | None = None,
-    *, gamma: float = 1.0, step_reward_weight: float = 0.0, **options,
+    *, gamma: float = 1.0, step_reward_weight: float = 0.0, step_reward_gate: float | None = None, **options,
 ) -> tuple[Tensor, Tensor]:
     """Per-decision advantages [B, T] for env episodes: the combined terminal reward sits on
     each sample's last valid decision, ``step_reward_weight`` × the env's step rewards on every
@@ -285,7 +292,7 @@ def step_advantages(
     Returns the advantages (0 on invalid decisions) and per sample whether any decision was
     kept."""
     B, T = mask.shape
-    per_step = decision_rewards(terminal, mask, step_rewards, step_reward_weight)
+    per_step = decision_rewards(terminal, mask, step_rewards, step_reward_weight, step_reward_gate)
     returns = discounted_returns(per_step, mask, gamma)
     valid = mask.reshape(-1) > 0
     cell = (group_id[:, None] * T + torch.arange(T)).reshape(-1)

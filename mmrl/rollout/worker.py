@@ -75,6 +75,7 @@ class RolloutWorker:
         self.filters = [(f.type, own_options(f, FilterConfig)) for f in algo.filters]
         # the env's step rewards join the combined reward in the advantages (GAE, step level)
         self.step_reward_weight = algo.advantage.step_reward_weight if trains_on_step_rewards(algo.advantage) else 0.0
+        self.step_reward_gate = algo.advantage.step_reward_gate
         self.version = 0
 
     def load_weights(self, state: dict[str, torch.Tensor] | None, version: int) -> None:
@@ -167,7 +168,7 @@ class RolloutWorker:
             add_metric(sums, f"reward/{name}", part.rewards[:, k])
         add_metric(sums, "reward/total", combined)
         if self.step_reward_weight > 0 and part.step_rewards is not None:
-            add_metric(sums, "trained_return", trained_returns(combined, part.mask.cpu(), part.step_rewards.cpu(), self.step_reward_weight))
+            add_metric(sums, "trained_return", trained_returns(combined, part.mask.cpu(), part.step_rewards.cpu(), self.step_reward_weight, self.step_reward_gate))
         return combined
 
     def score(self, rollout: Rollout, step: int) -> Rollout:

@@ -54,7 +54,7 @@ class Advantages:
                 raise ConfigError("algo.advantage.step_reward_weight", cfg.advantage.step_reward_weight, "needs a sampler that records step rewards (the env sampler)")
             adv, keep = step_advantages(
                 self.advantage_fn, reward, groups, gather(pad(rollout.mask)), step_rewards,
-                gamma=cfg.advantage.gamma, step_reward_weight=cfg.advantage.step_reward_weight, **options,
+                gamma=cfg.advantage.gamma, step_reward_weight=cfg.advantage.step_reward_weight, step_reward_gate=cfg.advantage.step_reward_gate, **options,
             )
             adv = adv[:, : rollout.num_decisions]
         else:
@@ -78,7 +78,7 @@ class Advantages:
                 bootstrap = torch.where(cut, final, bootstrap)
         mask = gather(pad(rollout.mask))
         step_rewards = gather(pad(rollout.step_rewards)) if rollout.step_rewards is not None else None
-        per_decision = decision_rewards(reward, mask, step_rewards, cfg.advantage.step_reward_weight)
+        per_decision = decision_rewards(reward, mask, step_rewards, cfg.advantage.step_reward_weight, cfg.advantage.step_reward_gate)
         gamma: float | torch.Tensor = cfg.advantage.gamma
         if "decision_steps" in rollout.info:  # an action chunk of k env steps: the next decision is k steps away
             gamma = cfg.advantage.gamma ** gather(pad(torch.as_tensor(rollout.info["decision_steps"]).cpu())).double()

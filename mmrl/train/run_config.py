@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from mmrl.algo.advantage import AdvantageConfig, GroupNormConfig
+from mmrl.algo.advantage import AdvantageConfig, GroupNormConfig, trains_on_step_rewards
 from mmrl.algo.correction import CorrectionConfig
 from mmrl.algo.aggregation import AggregationConfig
 from mmrl.algo.filters import FilterConfig
@@ -126,6 +126,11 @@ class AlgoConfig:
             raise ConfigError(
                 p + "advantage.level", self.advantage.level,
                 f"{self.advantage.type} gives every decision its own advantage from the critic's values, so it is always step: leave it step, or use a group-relative advantage (grpo, rloo) for one per sample",
+            )
+        if self.advantage.step_reward_gate is not None and not trains_on_step_rewards(self.advantage):
+            raise ConfigError(
+                p + "advantage.step_reward_gate", self.advantage.step_reward_gate,
+                "gates the env's step rewards, which this run does not train on: set step_reward_weight > 0 with level: step or a value baseline (gae), or leave it null",
             )
         if self.reuse_sampling_graph is True:
             if self.ppo_epochs != 1 or self.num_minibatches != 1:

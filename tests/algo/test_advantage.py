@@ -2,6 +2,8 @@ import math
 import pytest
 import torch
 
+from mmrl.errors import ConfigError
+
 from mmrl.algo.advantage import best_worst, clip_advantages, discounted_returns, grpo, median, passk, psr_nsr, rloo, step_advantages, trained_returns, trains_on_step_rewards
 from mmrl.config import from_dict
 from mmrl.train.run_config import AlgoConfig
@@ -206,6 +208,25 @@ def test_the_trained_return_is_the_undiscounted_sum_of_the_rewards_step_advantag
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     step = torch.tensor([[0.0, 2.0, 4.0], [2.0, 0.0, 0.0]])
     assert trained_returns(terminal, mask, step, 0.5).tolist() == [2.0, 1.0]
+
+
+def test_gated_step_rewards_count_only_in_episodes_whose_outcome_passes():
+    """Gated reward accumulation: with gate 1, the failed episode's turn rewards are not
+    accumulated (its returns are its terminal reward alone), the successful one's are."""
+    terminal = torch.tensor([1.0, 0.0])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    step = torch.tensor([[0.0, 2.0, 0.0], [2.0, 2.0, 2.0]])
+    assert trained_returns(terminal, mask, step, 0.5, gate=1.0).tolist() == [2.0, 0.0]
+    assert trained_returns(terminal, mask, step, 0.5).tolist() == [2.0, 3.0]
+    adv, _ = step_advantages(rloo, terminal, torch.tensor([0, 0]), mask, step, gamma=1.0, step_reward_weight=0.5, step_reward_gate=1.0)
+    # per-step rewards: [0, 1 + 1, -] and [0, 0, 0]; returns-to-go [2, 2, -] and [0, 0, 0]
+    assert torch.allclose(adv, torch.tensor([[2.0, 2.0, 0.0], [-2.0, -2.0, 0.0]]))
+
+
+def test_a_gate_on_step_rewards_the_run_does_not_train_on_is_refused():
+    with pytest.raises(ConfigError, match="algo.advantage.step_reward_gate"):
+        from_dict(AlgoConfig, {"advantage": {"type": "grpo", "step_reward_gate": 1.0}}, "algo")
+    assert from_dict(AlgoConfig, {"advantage": {"type": "grpo", "level": "step", "step_reward_weight": 0.5, "step_reward_gate": 1.0}}).advantage.step_reward_gate == 1.0
 
 
 @pytest.mark.parametrize(
