@@ -11,7 +11,9 @@ import torch
 pytest.importorskip("transformers")
 
 from mmrl.config import from_dict  # noqa: E402
+from mmrl.core.component_config import RewardConfig  # noqa: E402
 from mmrl.errors import ConfigError  # noqa: E402
+from mmrl.registry import REWARDS  # noqa: E402
 from mmrl.tasks.guess_number.demos import binary_search_episode  # noqa: E402
 from mmrl.train.run_config import TrainConfig  # noqa: E402
 from mmrl.train.trainer import Trainer  # noqa: E402
@@ -163,3 +165,33 @@ def test_the_agent_calls_tools_through_the_tool_env_and_its_calls_are_counted(tr
     assert ((costs["tool_errors"] >= 0) & (costs["tool_errors"] <= costs["tool_calls"]) & (costs["tool_calls"] <= 2)).all()
     metrics = t.sampler.metrics(rollout)
     assert "cost/tool_calls" in metrics
+
+
+@REWARDS.register("_test_turn_tokens", config=RewardConfig)
+def _turn_tokens(rollout, cfg):
+    """Test-only: the summed sampling log-prob of the agent's tokens in the episode (differs
+    within a group from the first step; the game's success is 0 for a random LM)."""
+    return (rollout.old_logp * rollout.mask).sum(1).double()
+
+
+def _run(tmp_path, name: str, **changes):
+    data = config(**{"rewards": [{"type": "_test_turn_tokens"}], "total_steps": 2, "checkpoint": {"every": 1, "keep": 3}, **changes})
+    return from_dict(TrainConfig, data), tmp_path / name
+
+
+def test_an_agent_run_resumes_exactly_and_trains_with_a_rollout_worker(tmp_path):
+    from safetensors.torch import load_file
+
+    from mmrl.train.trainer import train
+
+    cfg, straight = _run(tmp_path, "straight")
+    train(cfg, straight)
+    cfg1, split = _run(tmp_path, "split", total_steps=1)
+    train(cfg1, split)
+    train(cfg, split, resume=True)
+    a = load_file(str(straight / "checkpoints/step_00000002/model.safetensors"))
+    b = load_file(str(split / "checkpoints/step_00000002/model.safetensors"))
+    first = load_file(str(split / "checkpoints/step_00000001/model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a) and any(not torch.equal(a[k], first[k]) for k in a)
+    cfg_w, worker = _run(tmp_path, "worker", rollout={"workers": 1, "mode": "async"})
+    assert train(cfg_w, worker)["step"] == 2
