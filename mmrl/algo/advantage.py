@@ -42,6 +42,10 @@ class AdvantageConfig(Component):
     )
     gamma: float = option(1.0, "step level: discount of the returns-to-go (and of the env sampler's chunk rewards)", ge=0, le=1)
     step_reward_weight: float = option(0.0, "step level: weight of the env's per-step rewards added to the returns-to-go", ge=0)
+    step_groups: Literal["decision", "state"] = option(
+        "decision", "step level: the decisions compared with each other: those of a group at the same index (decision), or those of a group taken from the same env state, wherever in their episodes (state: GiGPO's anchor states; the env sampler keys each decision's observation)"
+    )
+    episode_weight: float = option(0.0, "step level: add this x the sample's episode-level advantage (the same advantage over the combined rewards) to each of its decisions (GiGPO: 1)", ge=0)
     step_reward_gate: float | None = option(
         None, "gated reward accumulation (G-RA): the step rewards count only in episodes whose combined terminal reward reaches this (e.g. 1 = success); null = in every episode"
     )
@@ -283,25 +287,40 @@ def trained_returns(terminal: Tensor, mask: Tensor, step_rewards: Tensor, step_r
 
 def step_advantages(
     advantage_fn, terminal: Tensor, group_id: Tensor, mask: Tensor, step_rewards: Tensor | None = None,
-    *, gamma: float = 1.0, step_reward_weight: float = 0.0, step_reward_gate: float | None = None, **options,
+    *, gamma: float = 1.0, step_reward_weight: float = 0.0, step_reward_gate: float | None = None,
+    state_keys: Tensor | None = None, episode_weight: float = 0.0, **options,
 ) -> tuple[Tensor, Tensor]:
     """Per-decision advantages [B, T] for env episodes: the combined terminal reward sits on
     each sample's last valid decision, ``step_reward_weight`` × the env's step rewards on every
     decision; the discounted returns-to-go G_t (:func:`discounted_returns`) are compared within
-    the cell (group, t) by ``advantage_fn`` (a registered advantage, with its ``options``).
+    the cell (group, t) by ``advantage_fn`` (a registered advantage, with its ``options``) —
+    or, with ``state_keys`` [B, T] (a key of the env state each decision was taken in), within
+    the cell (group, state): GiGPO's anchor-state groups, where the decisions of a group's
+    episodes taken from one state are compared, whatever their index. ``episode_weight`` adds
+    that × each sample's episode-level advantage (``advantage_fn`` over the terminal rewards
+    within the groups) to its valid decisions (GiGPO: A = A_episode + A_step).
     Returns the advantages (0 on invalid decisions) and per sample whether any decision was
     kept."""
     B, T = mask.shape
     per_step = decision_rewards(terminal, mask, step_rewards, step_reward_weight, step_reward_gate)
     returns = discounted_returns(per_step, mask, gamma)
     valid = mask.reshape(-1) > 0
-    cell = (group_id[:, None] * T + torch.arange(T)).reshape(-1)
+    if state_keys is None:
+        cell = (group_id[:, None] * T + torch.arange(T)).reshape(-1)
+    else:  # one cell per (group, state)
+        pairs = torch.stack([group_id[:, None].expand(B, T).reshape(-1), state_keys.reshape(-1).to(group_id.dtype)], dim=1)
+        cell = torch.unique(pairs, dim=0, return_inverse=True)[1]
     adv_valid, keep_valid = advantage_fn(returns.reshape(-1)[valid], cell[valid], **options)
     adv = torch.zeros(B * T)
     adv[valid] = adv_valid
     keep = torch.zeros(B * T, dtype=torch.bool)
     keep[valid] = keep_valid
-    return adv.view(B, T), keep.view(B, T).any(1)
+    adv, keep = adv.view(B, T), keep.view(B, T).any(1)
+    if episode_weight > 0:
+        episode, episode_keep = advantage_fn(terminal, group_id, **options)
+        adv = adv + episode_weight * episode[:, None] * (mask > 0)
+        keep = keep | episode_keep
+    return adv, keep
 
 
 @dataclass

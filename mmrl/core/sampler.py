@@ -42,6 +42,9 @@ class SamplerContext:
       advances by it each step.
     - ``group_size``: ``algo.group_size``; a step draws ``groups_per_step × group_size``
       samples, which a prompt sampler with ``budget.type: knapsack`` shares unevenly.
+    - ``state_keys``: whether the advantage groups decisions by the env state they were taken
+      in (``algo.advantage.step_groups: state``, GiGPO); the env sampler then keys each
+      decision's observation (``info["state_keys"]``).
     - ``log_probs``: whether the run's loss reads log-probs (its ``needs_log_probs`` trait;
       DiffusionNFT does not). Without, the samplers ask a policy that ``samples_final_only``
       for its final samples alone: no log-probs, no stored chain.
@@ -61,6 +64,7 @@ class SamplerContext:
     groups_per_step: int = 8
     group_size: int = 8
     log_probs: bool = True
+    state_keys: bool = False
 
     def __getattr__(self, name: str):
         if name.startswith("__"):
@@ -90,6 +94,7 @@ def sampler_context(cfg) -> SamplerContext:
         groups_per_step=cfg.algo.groups_per_step,
         group_size=cfg.algo.group_size,
         log_probs=log_probs,
+        state_keys=getattr(cfg.algo.advantage, "step_groups", "decision") == "state",
     )
 
 

@@ -50,6 +50,7 @@ fill whole waves.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -110,6 +111,7 @@ class EnvSampler(Sampler):
         self.seed = ctx.seed
         self.gamma = ctx.gamma
         self.log_probs = ctx.log_probs  # the run's loss reads log-probs; else final samples suffice
+        self.state_keys = ctx.state_keys  # key each decision's observation (GiGPO's anchor states)
         self.env = ENVS.get(ctx.env.type, "env.type")(ctx.env, ctx.seed)
         if isinstance(self.env, gymnasium.vector.SyncVectorEnv):  # each env names its index when it raises
             self.env.envs = [_IndexedEnv(env, i) for i, env in enumerate(self.env.envs)]
@@ -132,6 +134,9 @@ class EnvSampler(Sampler):
         o = ctx.over_provision
         self.over_provision = o
         self.partial = EpisodesInFlight(self, o, self.seed) if o > 1 else None
+        if self.partial is not None and self.state_keys:
+            self.env.close()
+            raise ConfigError("algo.advantage.step_groups", "state", "keys the states of whole waves; episodes in flight across collections (rollout.over_provision > 1) are not keyed yet")
         self.cameras = camera_names(ctx.env)
         try:
             has_images = self.structured and "image" in self.env.single_observation_space.spaces
@@ -351,6 +356,7 @@ class EnvSampler(Sampler):
         if on is not None and not self.text_actions:
             low, high = (torch.as_tensor(b, device=on) for b in (self.action_low, self.action_high))
         carry = None  # a policy that carries_state: its state in this wave's episodes
+        keys: list[list[int]] = []  # per decision, each env's state key (state_keys)
         samples, rewards, terminated, truncated, success, chunk_index = [], [], [], [], [], []
         cap = self.config.max_decisions
         frames = VideoFrames(obs, record) if record else None
@@ -358,6 +364,8 @@ class EnvSampler(Sampler):
         scores = self.success_source.wave_scores(num_envs, device)
         while alive.any() and (cap is None or len(samples) < cap):
             chunk_end, scored = {}, alive  # env -> the observation its episode ended at in this chunk
+            if self.state_keys:
+                keys.append([state_key(observation_row(obs, e)) for e in range(num_envs)])
             sample = self.sample(policy, obs, device, generator, deterministic, carry=carry, active=alive)
             carry = sample.carry
             if self.text_actions:  # one turn: one env step with each env's text
@@ -408,6 +416,9 @@ class EnvSampler(Sampler):
                     terminated[-1] = terminated[-1] | ends
                     alive = alive & ~ends
         rollout = self._wave_rollout(samples, n, rewards, terminated, truncated, success, chunk_index)
+        if keys:  # [n, T·k]: a decision's key on each of its log-prob columns
+            per_call = rollout.num_decisions // len(samples)
+            rollout.info["state_keys"] = torch.tensor(keys, dtype=torch.long)[:, :n].T.repeat_interleave(per_call, dim=1).to(rollout.mask.device)
         if len(costs) == len(rewards):  # the env reported its costs at every step
             last = (rollout.info["length"].cpu() - 1).clamp(min=0).numpy()
             rollout.info["costs"] = {name: torch.from_numpy(np.array([c[name] for c in costs])[last, np.arange(n)].astype(np.float64)) for name in costs[0]}
@@ -540,6 +551,30 @@ def _env_instructions(env) -> list[str]:
         for text in texts or []:
             seen.setdefault(str(text), None)
     return list(seen)
+
+
+def state_key(row) -> int:
+    """A 64-bit key of one env's observation (:func:`~mmrl.samplers.partial.observation_row`):
+    equal observations (text, arrays, dicts of them) get equal keys — GiGPO's anchor states."""
+    digest = hashlib.blake2b(digest_size=8)
+
+    def feed(value):
+        if isinstance(value, dict):
+            for name in sorted(value):
+                digest.update(str(name).encode())
+                feed(value[name])
+        elif isinstance(value, (Tensor, np.ndarray)):
+            array = value.detach().cpu().numpy() if isinstance(value, Tensor) else value
+            digest.update(str((array.shape, array.dtype.str)).encode())
+            digest.update(np.ascontiguousarray(array).tobytes())
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                feed(item)
+        else:
+            digest.update(repr(value).encode())
+
+    feed(row)
+    return int.from_bytes(digest.digest(), "little", signed=True)
 
 
 def _cat_replay(replays: list[dict], n: int) -> dict:

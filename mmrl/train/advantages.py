@@ -52,9 +52,15 @@ class Advantages:
             step_rewards = gather(pad(rollout.step_rewards)) if rollout.step_rewards is not None else None
             if cfg.advantage.step_reward_weight > 0 and step_rewards is None:
                 raise ConfigError("algo.advantage.step_reward_weight", cfg.advantage.step_reward_weight, "needs a sampler that records step rewards (the env sampler)")
+            state_keys = None
+            if cfg.advantage.step_groups == "state":
+                if "state_keys" not in rollout.info:
+                    raise ConfigError("algo.advantage.step_groups", "state", "needs a sampler that keys each decision's env state (the env sampler, without rollout.over_provision)")
+                state_keys = gather(pad(rollout.info["state_keys"].long()))
             adv, keep = step_advantages(
                 self.advantage_fn, reward, groups, gather(pad(rollout.mask)), step_rewards,
-                gamma=cfg.advantage.gamma, step_reward_weight=cfg.advantage.step_reward_weight, step_reward_gate=cfg.advantage.step_reward_gate, **options,
+                gamma=cfg.advantage.gamma, step_reward_weight=cfg.advantage.step_reward_weight, step_reward_gate=cfg.advantage.step_reward_gate,
+                state_keys=state_keys, episode_weight=cfg.advantage.episode_weight, **options,
             )
             adv = adv[:, : rollout.num_decisions]
         else:

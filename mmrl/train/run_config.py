@@ -127,6 +127,10 @@ class AlgoConfig:
                 p + "advantage.level", self.advantage.level,
                 f"{self.advantage.type} gives every decision its own advantage from the critic's values, so it is always step: leave it step, or use a group-relative advantage (grpo, rloo) for one per sample",
             )
+        for field, default in (("step_groups", "decision"), ("episode_weight", 0.0)):
+            value = getattr(self.advantage, field)
+            if value != default and (self.advantage.level != "step" or traits.get("needs_values", False)):
+                raise ConfigError(p + f"advantage.{field}", value, "shapes the group-relative step-level advantage: needs level: step with a group-relative advantage (grpo, rloo, ...)")
         if self.advantage.step_reward_gate is not None and not trains_on_step_rewards(self.advantage):
             raise ConfigError(
                 p + "advantage.step_reward_gate", self.advantage.step_reward_gate,

@@ -223,6 +223,30 @@ def test_gated_step_rewards_count_only_in_episodes_whose_outcome_passes():
     assert torch.allclose(adv, torch.tensor([[2.0, 2.0, 0.0], [-2.0, -2.0, 0.0]]))
 
 
+def test_anchor_state_groups_compare_decisions_taken_from_the_same_state():
+    """GiGPO's step level: two episodes of one group; both visit state 7 (at index 0 and at
+    index 1), state 9 only once. rloo over (group, state) cells: the two decisions from state 7
+    are compared (returns 1.0 and 0.0), the lone one gets 0; with episode_weight 1 each
+    decision also gets its episode's advantage (rloo over the terminal rewards: +1 / −1)."""
+    terminal = torch.tensor([1.0, 0.0])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 1.0]])
+    keys = torch.tensor([[7, 9], [3, 7]])
+    adv, _ = step_advantages(rloo, terminal, torch.tensor([0, 0]), mask, gamma=1.0, state_keys=keys)
+    # returns-to-go: [1, 1] and [0, 0]; cells: state 7 -> (sample 0, t 0), (sample 1, t 1); 9 and 3 alone
+    assert torch.allclose(adv, torch.tensor([[1.0, 0.0], [0.0, -1.0]]))
+    both, _ = step_advantages(rloo, terminal, torch.tensor([0, 0]), mask, gamma=1.0, state_keys=keys, episode_weight=1.0)
+    assert torch.allclose(both, adv + torch.tensor([[1.0], [-1.0]]))
+    by_index, _ = step_advantages(rloo, terminal, torch.tensor([0, 0]), mask, gamma=1.0)
+    assert torch.allclose(by_index, torch.tensor([[1.0, 1.0], [-1.0, -1.0]]))  # the default cells: (group, t)
+
+
+@pytest.mark.parametrize("field,value", [("step_groups", "state"), ("episode_weight", 1.0)])
+def test_step_level_options_outside_the_step_level_are_refused(field, value):
+    with pytest.raises(ConfigError, match=f"algo.advantage.{field}"):
+        from_dict(AlgoConfig, {"advantage": {"type": "grpo", field: value}}, "algo")
+    assert getattr(from_dict(AlgoConfig, {"advantage": {"type": "grpo", "level": "step", field: value}}).advantage, field) == value
+
+
 def test_a_gate_on_step_rewards_the_run_does_not_train_on_is_refused():
     with pytest.raises(ConfigError, match="algo.advantage.step_reward_gate"):
         from_dict(AlgoConfig, {"advantage": {"type": "grpo", "step_reward_gate": 1.0}}, "algo")

@@ -195,3 +195,19 @@ def test_an_agent_run_resumes_exactly_and_trains_with_a_rollout_worker(tmp_path)
     assert all(torch.equal(a[k], b[k]) for k in a) and any(not torch.equal(a[k], first[k]) for k in a)
     cfg_w, worker = _run(tmp_path, "worker", rollout={"workers": 1, "mode": "async"})
     assert train(cfg_w, worker)["step"] == 2
+
+
+def test_anchor_state_keys_are_recorded_per_decision_and_train_gigpo(trainer):
+    """algo.advantage.step_groups: state — the env sampler keys each decision's observation
+    (equal texts, equal keys) and the step-level advantage compares decisions by (group, key),
+    plus the episode-level advantage (GiGPO)."""
+    t = trainer(algo={"advantage": {"type": "grpo", "level": "step", "step_groups": "state", "episode_weight": 1.0}}, rewards=[{"type": "_test_turn_tokens"}])
+    rollout = t.engine.collect(0, t.learner.version).rollout
+    keys = rollout.info["state_keys"]
+    assert keys.shape == rollout.mask.shape
+    assert (keys[:, 0] == keys[0, 0]).all()  # every episode starts from the same first message
+    turn = rollout.mask.shape[1] // 3
+    first_turns = keys[:, :turn]
+    assert (first_turns == first_turns[:, :1]).all()  # a decision's key on each of its columns
+    adv, keep = t.learner.advantages(rollout)
+    assert adv.shape == rollout.mask.shape and torch.isfinite(adv).all() and adv.abs().sum() > 0
