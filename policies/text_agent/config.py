@@ -19,6 +19,7 @@ class TextAgentConfig(TextLMConfig):
         doc="sampling of each turn: budget per turn (max_new_tokens), temperature, top-p, stop strings, chat template (the conversation grows through it), backend, old_logp",
     )
     max_context_tokens: int = option(1024, "longest conversation (token history + the next turn's budget); an episode that would pass it ends, truncated", ge=2)
+    turn_cache: bool = option(True, "carry each episode's key/value cache from turn to turn, so a turn prefills only the env's new tokens (false: re-encode the whole history every turn; a generation.backend that takes no cache always re-encodes)")
     turn_separator: str = option("\n", "without a chat template: the text put before each observation after the first (the transcript is observation, turn, separator, observation, ...)")
 
     def validate(self, path: str) -> None:

@@ -23,6 +23,20 @@ observation.
 its EOS, or the token completing a stop string) are columns with mask 1; the env's tokens sit
 in the prompt of the next turn and are never scored.
 
+**The key/value cache across turns** (``turn_cache``). Beside its token ids an episode's
+carry holds the key/value states of its tokens but the last one generated (whose states the
+decoding loop never computes), per layer [H, L, D]. The next turn prefills only the tokens
+after them (that last token, the env's new tokens) over them: the backend left-pads the
+rows' states into one batched cache, so a row has padding between its past and its new
+tokens, which the attention mask excludes and the position ids (counted from the mask)
+skip. The sampled tokens are those of re-encoding up to the float rounding of a prefix
+computed in pieces rather than in one pass; the replay, ``log_prob`` and the trainer's
+recompute do not change. A cache is handed over once: the call that reads it takes it out of
+the carry it was given (the env sampler keeps every call's ``Sample``), and an episode that
+has ended (or ends for a full context) carries none. The carry lives for one wave only;
+nothing of it reaches the replay or a checkpoint. A backend whose ``generate`` takes no
+``past``/``keep_cache`` (or a model whose cache layers are not plain growing ones) re-encodes.
+
 **Limits.** ``generation.max_new_tokens`` per turn, ``max_context_tokens`` for the history plus
 one turn (an episode whose history leaves no room for another turn ends there, truncated:
 ``Sample.end``), and the env sampler's ``max_decisions`` or the env's time limit for turns.
@@ -38,6 +52,8 @@ to its real lengths, so the padding costs nothing) and returns [B, T·K].
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from torch import Tensor, nn
@@ -78,6 +94,24 @@ class TextAgentPolicy(TextLMPolicy):
         super().__init__(config, spec)
         self._glue: tuple[str, str, str, str] | None = None
         self.glue_texts()  # a template that cannot be appended to is refused now, not mid-run
+        self._caches_turns: bool | None = None
+
+    def caches_turns(self) -> bool:
+        """Whether turns carry their key/value cache: ``turn_cache`` is on, the backend's
+        ``generate`` takes ``past`` and ``keep_cache``, and the model's cache layers are plain
+        growing ones (a sliding-window or otherwise special layer cannot be padded and cut)."""
+        if not self.config.turn_cache:
+            return False
+        if self._caches_turns is None:
+            from transformers.cache_utils import DynamicLayer
+
+            parameters = inspect.signature(self.backend.generate).parameters
+            layers = getattr(self.new_cache(), "layers", None)
+            self._caches_turns = (
+                "past" in parameters and "keep_cache" in parameters
+                and layers is not None and all(type(layer) is DynamicLayer for layer in layers)
+            )
+        return self._caches_turns
 
     # ------------------------------------------------------------------ the conversation
 
@@ -123,7 +157,7 @@ class TextAgentPolicy(TextLMPolicy):
     @torch.no_grad()
     def sample(self, inputs, generator: torch.Generator | None = None, deterministic: bool = False) -> Sample:
         """One turn for each of the N episodes in ``inputs`` (``text``: the env's new
-        observations; ``carry``: each episode's conversation so far, None at its start;
+        observations; ``carry``: each episode's conversation so far (token ids, with ``turn_cache`` its key/value states), None at its start;
         ``active``: the episodes still running — the others generate nothing). Returns the
         turns' texts (without the final EOS) as ``output``, per-token ``logp``/``entropy``/
         ``mask`` [N, K], the replay (module docstring), the grown conversations as ``carry``
@@ -137,8 +171,11 @@ class TextAgentPolicy(TextLMPolicy):
         active = [True] * n if active is None else [bool(a) for a in torch.as_tensor(active).tolist()]
         budget = self.sampling.max_new_tokens
         width = self.config.max_context_tokens - budget
-        histories, run, end = [], [], []
+        cached = self.caches_turns()
+        histories, run, end, past = [], [], [], []
         for i, (text, state) in enumerate(zip(texts, carry)):
+            # handed over once: the previous Sample's carry lets go of it (ended episodes' too)
+            states = state.pop("kv", None) if isinstance(state, dict) else None
             if state is None:
                 ids = self.first_ids(text)
             elif active[i]:
@@ -149,20 +186,28 @@ class TextAgentPolicy(TextLMPolicy):
             fits = len(ids) <= width
             if active[i] and fits:
                 run.append(i)
+                past.append(states)
             end.append(active[i] and not fits)
         turns: list[list[int]] = [[] for _ in range(n)]
         logps: list[list[float]] = [[] for _ in range(n)]
         entropies: list[list[float]] = [[] for _ in range(n)]
         reasons: list[str | None] = [None] * n
+        kept: list = [None] * n
         if run:
-            generated = self.backend.generate([histories[i] for i in run], self.sampling, generator, deterministic)
+            prompts = [histories[i] for i in run]
+            if cached:
+                generated = self.backend.generate(prompts, self.sampling, generator, deterministic, past=past, keep_cache=True)
+            else:
+                generated = self.backend.generate(prompts, self.sampling, generator, deterministic)
             for k, i in enumerate(run):
                 turns[i], logps[i], reasons[i] = generated.token_ids[k], generated.logp[k], generated.finish_reason[k]
                 entropies[i] = generated.entropy[k] if generated.entropy is not None else [0.0] * len(turns[i])
+                if cached and generated.cache is not None:
+                    kept[i] = generated.cache[k]
         next_carry = []
         for i in range(n):
             ended_with_eos = reasons[i] == "eos" if reasons[i] is not None else (carry[i]["eos"] if carry[i] is not None else True)
-            next_carry.append({"ids": histories[i] + turns[i], "eos": ended_with_eos})
+            next_carry.append({"ids": histories[i] + turns[i], "eos": ended_with_eos, **({"kv": kept[i]} if kept[i] is not None else {})})
         replay = self._turn_replay([h[-width:] for h in histories], turns, width)
         mask = replay["completion_mask"][:, 0].float()
         if self.config.generation.old_logp == "recompute":

@@ -125,6 +125,10 @@ class Generation:
     logp: list[list[float]]
     finish_reason: list[str]
     entropy: list[list[float]] | None = None
+    # with ``keep_cache`` (:meth:`BuiltinBackend.generate`): per prompt, the key/value states
+    # of its tokens (prompt, prefix, completion but its last token, whose states are never
+    # computed) as a tuple over layers of (keys, values) [H, L, D]; None where not available
+    cache: list | None = None
 
 
 @runtime_checkable
@@ -163,22 +167,37 @@ class BuiltinBackend:
         model_inputs: dict[str, Tensor] | None = None,
         prefixes: list[list[int]] | None = None,
         stop: Callable[[list[int]], bool] | None = None,
+        past: list | None = None,
+        keep_cache: bool = False,
     ) -> Generation:
         """Completions of ``prompt_ids``. Partial rollouts (``rollout.over_provision``) pass
         ``prefixes``, the tokens each row already generated in earlier calls (they join the
         prompt, count against ``max_new_tokens`` and are not returned), and ``stop``, called
         with the rows that have ended so far whenever some end: when it returns true the call
-        ends there and the rows still running are "paused"."""
+        ends there and the rows still running are "paused".
+
+        A language agent's turns (docs/agents.md) pass ``past``: per row, None or the
+        key/value states of the first L tokens of its prompt (as ``Generation.cache`` returns
+        them); only the rest of the row is prefilled, over those states (at least its last
+        token). The rows' states are left-padded to the longest into one cache, the new tokens
+        after them, so a row may have padding between its past and its new tokens: the mask
+        excludes it and positions count the row's own tokens. ``keep_cache`` returns each row's
+        states in ``Generation.cache``, taken as the row leaves the batch."""
         device = self.policy.device
         n, budget = len(prompt_ids), options.max_new_tokens
         prefixes = prefixes if prefixes is not None else [[] for _ in range(n)]
         remaining = [budget - len(p) for p in prefixes]
         if min(remaining, default=1) < 1:
             raise ValueError(f"a prefix of {budget - min(remaining)} tokens leaves nothing of max_new_tokens {budget}")
-        ids, mask = (t.to(device) for t in left_pad([list(a) + list(b) for a, b in zip(prompt_ids, prefixes)], options.pad_token_id))
+        sequences = [list(a) + list(b) for a, b in zip(prompt_ids, prefixes)]
+        if past is not None and any(p is not None for p in past):
+            ids, mask, cache = self._over_past(sequences, past, options.pad_token_id, device)
+        else:
+            ids, mask = (t.to(device) for t in left_pad(sequences, options.pad_token_id))
+            cache = self.policy.new_cache()
         horizon = max(remaining)
         row_budget = torch.tensor(remaining, device=device)
-        cache = self.policy.new_cache()
+        kept: list | None = [None] * n if keep_cache else None
         # the extra inputs (images) enter with the prompts; the cache holds them from then on
         logits = self.policy.forward_logits(ids, mask, cache=cache, logits_to_keep=1, **{k: v.to(device) for k, v in (model_inputs or {}).items()})[:, -1]
         eos = torch.tensor(options.eos_token_ids, dtype=torch.long, device=device)
@@ -230,6 +249,8 @@ class BuiltinBackend:
                 for i in ended.nonzero().flatten().tolist():
                     lengths[rows[i]] = t + 1
                     ended_rows.append(int(rows[i]))
+                    if kept is not None:
+                        kept[int(rows[i])] = _row_states(cache, mask, i)
                 keep = (~ended).nonzero().flatten()
                 if stop is not None and keep.numel() and stop(ended_rows):
                     for i in keep.tolist():
@@ -243,10 +264,52 @@ class BuiltinBackend:
                 cache.reorder_cache(keep)
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
             logits = self.policy.forward_logits(token[:, None], mask, cache=cache, logits_to_keep=1)[:, -1]
+        if kept is not None:  # the rows still in the batch when the loop ended
+            for i, r in enumerate(rows.tolist()):
+                if kept[r] is None:
+                    kept[r] = _row_states(cache, mask, i)
         steps, step_logp, step_entropy = out_tokens.tolist(), out_logp.tolist(), out_entropy.tolist()
         return Generation(
             token_ids=[row[:k] for row, k in zip(steps, lengths)],
             logp=[row[:k] for row, k in zip(step_logp, lengths)],
             finish_reason=reasons,
             entropy=[row[:k] for row, k in zip(step_entropy, lengths)],
+            cache=kept,
         )
+
+    def _over_past(self, sequences: list[list[int]], past: list, pad_token_id: int, device) -> tuple[Tensor, Tensor, object]:
+        """(new token ids [N, S], mask [N, P + S], a cache holding the rows' past states
+        [N, ·, P, ·]): row i's L_i cached states right-aligned in the first P columns (P the
+        longest L_i), its other tokens right-aligned in the last S (the longest rest)."""
+        done = [0 if p is None else min(int(p[0][0].shape[-2]), len(s) - 1) for p, s in zip(past, sequences)]
+        ids, new_mask = left_pad([s[k:] for s, k in zip(sequences, done)], pad_token_id)
+        width = max(done)
+        past_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+        for row, k in enumerate(done):
+            if k:
+                past_mask[row, width - k :] = 1
+        cache = self.policy.new_cache()
+        if width:
+            like = next(p for p, k in zip(past, done) if k)
+            for layer, (k0, v0) in enumerate(like):
+                keys = k0.new_zeros((len(sequences), k0.shape[0], width, k0.shape[-1]), device=device)
+                values = v0.new_zeros((len(sequences), v0.shape[0], width, v0.shape[-1]), device=device)
+                for row, (p, k) in enumerate(zip(past, done)):
+                    if k:
+                        keys[row, :, width - k :] = p[layer][0][:, :k]
+                        values[row, :, width - k :] = p[layer][1][:, :k]
+                cache.update(keys, values, layer)
+        return ids.to(device), torch.cat([past_mask, new_mask], dim=1).to(device), cache
+
+
+def _row_states(cache, mask: Tensor, i: int) -> tuple | None:
+    """The key/value states of row ``i`` of a batched cache without its padding: a tuple over
+    layers of (keys, values) [H, L, D] (copies, so the batch's tensors can go); None when a
+    layer holds none (a model whose layers share states)."""
+    layers = getattr(cache, "layers", None)
+    if not layers or not all(getattr(layer, "is_initialized", False) and layer.keys is not None for layer in layers):
+        return None
+    real = mask[i].bool()
+    if real.shape[0] != layers[0].keys.shape[-2]:
+        return None
+    return tuple((layer.keys[i][:, real], layer.values[i][:, real]) for layer in layers)

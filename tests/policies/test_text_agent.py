@@ -211,3 +211,145 @@ def test_anchor_state_keys_are_recorded_per_decision_and_train_gigpo(trainer):
     assert (first_turns == first_turns[:, :1]).all()  # a decision's key on each of its columns
     adv, keep = t.learner.advantages(rollout)
     assert adv.shape == rollout.mask.shape and torch.isfinite(adv).all() and adv.abs().sum() > 0
+
+
+# ---------------------------------------------------------------- the key/value cache across turns
+
+
+def _agent(seed: int = 0, **fields):
+    from mmrl.core.weights import build_policy
+    from mmrl.policies.text_agent.config import TextAgentConfig
+
+    data = {"type": "text_agent", "tiny": TINY, "generation": {"max_new_tokens": 6}, "max_context_tokens": 256, **fields}
+    torch.manual_seed(seed)
+    return build_policy(from_dict(TextAgentConfig, data, "policy"), {"action_space": "text"})
+
+
+def _observation(row: int, turn: int) -> str:
+    """Observations of different lengths per row and turn (pads inside the batched cache)."""
+    return f"turn {turn}: " + "xyz"[row % 3] * ((3 * row + 5 * turn) % 11)
+
+
+def _play(policy, turns: int, n: int = 4, seed: int | None = 0, deterministic: bool = False, active=None, prefilled=None):
+    """policy.sample for ``turns`` turns of n episodes, as the env sampler drives it; returns
+    each call's (inputs' carry, Sample, which rows' carry held a cache when it returned).
+    ``active(turn)``: the rows still running."""
+    if prefilled is not None:  # count the tokens fed to the model in passes of more than one token
+        forward = policy.forward_logits
+
+        def counting(ids, mask, *args, **kwargs):
+            if ids.shape[1] > 1:
+                prefilled.append(int(ids.shape[0] * ids.shape[1]))
+            return forward(ids, mask, *args, **kwargs)
+
+        policy.forward_logits = counting
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    carry, calls = None, []
+    for turn in range(turns):
+        alive = torch.ones(n, dtype=torch.bool) if active is None else active(turn)
+        sample = policy.sample({"text": [_observation(i, turn) for i in range(n)], "carry": carry, "active": alive}, gen, deterministic=deterministic)
+        calls.append((carry, sample, ["kv" in state for state in sample.carry]))
+        carry = sample.carry
+    if prefilled is not None:
+        del policy.forward_logits
+    return calls
+
+
+def _same_turns(a, b) -> None:
+    for (_, x, _), (_, y, _) in zip(a, b, strict=True):
+        assert x.output == y.output
+        assert all(torch.equal(x.replay[k], y.replay[k]) for k in x.replay)  # the replay does not change
+        assert [c["ids"] for c in x.carry] == [c["ids"] for c in y.carry]
+        assert torch.equal(x.mask, y.mask) and torch.equal(x.end, y.end)
+        assert torch.allclose(x.logp, y.logp, atol=1e-5, rtol=0)  # the backend's numbers: float rounding only
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("model_seed", [0, 1, 2])
+def test_the_turn_cache_samples_the_tokens_of_re_encoding(model_seed):
+    """turn_cache on and off, same seeds: the same turns (greedy, and sampled for three
+    generator seeds checked), the same replay; only the new tokens are prefilled."""
+    policy = _agent(model_seed)
+    assert policy.caches_turns()
+    for deterministic, seeds in ((True, [None]), (False, [0, 1, 2])):
+        for seed in seeds:
+            runs, prefilled = {}, {}
+            for on in (True, False):
+                policy.config.turn_cache = on
+                prefilled[on] = []
+                runs[on] = _play(policy, turns=6, seed=seed, deterministic=deterministic, prefilled=prefilled[on])
+            _same_turns(runs[True], runs[False])
+            assert sum(prefilled[True]) < 0.5 * sum(prefilled[False])
+    policy.config.turn_cache = True
+
+
+def test_the_carried_cache_is_the_states_of_all_but_the_last_token_and_goes_when_the_episode_ends():
+    policy = _agent(0)
+    # row 0 ends after its 2nd turn, row 2 after its 3rd
+    alive = lambda turn: torch.tensor([turn < 2, True, turn < 3, True])  # noqa: E731
+    calls = _play(policy, turns=5, active=alive)
+    for turn, (given, _, had) in enumerate(calls):
+        if given is not None:  # handed over once: the previous call's carry let go of its states
+            assert all("kv" not in state for state in given)
+        assert had == alive(turn).tolist()  # an ended episode carries no cache
+    _, last, _ = calls[-1]
+    for i in (1, 3):
+        ids = last.carry[i]["ids"]
+        states = last.carry[i]["kv"]
+        assert len(states) == policy.language_model.config.num_hidden_layers
+        cache = policy.new_cache()
+        with torch.no_grad():
+            policy.forward_logits(torch.tensor([ids[:-1]]), torch.ones(1, len(ids) - 1, dtype=torch.long), cache=cache)
+        for (keys, values), layer in zip(states, cache.layers):
+            assert keys.shape == layer.keys[0].shape  # [H, len(ids) - 1, D]: the last token's states are not computed yet
+            assert torch.allclose(keys, layer.keys[0], atol=1e-5) and torch.allclose(values, layer.values[0], atol=1e-5)
+
+
+def test_with_the_turn_cache_a_full_context_still_ends_the_episode_truncated():
+    policy = _agent(0, max_context_tokens=70)
+    runs = {}
+    for on in (True, False):
+        policy.config.turn_cache = on
+        runs[on] = _play(policy, turns=6)
+    _same_turns(runs[True], runs[False])
+    ends = torch.stack([sample.end for _, sample, _ in runs[True]])
+    assert ends.any(0).all()  # every episode's context fills up within 6 turns
+    for _, sample, had in runs[True]:
+        for i in sample.end.nonzero().flatten().tolist():
+            assert not had[i] and sample.mask[i].sum() == 0
+
+
+def test_the_env_sampler_collects_the_same_episodes_with_and_without_the_turn_cache(trainer):
+    t = trainer(env={"max_episode_steps": 5}, policy={"generation": {"max_new_tokens": 6}, "max_context_tokens": 140})
+    rollouts = {}
+    for on in (True, False):
+        t.policy.config.turn_cache = on
+        rollouts[on] = t.engine.collect(0, t.learner.version).rollout
+    a, b = rollouts[True], rollouts[False]
+    assert all(torch.equal(a.replay[k], b.replay[k]) for k in a.replay)
+    assert torch.equal(a.info["truncated"], b.info["truncated"]) and a.info["truncated"].any()  # some contexts fill up
+    assert torch.allclose(a.old_logp, b.old_logp, atol=1e-5, rtol=0)
+    with torch.no_grad():  # the trainer's recompute is the same teacher-forced pass
+        assert torch.equal(t.policy.log_prob(a.replay), t.policy.log_prob(b.replay))
+
+
+class _NoCacheBackend:
+    """A custom backend whose generate takes no cache: the agent re-encodes."""
+
+    def __init__(self, policy):
+        from mmrl.policies.text_lm.generation import BuiltinBackend
+
+        self.inner = BuiltinBackend(policy)
+
+    def generate(self, prompt_ids, options, generator, deterministic):
+        return self.inner.generate(prompt_ids, options, generator, deterministic)
+
+
+def test_a_backend_that_takes_no_cache_re_encodes():
+    policy = _agent(0, generation={"max_new_tokens": 6, "backend": f"{__name__}:_NoCacheBackend"})
+    assert policy.config.turn_cache and not policy.caches_turns()
+    calls = _play(policy, turns=3)
+    assert not any(any(had) for _, _, had in calls)
+    reference = _agent(0)
+    reference.config.turn_cache = False
+    _same_turns(calls, _play(reference, turns=3))
