@@ -139,6 +139,7 @@ def test_the_sft_source_yields_what_the_generators_sft_loss_takes(prompt_sets):
 SMOKE = ["total_steps=1", "log.progress=false", "log.tensorboard=false", "eval.at_start=false", "eval.at_end=true", "eval.episodes=8"]
 
 
+@pytest.mark.slow  # ~17 s; tests/test_shipped_configs.py runs every config too
 def test_the_shipped_configs_train_a_step_each_the_rl_one_from_the_sft_run(tmp_path):
     sft = tmp_path / "sft"
     done = run_mmrl("train", ROOT / "configs/image_text_render_sft.yaml", "--run-dir", sft, *SMOKE, "data.images_per_prompt=1", "data.batch_size=8", timeout=900)
