@@ -353,3 +353,32 @@ def test_a_backend_that_takes_no_cache_re_encodes():
     reference = _agent(0)
     reference.config.turn_cache = False
     _same_turns(calls, _play(reference, turns=3))
+
+
+@pytest.mark.slow
+@pytest.mark.numerics
+def test_an_agent_trained_by_two_processes_matches_one_process(tmp_path):
+    """N processes = 1: from a short SFT (so that some episodes succeed and groups differ), two
+    GRPO updates of guess-the-number by one process and by two (torchrun, 2 groups each) end
+    with the same weights."""
+    import yaml
+    from safetensors.torch import load_file
+
+    from mmrl.train.trainer import train
+    from tests.train.test_distributed_and_cli_runs import _one_and_two_processes
+
+    demos = tmp_path / "demos.jsonl"
+    demos.write_text("".join(json.dumps({"turns": binary_search_episode(seed, high=8, max_turns=4)}) + "\n" for seed in range(16)))
+    env = {"type": "gym", "id": "mmrl/GuessNumber-v0", "num_envs": 8, "max_episode_steps": 4, "kwargs": {"high": 8}}
+    sft = config(env=env, algo={"type": "sft"}, total_steps=30, policy={"max_context_tokens": 320}, data={"type": "conversations", "path": str(demos), "batch_size": 8}, optim={"lr": 3e-3})
+    train(from_dict(TrainConfig, sft), tmp_path / "sft")
+    rl = config(env=env, total_steps=2, policy={"max_context_tokens": 320, "pretrained": str(tmp_path / "sft")}, algo={"group_size": 4, "groups_per_step": 4, "kl": {"coef": 0.0}, "num_minibatches": 2})
+    rl["checkpoint"] = {"every": 2}
+    path = tmp_path / "rl.yaml"
+    path.write_text(yaml.safe_dump(rl))
+    one, two = _one_and_two_processes(tmp_path, path, 29563)
+    assert any(r.get("adv/nonzero_fraction", 0) > 0 for r in one)  # the update had something to learn from
+    a = load_file(str(tmp_path / "one/checkpoints/step_00000002/model.safetensors"))
+    b = load_file(str(tmp_path / "two/checkpoints/step_00000002/model.safetensors"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)  # all-reduced float32 sums in another order
