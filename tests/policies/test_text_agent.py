@@ -382,3 +382,20 @@ def test_an_agent_trained_by_two_processes_matches_one_process(tmp_path):
     b = load_file(str(tmp_path / "two/checkpoints/step_00000002/model.safetensors"))
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)  # all-reduced float32 sums in another order
+
+
+def test_guess_number_rewards_guesses_consistent_with_the_feedback_when_asked():
+    import gymnasium
+
+    import mmrl.envs  # noqa: F401
+
+    env = gymnasium.make("mmrl/GuessNumber-v0", consistent_reward=0.1)
+    env.reset(seed=3)
+    secret = env.unwrapped.secret
+    assert secret == 13
+    rewards = [env.step(guess)[1] for guess in ("8", "4", "12", "10", "x")]  # 4 and 10 ignore the feedback; x is no guess
+    assert rewards == [0.1, 0.0, 0.1, 0.0, 0.0]
+    assert env.step("13")[1:3] == (1.1, True)
+    plain = gymnasium.make("mmrl/GuessNumber-v0")
+    plain.reset(seed=3)
+    assert [plain.step(guess)[1] for guess in ("8", "13")] == [0.0, 1.0]

@@ -9,6 +9,11 @@ agent's text is its guess:
 - too low / too high: "Higher." / "Lower.", reward 0;
 - no integer, or one outside [low, high]: a reminder of the range, reward 0.
 
+With ``consistent_reward`` r > 0 a valid guess inside the range the feedback so far still
+allows (above every "Higher." guess, below every "Lower." one) earns r on its turn: a per-turn
+reward for using the feedback (credit per turn; with ``algo.advantage.step_reward_gate`` it
+counts only in episodes that find the number).
+
 The time limit (``max_episode_steps``, 6 by default at registration, so that binary search
 over 1..16 always fits) truncates an episode that has not found the number. Credit spans the
 turns: only the last turn is rewarded, and it is right only if the earlier guesses narrowed
@@ -32,7 +37,7 @@ class GuessNumberEnv(gymnasium.Env):
 
     metadata = {"render_modes": []}
 
-    def __init__(self, low: int = 1, high: int = 16, max_text: int = 256):
+    def __init__(self, low: int = 1, high: int = 16, max_text: int = 256, consistent_reward: float = 0.0):
         if high <= low:
             raise ValueError(f"high ({high}) must exceed low ({low})")
         self.low, self.high = int(low), int(high)
@@ -40,6 +45,8 @@ class GuessNumberEnv(gymnasium.Env):
         self.action_space = spaces.Text(max_length=max_text, charset=CHARSET)
         self.secret = self.low
         self.guesses = 0
+        self.consistent_reward = float(consistent_reward)
+        self.allowed = (self.low, self.high)  # the range the feedback so far leaves
 
     @property
     def instruction(self) -> str:
@@ -49,6 +56,7 @@ class GuessNumberEnv(gymnasium.Env):
         super().reset(seed=seed)
         self.secret = int(self.np_random.integers(self.low, self.high + 1))
         self.guesses = 0
+        self.allowed = (self.low, self.high)
         return self.instruction, {"success": False, "guesses": 0}
 
     def step(self, action: str):
@@ -57,6 +65,9 @@ class GuessNumberEnv(gymnasium.Env):
         if guess is None or not self.low <= guess <= self.high:
             return f"Say one number between {self.low} and {self.high}.", 0.0, False, False, {"success": False, "guesses": self.guesses}
         self.guesses += 1
+        lo, hi = self.allowed
+        shaped = self.consistent_reward if lo <= guess <= hi else 0.0
         if guess == self.secret:
-            return "Correct!", 1.0, True, False, {"success": True, "guesses": self.guesses}
-        return ("Higher." if guess < self.secret else "Lower."), 0.0, False, False, {"success": False, "guesses": self.guesses}
+            return "Correct!", 1.0 + shaped, True, False, {"success": True, "guesses": self.guesses}
+        self.allowed = (max(lo, guess + 1), hi) if guess < self.secret else (lo, min(hi, guess - 1))
+        return ("Higher." if guess < self.secret else "Lower."), shaped, False, False, {"success": False, "guesses": self.guesses}
