@@ -2,12 +2,14 @@
 
 A language agent's first env (docs/agents.md): the observation and the action are text, one
 action is one turn of the agent. At reset a number is drawn uniformly from [low, high] (from
-the reset seed); the first observation asks for it. Each turn the first integer in the
-agent's text is its guess:
+the reset seed); the first observation asks for it. A turn is a guess when its text is one
+integer and nothing else (surrounding whitespace aside), so that random text with a digit in
+it is not a guess (with the first integer anywhere counting, random bytes guess at random,
+which finds a number in 1..8 within 4 turns 41% of the time):
 
 - right: "Correct!", reward 1, the episode ends (``info["success"]`` True);
 - too low / too high: "Higher." / "Lower.", reward 0;
-- no integer, or one outside [low, high]: a reminder of the range, reward 0.
+- anything else, or a number outside [low, high]: a reminder of the range, reward 0.
 
 With ``consistent_reward`` r > 0 a valid guess inside the range the feedback so far still
 allows (above every "Higher." guess, below every "Lower." one) earns r on its turn: a per-turn
@@ -60,7 +62,7 @@ class GuessNumberEnv(gymnasium.Env):
         return self.instruction, {"success": False, "guesses": 0}
 
     def step(self, action: str):
-        found = _INTEGER.search(str(action))
+        found = _INTEGER.fullmatch(str(action).strip())
         guess = int(found.group()) if found else None
         if guess is None or not self.low <= guess <= self.high:
             return f"Say one number between {self.low} and {self.high}.", 0.0, False, False, {"success": False, "guesses": self.guesses}
