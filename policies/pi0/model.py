@@ -40,27 +40,21 @@ latent is the whole normalized chunk [chunk_size, max_action_dim]; the env execu
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mmrl.denoising.options import DenoisingOptions
 from mmrl.errors import ConfigError, MissingExtraError
-from mmrl.policies.lora import adapters_disabled
 from mmrl.policies.pi0.config import PI0Config, PI05Config
-from mmrl.policies.smolvla.model import AdapterFreeSmolVLA, EulerGridTransition, attention_mask_2d, time_features
-from mmrl.policies.vla.action_chunk import ActionChunkPolicy
-from mmrl.policies.vla.backbone import observation_spec, pooled_prefix_state
-from mmrl.policies.vla.lerobot_format import LeRobotPolicyDir, read_lerobot_policy, read_lerobot_weights, resolve_vlm, write_lerobot_policy
+from mmrl.policies.smolvla.model import attention_mask_2d, time_features
+from mmrl.policies.vla.backbone import observation_spec
+from mmrl.policies.vla.lerobot_flow import ACTION_KEY, STATE_KEY, LeRobotFlowPolicy
+from mmrl.policies.vla.lerobot_format import LeRobotPolicyDir, read_lerobot_policy, read_lerobot_weights, resolve_vlm
 from mmrl.registry import POLICIES
 
-STATE_KEY = "observation.state"
-ACTION_KEY = "action"
 IMAGE_PREFIX = "observation.images."
 MASK_VALUE = -2.3819763e38  # LeRobot's OPENPI_ATTENTION_MASK_VALUE: the additive mask of excluded keys
 TOKENIZER = "google/paligemma-3b-pt-224"  # the tokenizer LeRobot's π0 / π0.5 pre-processors name
@@ -503,10 +497,9 @@ def _contract(kind: str) -> dict:
     }
 
 
-class _PaliGemmaFlowPolicy(ActionChunkPolicy):
+class _PaliGemmaFlowPolicy(LeRobotFlowPolicy):
     """A LeRobot π0 / π0.5 checkpoint: its pre-processor, model and post-processor; RL via Flow-SDE chains."""
 
-    obs_keys = ("image", "state", "instruction_ids", "instruction_mask")
     kind = "pi0"
 
     def __init__(self, config: PI0Config, spec: dict):
@@ -523,15 +516,11 @@ class _PaliGemmaFlowPolicy(ActionChunkPolicy):
         self._denoising.validate("policy.denoising")
 
         # processors: normalizers, tokenizer settings, renames
-        self.normalizer = files.normalizer("preprocessor", "normalizer_processor")
-        self.unnormalizer = files.normalizer("postprocessor", "unnormalizer_processor")
-        tokenizer_step = files.step("preprocessor", "tokenizer_processor") or {}
-        self.tokenizer_settings = {"max_length": arch.tokenizer_max_length, "padding": "max_length", "padding_side": "right", "truncation": True, **tokenizer_step.get("config", {})}
+        self._read_processors(files, arch.tokenizer_max_length)
         self.newline = files.step("preprocessor", "pi0_new_line_processor") is not None
         self.state_prompt = files.step("preprocessor", "pi05_prepare_state_tokenizer_processor_step") is not None
         if arch.pi05 and not self.state_prompt:
             raise ConfigError(f"{files.path / 'policy_preprocessor.json'}: steps", None, "a pi05 pre-processor has the pi05_prepare_state_tokenizer_processor_step (the state in the prompt)")
-        self.rename_map = dict((files.step("preprocessor", "rename_observations_processor") or {}).get("config", {}).get("rename_map", {}))
 
         # features against the env
         inputs, outputs = files.features("input_features"), files.features("output_features")
@@ -575,16 +564,6 @@ class _PaliGemmaFlowPolicy(ActionChunkPolicy):
 
     # ------------------------------------------------------------------ construction pieces
 
-    def _load_lerobot_weights(self, state: dict[str, Tensor]) -> None:
-        missing, unexpected = self.load_state_dict(state, strict=False)
-        names: dict[int, list[str]] = {}
-        for name, param in self.named_parameters(remove_duplicate=False):
-            names.setdefault(id(param), []).append(name)
-        aliases = {name: group for group in names.values() for name in group}
-        missing = [k for k in missing if not any(other in state for other in aliases.get(k, ()))]  # loaded under its other name
-        if missing or unexpected:
-            raise ConfigError(f"{self.files.path / 'model.safetensors'}", f"missing {missing[:3]}, unexpected {unexpected[:3]}", "the weights do not fit the architecture config.json describes")
-
     def _paligemma_to_bfloat16(self) -> None:
         """PaliGemma in bfloat16 but for what LeRobot keeps float32 (patch and position embeddings, norms)."""
         keep = ("vision_model.embeddings.patch_embedding", "vision_model.embeddings.position_embedding", "input_layernorm", "post_attention_layernorm", "model.norm")
@@ -605,41 +584,15 @@ class _PaliGemmaFlowPolicy(ActionChunkPolicy):
         if expert_only:
             pw.paligemma.requires_grad_(False)
 
-    def _add_lora(self, config: PI0Config) -> None:
-        try:
-            import peft
-        except ImportError:
-            raise MissingExtraError("peft", "text", "LoRA adapters (policy.lora.r > 0)") from None
-        lora = config.lora
+    def _lora_targets(self) -> dict[str, list[nn.Module]]:
         pw = self.model.paligemma_with_expert
-        targets = {"expert": [pw.expert_model], "vlm": [pw.language_model]}
-        modules = targets.get(config.lora_on) or targets["expert"] + targets["vlm"]
-        for module in modules:
-            module.requires_grad_(False)
-            adapter = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules), bias="none")
-            try:
-                peft.inject_adapter_in_model(adapter, module)
-            except ValueError as e:
-                raise ConfigError("policy.lora.target_modules", lora.target_modules, f"must name linear layers of the {config.lora_on} transformer: {e}") from None
-            for name, param in module.named_parameters():
-                if "lora_" in name:
-                    param.requires_grad_(True)
+        return {"expert": [pw.expert_model], "vlm": [pw.language_model]}
 
     @property
-    def denoising(self) -> DenoisingOptions:
-        """``config.denoising`` with the checkpoint's number of steps filled in."""
-        return self._denoising
-
-    def transition(self, options: DenoisingOptions, deterministic: bool = False, device=None):
-        """LeRobot's Euler grid (:class:`EulerGridTransition`) for K = ``options.num_inference_steps``."""
-        name = "flow_ode" if deterministic else options.transition
-        return EulerGridTransition(options.num_inference_steps, name, options.noise_level, options.sde_diffusion, device)
+    def prefix_width(self) -> int:
+        return int(self.arch.vlm.width)
 
     # ------------------------------------------------------------------ observations → prefix
-
-    @property
-    def latent_shape(self) -> tuple[int, int]:
-        return (self.arch.chunk_size, self.arch.max_action_dim)
 
     def prompts(self, tasks: list[str], state: Tensor | None) -> list[str]:
         """The text the pre-processor tokenizes: π0 the task with a trailing newline; π0.5
@@ -651,28 +604,6 @@ class _PaliGemmaFlowPolicy(ActionChunkPolicy):
         if self.newline:
             return [t if t.endswith("\n") else t + "\n" for t in tasks]
         return list(tasks)
-
-    def tokenize(self, tasks: list[str], state: Tensor | None = None, padding: str | None = None) -> tuple[Tensor, Tensor]:
-        """Task strings (and, π0.5, the raw state [N, D]) → token ids and mask [N, L] as
-        LeRobot's pre-processor makes them; ``padding`` overrides the setting (mmrl's
-        replays pad to max_length, so every call has the same width)."""
-        settings = dict(self.tokenizer_settings)
-        if padding is not None:
-            settings["padding"] = padding
-        out = self.tokenizer(
-            self.prompts(list(tasks), state), max_length=settings["max_length"], truncation=settings["truncation"], padding=settings["padding"], padding_side=settings["padding_side"], return_tensors="pt"
-        )
-        return out["input_ids"], out["attention_mask"].to(torch.bool)
-
-    def observation(self, inputs) -> dict[str, Tensor]:
-        """Env inputs → what the replay keeps: uint8 frames, the raw state, the prompt's tokens."""
-        if "instruction_ids" in inputs:
-            return {key: inputs[key].to(self.action_center.device) for key in self.obs_keys if key in inputs}
-        device = self.action_center.device
-        state = inputs["state"].to(device, torch.float32)
-        tasks = inputs.get("instruction") or [""] * state.shape[0]
-        ids, mask = self.tokenize(list(tasks), state, padding="max_length")
-        return {"image": inputs["image"].to(device), "state": state, "instruction_ids": ids.to(device), "instruction_mask": mask.to(device)}
 
     def lerobot_prefix(self, images: dict[str, Tensor], state: Tensor, ids: Tensor, id_mask: Tensor) -> dict:
         """The chunk conditioning from LeRobot's raw inputs: images {feature key: float
@@ -696,14 +627,6 @@ class _PaliGemmaFlowPolicy(ActionChunkPolicy):
         token = None if self.arch.pi05 else self.model.state_token(state)
         return {"prefix": prefix, "pad": pad, "state": token, "hidden": prefix["hidden"]}
 
-    def conditioning(self, obs: dict[str, Tensor]) -> dict:
-        """PaliGemma's pass over each chunk's prefix (once per chunk, reused by every denoising step)."""
-        frames = obs["image"]
-        if frames.dim() == 4:  # one camera: [N, H, W, 3]
-            frames = frames.unsqueeze(1)
-        images = {key: frames[:, k].permute(0, 3, 1, 2).to(torch.float32) / 255 for k, key in enumerate(self.cameras)}
-        return self.lerobot_prefix(images, obs["state"].to(torch.float32), obs["instruction_ids"], obs["instruction_mask"].to(torch.bool))
-
     def _denoiser(self, cond: dict):
         def denoise(x: Tensor, t: Tensor, rows: Tensor) -> Tensor:
             if rows.shape[0] == cond["pad"].shape[0] and bool((rows == torch.arange(rows.shape[0], device=rows.device)).all()):
@@ -714,93 +637,6 @@ class _PaliGemmaFlowPolicy(ActionChunkPolicy):
             return self.model.velocity(x, t, prefix, pad, state)
 
         return denoise
-
-    # ------------------------------------------------------------------ actions
-
-    def actions_to_latents(self, actions: Tensor) -> Tensor:
-        """Env-unit chunks [B, C, A] → normalized chunks [B, C, max_action_dim] (padded with 0)."""
-        x = self.normalizer.normalize(ACTION_KEY, actions.to(self.action_center.device, torch.float32))
-        return F.pad(x, (0, self.arch.max_action_dim - x.shape[-1]))
-
-    def latents_to_actions(self, latents: Tensor) -> Tensor:
-        """Normalized chunks [..., C, max_action_dim] → env-unit chunks [..., C, A] (the
-        post-processor's un-normalization of the action dims)."""
-        return self.unnormalizer.unnormalize(ACTION_KEY, latents[..., : self.lerobot_action_dim])
-
-    def env_actions(self, latents: Tensor) -> Tensor:
-        """The first ``n_action_steps`` actions of each chunk, in env units (not clipped)."""
-        return self.latents_to_actions(latents)[..., : self.n_action_steps, :]
-
-    def sft_errors(self, cond: dict, x0: Tensor) -> Tensor:
-        """LeRobot's flow-matching error ‖vθ(x_t, t) − (ε − x0)‖² [B, C], averaged over all
-        max_action_dim dims, t = 0.001 + 0.999·Beta(1.5, 1), ε and t from torch's global generator."""
-        b = x0.shape[0]
-        eps = torch.randn_like(x0)
-        t = torch.distributions.Beta(torch.tensor(1.5), torch.tensor(1.0)).sample((b,)).to(x0.device) * 0.999 + 0.001
-        x_t = t[:, None, None] * eps + (1 - t[:, None, None]) * x0
-        v = self.model.velocity(x_t, t, cond["prefix"], cond["pad"], cond["state"])
-        return F.mse_loss(eps - x0, v, reduction="none").mean(-1)
-
-    @torch.no_grad()
-    def lerobot_chunk(self, observation: dict, noise: Tensor) -> Tensor:
-        """What LeRobot's pre-processor → ``predict_action_chunk`` (with ``noise``) →
-        post-processor returns for an observation in its raw keys: the un-normalized chunk
-        [B, chunk_size, action_dim], by mmrl's deterministic chain from ``noise``."""
-        observation = {self.rename_map.get(k, k): v for k, v in observation.items()}
-        device = self.action_center.device
-        images = {key: observation[key].to(device, torch.float32) for key in self.image_keys if key in observation}
-        state = observation[STATE_KEY].to(device, torch.float32) if STATE_KEY in observation else torch.zeros(noise.shape[0], self.state_dim, device=device)
-        tasks = observation["task"]
-        ids, mask = self.tokenize([tasks] if isinstance(tasks, str) else list(tasks), state)
-        cond = self.lerobot_prefix(images, state, ids.to(device), mask.to(device))
-        out = self.sample_chain(self._denoiser(cond), noise.to(device, torch.float32), deterministic=True)
-        return self.latents_to_actions(out.final)
-
-    # ------------------------------------------------------------------ critic, reference, export
-
-    @property
-    def value_feature_dim(self) -> int:
-        """Width of :meth:`value_features` (a ``critic.type: value_head`` reads them)."""
-        if self.denoising.logp_granularity != "chain":
-            raise ConfigError("policy.denoising.logp_granularity", self.denoising.logp_granularity, "a value head gives one value per action chunk: use chain with critic.type value_head")
-        return int(self.arch.vlm.width)
-
-    def value_features(self, replay: dict) -> Tensor:
-        """PaliGemma's pooled prefix state [N, T, width] of each replayed observation (float32)."""
-        obs = {key: replay[key] for key in self.obs_keys if key in replay}
-        n, t = next(iter(obs.values())).shape[:2]
-        cond = self.conditioning({k: v.reshape(n * t, *v.shape[2:]) for k, v in obs.items()})
-        return pooled_prefix_state(cond["hidden"].to(torch.float32), cond["pad"]).view(n, t, -1)
-
-    def reference(self):
-        """With LoRA, this policy with its adapters disabled (the KL reference); else None."""
-        return AdapterFreeSmolVLA(self) if self.lora else None
-
-    def export_formats(self) -> dict[str, str]:
-        return {"lerobot": "a LeRobot policy directory: the checkpoint's config.json and processors with their statistics, model.safetensors with the trained weights under LeRobot's names (LoRA merged)"}
-
-    def export(self, fmt: str, out) -> None:
-        save_lerobot_policy(self, out)
-
-    @contextmanager
-    def adapters_disabled(self):
-        with adapters_disabled(self.model):
-            yield
-
-    def lerobot_state_dict(self) -> dict[str, Tensor]:
-        """The weights under LeRobot's names (the file's), LoRA adapters merged into their
-        layers, in the dtype the policy holds them."""
-        state = {**dict(self.named_buffers(remove_duplicate=False)), **dict(self.named_parameters(remove_duplicate=False))}
-        if self.lora:
-            from peft.tuners.lora import LoraLayer
-
-            for name, module in self.named_modules():
-                if isinstance(module, LoraLayer):
-                    base = module.get_base_layer()
-                    state[f"{name}.weight"] = base.weight + module.get_delta_weight("default").to(base.weight.dtype)
-                    if base.bias is not None:
-                        state[f"{name}.bias"] = base.bias
-        return {key: state[key].detach() for key in self.lerobot_keys}
 
 
 def _fix_lerobot_keys(state: dict[str, Tensor], arch: PI0Arch) -> dict[str, Tensor]:
@@ -859,12 +695,6 @@ class PI05Policy(_PaliGemmaFlowPolicy):
     """A LeRobot π0.5 checkpoint (state as prompt tokens, adaRMS time conditioning); RL via Flow-SDE chains."""
 
     kind = "pi05"
-
-
-def save_lerobot_policy(policy: _PaliGemmaFlowPolicy, out) -> Path:
-    """Write ``policy`` as a LeRobot policy directory: the checkpoint's config.json and
-    processors as read, ``model.safetensors`` with its current weights under LeRobot's names."""
-    return write_lerobot_policy(policy.files, policy.lerobot_state_dict(), out)
 
 
 def lerobot_actions(directory: str, observation: dict, noise: Tensor, vlm_dir: str | None = None) -> Tensor:

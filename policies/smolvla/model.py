@@ -36,27 +36,20 @@ from __future__ import annotations
 import copy
 import math
 import types
-from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mmrl.denoising.options import DenoisingOptions
-from mmrl.denoising.transitions import FlowTransition
 from mmrl.errors import ConfigError, MissingExtraError
-from mmrl.policies.lora import adapters_disabled
 from mmrl.policies.smolvla.config import SmolVLAConfig
 from mmrl.policies.text_lm.model import _allow_missing_tied_aliases, _drop_tied_aliases
-from mmrl.policies.vla.action_chunk import ActionChunkPolicy
-from mmrl.policies.vla.backbone import observation_spec, pooled_prefix_state
-from mmrl.policies.vla.lerobot_format import LeRobotPolicyDir, read_lerobot_policy, read_lerobot_weights, resolve_vlm, write_lerobot_policy
+from mmrl.policies.vla.backbone import observation_spec
+from mmrl.policies.vla.lerobot_flow import ACTION_KEY, STATE_KEY, LeRobotFlowPolicy
+from mmrl.policies.vla.lerobot_format import LeRobotPolicyDir, read_lerobot_policy, read_lerobot_weights, resolve_vlm
 from mmrl.registry import POLICIES
 
-STATE_KEY = "observation.state"
-ACTION_KEY = "action"
 ATTENTION_MODES = ("cross_attn", "self_attn")
 
 
@@ -439,25 +432,6 @@ class SmolVLAModel(nn.Module):
         return self.action_out_proj(out[:, -self.arch.chunk_size :].to(torch.float32))
 
 
-class EulerGridTransition(FlowTransition):
-    """LeRobot's K-step Euler grid: t_k = 1 + k·dt (float32 of the double), dt = −1/K,
-    deterministic update x + dt·v; stochastic steps are the flow transition's on that grid."""
-
-    def __init__(self, num_steps: int, name: str, noise_level: float, diffusion: str, device=None):
-        self.dt = -1.0 / num_steps
-        times = [1.0 + k * self.dt for k in range(num_steps)] + [0.0]
-        super().__init__(torch.tensor(times, dtype=torch.float32, device=device), name, noise_level, diffusion)
-
-    def mean_std(self, step: Tensor, x: Tensor, model_output, stochastic: Tensor) -> tuple[Tensor, Tensor]:
-        v = model_output[0] if isinstance(model_output, tuple) else model_output
-        euler = x + self.dt * v
-        if self.name == "flow_ode" or not bool(stochastic.any()):
-            return euler, torch.zeros_like(x)
-        mean, std = super().mean_std(step, x, model_output, torch.ones_like(stochastic))
-        keep = stochastic.view(-1, *([1] * (x.ndim - 1)))
-        return torch.where(keep, mean, euler), torch.where(keep, std, torch.zeros_like(std))
-
-
 # ------------------------------------------------------------------ the policy
 
 
@@ -475,10 +449,8 @@ CONTRACT = {
 
 
 @POLICIES.register("smolvla", config=SmolVLAConfig, contract=CONTRACT)
-class SmolVLAPolicy(ActionChunkPolicy):
+class SmolVLAPolicy(LeRobotFlowPolicy):
     """A LeRobot SmolVLA checkpoint: its pre-processor, model and post-processor; RL via Flow-SDE chains."""
-
-    obs_keys = ("image", "state", "instruction_ids", "instruction_mask")
 
     def __init__(self, config: SmolVLAConfig, spec: dict):
         super().__init__(config, spec)
@@ -494,12 +466,8 @@ class SmolVLAPolicy(ActionChunkPolicy):
         self._denoising.validate("policy.denoising")
 
         # processors: normalizers, tokenizer settings, renames
-        self.normalizer = files.normalizer("preprocessor", "normalizer_processor")
-        self.unnormalizer = files.normalizer("postprocessor", "unnormalizer_processor")
-        tokenizer_step = files.step("preprocessor", "tokenizer_processor") or {}
-        self.tokenizer_settings = {"max_length": arch.tokenizer_max_length, "padding": "max_length", "padding_side": "right", "truncation": True, **tokenizer_step.get("config", {})}
+        self._read_processors(files, arch.tokenizer_max_length)
         self.newline = files.step("preprocessor", "smolvla_new_line_processor") is not None
-        self.rename_map = dict((files.step("preprocessor", "rename_observations_processor") or {}).get("config", {}).get("rename_map", {}))
 
         # features against the env
         inputs, outputs = files.features("input_features"), files.features("output_features")
@@ -553,18 +521,6 @@ class SmolVLAPolicy(ActionChunkPolicy):
 
     # ------------------------------------------------------------------ construction pieces
 
-    def _load_lerobot_weights(self, state: dict[str, Tensor]) -> None:
-        missing, unexpected = self.load_state_dict(state, strict=False)
-        names: dict[int, list[str]] = {}
-        for name, param in self.named_parameters(remove_duplicate=False):
-            names.setdefault(id(param), []).append(name)
-        aliases = {name: group for group in names.values() for name in group}
-        missing = [k for k in missing if not any(other in state for other in aliases.get(k, ()))]  # loaded under its other name
-        if missing or unexpected:
-            raise ConfigError(
-                f"{self.files.path / 'model.safetensors'}", f"missing {missing[:3]}, unexpected {unexpected[:3]}", "the weights do not fit the architecture config.json describes"
-            )
-
     def _set_trainable(self, config: SmolVLAConfig, arch: SmolVLAArch) -> None:
         vlm = self.model.vlm_with_expert
         expert_only = arch.train_expert_only if config.train_expert_only is None else config.train_expert_only
@@ -577,64 +533,18 @@ class SmolVLAPolicy(ActionChunkPolicy):
             vlm.vlm.requires_grad_(False)
         self.model.state_proj.requires_grad_(state_proj)
 
-    def _add_lora(self, config: SmolVLAConfig) -> None:
-        try:
-            import peft
-        except ImportError:
-            raise MissingExtraError("peft", "text", "LoRA adapters (policy.lora.r > 0)") from None
-        lora = config.lora
-        targets = {"expert": [self.model.vlm_with_expert.lm_expert], "vlm": [self.model.vlm_with_expert.text_model]}
-        modules = targets.get(config.lora_on) or targets["expert"] + targets["vlm"]
-        for module in modules:
-            module.requires_grad_(False)
-            adapter = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules), bias="none")
-            try:
-                peft.inject_adapter_in_model(adapter, module)
-            except ValueError as e:
-                raise ConfigError("policy.lora.target_modules", lora.target_modules, f"must name linear layers of the {config.lora_on} transformer: {e}") from None
-            for name, param in module.named_parameters():
-                if "lora_" in name:
-                    param.requires_grad_(True)
+    def _lora_targets(self) -> dict[str, list[nn.Module]]:
+        return {"expert": [self.model.vlm_with_expert.lm_expert], "vlm": [self.model.vlm_with_expert.text_model]}
 
     @property
-    def denoising(self) -> DenoisingOptions:
-        """``config.denoising`` with the checkpoint's number of steps filled in."""
-        return self._denoising
-
-    def transition(self, options: DenoisingOptions, deterministic: bool = False, device=None):
-        """LeRobot's Euler grid (:class:`EulerGridTransition`) for K = ``options.num_inference_steps``."""
-        name = "flow_ode" if deterministic else options.transition
-        return EulerGridTransition(options.num_inference_steps, name, options.noise_level, options.sde_diffusion, device)
+    def prefix_width(self) -> int:
+        return int(self.model.state_proj.out_features)
 
     # ------------------------------------------------------------------ observations → prefix
 
-    @property
-    def latent_shape(self) -> tuple[int, int]:
-        return (self.arch.chunk_size, self.arch.max_action_dim)
-
-    def tokenize(self, tasks: list[str], padding: str | None = None) -> tuple[Tensor, Tensor]:
-        """Task strings → token ids and mask [N, L] as LeRobot's pre-processor makes them
-        (a trailing newline, its tokenizer settings); ``padding`` overrides the setting
-        (mmrl's replays pad to max_length, so every call has the same width)."""
-        settings = dict(self.tokenizer_settings)
-        if padding is not None:
-            settings["padding"] = padding
-        if self.newline:
-            tasks = [t if t.endswith("\n") else t + "\n" for t in tasks]
-        out = self.tokenizer(
-            list(tasks), max_length=settings["max_length"], truncation=settings["truncation"], padding=settings["padding"], padding_side=settings["padding_side"], return_tensors="pt"
-        )
-        return out["input_ids"], out["attention_mask"].to(torch.bool)
-
-    def observation(self, inputs) -> dict[str, Tensor]:
-        """Env inputs → what the replay keeps: uint8 frames, the raw state, the task's tokens."""
-        if "instruction_ids" in inputs:
-            return {key: inputs[key].to(self.action_center.device) for key in self.obs_keys if key in inputs}
-        device = self.action_center.device
-        state = inputs["state"].to(device, torch.float32)
-        tasks = inputs.get("instruction") or [""] * state.shape[0]
-        ids, mask = self.tokenize(list(tasks), padding="max_length")
-        return {"image": inputs["image"].to(device), "state": state, "instruction_ids": ids.to(device), "instruction_mask": mask.to(device)}
+    def prompts(self, tasks: list[str], state: Tensor | None) -> list[str]:
+        """The task strings with the trailing newline of LeRobot's SmolVLA pre-processor (the state is not in the prompt)."""
+        return [t if t.endswith("\n") else t + "\n" for t in tasks] if self.newline else list(tasks)
 
     def lerobot_prefix(self, images: dict[str, Tensor], state: Tensor, ids: Tensor, id_mask: Tensor) -> dict:
         """The chunk conditioning from LeRobot's raw inputs: images {feature key: float
@@ -662,14 +572,6 @@ class SmolVLAPolicy(ActionChunkPolicy):
         prefix = self.model.vlm_with_expert.prefix(embeds, pad, blocks)
         return {"memory": self.model.vlm_with_expert.expert_memory(prefix), "pad": pad, "hidden": prefix["hidden"]}
 
-    def conditioning(self, obs: dict[str, Tensor]) -> dict:
-        """The VLM pass over each chunk's prefix (once per chunk, reused by every denoising step)."""
-        frames = obs["image"]
-        if frames.dim() == 4:  # one camera: [N, H, W, 3]
-            frames = frames.unsqueeze(1)
-        images = {key: frames[:, k].permute(0, 3, 1, 2).to(torch.float32) / 255 for k, key in enumerate(self.cameras)}
-        return self.lerobot_prefix(images, obs["state"].to(torch.float32), obs["instruction_ids"], obs["instruction_mask"].to(torch.bool))
-
     def _denoiser(self, cond: dict):
         def denoise(x: Tensor, t: Tensor, rows: Tensor) -> Tensor:
             if rows.shape[0] == cond["pad"].shape[0] and bool((rows == torch.arange(rows.shape[0], device=rows.device)).all()):
@@ -680,127 +582,6 @@ class SmolVLAPolicy(ActionChunkPolicy):
             return self.model.velocity(x, t, memory, pad)
 
         return denoise
-
-    # ------------------------------------------------------------------ actions
-
-    def actions_to_latents(self, actions: Tensor) -> Tensor:
-        """Env-unit chunks [B, C, A] → normalized chunks [B, C, max_action_dim] (padded with 0)."""
-        x = self.normalizer.normalize(ACTION_KEY, actions.to(self.action_center.device, torch.float32))
-        return F.pad(x, (0, self.arch.max_action_dim - x.shape[-1]))
-
-    def latents_to_actions(self, latents: Tensor) -> Tensor:
-        """Normalized chunks [..., C, max_action_dim] → env-unit chunks [..., C, A] (the
-        post-processor's un-normalization of the action dims)."""
-        return self.unnormalizer.unnormalize(ACTION_KEY, latents[..., : self.lerobot_action_dim])
-
-    def env_actions(self, latents: Tensor) -> Tensor:
-        """The first ``n_action_steps`` actions of each chunk, in env units (not clipped)."""
-        return self.latents_to_actions(latents)[..., : self.n_action_steps, :]
-
-    def sft_errors(self, cond: dict, x0: Tensor) -> Tensor:
-        """LeRobot's flow-matching error ‖vθ(x_t, t) − (ε − x0)‖² [B, C], averaged over all
-        max_action_dim dims, t = 0.001 + 0.999·Beta(1.5, 1), ε and t from torch's global generator."""
-        b = x0.shape[0]
-        eps = torch.randn_like(x0)
-        t = torch.distributions.Beta(torch.tensor(1.5), torch.tensor(1.0)).sample((b,)).to(x0.device) * 0.999 + 0.001
-        x_t = t[:, None, None] * eps + (1 - t[:, None, None]) * x0
-        v = self.model.velocity(x_t, t, cond["memory"], cond["pad"])
-        return F.mse_loss(v, eps - x0, reduction="none").mean(-1)
-
-    @torch.no_grad()
-    def lerobot_chunk(self, observation: dict, noise: Tensor) -> Tensor:
-        """What LeRobot's pre-processor → ``predict_action_chunk(batch, noise=noise)`` →
-        post-processor returns for an observation in its raw keys: the un-normalized
-        chunk [B, chunk_size, action_dim], by mmrl's deterministic chain from ``noise``."""
-        observation = {self.rename_map.get(k, k): v for k, v in observation.items()}
-        device = self.action_center.device
-        images = {key: observation[key].to(device, torch.float32) for key in self.image_keys if key in observation}
-        tasks = observation["task"]
-        ids, mask = self.tokenize([tasks] if isinstance(tasks, str) else list(tasks))
-        cond = self.lerobot_prefix(images, observation[STATE_KEY].to(device, torch.float32), ids.to(device), mask.to(device))
-        out = self.sample_chain(self._denoiser(cond), noise.to(device, torch.float32), deterministic=True)
-        return self.latents_to_actions(out.final)
-
-    # ------------------------------------------------------------------ critic, reference, export
-
-    @property
-    def value_feature_dim(self) -> int:
-        """Width of :meth:`value_features` (a ``critic.type: value_head`` reads them)."""
-        if self.denoising.logp_granularity != "chain":
-            raise ConfigError("policy.denoising.logp_granularity", self.denoising.logp_granularity, "a value head gives one value per action chunk: use chain with critic.type value_head")
-        return int(self.model.state_proj.out_features)
-
-    def value_features(self, replay: dict) -> Tensor:
-        """The VLM's pooled prefix state [N, T, hidden] of each replayed observation (float32)."""
-        obs = {key: replay[key] for key in self.obs_keys if key in replay}
-        n, t = next(iter(obs.values())).shape[:2]
-        cond = self.conditioning({k: v.reshape(n * t, *v.shape[2:]) for k, v in obs.items()})
-        return pooled_prefix_state(cond["hidden"].to(torch.float32), cond["pad"]).view(n, t, -1)
-
-    def reference(self):
-        """With LoRA, this policy with its adapters disabled (the KL reference); else None."""
-        return AdapterFreeSmolVLA(self) if self.lora else None
-
-    def export_formats(self) -> dict[str, str]:
-        return {"lerobot": "a LeRobot policy directory: the checkpoint's config.json and processors with their statistics, model.safetensors with the trained weights under LeRobot's names (LoRA merged)"}
-
-    def export(self, fmt: str, out) -> None:
-        save_lerobot_policy(self, out)
-
-    @contextmanager
-    def adapters_disabled(self):
-        with adapters_disabled(self.model):
-            yield
-
-    def lerobot_state_dict(self) -> dict[str, Tensor]:
-        """The weights under LeRobot's names, LoRA adapters merged into their layers, in
-        the dtype the policy holds them."""
-        state = {**dict(self.named_buffers(remove_duplicate=False)), **dict(self.named_parameters(remove_duplicate=False))}
-        if self.lora:
-            from peft.tuners.lora import LoraLayer
-
-            for name, module in self.named_modules():
-                if isinstance(module, LoraLayer):
-                    base = module.get_base_layer()
-                    state[f"{name}.weight"] = base.weight + module.get_delta_weight("default").to(base.weight.dtype)
-                    if base.bias is not None:
-                        state[f"{name}.bias"] = base.bias
-        return {key: state[key].detach() for key in self.lerobot_keys}
-
-
-class AdapterFreeSmolVLA(nn.Module):
-    """The KL reference of a SmolVLA policy with LoRA adapters: the policy itself with its
-    adapters disabled, sharing its weights without registering them."""
-
-    def __init__(self, policy: SmolVLAPolicy):
-        super().__init__()
-        object.__setattr__(self, "policy", policy)
-
-    @torch.no_grad()
-    def log_prob(self, replay: dict) -> Tensor:
-        with self.policy.adapters_disabled():
-            return self.policy.log_prob(replay)
-
-    @torch.no_grad()
-    def chain_denoiser(self, replay: dict):
-        """The reference's denoiser: prefix and expert steps all with the adapters off."""
-        with self.policy.adapters_disabled():
-            denoise = self.policy.chain_denoiser(replay)
-
-        def without_adapters(x: Tensor, t: Tensor, rows: Tensor):
-            with self.policy.adapters_disabled():
-                return denoise(x, t, rows)
-
-        return without_adapters
-
-    def forward(self, replay: dict) -> Tensor:
-        return self.log_prob(replay)
-
-
-def save_lerobot_policy(policy: SmolVLAPolicy, out) -> Path:
-    """Write ``policy`` as a LeRobot policy directory: the checkpoint's config.json and
-    processors as read, ``model.safetensors`` with its current weights under LeRobot's names."""
-    return write_lerobot_policy(policy.files, policy.lerobot_state_dict(), out)
 
 
 def lerobot_actions(directory: str, observation: dict, noise: Tensor, vlm_dir: str | None = None) -> Tensor:

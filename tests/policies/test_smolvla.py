@@ -16,7 +16,8 @@ from mmrl.core.component_config import RewardConfig
 from mmrl.errors import ConfigError
 from mmrl.policies.lora import LoraOptions
 from mmrl.policies.smolvla import SmolVLAConfig, SmolVLAPolicy, lerobot_actions, save_lerobot_policy, write_tiny_smolvla
-from mmrl.policies.smolvla.model import EulerGridTransition, resize_with_pad
+from mmrl.policies.smolvla.model import resize_with_pad
+from mmrl.policies.vla.lerobot_flow import EulerGridTransition
 from mmrl.policies.vla.lerobot_format import normalize, read_lerobot_policy, read_lerobot_weights, resolve_vlm, unnormalize
 from mmrl.registry import REWARDS
 
