@@ -2,72 +2,16 @@
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Literal
 
 from mmrl.config import option
-from mmrl.core.component_config import PolicyConfig
-from mmrl.denoising.options import DenoisingOptions
-from mmrl.denoising.transitions import FLOW_TRANSITIONS
-from mmrl.errors import ConfigError
-from mmrl.policies.lora import LoraOptions
+from mmrl.policies.vla.lerobot_config import LeRobotFlowConfig
 
 
 @dataclass
-class SmolVLADenoising(DenoisingOptions):
-    """The denoising options of a SmolVLA policy; the number of steps defaults to the checkpoint's."""
-
-    num_inference_steps: int | None = option(None, "denoising steps K of a sampled chain; null = the checkpoint's num_steps", ge=1)
-
-    def resolved(self, num_steps: int) -> SmolVLADenoising:
-        """These options with ``num_inference_steps`` filled in from the checkpoint's ``num_steps``."""
-        return self if self.num_inference_steps is not None else dataclasses.replace(self, num_inference_steps=num_steps)
-
-
-@dataclass
-class SmolVLAConfig(PolicyConfig):
+class SmolVLAConfig(LeRobotFlowConfig):
     """A LeRobot SmolVLA policy directory: SmolVLM + flow-matching action expert, run as LeRobot runs it; RL via Flow-SDE chains."""
 
     type: str = option("smolvla", "registered name of this component (see `mmrl list`)")
-    checkpoint: str | None = option(None, "the LeRobot SmolVLA policy directory (config.json, model.safetensors, policy_preprocessor.json, policy_postprocessor.json)")
     vlm_dir: str | None = option(None, "local directory with the VLM's config.json and tokenizer; null = the checkpoint's vlm_model_name if it is a directory, else the Hugging Face cache")
-    cameras: list[str] | None = option(None, "the checkpoint's image feature key for each env camera, in the env's camera order; null = the checkpoint's image features in order")
-    n_action_steps: int | None = option(None, "actions of each predicted chunk the env executes; null = the checkpoint's n_action_steps", ge=1)
-    denoising: SmolVLADenoising = option(
-        factory=lambda: SmolVLADenoising(transition="flow_sde", num_inference_steps=None, noise_level=0.5, logp_granularity="chain"),
-        doc="the action expert's denoising chain (a flow transition on the checkpoint's Euler grid): steps, noise, which steps are stochastic",
-    )
-    train_expert_only: bool | None = option(None, "freeze the whole VLM (LeRobot's train_expert_only); null = the checkpoint's")
-    freeze_vision_encoder: bool | None = option(None, "freeze the VLM's vision encoder; null = the checkpoint's")
     train_state_proj: bool | None = option(None, "train the state projection; null = the checkpoint's")
-    lora: LoraOptions = option(factory=LoraOptions, doc="peft LoRA adapters; the adapter-free policy is then the KL reference")
-    lora_on: Literal["expert", "vlm", "both"] = option("expert", "which transformer gets the LoRA adapters (its base weights are then frozen)")
-    vlm_dtype: Literal["float32", "bfloat16"] = option("float32", "dtype of the VLM's weights (the expert, projections and log-probs stay float32)")
-
-    @property
-    def action_chunk(self) -> int:
-        """Actions per demonstration chunk: the checkpoint's chunk_size (what its loss trains on)."""
-        if self.checkpoint is None:
-            return 1
-        try:
-            return int(json.loads((Path(self.checkpoint).expanduser() / "config.json").read_text())["chunk_size"])
-        except (OSError, KeyError, ValueError):
-            return 1
-
-    def validate(self, path: str) -> None:
-        p = f"{path}." if path else ""
-        if self.checkpoint is None:
-            raise ConfigError(p + "checkpoint", None, "required: a LeRobot SmolVLA policy directory (python -c 'from mmrl.policies.smolvla import write_tiny_smolvla' writes a tiny one)")
-        if self.denoising.transition not in FLOW_TRANSITIONS or self.denoising.transition == "flow_noise":
-            allowed = ", ".join(t for t in FLOW_TRANSITIONS if t != "flow_noise")
-            raise ConfigError(p + "denoising.transition", self.denoising.transition, f"SmolVLA's expert predicts a velocity and has no noise head; allowed: {allowed}")
-        if self.denoising.time_shift != 1.0:
-            raise ConfigError(p + "denoising.time_shift", self.denoising.time_shift, "SmolVLA integrates on an even grid; leave it at 1.0")
-        if self.denoising.num_inference_steps is not None:
-            self.denoising.validate(p + "denoising")
-        if self.cameras is not None and len(set(self.cameras)) != len(self.cameras):
-            raise ConfigError(p + "cameras", self.cameras, "name each image feature once")
-        self.lora.validate(p + "lora")
