@@ -253,6 +253,54 @@ def policy_resolution(policy, field: str, value) -> tuple[int, int] | None:
     return res
 
 
+class RenderedPrompts(DataSource):
+    """Ground-truth images a task renders for each record of a prompt set (``cfg.path``):
+    ``cfg.images_per_prompt`` seeded renderings per record at ``cfg.resolution`` (null = the
+    policy's, square), drawn once when the run starts, seeded by ``cfg.render_seed`` and not
+    by the run seed (every run trains on the same images). A batch is ``{"images": uint8
+    [B, H, W, 3], "prompt": [...]}``, what image generators' ``sft_loss`` takes. A task says
+    how to draw a record (:meth:`renderer`) and names its renderer (``what``)."""
+
+    what = "renderer"
+
+    def renderer(self, record):
+        """``draw(size, seed) -> uint8 [size, size, 3]`` of one record; ValueError for a record
+        it cannot draw (the message says why)."""
+        raise NotImplementedError
+
+    def __init__(self, cfg, policy, seed: int, world: int, rank: int):
+        from mmrl.data.prompts import PromptDataConfig, read_records
+
+        super().__init__(cfg, seed, world, rank)
+        records = read_records(PromptDataConfig(train=cfg.path, prompt_kind="text", image_field=None), "train", "data")
+        if not records:
+            raise ConfigError("data.path", cfg.path, "holds no records")
+        size = cfg.resolution
+        policy_size = policy_resolution(policy, "data.resolution", cfg.resolution)
+        if size is None:
+            if policy_size is None:
+                raise ConfigError("data.resolution", None, f"policy {type(policy).__name__} has no resolution; set one")
+            if policy_size[0] != policy_size[1]:
+                raise ConfigError("data.resolution", None, f"the {self.what} draws square images; the policy generates {policy_size}")
+            size = policy_size[0]
+        elif policy_size is not None and policy_size != (size, size):
+            raise ConfigError("data.resolution", size, f"the policy generates {policy_size[0]}x{policy_size[1]} images")
+        n = cfg.images_per_prompt
+        images = np.empty((len(records) * n, size, size, 3), dtype=np.uint8)
+        prompts: list[str] = []
+        for i, r in enumerate(records):
+            try:
+                draw = self.renderer(r)
+            except ValueError as e:
+                raise ConfigError("data.path", cfg.path, f"record {r.record_id}: {e}") from None
+            for k in range(n):
+                # one seed per (render_seed, record, copy), within numpy's 32-bit seeds
+                images[i * n + k] = draw(size, (cfg.render_seed * 1_000_003 + i * n + k) % 2**32)
+            prompts.extend([str(r.prompt)] * n)
+        self.samples = {"images": torch.from_numpy(images), "prompt": prompts}
+        self.info = {"prompts": len(records), "samples": self.num_samples}
+
+
 @dataclass
 class ImagesConfig(DataSourceConfig):
     type: str = option("images", "data source (mmrl list data)")

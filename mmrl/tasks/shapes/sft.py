@@ -4,12 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-import torch
-
 from mmrl.config import option
-from mmrl.data.sources import DataSource, DataSourceConfig, policy_resolution
-from mmrl.errors import ConfigError
+from mmrl.data.sources import DataSourceConfig, RenderedPrompts
 from mmrl.registry import DATA_SOURCES
 from mmrl.tasks.shapes.world import Scene, parse_prompt, render_scene
 
@@ -24,39 +20,13 @@ class ShapesConfig(DataSourceConfig):
 
 
 @DATA_SOURCES.register("shapes", config=ShapesConfig)
-class Shapes(DataSource):
+class Shapes(RenderedPrompts):
     """Ground-truth images of the shapes world rendered from a prompt set: supervised
     pretraining of an image generator that the ``shapes_geneval`` verifier then scores."""
 
-    def __init__(self, cfg: ShapesConfig, policy, seed: int, world: int, rank: int):
-        from mmrl.data.prompts import PromptDataConfig, read_records
+    what = "shapes renderer"
 
-        super().__init__(cfg, seed, world, rank)
-        records = read_records(PromptDataConfig(train=cfg.path, prompt_kind="text", image_field=None), "train", "data")
-        if not records:
-            raise ConfigError("data.path", cfg.path, "holds no records")
-        size = cfg.resolution
-        policy_size = policy_resolution(policy, "data.resolution", cfg.resolution)
-        if size is None:
-            if policy_size is None:
-                raise ConfigError("data.resolution", None, f"policy {type(policy).__name__} has no resolution; set one")
-            if policy_size[0] != policy_size[1]:
-                raise ConfigError("data.resolution", None, f"the shapes renderer draws square images; the policy generates {policy_size}")
-            size = policy_size[0]
-        elif policy_size is not None and policy_size != (size, size):
-            raise ConfigError("data.resolution", size, f"the policy generates {policy_size[0]}x{policy_size[1]} images")
-        n = cfg.images_per_prompt
-        images = np.empty((len(records) * n, size, size, 3), dtype=np.uint8)
-        prompts: list[str] = []
-        for i, r in enumerate(records):
-            spec = r.metadata.get("scene")
-            try:
-                scene = Scene.from_dict(spec) if spec is not None else parse_prompt(str(r.prompt))
-            except ValueError as e:
-                raise ConfigError("data.path", cfg.path, f"record {r.record_id}: {e}") from None
-            for k in range(n):
-                # one seed per (render_seed, record, copy), within numpy's 32-bit seeds
-                images[i * n + k] = render_scene(scene, size, seed=(cfg.render_seed * 1_000_003 + i * n + k) % 2**32)
-            prompts.extend([str(r.prompt)] * n)
-        self.samples = {"images": torch.from_numpy(images), "prompt": prompts}
-        self.info = {"prompts": len(records), "samples": self.num_samples}
+    def renderer(self, record):
+        spec = record.metadata.get("scene")
+        scene = Scene.from_dict(spec) if spec is not None else parse_prompt(str(record.prompt))
+        return lambda size, seed: render_scene(scene, size, seed=seed)
