@@ -24,6 +24,7 @@ def aggregate_rewards(
     *,
     eps: float = 1e-6,
     threshold: str = "mean",
+    population: Tensor | None = None,
 ) -> Tensor:
     """One reward per sample from ``rewards: Tensor[B, K]``.
 
@@ -38,7 +39,10 @@ def aggregate_rewards(
       component that would otherwise dominate the sum; then r = Σ_k w_k·r̃_k. Tamed components
       must be > −1.
 
-    ``group_id`` is only read by ``normalize_then_sum``.
+    ``group_id`` is only read by ``normalize_then_sum``. ``population`` ([N, K], default
+    ``rewards``) is the batch whose statistics ``log_tamed`` reads: the rows scored together
+    (every process's, when several score parts of one batch), so that a sample's combined
+    reward does not depend on how the batch was split.
     """
     if rewards.ndim != 2 or rewards.shape[1] != len(weights):
         raise ValueError(f"rewards has shape {tuple(rewards.shape)}; expected [B, {len(weights)}], one column per weight")
@@ -55,7 +59,8 @@ def aggregate_rewards(
     if method == "log_tamed":
         if threshold not in THRESHOLDS:
             raise ValueError(f"threshold must be one of {THRESHOLDS}, got {threshold!r}")
-        cv = rewards.std(0, correction=0) / (rewards.mean(0) + 1e-6)
+        batch = rewards if population is None else population
+        cv = batch.std(0, correction=0) / (batch.mean(0) + 1e-6)
         bar = cv.mean() if threshold == "mean" else cv.median()
         tame = cv > bar
         if (rewards[:, tame] <= -1).any():

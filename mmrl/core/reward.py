@@ -185,11 +185,15 @@ class RewardSet:
                     out[f"reward_update/{name}/{key}"] = float(value)
         return out
 
-    def combine(self, rewards: Tensor, group_id: Tensor) -> Tensor:
-        """One reward per sample from the [B, K] columns, by the configured aggregation."""
+    def combine(self, rewards: Tensor, group_id: Tensor, gather_rows: Any = None) -> Tensor:
+        """One reward per sample from the [B, K] columns, by the configured aggregation.
+        ``gather_rows`` (the collectives' row gather; every process calls it together) gives
+        the batch statistics that ``log_tamed`` reads from all processes' rows; the other
+        aggregations are per sample or per group and gather nothing."""
         from mmrl.algo.reward_aggregation import aggregate_rewards
 
-        return aggregate_rewards(rewards, group_id, self.weights, self.aggregation, threshold=self.log_tamed_threshold)
+        population = gather_rows(rewards) if gather_rows is not None and self.aggregation == "log_tamed" else None
+        return aggregate_rewards(rewards, group_id, self.weights, self.aggregation, threshold=self.log_tamed_threshold, population=population)
 
     def state_dict(self) -> dict[str, Any]:
         return {f"{i}:{name}": c.state_dict() for i, (name, c) in enumerate(zip(self.names, self.components))}

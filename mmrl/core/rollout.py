@@ -60,6 +60,9 @@ class Rollout:
     replay: dict[str, Any]
     rewards: Tensor | None = None  # [B, K]
     reward_names: list[str] = field(default_factory=list)
+    # [B] the one reward per sample that filters and advantages read: the columns combined by
+    # the run's aggregation, once, where the samples are scored (RolloutWorker.score)
+    reward: Tensor | None = None
     ref_logp: Tensor | None = None  # [B, T]
     step_rewards: Tensor | None = None  # [B, T]
     entropy: Tensor | None = None  # [B, T]

@@ -163,7 +163,7 @@ class RolloutWorker:
         the weighted step rewards of each episode, what those advantages are computed from."""
         for name, values in self.sampler.metrics(part).items():
             add_metric(sums, name, values)
-        combined = self.rewards.combine(part.rewards, part.group_id)
+        combined = part.reward
         for k, name in enumerate(self.rewards.names):
             add_metric(sums, f"reward/{name}", part.rewards[:, k])
         add_metric(sums, "reward/total", combined)
@@ -172,10 +172,13 @@ class RolloutWorker:
         return combined
 
     def score(self, rollout: Rollout, step: int) -> Rollout:
-        """Reward columns [B, K] and, for a sampled-log-prob KL, the reference's log-probs."""
+        """Reward columns [B, K], the combined reward [B] that filters and advantages read
+        (combined here, once; ``log_tamed``'s batch statistics over the rows every process
+        scores in this call) and, for a sampled-log-prob KL, the reference's log-probs."""
         with _fault_at(step, rollout.group_id):
             rewards = self.rewards.score(rollout, policy=self.policy, reference=self.reference, step=step)
-        rollout = rollout.with_(rewards=rewards, reward_names=list(self.rewards.names))
+        combined = self.rewards.combine(rewards, rollout.group_id.cpu(), self.dist.gather_rows)
+        rollout = rollout.with_(rewards=rewards, reward_names=list(self.rewards.names), reward=combined)
         if self.reference is not None and self.kl_fn is not None:
             ref_logp = self.reference.log_prob(rollout.to(self.device).replay).detach().cpu()
             rollout = rollout.with_(ref_logp=ref_logp)

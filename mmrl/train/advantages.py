@@ -17,12 +17,13 @@ from mmrl.errors import ConfigError
 
 
 class Advantages:
-    """``cfg`` is the run config, ``dist`` the collectives, ``rewards`` the RewardSet that
-    combines the reward columns, ``critic_cfg`` the critic's section when a critic trains
-    (its values come from ``model(..., mode="value")``)."""
+    """``cfg`` is the run config, ``dist`` the collectives, ``critic_cfg`` the critic's section
+    when a critic trains (its values come from ``model(..., mode="value")``). Advantages are
+    computed from each sample's combined reward (``Rollout.reward``, set once where the
+    samples are scored)."""
 
-    def __init__(self, cfg, dist, rewards, critic_cfg=None):
-        self.cfg, self.dist, self.rewards, self.critic_cfg = cfg, dist, rewards, critic_cfg
+    def __init__(self, cfg, dist, critic_cfg=None):
+        self.cfg, self.dist, self.critic_cfg = cfg, dist, critic_cfg
         self.advantage_fn = registry.ADVANTAGES.get(cfg.algo.advantage.type)
 
     def __call__(self, rollout: Rollout, model=None) -> tuple[Targets, torch.Tensor]:
@@ -37,7 +38,9 @@ class Advantages:
         pad = lambda t: torch.nn.functional.pad(t.cpu(), (0, width - t.shape[1]))  # noqa: E731
         gather = lambda t: self.dist.gather_rows(t.cpu(), sizes)  # noqa: E731
         groups = gather(rollout.group_id)
-        reward = self.rewards.combine(gather(rollout.rewards), groups)
+        if rollout.reward is None:
+            raise ValueError("the rollout reaches the learner unscored: its combined reward (Rollout.reward) is set where it is scored (RolloutWorker.score)")
+        reward = gather(rollout.reward)
         if cfg.kl.in_reward_penalty:
             # PPO-RLHF: r - coef * sum_t KL(old || ref) of the sampled decisions
             # on the CPU, beside the rewards: the scorer keeps ref_logp there, the sampler may

@@ -42,7 +42,7 @@ def batch_gradient(trainer: Trainer, step: int) -> tuple[dict[str, torch.Tensor]
     loss.backward()
     grads = {n: p.grad.detach().flatten().cpu().clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    reward = trainer.rewards.combine(rollout.rewards.cpu(), rollout.group_id.cpu())
+    reward = rollout.reward.cpu()
     stats = {
         "reward": reward.mean().item(),
         "informative": (adv.abs().amax(1) > 0).float().mean().item(),  # samples with a non-zero advantage

@@ -46,11 +46,11 @@ class Learner:
     """Owns the trained model (wrapped by ``accelerator``), its optimizer and the frozen
     reference; ``version`` counts the optimizer's published states (0: the initial weights)."""
 
-    def __init__(self, cfg: TrainConfig, policy: PolicyModule, accelerator, dist, rewards, data=None, sampler_keeps_graph: bool = False):
-        """``rewards`` (a RewardSet) combines the reward columns; ``data`` is the SFT data source
-        of ``algo.type: sft`` (None for RL)."""
+    def __init__(self, cfg: TrainConfig, policy: PolicyModule, accelerator, dist, data=None, sampler_keeps_graph: bool = False):
+        """``data`` is the SFT data source of ``algo.type: sft`` (None for RL). The rewards
+        arrive combined, in each rollout's ``reward`` (scored by the rollout worker)."""
         algo = cfg.algo
-        self.cfg, self.accelerator, self.dist, self.rewards, self.data = cfg, accelerator, dist, rewards, data
+        self.cfg, self.accelerator, self.dist, self.data = cfg, accelerator, dist, data
         self.world = dist.world
         loss_cls = registry.LOSSES.get(algo.loss.type, "algo.loss.type")
         # the frozen reference, built here once (the rollout workers get this one)
@@ -63,7 +63,7 @@ class Learner:
         trained, optimizer = trained_module(cfg, policy, self.critic_cfg)
         self.model, self.optimizer = accelerator.prepare(trained, optimizer)
         self.reference = self.reference.to(accelerator.device) if self.reference is not None else None
-        self.advantage_stage = Advantages(cfg, dist, rewards, self.critic_cfg)
+        self.advantage_stage = Advantages(cfg, dist, self.critic_cfg)
         self.reuse_graph = speedups.reuses_sampling_graph(cfg, loss_cls, policy, sampler_keeps_graph)
         self.loss: Loss = loss_cls(algo, algo.loss, policy, reference=self.reference, critic=self.critic_cfg, sampling_graph=self.reuse_graph, seed=cfg.seed)
         self.kl_fn = getattr(self.loss, "kl_fn", None)  # the rollout workers' KL estimator (kl.in_reward)

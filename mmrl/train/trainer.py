@@ -83,7 +83,7 @@ class Trainer:
         self.rewards = RewardSet(cfg.rewards, algo.reward_aggregation, context, algo.log_tamed_threshold)
         data = registry.DATA_SOURCES.get(cfg.data.type, "data.type")(cfg.data, policy, cfg.seed, self.world, self.rank) if algo.type == "sft" else None
         keeps_graph = getattr(self.sampler, "keeps_sampling_graph", False) and cfg.rollout.num_workers == 0  # a graph stays in its process
-        self.learner = Learner(cfg, policy, self.accelerator, self.dist, self.rewards, data, sampler_keeps_graph=keeps_graph)
+        self.learner = Learner(cfg, policy, self.accelerator, self.dist, data, sampler_keeps_graph=keeps_graph)
         # the rollout workers: in this process with the learner's own policy object (sync,
         # workers: 0), or spawned with copies of it (rollout.engine, mmrl/rollout/engine.py)
         self.engine = registry.ENGINES.get(cfg.rollout.engine, "rollout.engine")(

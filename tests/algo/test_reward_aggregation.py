@@ -55,3 +55,13 @@ def test_mismatched_weights_and_unknown_method_are_errors():
         aggregate_rewards(REWARDS, ONE_GROUP, [1.0], "weighted_sum")
     with pytest.raises(ValueError, match="'average'"):
         aggregate_rewards(REWARDS, ONE_GROUP, [1.0, 1.0], "average")
+
+
+def test_log_tamed_reads_the_statistics_of_the_whole_scored_batch_however_it_is_split():
+    # component 0 varies a lot in the first half only, so each half alone tames differently
+    rewards = torch.tensor([[1.0, 1.0], [9.0, 2.0], [1.0, 3.0], [1.0, 4.0]])
+    whole = aggregate_rewards(rewards, ONE_GROUP, [1.0, 0.5], "log_tamed")
+    halves = [aggregate_rewards(rewards[rows], ONE_GROUP[rows], [1.0, 0.5], "log_tamed", population=rewards) for rows in (slice(0, 2), slice(2, 4))]
+    torch.testing.assert_close(torch.cat(halves), whole)
+    alone = aggregate_rewards(rewards[2:], ONE_GROUP[2:], [1.0, 0.5], "log_tamed")  # without the batch: another reward
+    assert not torch.allclose(alone, whole[2:])

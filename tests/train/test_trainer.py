@@ -458,3 +458,66 @@ def test_the_bar_of_a_run_on_reward_components_shows_the_combined_reward(tmp_pat
     metrics, bar = _first_step_and_bar(cfg, tmp_path / "run")
     assert "trained_return" not in metrics and "return" not in bar
     assert list(bar)[0] == "reward" and bar["reward"] == f"{metrics['reward/total']:.3f}"
+
+
+def test_the_reward_is_combined_once_filters_and_advantages_read_the_same_values(tmp_path, monkeypatch):
+    """log_tamed depends on the batch it is computed over: the worker combines each scored
+    round once (Rollout.reward) and the dynamic-sampling filter and the advantage both read
+    that, rather than the learner recombining the filtered batch."""
+    from mmrl.config import load_config
+    from mmrl.registry import FILTERS
+
+    cfg = load_config(TrainConfig, ROOT / "configs" / "toy_sequence_grpo.yaml", [
+        "total_steps=2", "algo.group_size=2", "algo.groups_per_step=4", "log.progress=false", "log.tensorboard=false", "eval.episodes=4",
+        "policy.seq_len=1", "policy.vocab_size=4", "algo.reward_aggregation=log_tamed", "algo.resample_rounds=2",
+        "rewards=[{type: token_fraction, token: 3}, {type: token_fraction, token: 1, weight: 0.5}]", "algo.filters=[{type: zero_variance}]",
+    ])
+    trainer = Trainer(cfg, tmp_path / "run")
+    seen_by_filter, seen_by_advantage, scored = [], [], []
+    entry = FILTERS.entry("zero_variance")
+    original = entry.obj
+
+    def spy_filter(reward, group_id, **kwargs):
+        seen_by_filter.append(reward.clone())
+        return original(reward, group_id, **kwargs)
+
+    monkeypatch.setattr(entry, "obj", spy_filter)
+    advantage_fn = trainer.learner.advantage_stage.advantage_fn
+
+    def spy_advantage(reward, group_id, **kwargs):
+        seen_by_advantage.append(reward.clone())
+        return advantage_fn(reward, group_id, **kwargs)
+
+    trainer.learner.advantage_stage.advantage_fn = spy_advantage
+    score = trainer.engine.worker.score
+
+    def spy_score(rollout, step):
+        out = score(rollout, step)
+        scored.append((out.rewards.clone(), out.reward.clone()))
+        return out
+
+    trainer.engine.worker.score = spy_score
+    trainer.train()
+    assert seen_by_filter and seen_by_advantage
+    for columns, combined in scored:  # each scored round, combined over that round
+        torch.testing.assert_close(combined, trainer.rewards.combine(columns, torch.zeros(len(columns), dtype=torch.long)), rtol=0, atol=0)
+    assert sum(len(r) for r in seen_by_advantage) < sum(len(r) for _, r in scored)  # the filter dropped groups
+    kept_values = torch.cat([r for _, r in scored])
+    for reward in seen_by_advantage:  # every value trained on is, exactly, one the filter saw
+        assert all(bool((kept_values == v).any()) for v in reward)
+
+
+def test_the_learner_trains_on_the_stored_combined_reward_and_does_not_recombine(tmp_path):
+    cfg = env_config(total_steps=1, log={"tensorboard": False, "progress": False})
+    trainer = Trainer(cfg, tmp_path / "run")
+    collected = trainer.engine.collect(0, trainer.learner.version)
+    rollout = collected.rollout
+    stored = torch.arange(rollout.batch_size, dtype=torch.float32) * 0.25 - 1.0  # not what the columns combine to
+    assert not torch.equal(stored, trainer.rewards.combine(rollout.rewards, rollout.group_id))
+    received = []
+    advantage_fn = trainer.learner.advantage_stage.advantage_fn
+    trainer.learner.advantage_stage.advantage_fn = lambda reward, group_id, **kw: received.append(reward.clone()) or advantage_fn(reward, group_id, **kw)
+    trainer.learner.advantage_stage(rollout.with_(reward=stored), trainer.learner.model)
+    torch.testing.assert_close(received[0], stored, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="unscored"):
+        trainer.learner.advantage_stage(rollout.with_(reward=None), trainer.learner.model)
