@@ -1,6 +1,6 @@
 """The configs that fine-tune a released VLA checkpoint on LIBERO or ManiSkill
 (configs/libero_spatial_smolvla_grpo.yaml, configs/libero_spatial_openvla_grpo.yaml,
-configs/maniskill_pickcube_smolvla_grpo.yaml): each runs one update through the command line
+configs/libero_spatial_openvla_oft_grpo.yaml, configs/maniskill_pickcube_smolvla_grpo.yaml): each runs one update through the command line
 on a tiny random checkpoint of its format whose features match the env (cameras, state and
 action dims, statistics key), shrunk for a CPU; the run's export loads back as that policy.
 
@@ -48,6 +48,18 @@ def libero_openvla(directory: Path) -> list[str]:
     return [f"policy.checkpoint={write_tiny_openvla(directory / 'openvla', statistics=_libero_statistics())}"]
 
 
+def libero_openvla_oft(directory: Path) -> list[str]:
+    """A tiny OpenVLA-OFT with a 7-dim action / 8-dim proprio ``libero_spatial_no_noops`` entry
+    (LIBERO's eef state), its L1 head and proprio projector files; the overrides that name it."""
+    from mmrl.policies.openvla.tiny import STATISTICS_DATA
+    from mmrl.policies.openvla_oft.tiny import write_tiny_openvla_oft
+
+    entry = dict(STATISTICS_DATA["bridge_orig"])
+    entry["proprio"] = {"mean": [0.0] * 8, "std": [1.0] * 8, "max": [1.0] * 8, "min": [-1.0] * 8, "q01": [-1.0] * 8, "q99": [1.0] * 8}
+    key = "libero_spatial_no_noops"
+    return [f"policy.checkpoint={write_tiny_openvla_oft(directory / 'openvla_oft', unnorm_key=key, statistics={key: entry})}"]
+
+
 def maniskill_smolvla(directory: Path) -> list[str]:
     """A tiny SmolVLA for PickCube-v1 from rgb: one camera, state 29 (max_state_dim 32, as
     SmolVLA's), actions 7; the overrides that name it."""
@@ -64,9 +76,10 @@ def maniskill_smolvla(directory: Path) -> list[str]:
 CHECKPOINT_OF = {
     "libero_spatial_smolvla_grpo": libero_smolvla,
     "libero_spatial_openvla_grpo": libero_openvla,
+    "libero_spatial_openvla_oft_grpo": libero_openvla_oft,
     "maniskill_pickcube_smolvla_grpo": maniskill_smolvla,
 }
-EXPORT = {"libero_spatial_smolvla_grpo": "lerobot", "libero_spatial_openvla_grpo": "openvla", "maniskill_pickcube_smolvla_grpo": "lerobot"}
+EXPORT = {"libero_spatial_smolvla_grpo": "lerobot", "libero_spatial_openvla_grpo": "openvla", "libero_spatial_openvla_oft_grpo": "openvla_oft", "maniskill_pickcube_smolvla_grpo": "lerobot"}
 
 # one update on a CPU: 2 envs, one group of 2, short episodes, small images, no evaluation
 CPU = [
@@ -117,9 +130,10 @@ def _loads_back(name: str, exported: Path, tmp_path: Path) -> None:
         image = [cameras, 32, 32, 3] if cameras > 1 else [32, 32, 3]
         spec = {"action_dim": 7, "action_low": [-1.0] * 7, "action_high": [1.0] * 7, "state_dim": state_dim, "image_shape": image, "instructions": ["pick up the black bowl"]}
     else:
-        spec = {"action_dim": 7, "action_low": [-1.0] * 7, "action_high": [1.0] * 7, "state_dim": 8, "image_shape": [32, 32, 3], "instructions": ["pick up the black bowl"]}
+        image = [2, 32, 32, 3] if section["type"] == "openvla_oft" else [32, 32, 3]
+        spec = {"action_dim": 7, "action_low": [-1.0] * 7, "action_high": [1.0] * 7, "state_dim": 8, "image_shape": image, "instructions": ["pick up the black bowl"]}
     policy = build_policy(from_dict(POLICIES.entry(section["type"]).config, section, "policy"), spec)
-    assert type(policy).__name__ == {"smolvla": "SmolVLAPolicy", "openvla": "OpenVLAPolicy"}[section["type"]]
+    assert type(policy).__name__ == {"smolvla": "SmolVLAPolicy", "openvla": "OpenVLAPolicy", "openvla_oft": "OpenVLAOFTPolicy"}[section["type"]]
 
 
 def _libero():

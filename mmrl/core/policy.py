@@ -66,6 +66,12 @@ class PolicyModule(nn.Module):
     # that reads no log-probs (``needs_log_probs=False``, DiffusionNFT); the samplers ask for it
     samples_final_only: bool = False
 
+    def likelihood_refusal(self) -> Exception | None:
+        """Why this policy, as configured, has no log-probs for a loss that reads them (a
+        one-line ``ConfigError`` naming the option, e.g. a deterministic regression head), or
+        None. The losses that read log-probs raise it when the run is built."""
+        return None
+
     def sample(self, inputs: Any, generator: torch.Generator | None = None, deterministic: bool = False) -> Sample:
         raise NotImplementedError
 

@@ -165,14 +165,14 @@ class OpenVLAPolicy(PolicyModule):
         if max(self.config.cameras) >= cameras:
             raise ConfigError("policy.cameras", self.config.cameras, f"the env gives {cameras} camera(s): indices 0..{cameras - 1}")
         if len(self.config.cameras) > 1:
-            raise ConfigError("policy.cameras", self.config.cameras, "an OpenVLA checkpoint reads one image; several cameras are OpenVLA-OFT's, not supported yet (docs/openvla.md)")
+            raise ConfigError("policy.cameras", self.config.cameras, "an OpenVLA checkpoint reads one image; several cameras are OpenVLA-OFT's (policy.type openvla_oft)")
 
     def _load_weights(self, source: OpenVLACheckpoint, dtype: torch.dtype) -> None:
         expected = set(self.state_dict())
         missing, unexpected = sorted(expected - set(source.shapes)), sorted(set(source.shapes) - expected)
         if missing or unexpected:
             raise ConfigError("policy.checkpoint", str(source.path), f"its tensors do not fit an OpenVLA model: missing {missing[:4]}, unexpected {unexpected[:4]}")
-        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in source.read_tensors().items()}
+        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in self._checkpoint_tensors(source).items()}
         self.load_state_dict(tensors, strict=True, assign=True)
         # non-persistent buffers (the rotary frequencies) were made on the meta device
         model = self.language_model.model
@@ -180,6 +180,11 @@ class OpenVLAPolicy(PolicyModule):
         left = [n for n, t in [*self.named_parameters(), *self.named_buffers()] if t.is_meta]
         if left:
             raise RuntimeError(f"tensors left unloaded: {left[:4]}")
+
+    def _checkpoint_tensors(self, source: OpenVLACheckpoint) -> dict[str, Tensor]:
+        """The tensors the model loads, in their stored dtypes (a subclass may change them, e.g.
+        merge an adapter into them)."""
+        return source.read_tensors()
 
     def _add_lora(self, lora) -> None:
         try:

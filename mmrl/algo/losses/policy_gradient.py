@@ -38,6 +38,9 @@ class PolicyGradient(Loss):
         policy; ``sampling_graph`` whether the batch's log-probs are the sampling pass's own
         (``batch.sampling_graph_logp``, the learner's reuse of the sampling graph)."""
         self.algo, self.reference, self.critic, self.sampling_graph = algo, reference, critic, sampling_graph
+        refusal = policy.likelihood_refusal() if hasattr(policy, "likelihood_refusal") else None
+        if refusal is not None:
+            raise refusal
         if algo.kl.coef > 0 and algo.kl.type == "exact" and not overrides(policy, "exact_kl"):
             raise ConfigError("algo.kl.type", "exact", f"policy {type(policy).__name__} has no closed-form per-decision KL; use k1, k2 or k3")
         self.objective_fn = registry.OBJECTIVES.get(algo.objective.type)
