@@ -405,7 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--videos", type=_non_negative_int, default=None, help="with --suite: mp4 videos of the first N episodes of each task (default 1)")
     p.add_argument("--checkpoint", default=None, help="a checkpoint directory instead of the latest")
     p.add_argument("--out", default=None, help="where to write eval tables (default: <run_dir>/eval)")
-    p.add_argument("--save-episodes", default=None, metavar="DIR", help="write every evaluated episode (frames, actions, state, instruction, success, costs) to a new directory in LeRobotDataset v3's layout")
+    p.add_argument("--save-episodes", default=None, metavar="DIR", help="write every evaluated episode to a new directory: a robot's (frames, actions, state, instruction, success, costs) in LeRobotDataset v3's layout, a language agent's turns as episodes.jsonl")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("list", help="list registered components, presets, task suites or tasks")

@@ -23,7 +23,8 @@ def evaluate_run(cfg, run_dir: Path | None, episodes: int | None = None, checkpo
     """The run's sampler's evaluation and, for a supervised run whose data source holds out
     data of its own (``preferences``), that source's held-out metrics. ``save_episodes``: a
     new directory where the env sampler's evaluation episodes are written (LeRobotDataset
-    v3's layout, :mod:`mmrl.episodes`)."""
+    v3's layout, :mod:`mmrl.episodes`; a language agent's as JSON lines of turns,
+    :func:`mmrl.samplers.recording.write_text_episodes`)."""
     from mmrl.data.sources import DataSource
 
     torch.manual_seed(cfg.seed)
@@ -53,10 +54,9 @@ def evaluate_run(cfg, run_dir: Path | None, episodes: int | None = None, checkpo
         with torch.no_grad(), fault_context(source=run_source(cfg), seed=cfg.seed, phase=phase):
             result = sampler.evaluate(policy, n, seed=cfg.seed + 1_000_003, rewards=rewards, **keep)
         if save_episodes is not None:
-            from mmrl.episodes import write_episodes
+            from mmrl.samplers.recording import write_kept_episodes
 
-            fps = int((getattr(sampler.env, "metadata", None) or {}).get("render_fps") or 10)
-            write_episodes(save_episodes, result.pop("kept_episodes"), fps=fps, cameras=sampler.cameras, metadata={"env": sampler.env_name, "weights": str(ckpt) if ckpt else "config", "seed": cfg.seed + 1_000_003})
+            write_kept_episodes(save_episodes, result.pop("kept_episodes"), sampler.env, sampler.cameras, {"env": sampler.env_name, "weights": str(ckpt) if ckpt else "config", "seed": cfg.seed + 1_000_003})
         source_cls = registry.DATA_SOURCES.get(cfg.data.type, "data.type") if cfg.algo.type == "sft" else None
         if source_cls is not None and source_cls.evaluate is not DataSource.evaluate:
             result.update(source_cls(cfg.data, policy, cfg.seed, 1, 0).evaluate(policy))

@@ -138,6 +138,7 @@ class Completions(DataSource):
 class ConversationsConfig(DataSourceConfig):
     type: str = option("conversations", "data source (mmrl list data)")
     path: str | None = option(None, "a .jsonl file, one demonstrated episode per line: {\"turns\": [[observation, action], ...]}")
+    successful_only: bool = option(False, "keep only the lines whose \"success\" is true (episodes saved by mmrl eval --save-episodes: SFT on the solved ones, rejection sampling)")
 
 
 @DATA_SOURCES.register("conversations", config=ConversationsConfig)
@@ -158,14 +159,20 @@ class Conversations(DataSource):
             if not line.strip():
                 continue
             try:
-                turns = json.loads(line)["turns"]
+                record = json.loads(line)
+                turns = record["turns"]
                 if not turns or not all(isinstance(t, list) and len(t) == 2 and all(isinstance(x, str) for x in t) for t in turns):
                     raise ValueError
             except (ValueError, KeyError, TypeError):
                 raise ConfigError("data.path", cfg.path, f"line {number} is not {{\"turns\": [[observation, action], ...]}} with string pairs") from None
+            if cfg.successful_only:
+                if not isinstance(record.get("success"), bool):
+                    raise ConfigError("data.successful_only", True, f"line {number} of {cfg.path} has no boolean \"success\" (episodes saved by mmrl eval --save-episodes have one)")
+                if not record["success"]:
+                    continue
             episodes.append([tuple(t) for t in turns])
         if not episodes:
-            raise ConfigError("data.path", cfg.path, "holds no episodes")
+            raise ConfigError("data.path", cfg.path, "holds no successful episodes" if cfg.successful_only else "holds no episodes")
         self.samples = {"turns": episodes}
         self.info = {"episodes": len(episodes), "turns": sum(len(e) for e in episodes)}
 

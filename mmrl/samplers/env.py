@@ -68,7 +68,7 @@ from mmrl.core.statistics import wilson_interval
 from mmrl.errors import ConfigError, UserCodeError, call_user_code
 from mmrl.registry import ENVS, SAMPLERS
 from mmrl.samplers.partial import EpisodesInFlight, as_numpy, device_of, observation_row, partial_metrics, stack_observation_rows
-from mmrl.samplers.recording import EpisodeRecorder, VideoFrames, camera_names, check_recording, save_episodes, trajectory_info
+from mmrl.samplers.recording import EpisodeRecorder, TextEpisodeRecorder, VideoFrames, camera_names, check_recording, save_episodes, trajectory_info
 from mmrl.samplers.success import SuccessSource, success_metrics
 from mmrl.core.component_config import SamplerConfig
 
@@ -89,7 +89,7 @@ class EnvSamplerConfig(SamplerConfig):
     max_decisions: int | None = option(None, "cap on decisions per episode; episodes cut by it count as truncated (null = until the env ends them)", ge=1)
     eval_deterministic: bool = option(True, "evaluate the policy's mean action (false: sample actions, seeded, as in training)")
     keep_frames: int = option(0, "keep K keyframes of each training episode (observations, segment actions) in info['trajectory'] for a trajectory reward model (bt_trajectory); 0 = none", ge=0)
-    save_eval_episodes: str | None = option(None, "write each evaluation's episodes to <this directory>/env_steps_<N> (LeRobotDataset v3 layout, mmrl/episodes.py); null = none")
+    save_eval_episodes: str | None = option(None, "write each evaluation's episodes to <this directory>/env_steps_<N> (LeRobotDataset v3 layout, mmrl/episodes.py; a language agent's as episodes.jsonl of turns); null = none")
 
     def validate(self, path: str) -> None:
         if self.keep_frames == 1:
@@ -140,10 +140,10 @@ class EnvSampler(Sampler):
         self.cameras = camera_names(ctx.env)
         try:
             has_images = self.structured and "image" in self.env.single_observation_space.spaces
-            if self.text_actions and (sampler_cfg.keep_frames or sampler_cfg.save_eval_episodes):
-                field = "sampler.keep_frames" if sampler_cfg.keep_frames else "sampler.save_eval_episodes"
-                raise ConfigError(field, sampler_cfg.keep_frames or sampler_cfg.save_eval_episodes, f"records robot episodes (frames, action vectors); {self.env_name} acts in text")
-            check_recording(sampler_cfg.keep_frames, sampler_cfg.save_eval_episodes, self.partial is not None, has_images, self.env_name)
+            if self.text_actions and sampler_cfg.keep_frames:
+                raise ConfigError("sampler.keep_frames", sampler_cfg.keep_frames, f"keeps keyframes of robot episodes for a trajectory reward; {self.env_name} acts in text")
+            # a language agent's evaluation episodes are kept as text turns (recording.TextEpisodeRecorder)
+            check_recording(sampler_cfg.keep_frames, None if self.text_actions else sampler_cfg.save_eval_episodes, self.partial is not None, has_images, self.env_name)
             # the env's success flag or a learned one (mmrl/samplers/success.py)
             self.success_source = SuccessSource(ctx.env, ctx.rewards, self.env_name, self.env.single_observation_space, o)
         except ConfigError:
@@ -347,7 +347,7 @@ class EnvSampler(Sampler):
         n, num_envs = len(seeds), self.num_envs
         reset_seeds = seeds + seeds[:1] * (num_envs - n)
         obs, reset_info = self.env_call("reset", reset_seeds, seed=reset_seeds)
-        kept = EpisodeRecorder(obs, reset_info, seeds) if keep else None
+        kept = (TextEpisodeRecorder(seeds) if self.text_actions else EpisodeRecorder(obs, reset_info, seeds)) if keep else None
         costs: list[dict] = []
         device = device_of(policy)
         on = _tensor_device(obs)  # a simulator that returns torch tensors: bookkeeping stays on its device

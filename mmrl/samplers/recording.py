@@ -12,9 +12,19 @@ frame 0 the reset observation, frame t the one seen after action t.
 
 Both keep camera images, so they need an env with image observations; keyframes need whole
 episodes, which partial rollouts (``rollout.over_provision`` > 1) split across collections.
+
+A language agent's episodes (an env that acts in text) are kept turn by turn instead
+(:class:`TextEpisodeRecorder`) and written as JSON lines (:func:`write_text_episodes`): one
+episode per line, ``{"turns": [[observation, reply], ...], "success", "return", "rewards",
+"length", "truncated", "seed"}`` — the ``conversations`` data source's format, so saved
+episodes train by SFT as they are (``data.successful_only`` keeps the solved ones: rejection
+sampling / expert iteration).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -84,6 +94,86 @@ class EpisodeRecorder:
         return out
 
 
+@dataclass
+class TextEpisode:
+    """One language-agent episode: each turn's observation text and the reply the policy
+    wrote, the env's reward after each turn, its success and whether a limit cut it."""
+
+    turns: list[tuple[str, str]]
+    rewards: list[float]
+    success: bool
+    truncated: bool
+    seed: int
+
+    def as_json(self) -> dict:
+        return {
+            "turns": [list(turn) for turn in self.turns], "success": self.success, "return": float(sum(self.rewards)),
+            "rewards": self.rewards, "length": len(self.turns), "truncated": self.truncated, "seed": self.seed,
+        }
+
+
+class TextEpisodeRecorder:
+    """The turns of a wave's first ``len(seeds)`` envs of a language agent: each observation's
+    text (before the turn; a Dict observation's ``"text"``) and the turn's reply."""
+
+    def __init__(self, seeds: list[int]):
+        self.seeds = list(seeds)
+        self.observations: list[list[str]] = []
+        self.replies: list[list[str]] = []
+
+    def step(self, obs, action) -> None:
+        n = len(self.seeds)
+        texts = obs["text"] if isinstance(obs, dict) else obs
+        self.observations.append([str(t) for t in list(texts)[:n]])
+        self.replies.append([str(t) for t in list(action)[:n]])
+
+    def episodes(self, rollout: Rollout, rewards: list, success: list | None) -> list[TextEpisode]:
+        info = rollout.info
+        n = len(self.seeds)
+        reward = np.stack([as_numpy(r)[:n] for r in rewards], 1).astype(np.float64)
+        out = []
+        for i, steps in enumerate(info["length"].cpu().tolist()):
+            out.append(TextEpisode(
+                turns=[(self.observations[t][i], self.replies[t][i]) for t in range(steps)],
+                rewards=[float(r) for r in reward[i, :steps]], success=bool(info["success"][i]),
+                truncated=bool(info["truncated"][i]), seed=int(self.seeds[i]),
+            ))
+        return out
+
+
+def write_text_episodes(directory, episodes: list[TextEpisode], metadata: dict | None = None) -> Path:
+    """``episodes.jsonl`` (one episode per line, :meth:`TextEpisode.as_json`) and ``info.json``
+    (counts, success rate and ``metadata``) in ``directory``, a new one; written under a
+    temporary name and renamed into place."""
+    import json
+    import os
+
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = directory.with_name(f".{directory.name}.tmp{os.getpid()}")
+    tmp.mkdir()
+    (tmp / "episodes.jsonl").write_text("".join(json.dumps(e.as_json()) + "\n" for e in episodes))
+    info = {"format": "mmrl text episodes", "episodes": len(episodes), "turns": sum(len(e.turns) for e in episodes),
+            "success_rate": float(np.mean([e.success for e in episodes])) if episodes else 0.0, "mmrl": metadata or {}}
+    (tmp / "info.json").write_text(json.dumps(info, indent=2))
+    if directory.exists():  # an empty directory (check_new_directory)
+        directory.rmdir()
+    tmp.rename(directory)
+    return directory
+
+
+def write_kept_episodes(directory, episodes: list, env, cameras: list[str] | None, metadata: dict) -> None:
+    """Kept evaluation episodes written to ``directory``: a language agent's as JSON lines,
+    a robot's in LeRobotDataset v3's layout (:mod:`mmrl.episodes`) at the env's frame rate."""
+    if episodes and isinstance(episodes[0], TextEpisode):
+        write_text_episodes(directory, episodes, metadata)
+        return
+    from mmrl.episodes import write_episodes
+
+    fps = int((getattr(env, "metadata", None) or {}).get("render_fps") or 10)
+    write_episodes(directory, episodes, fps=fps, cameras=cameras, metadata=metadata)
+
+
 class VideoFrames:
     """The first camera's images of a wave's first ``record`` episodes (evaluation videos),
     with each one's instruction (None without language observations)."""
@@ -122,10 +212,5 @@ def trajectory_info(episodes: list, keep_frames: int) -> dict:
 
 def save_episodes(directory: str, env_steps: int, episodes: list, env, cameras: list[str] | None, env_name: str, seed: int) -> None:
     """An evaluation's episodes written to ``<directory>/env_steps_<N>`` (N: training env
-    steps so far; LeRobotDataset v3 layout, :mod:`mmrl.episodes`) at the env's frame rate."""
-    from pathlib import Path
-
-    from mmrl.episodes import write_episodes
-
-    fps = int((getattr(env, "metadata", None) or {}).get("render_fps") or 10)
-    write_episodes(Path(directory) / f"env_steps_{env_steps:012d}", episodes, fps=fps, cameras=cameras, metadata={"env": env_name, "seed": seed})
+    steps so far; :func:`write_kept_episodes`)."""
+    write_kept_episodes(Path(directory) / f"env_steps_{env_steps:012d}", episodes, env, cameras, {"env": env_name, "seed": seed})

@@ -399,3 +399,37 @@ def test_guess_number_rewards_guesses_consistent_with_the_feedback_when_asked():
     plain = gymnasium.make("mmrl/GuessNumber-v0")
     plain.reset(seed=3)
     assert [plain.step(guess)[1] for guess in ("8", "13")] == [0.0, 1.0]
+
+
+def test_evaluation_saves_the_agents_turns_and_sft_reads_the_solved_ones(trainer, tmp_path):
+    """`mmrl eval --save-episodes` on a language agent writes each episode's turns as the
+    conversations source reads them; `successful_only` keeps the solved ones."""
+    from mmrl.cli import main
+
+    t = trainer(total_steps=1)
+    t.train()  # a checkpoint to evaluate
+    out = tmp_path / "episodes"
+    assert main(["eval", str(t.run_dir), "--episodes", "6", "--save-episodes", str(out)]) == 0
+    lines = [json.loads(line) for line in (out / "episodes.jsonl").read_text().splitlines()]
+    info = json.loads((out / "info.json").read_text())
+    assert len(lines) == info["episodes"] == 6 and info["mmrl"]["env"] == "mmrl/GuessNumber-v0"
+    for episode in lines:
+        assert 1 <= episode["length"] == len(episode["turns"]) == len(episode["rewards"]) <= 3
+        assert episode["turns"][0][0].startswith("I am thinking of a number between 1 and 16")
+        assert episode["return"] == sum(episode["rewards"]) and isinstance(episode["success"], bool)
+        assert episode["truncated"] == (not episode["success"] and episode["length"] == 3)
+        for turn, (observation, reply) in enumerate(episode["turns"][1:], 1):  # each observation answers the previous reply
+            guess = episode["turns"][turn - 1][1].strip()
+            assert observation in ("Higher.", "Lower.") or not guess.isdigit()
+    # the saved file is SFT data; successful_only keeps the solved episodes
+    lines[0]["success"], lines[1]["success"] = True, False
+    (out / "edited.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines[:2]))
+    from mmrl.data.sources import Conversations, ConversationsConfig
+
+    solved = Conversations(ConversationsConfig(path=str(out / "edited.jsonl"), successful_only=True), t.policy, 0, 1, 0)
+    assert solved.samples["turns"] == [[tuple(turn) for turn in lines[0]["turns"]]]
+    everything = Conversations(ConversationsConfig(path=str(out / "edited.jsonl")), t.policy, 0, 1, 0)
+    assert len(everything.samples["turns"]) == 2
+    (out / "unmarked.jsonl").write_text(json.dumps({"turns": lines[0]["turns"]}) + "\n")
+    with pytest.raises(ConfigError, match=r"^data.successful_only: .*no boolean \"success\""):
+        Conversations(ConversationsConfig(path=str(out / "unmarked.jsonl"), successful_only=True), t.policy, 0, 1, 0)
