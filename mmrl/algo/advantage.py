@@ -288,7 +288,7 @@ def trained_returns(terminal: Tensor, mask: Tensor, step_rewards: Tensor, step_r
 def step_advantages(
     advantage_fn, terminal: Tensor, group_id: Tensor, mask: Tensor, step_rewards: Tensor | None = None,
     *, gamma: float = 1.0, step_reward_weight: float = 0.0, step_reward_gate: float | None = None,
-    state_keys: Tensor | None = None, episode_weight: float = 0.0, **options,
+    state_keys: Tensor | None = None, episode_weight: float = 0.0, decision_index: Tensor | None = None, **options,
 ) -> tuple[Tensor, Tensor]:
     """Per-decision advantages [B, T] for env episodes: the combined terminal reward sits on
     each sample's last valid decision, ``step_reward_weight`` × the env's step rewards on every
@@ -299,11 +299,40 @@ def step_advantages(
     episodes taken from one state are compared, whatever their index. ``episode_weight`` adds
     that × each sample's episode-level advantage (``advantage_fn`` over the terminal rewards
     within the groups) to its valid decisions (GiGPO: A = A_episode + A_step).
+
+    ``decision_index`` [B, T] (the env sampler's ``info["decision_index"]``) names the decision
+    each column belongs to, where a decision spans several columns (a language agent's turn:
+    one column per token, masked past the turn's end; an action chunk's tokens). The returns
+    are then those of decisions: a decision's reward is the sum of its columns' (its step
+    reward sits on its last column, which is masked when the turn ended earlier), it is valid
+    if any of its columns is, and each of its valid columns gets its advantage. Without it,
+    or with one column per decision, each column is a decision.
     Returns the advantages (0 on invalid decisions) and per sample whether any decision was
     kept."""
+    per_column = decision_rewards(terminal, mask, step_rewards, step_reward_weight, step_reward_gate)
+    if decision_index is not None and int(decision_index.max()) + 1 < mask.shape[1]:
+        idx = decision_index.long().clamp(min=0)
+        B, D = mask.shape[0], int(idx.max()) + 1
+        rewards = torch.zeros(B, D).scatter_add_(1, idx, per_column)
+        valid = torch.zeros(B, D).scatter_reduce_(1, idx, (mask > 0).float(), "amax")
+        keys = None if state_keys is None else torch.zeros(B, D, dtype=state_keys.dtype).scatter_(1, idx, state_keys)
+        adv, keep = _returns_advantages(advantage_fn, rewards, group_id, valid, gamma, keys, **options)
+        adv = adv.gather(1, idx) * (mask > 0)
+    else:
+        adv, keep = _returns_advantages(advantage_fn, per_column, group_id, mask, gamma, state_keys, **options)
+    if episode_weight > 0:
+        episode, episode_keep = advantage_fn(terminal, group_id, **options)
+        adv = adv + episode_weight * episode[:, None] * (mask > 0)
+        keep = keep | episode_keep
+    return adv, keep
+
+
+def _returns_advantages(advantage_fn, rewards: Tensor, group_id: Tensor, mask: Tensor, gamma: float, state_keys: Tensor | None, **options) -> tuple[Tensor, Tensor]:
+    """``advantage_fn`` over the returns-to-go of per-decision ``rewards`` [B, T], within the
+    cells (group, t) or (group, state key); 0 on invalid decisions, and per sample whether
+    any decision was kept."""
     B, T = mask.shape
-    per_step = decision_rewards(terminal, mask, step_rewards, step_reward_weight, step_reward_gate)
-    returns = discounted_returns(per_step, mask, gamma)
+    returns = discounted_returns(rewards, mask, gamma)
     valid = mask.reshape(-1) > 0
     if state_keys is None:
         cell = (group_id[:, None] * T + torch.arange(T)).reshape(-1)
@@ -315,12 +344,7 @@ def step_advantages(
     adv[valid] = adv_valid
     keep = torch.zeros(B * T, dtype=torch.bool)
     keep[valid] = keep_valid
-    adv, keep = adv.view(B, T), keep.view(B, T).any(1)
-    if episode_weight > 0:
-        episode, episode_keep = advantage_fn(terminal, group_id, **options)
-        adv = adv + episode_weight * episode[:, None] * (mask > 0)
-        keep = keep | episode_keep
-    return adv, keep
+    return adv.view(B, T), keep.view(B, T).any(1)
 
 
 @dataclass

@@ -499,6 +499,9 @@ class EnvSampler(Sampler):
             old_logp_deferred=any(s.logp_deferred for s in samples),
             info={
                 "decision_steps": steps.view(n, -1),
+                # the decision each column belongs to: a decision's columns (a turn's tokens,
+                # masked past its end) share its step-level return (mmrl.algo.advantage)
+                "decision_index": torch.arange(num_decisions, device=device).repeat_interleave(k).expand(n, -1),
                 "success": episode_success.float(),
                 "return": torch.cumsum(reward, 0)[-1].float(),  # summed in step order
                 "length": lengths.long(),

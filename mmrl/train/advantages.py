@@ -60,8 +60,9 @@ class Advantages:
                 if "state_keys" not in rollout.info:
                     raise ConfigError("algo.advantage.step_groups", "state", "needs a sampler that keys each decision's env state (the env sampler, without rollout.over_provision)")
                 state_keys = gather(pad(rollout.info["state_keys"].long()))
+            decision_index = gather(pad(rollout.info["decision_index"].long())) if "decision_index" in rollout.info else None
             adv, keep = step_advantages(
-                self.advantage_fn, reward, groups, gather(pad(rollout.mask)), step_rewards,
+                self.advantage_fn, reward, groups, gather(pad(rollout.mask)), step_rewards, decision_index=decision_index,
                 gamma=cfg.advantage.gamma, step_reward_weight=cfg.advantage.step_reward_weight, step_reward_gate=cfg.advantage.step_reward_gate,
                 state_keys=state_keys, episode_weight=cfg.advantage.episode_weight, **options,
             )

@@ -264,3 +264,33 @@ def test_a_gate_on_step_rewards_the_run_does_not_train_on_is_refused():
 )
 def test_step_rewards_are_trained_on_with_a_weight_and_a_step_or_value_advantage(advantage, trains):
     assert trains_on_step_rewards(from_dict(AlgoConfig, {"advantage": advantage}).advantage) is trains
+
+
+def test_a_decision_of_several_columns_shares_its_return_and_sees_the_later_turns():
+    """A language agent's turn is one decision over several token columns, masked past its
+    end: its step reward sits on its last (masked) column, and its tokens must see the rewards
+    of the turns after it — a masked column is not an episode boundary."""
+    k = 3  # columns per turn
+    # two episodes of one group, 2 turns each; turn tokens: [2 valid, 1 pad], [1 valid, 2 pad]
+    mask = torch.tensor([[1.0, 1, 0, 1, 0, 0], [1.0, 1, 0, 1, 0, 0]])
+    step_rewards = torch.tensor([[0.0, 0, 0.5, 0, 0, 0], [0.0, 0, 0.0, 0, 0, 0]])  # a turn reward on episode 0's first turn
+    terminal = torch.tensor([1.0, 0.0])  # episode 0 succeeds
+    index = torch.arange(2).repeat_interleave(k).expand(2, -1)
+    adv, keep = step_advantages(grpo, terminal, torch.zeros(2, dtype=torch.long), mask, step_rewards, step_reward_weight=1.0, decision_index=index, eps=0.0)
+    # returns by turn: episode 0: [0.5 + 1, 1], episode 1: [0, 0]; GRPO in each (group, turn) cell: +1 / -1
+    expected = torch.tensor([[1.0, 1, 0, 1, 0, 0], [-1.0, -1, 0, -1, 0, 0]])
+    torch.testing.assert_close(adv, expected)
+    assert keep.all()
+    # read column by column, the first turn's tokens would see neither its reward nor the outcome
+    by_column, _ = step_advantages(grpo, terminal, torch.zeros(2, dtype=torch.long), mask, step_rewards, step_reward_weight=1.0)
+    assert (by_column[:, :2] == 0).all()
+
+
+def test_with_one_column_per_decision_the_decision_index_changes_nothing():
+    g = torch.Generator().manual_seed(0)
+    mask = (torch.rand(6, 5, generator=g) > 0.2).float().cummin(1).values
+    step_rewards, terminal = torch.rand(6, 5, generator=g), torch.rand(6, generator=g)
+    groups = torch.tensor([0, 0, 0, 1, 1, 1])
+    plain = step_advantages(grpo, terminal, groups, mask, step_rewards, gamma=0.9, step_reward_weight=0.5)
+    indexed = step_advantages(grpo, terminal, groups, mask, step_rewards, gamma=0.9, step_reward_weight=0.5, decision_index=torch.arange(5).expand(6, -1))
+    assert torch.equal(plain[0], indexed[0]) and torch.equal(plain[1], indexed[1])

@@ -433,3 +433,28 @@ def test_evaluation_saves_the_agents_turns_and_sft_reads_the_solved_ones(trainer
     (out / "unmarked.jsonl").write_text(json.dumps({"turns": lines[0]["turns"]}) + "\n")
     with pytest.raises(ConfigError, match=r"^data.successful_only: .*no boolean \"success\""):
         Conversations(ConversationsConfig(path=str(out / "unmarked.jsonl"), successful_only=True), t.policy, 0, 1, 0)
+
+
+def test_step_level_advantages_give_each_turn_one_value_that_sees_the_outcome(trainer):
+    t = trainer(algo={"advantage": {"type": "grpo", "level": "step"}, "group_size": 4, "groups_per_step": 2}, env={"num_envs": 8})
+    rollout = t.engine.collect(0, t.learner.version).rollout
+    index, mask = rollout.info["decision_index"], rollout.mask
+    k = 4  # policy.generation.max_new_tokens: one column per token of a turn
+    assert torch.equal(index[0], torch.arange(mask.shape[1] // k).repeat_interleave(k))
+    # the first episode of each group is the one that succeeded (the learner reads the stored reward)
+    won = torch.zeros(rollout.batch_size, dtype=torch.bool)
+    for g in rollout.group_id.unique():
+        won[(rollout.group_id == g).nonzero()[0]] = True
+    targets, _ = t.learner.advantage_stage(rollout.with_(reward=won.float()), t.learner.model)
+    adv = targets.adv
+    for b in range(rollout.batch_size):
+        for turn in range(mask.shape[1] // k):
+            cols = slice(turn * k, (turn + 1) * k)
+            valid = mask[b, cols] > 0
+            if valid.any():  # one advantage per turn, on its tokens only
+                assert torch.unique(adv[b, cols][valid]).numel() == 1 and (adv[b, cols][~valid] == 0).all()
+    # the first turn's advantage follows the episode's outcome: within a group, the winner's first
+    # turn is above the others' (returns-to-go include the final reward)
+    for g in rollout.group_id.unique():
+        rows = rollout.group_id == g
+        assert adv[rows & won, 0].min() > adv[rows & ~won, 0].max()
