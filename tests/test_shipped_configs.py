@@ -15,6 +15,7 @@ SHORT = ["total_steps=1", "log.progress=false", "log.tensorboard=false", "eval.a
 SFT_OF = {name: name.split("_grpo")[0] + "_sft" for name in CONFIGS if "_grpo" in name and name.split("_grpo")[0] + "_sft" in CONFIGS}
 SFT_OF["tabletop_object_flow_vla_gae"] = SFT_OF["tabletop_object_flow_vla_gae_dense"] = "tabletop_flow_vla_sft"  # value-baseline RL of the object family
 SFT_OF["tabletop_object_flow_vla_gae_privileged"] = "tabletop_flow_vla_sft"
+SFT_OF.pop("tabletop_spatial_smolvla_grpo", None)  # starts from the SFT run's LeRobot export (policy.checkpoint), not policy.pretrained
 SFT_OF["tabletop_spatial_flow_vla_gae"] = "tabletop_spatial_flow_vla_sft"  # the spatial family's value-baseline RL
 SFT_OF["tabletop_object_state_gae"] = "tabletop_object_state_sft"  # the state policy's value-baseline RL
 SFT_OF["image_shapes_flow_grpo"] = "image_shapes_flow_sft_words"  # the word-level generator
@@ -89,6 +90,24 @@ def _train(workdir, name: str, run):
 
             write_episode_pairs(pairs, episodes, held_out_fraction=0.0)
         overrides += [f"data.path={pairs}", "data.batch_size=4"]
+    if name.startswith("tabletop_spatial_smolvla_"):  # the SmolVLA pipeline: a start written from the demos, RL from the SFT run's export
+        import importlib.util
+
+        start = workdir / "smolvla_start"
+        if not (start / "policy" / "config.json").is_file():
+            spec = importlib.util.spec_from_file_location("write_smolvla_start", ROOT / "scripts" / "write_smolvla_start.py")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            module.write_start(workdir / "demos", start / "policy")
+        overrides += [f"policy.vlm_dir={start / 'smolvlm'}"]
+        if name.endswith("_sft"):
+            overrides += [f"policy.checkpoint={start / 'policy'}"]
+        else:
+            exported = workdir / "smolvla_sft_export"
+            if not (exported / "config.json").is_file():
+                done = run_mmrl("export", _start(workdir, "tabletop_spatial_smolvla_sft"), "--format", "lerobot", "--out", exported, timeout=600)
+                assert done.returncode == 0, done.stderr[-2000:]
+            overrides += [f"policy.checkpoint={exported}"]
     if name in CHECKPOINT_OF:  # a released VLA checkpoint's config: a tiny checkpoint of its format, shrunk for a CPU
         overrides += cpu_overrides(name, workdir / "checkpoints" / name)
     if name in SFT_OF:
