@@ -18,6 +18,7 @@ SFT_OF["tabletop_object_flow_vla_gae_privileged"] = "tabletop_flow_vla_sft"
 SFT_OF.pop("tabletop_spatial_smolvla_grpo", None)  # starts from the SFT run's LeRobot export (policy.checkpoint), not policy.pretrained
 SFT_OF["tabletop_spatial_flow_vla_gae"] = "tabletop_spatial_flow_vla_sft"  # the spatial family's value-baseline RL
 SFT_OF["tabletop_object_state_gae"] = "tabletop_object_state_sft"  # the state policy's value-baseline RL
+SFT_OF["tabletop_spatial_vlm_token_vla_gae"] = "tabletop_spatial_vlm_token_vla_sft"  # RL of the VLA on mmrl's pretrained VLM
 SFT_OF["image_shapes_flow_grpo"] = "image_shapes_flow_sft_words"  # the word-level generator
 SFT_OF["image_shapes_flow_grpo_adversarial"] = "image_shapes_flow_sft_words"
 SFT_OF["image_shapes_nft"] = "image_shapes_flow_sft_words"  # DiffusionNFT from the same generator
@@ -56,6 +57,28 @@ def _demos(workdir, name: str):
         done = run_mmrl("collect", "--task", "object", "--episodes-per-task", "1", "--obs-mode", "state", "--out", demos, timeout=900)
         assert done.returncode == 0, done.stderr[-2000:]
     return demos
+
+
+def _vlm(workdir, pretrained: bool):
+    """scripts/pretrained_vla_tabletop.sh's VLMs, smaller in time: the random tiny SmolVLM that
+    configs/tabletop_vlm_pretrain.yaml pretrains, or that config's smoke run exported."""
+    import subprocess
+    import sys
+
+    if not pretrained:
+        out = workdir / "vlm" / "init_smolvlm64"
+        if not (out / "config.json").is_file():
+            command = ["-m", "mmrl.policies.vla.tiny_vlm", "--family", "smolvlm", "--out", out, "--image-size", "64", "--patch-size", "8",
+                       "--vision-hidden-size", "32", "--hidden-size", "64", "--num-layers", "2", "--num-heads", "4", "--intermediate-size", "128"]
+            done = subprocess.run([sys.executable, *map(str, command)], capture_output=True, text=True, timeout=600)
+            assert done.returncode == 0, done.stderr[-2000:]
+        return out
+    out = workdir / "vlm" / "pretrained_smolvlm64"
+    if not (out / "config.json").is_file():
+        command = ["-m", "mmrl.policies.vla.pretrained", "export", _start(workdir, "tabletop_vlm_pretrain"), "--out", out]
+        done = subprocess.run([sys.executable, *map(str, command)], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+    return out
 
 
 def _train(workdir, name: str, run):
@@ -108,6 +131,8 @@ def _train(workdir, name: str, run):
                 done = run_mmrl("export", _start(workdir, "tabletop_spatial_smolvla_sft"), "--format", "lerobot", "--out", exported, timeout=600)
                 assert done.returncode == 0, done.stderr[-2000:]
             overrides += [f"policy.checkpoint={exported}"]
+    if name == "tabletop_vlm_pretrain" or name.startswith("tabletop_spatial_vlm_token_vla_"):  # the VLA on mmrl's own pretrained VLM
+        overrides.append(f"policy.backbone.vlm_path={_vlm(workdir, pretrained=name != 'tabletop_vlm_pretrain')}")
     if name in CHECKPOINT_OF:  # a released VLA checkpoint's config: a tiny checkpoint of its format, shrunk for a CPU
         overrides += cpu_overrides(name, workdir / "checkpoints" / name)
     if name in SFT_OF:

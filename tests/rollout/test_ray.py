@@ -103,3 +103,21 @@ def test_without_ray_installed_the_engine_names_the_extra(tmp_path, monkeypatch)
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     with pytest.raises(MissingExtraError, match=r"pip install 'mmrl\[ray\]'"):
         Trainer(from_dict(TrainConfig, toy(rollout={"engine": "ray", "workers": 1})), tmp_path / "run")
+
+
+@pytest.mark.numerics
+def test_a_language_agent_trains_on_a_ray_actor_as_on_the_local_engine(tmp_path):
+    """Multi-turn episodes of the text agent, sampled by a Ray actor (the env and the policy's
+    copy in its process), give the local engine's weights, bit for bit."""
+    pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from tests.policies.test_text_agent import config
+
+    runs = {}
+    for name, engine in (("local", "local"), ("ray", "ray")):
+        data = config(total_steps=2, rollout={"workers": 1, "engine": engine}, checkpoint={"every": 2})
+        train(from_dict(TrainConfig, data), tmp_path / name)
+        runs[name] = load_file(str(tmp_path / name / "checkpoints/step_00000002/model.safetensors"))
+    assert runs["local"].keys() == runs["ray"].keys()
+    assert all(torch.equal(runs["local"][k], runs["ray"][k]) for k in runs["local"])
