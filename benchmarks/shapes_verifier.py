@@ -24,7 +24,7 @@ import torch
 
 from mmrl.config import from_dict
 from mmrl.core.reward import RewardContext, build_reward
-from mmrl.core.rollout import Rollout
+from mmrl.core.rollout import OldLogProbs, Rollout
 from mmrl.tasks.shapes.world import CATEGORIES, MISTAKES, all_scenes, mistaken_scene, render_scene
 from mmrl.registry import REWARDS
 
@@ -46,7 +46,7 @@ def verify(reward, scenes, images) -> np.ndarray:
     """The reward of each image against its scene's prompt record."""
     n = len(scenes)
     rollout = Rollout(
-        group_id=torch.arange(n), old_logp=torch.zeros(n, 1), mask=torch.ones(n, 1), replay={},
+        group_id=torch.arange(n), old=OldLogProbs(torch.zeros(n, 1)), mask=torch.ones(n, 1), replay={},
         info={
             "images": torch.from_numpy(np.stack(images)),
             "prompt": [s.text() for s in scenes],

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from mmrl.config import load_config
-from mmrl.core.rollout import Rollout
+from mmrl.core.rollout import OldLogProbs, Rollout
 from mmrl.train.run_config import TrainConfig
 
 # mmrl aggregation -> TRL loss_type with the same normalisation of the per-token losses
@@ -79,7 +79,7 @@ def reward_function(rewards):
     def score(prompts, completions, answer, **columns):
         n = len(completions)
         rollout = Rollout(
-            group_id=torch.zeros(n, dtype=torch.long), old_logp=torch.zeros(n, 1), mask=torch.ones(n, 1), replay={},
+            group_id=torch.zeros(n, dtype=torch.long), old=OldLogProbs(torch.zeros(n, 1)), mask=torch.ones(n, 1), replay={},
             info={"prompt": list(prompts), "completions": list(completions), "answer": list(answer), "record_id": list(range(n)), "metadata": [{} for _ in range(n)]},
         )
         return rewards.combine(rewards.score(rollout), rollout.group_id).tolist()

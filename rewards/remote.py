@@ -42,7 +42,7 @@ from torch import Tensor
 from mmrl.config import option
 from mmrl.core.component_config import RewardConfig
 from mmrl.core.reward import Reward, RewardContext
-from mmrl.core.rollout import Rollout
+from mmrl.core.rollout import OldLogProbs, Rollout
 from mmrl.errors import ConfigError
 from mmrl.registry import REWARDS
 from mmrl.rewards.images import opencv, rollout_images
@@ -267,7 +267,7 @@ def decode_samples(samples: Any) -> Rollout:
                 raise ValueError(f"samples[{i}].info.{key} must be a number or true/false")
             values.append(entry[key])
         info[key] = torch.tensor(values)
-    return Rollout(group_id=torch.tensor(groups, dtype=torch.long), old_logp=torch.zeros_like(mask), mask=mask, replay={}, info=info)
+    return Rollout(group_id=torch.tensor(groups, dtype=torch.long), old=OldLogProbs(torch.zeros_like(mask)), mask=mask, replay={}, info=info)
 
 
 # ---------------------------------------------------------------- requests

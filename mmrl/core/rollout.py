@@ -44,6 +44,42 @@ def _cat(values: list, batch_sizes: list[int]):
 
 
 @dataclass
+class OldLogProbs:
+    """A rollout's old log-probs, all in one place.
+
+    ``values`` [B, T]: the log-probs of the sampled decisions that the loss's ratio compares
+    with, exact at the sampling weights — or provisional while ``deferred`` (the sampler's
+    own numbers; the learner recomputes the exact ones with the policy's ``log_prob`` before
+    the loss reads them, docs/architecture.md). ``graph`` [B, T]: the sampling pass's
+    log-probs still attached to the autograd graph of the policy's parameters, when the
+    learner reuses that graph (``algo.reuse_sampling_graph``; ``values`` is their detached
+    copy). ``behaviour`` [B, T]: the sampler's own log-probs, kept beside the exact ones when
+    an off-policy correction (``algo.correction``) reads both."""
+
+    values: Tensor
+    deferred: bool = False
+    graph: Tensor | None = None
+    behaviour: Tensor | None = None
+
+    def with_(self, **changes) -> "OldLogProbs":
+        return replace(self, **changes)
+
+    def map(self, fn, batch_size: int) -> "OldLogProbs":
+        return OldLogProbs(
+            _map(self.values, fn, batch_size), self.deferred,
+            None if self.graph is None else _map(self.graph, fn, batch_size), None if self.behaviour is None else _map(self.behaviour, fn, batch_size),
+        )
+
+    @staticmethod
+    def cat(olds: list["OldLogProbs"], batch_sizes: list[int]) -> "OldLogProbs":
+        def joined(name):
+            values = [getattr(o, name) for o in olds]
+            return None if any(v is None for v in values) else _cat(values, batch_sizes)
+
+        return OldLogProbs(_cat([o.values for o in olds], batch_sizes), any(o.deferred for o in olds), joined("graph"), joined("behaviour"))
+
+
+@dataclass
 class Rollout:
     """B samples of T decisions each.
 
@@ -55,7 +91,7 @@ class Rollout:
     """
 
     group_id: Tensor  # [B] long
-    old_logp: Tensor  # [B, T]
+    old: OldLogProbs  # the old log-probs [B, T] and what the learner knows of them
     mask: Tensor  # [B, T] float, 1 for valid decisions
     replay: dict[str, Any]
     rewards: Tensor | None = None  # [B, K]
@@ -67,18 +103,13 @@ class Rollout:
     step_rewards: Tensor | None = None  # [B, T]
     entropy: Tensor | None = None  # [B, T]
     info: dict[str, Any] = field(default_factory=dict)
-    # old_logp is provisional; the exact values are the policy's log_prob(replay) at the
-    # sampling parameters, computed by the trainer (docs/architecture.md)
-    old_logp_deferred: bool = False
-    # [B, T] the sampling pass's log-probs still attached to the autograd graph of the
-    # policy's parameters (the trainer asked for them: algo.reuse_sampling_graph); old_logp
-    # is their detached copy
-    sampling_graph_logp: Tensor | None = None
     # [B] long: the version of the learner's weights that sampled each sample
     policy_version: Tensor | None = None
-    # [B, T] the sampler's own log-probs, kept beside the learner's exact old_logp when an
-    # off-policy correction (algo.correction) reads both
-    behaviour_logp: Tensor | None = None
+
+    @property
+    def old_logp(self) -> Tensor:
+        """[B, T] the old log-probs (``old.values``)."""
+        return self.old.values
 
     @property
     def batch_size(self) -> int:
@@ -88,7 +119,7 @@ class Rollout:
     def num_decisions(self) -> int:
         return self.old_logp.shape[1]
 
-    # slicing, moving and concatenating keep autograd history (sampling_graph_logp) even
+    # slicing, moving and concatenating keep autograd history (old.graph) even
     # where the caller runs without grad, as the trainer's collection does
     @torch.enable_grad()
     def _apply(self, fn) -> "Rollout":
@@ -96,7 +127,7 @@ class Rollout:
         out = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            out[f.name] = value if f.name == "reward_names" else _map(value, fn, b)
+            out[f.name] = value if f.name == "reward_names" else value.map(fn, b) if f.name == "old" else _map(value, fn, b)
         return Rollout(**out)
 
     def __getitem__(self, idx) -> "Rollout":
@@ -127,8 +158,8 @@ class Rollout:
             values = [getattr(r, f.name) for r in rollouts]
             if f.name == "reward_names":
                 out[f.name] = values[0]
-            elif f.name == "old_logp_deferred":
-                out[f.name] = any(values)
+            elif f.name == "old":
+                out[f.name] = OldLogProbs.cat(values, sizes)
             elif values[0] is None:
                 out[f.name] = None
             else:

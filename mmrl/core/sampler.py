@@ -109,7 +109,7 @@ class Sampler:
     """
 
     # collect(..., keep_graph=True) asks a policy that ``keeps_sampling_graph`` to keep it
-    # and carries its log-probs to ``Rollout.sampling_graph_logp`` (algo.reuse_sampling_graph)
+    # and carries its log-probs to ``Rollout.old.graph`` (algo.reuse_sampling_graph)
     keeps_sampling_graph: bool = False
     # observe() uses the rewards: they must be scored where this sampler samples, and every
     # sample of a step must reach it (one worker process at most)

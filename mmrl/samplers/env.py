@@ -62,7 +62,7 @@ from torch import Tensor
 
 from mmrl.config import option
 from mmrl.core.critic import PRIVILEGED
-from mmrl.core.rollout import Rollout
+from mmrl.core.rollout import OldLogProbs, Rollout
 from mmrl.core.sampler import Sampler, SamplerContext, group_seed
 from mmrl.core.statistics import wilson_interval
 from mmrl.errors import ConfigError, UserCodeError, call_user_code
@@ -491,12 +491,11 @@ class EnvSampler(Sampler):
         entropy = torch.cat([s.entropy for s in samples], 1)[:n] if samples[0].entropy is not None else None
         return Rollout(
             group_id=torch.zeros(n, dtype=torch.long, device=device),
-            old_logp=logp,
+            old=OldLogProbs(logp, deferred=any(s.logp_deferred for s in samples)),
             mask=mask,
             replay=_cat_replay([s.replay for s in samples], n),
             step_rewards=step_rewards.view(n, -1),
             entropy=entropy,
-            old_logp_deferred=any(s.logp_deferred for s in samples),
             info={
                 "decision_steps": steps.view(n, -1),
                 # the decision each column belongs to: a decision's columns (a turn's tokens,

@@ -71,7 +71,7 @@ from mmrl.config import option
 from mmrl.core.component_config import SamplerConfig
 from mmrl.core.policy import Policy, Sample
 from mmrl.core.reward import RewardSet
-from mmrl.core.rollout import Rollout
+from mmrl.core.rollout import OldLogProbs, Rollout
 from mmrl.core.sampler import Sampler, SamplerContext, group_seed
 from mmrl.core.statistics import wilson_interval
 from mmrl.data.prompts import EpochOrder, PromptData, PromptDataConfig, PromptRecord, clusters_by, prompt_input
@@ -179,12 +179,10 @@ class PromptSampler(Sampler):
         extra = {"train_index": torch.tensor([i for i, n in zip(train_index, copies) for _ in range(n)], dtype=torch.long, device=logp.device)} if train_index is not None else {}
         return Rollout(
             group_id=group_id.to(logp.device),
-            old_logp=logp,
+            old=OldLogProbs(logp, deferred=sample.logp_deferred, graph=sample.logp if keep_graph else None),
             mask=mask,
             replay=sample.replay,
             entropy=sample.entropy,
-            old_logp_deferred=sample.logp_deferred,
-            sampling_graph_logp=sample.logp if keep_graph else None,
             info={
                 **sample.info,
                 "prompt": inputs,
@@ -206,7 +204,7 @@ class PromptSampler(Sampler):
     def collect(self, policy: Policy, num_groups: int, group_size: int, step: int, group_offset: int = 0, keep_graph: bool = False, version: int = 0) -> Rollout:
         """This process's groups of ``step`` (the module docstring); ``keep_graph`` asks the
         policy (``keeps_sampling_graph``) to keep its log-probs' autograd graph and carries them
-        to ``Rollout.sampling_graph_logp``. ``version``: the policy's weights version, which
+        to ``Rollout.old.graph``. ``version``: the policy's weights version, which
         tags each decision of a partial rollout."""
         if self.over_provision > 1:
             return self._collect_partial(policy, num_groups, group_size, step, group_offset, version)

@@ -123,7 +123,7 @@ class Learner:
         update, the self-imitation memory and its steps. Returns the rollout with its training
         mask, the advantages and the update's metrics."""
         rollout = speedups.old_logp_roles(rollout, self.version, getattr(self.loss, "correction_fn", None) is not None)
-        if rollout.old_logp_deferred and self.cfg.algo.kl.in_reward_penalty:
+        if rollout.old.deferred and self.cfg.algo.kl.in_reward_penalty:
             rollout = speedups.exact_old_logp(self.model, rollout)  # the KL penalty in the reward reads them now
         targets, keep = self.advantage_stage(rollout, self.model)
         rollout = rollout.with_(mask=self.train_mask(rollout, keep))
@@ -134,7 +134,7 @@ class Learner:
             stats = self.update(rollout, targets, spare, step) if self.dist.sum(rollout.mask.sum()) > 0 else {}
         finally:
             self.critic_only = False
-        rollout = rollout.with_(sampling_graph_logp=None)  # nothing after the update may hold the graph
+        rollout = rollout.with_(old=rollout.old.with_(graph=None))  # nothing after the update may hold the graph
         if warming:
             stats["critic/warmup"] = 1.0
         elif self.memory is not None:
@@ -158,13 +158,13 @@ class Learner:
         targets = targets.to(device)
         if targets.adv.dim() == 1:  # [B, 1] broadcasts over decisions for free
             targets.adv = targets.adv[:, None]
-        deferred = rollout.old_logp_deferred and self.loss.reads_old_logp
+        deferred = rollout.old.deferred and self.loss.reads_old_logp
         active = speedups.active_rows(self.loss, targets.adv, rollout.mask)
         if self.loss.needs_proximal:
             with torch.no_grad():
                 targets.prox_logp = self.model(rollout.replay).detach()
             if deferred:  # that pass ran at the sampling weights: it is the old log-probs too
-                rollout, deferred = rollout.with_(old_logp=targets.prox_logp, old_logp_deferred=False), False
+                rollout, deferred = rollout.with_(old=rollout.old.with_(values=targets.prox_logp, deferred=False)), False
         sizes = self.dist.sizes(rollout.batch_size)
         start, total = self.dist.offset(sizes), sum(sizes)
         # the batch in the order one process holds it (by global group index), as rows of
@@ -196,20 +196,20 @@ class Learner:
                 if first:
                     old = rollout.old_logp.clone()
                     old[trained.to(old.device)] = first_logp.to(old)
-                    rollout = rollout.with_(old_logp=old, old_logp_deferred=bool((~active).any()))
+                    rollout = rollout.with_(old=rollout.old.with_(values=old, deferred=bool((~active).any())))
                 for k, v in stats.items():  # means over the optimizer steps; a maximum stays one
                     sums[k] = torch.maximum(sums[k], v) if k.endswith("_max") and k in sums else sums.get(k, 0.0) + v
                 steps += 1
         out = {k: float(v) if k.endswith("_max") else float(v) / steps for k, v in sums.items()} | self.loss.end_update(step)
         if cfg.target_kl is not None:
             out["update/steps_fraction"] = steps / (cfg.ppo_epochs * cfg.num_minibatches)
-        if source.old_logp_deferred and self.loss.reads_old_logp:  # hand the exact old log-probs on (self-imitation memory)
+        if source.old.deferred and self.loss.reads_old_logp:  # hand the exact old log-probs on (self-imitation memory)
             # how far the sampler's provisional numbers were from the exact ones (the ratio a
             # first step would have started from without deferral), over the rows that ran
             replaced = rollout.mask.bool() & active.to(rollout.mask.device)[:, None]
             gap = (rollout.old_logp - source.old_logp.to(rollout.old_logp.device)).abs()
             out["old_logp/sampler_gap_max"] = self.dist.max(float(gap[replaced].max()) if replaced.any() else 0.0)
-            source.old_logp, source.old_logp_deferred = rollout.old_logp.to(source.old_logp.device), rollout.old_logp_deferred
+            source.old = source.old.with_(values=rollout.old.values.to(source.old.values.device), deferred=rollout.old.deferred)
         return out
 
     def normalizers(self, mb: Rollout) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from mmrl.core.rollout import Rollout
+from mmrl.core.rollout import OldLogProbs, Rollout
 
 
 _STEP = 1 << 32  # key = step * _STEP + position of the sample among the step's additions
@@ -83,7 +83,7 @@ class SelfImitationMemory:
         if rows.any():
             mine = torch.argsort(new_keys)
             kept = rollout[rows][mine]
-            self._append(Rollout(group_id=kept.group_id, old_logp=kept.old_logp, mask=kept.mask, replay=kept.replay), positive[rows][mine], new_keys[mine])
+            self._append(Rollout(group_id=kept.group_id, old=OldLogProbs(kept.old_logp), mask=kept.mask, replay=kept.replay), positive[rows][mine], new_keys[mine])
         if len(self.all_keys) > self.size:
             self._drop_before(self.all_keys[-self.size])
         self.added += total
@@ -144,7 +144,7 @@ class SelfImitationMemory:
         self.data, self.adv, self.keys = None, None, torch.zeros(0, dtype=torch.long)
         if "mask" not in state:
             return
-        data = Rollout(group_id=state["group_id"], old_logp=state["old_logp"], mask=state["mask"], replay=state["replay"])
+        data = Rollout(group_id=state["group_id"], old=OldLogProbs(state["old_logp"]), mask=state["mask"], replay=state["replay"])
         mine = torch.arange(data.batch_size) % self.dist.world == self.dist.rank
         if mine.any():
             self.data, self.adv, self.keys = data[mine], state["adv"][mine], state["keys"][mine]

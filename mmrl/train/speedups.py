@@ -61,31 +61,31 @@ def old_logp_roles(rollout: Rollout, version: int, correcting: bool) -> Rollout:
         # samples of an earlier version (async rollouts): the sampler's numbers are the
         # behaviour policy's and, without a correction, the old log-probs of the ratio
         # (decoupled_ppo: the behaviour side of its weight); nothing is recomputed
-        return rollout.with_(old_logp_deferred=False)
-    if correcting and rollout.behaviour_logp is None:
+        return rollout.with_(old=rollout.old.with_(deferred=False))
+    if correcting and rollout.old.behaviour is None:
         # the sampler's numbers are the behaviour policy's; the exact old log-probs (the
         # learner's current weights: the sampling version in sync mode, the proximal policy
         # of an async sample) are computed as deferred ones are
-        return rollout.with_(behaviour_logp=rollout.old_logp.clone(), old_logp_deferred=True)
+        return rollout.with_(old=rollout.old.with_(behaviour=rollout.old.values.clone(), deferred=True))
     return rollout
 
 
 def exact_old_logp(model, rollout: Rollout, rows: torch.Tensor | None = None, spare: Rollout | None = None) -> Rollout:
     """``rollout`` with the exact old log-probs of ``rows`` (all by default): one no-grad
     pass of the policy's ``log_prob`` at the current (= sampling) weights. Applies to a
-    rollout whose old log-probs are deferred (``old_logp_deferred``) and a loss that reads
+    rollout whose old log-probs are deferred (``old.deferred``) and a loss that reads
     them. A process without such rows runs ``spare`` instead, so that every process makes
     the same calls."""
     with torch.no_grad():
         if rows is None:
-            return rollout.with_(old_logp=model(rollout.replay).detach(), old_logp_deferred=False)
+            return rollout.with_(old=rollout.old.with_(values=model(rollout.replay).detach(), deferred=False))
         if rows.numel() == 0:
             model(spare.replay)
             return rollout
         part = rollout[rows]
         old = rollout.old_logp.clone()
         old[rows.to(old.device)] = model(part.replay).detach().to(old)
-    return rollout.with_(old_logp=old)
+    return rollout.with_(old=rollout.old.with_(values=old))
 
 
 def active_rows(loss, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from mmrl.config import from_dict, option
 from mmrl.core.component_config import RewardConfig
 from mmrl.core.reward import FunctionReward, Reward, RewardContext, RewardSet, build_reward
-from mmrl.core.rollout import Rollout
+from mmrl.core.rollout import OldLogProbs, Rollout
 from mmrl.core.weights import resolve_weights_dir
 from mmrl.errors import NonFiniteError
 from mmrl.registry import REWARDS
@@ -91,7 +91,7 @@ def test_plain_functions_register_through_the_adapter_and_may_ask_for_the_policy
     cfg = RewardConfig(type="x")
     a, b = FunctionReward(plain, cfg, RewardContext()), FunctionReward(wants_policy, cfg, RewardContext())
     assert not a.needs_policy and b.needs_policy and not b.needs_reference
-    rollout = Rollout(group_id=torch.zeros(3, dtype=torch.long), old_logp=torch.zeros(3, 1), mask=torch.ones(3, 1), replay={})
+    rollout = Rollout(group_id=torch.zeros(3, dtype=torch.long), old=OldLogProbs(torch.zeros(3, 1)), mask=torch.ones(3, 1), replay={})
     assert b(rollout, policy=7).tolist() == [7.0, 7.0, 7.0]
     assert isinstance(build_reward(from_dict(REWARDS.entry("success").config, {"type": "success"}), RewardContext()), FunctionReward)
 
@@ -101,13 +101,13 @@ def test_reward_set_scores_columns_combines_them_and_names_a_non_finite_componen
     class _Cfg(RewardConfig):
         pass
 
-    rollout = Rollout(group_id=torch.tensor([0, 0, 1, 1]), old_logp=torch.zeros(4, 1), mask=torch.ones(4, 1), replay={}, info={"success": torch.tensor([1.0, 0.0, 1.0, 1.0]), "return": torch.tensor([2.0, 4.0, 6.0, 8.0])})
+    rollout = Rollout(group_id=torch.tensor([0, 0, 1, 1]), old=OldLogProbs(torch.zeros(4, 1)), mask=torch.ones(4, 1), replay={}, info={"success": torch.tensor([1.0, 0.0, 1.0, 1.0]), "return": torch.tensor([2.0, 4.0, 6.0, 8.0])})
     cfgs = [from_dict(REWARDS.entry("success").config, {"type": "success", "weight": 2.0}), from_dict(REWARDS.entry("return").config, {"type": "return", "weight": 0.5})]
     rewards = RewardSet(cfgs, "weighted_sum", RewardContext())
     scores = rewards.score(rollout)
     assert scores.tolist() == [[1.0, 2.0], [0.0, 4.0], [1.0, 6.0], [1.0, 8.0]]
     assert rewards.combine(scores, rollout.group_id).tolist() == [3.0, 2.0, 5.0, 6.0]
-    bad = Rollout(group_id=torch.zeros(2, dtype=torch.long), old_logp=torch.zeros(2, 1), mask=torch.ones(2, 1), replay={}, info={"success": torch.tensor([1.0, float("nan")]), "return": torch.zeros(2)})
+    bad = Rollout(group_id=torch.zeros(2, dtype=torch.long), old=OldLogProbs(torch.zeros(2, 1)), mask=torch.ones(2, 1), replay={}, info={"success": torch.tensor([1.0, float("nan")]), "return": torch.zeros(2)})
     with pytest.raises(NonFiniteError, match="step 5: reward 'success' is nan"):
         rewards.score(bad, step=4)
 

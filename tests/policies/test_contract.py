@@ -12,7 +12,7 @@ Each policy declares its example where it registers, as the ``contract`` trait
   repository root, as in ``configs/``. ``ratio_atol`` (default 0: bit for bit) bounds
   |log_prob(replay) - the rollout's old log-prob| on every valid decision at the sampling
   weights; a policy that declares more says why in ``ratio_why`` (which float sums differ,
-  and the gap measured). Where the old log-probs are deferred (``Rollout.old_logp_deferred``)
+  and the gap measured). Where the old log-probs are deferred (``Rollout.old.deferred``)
   the trainer takes them from its own pass, so two passes at the same weights must agree to
   the bit (the first ratio is then exactly 1) and ``ratio_atol`` bounds the sampling pass's
   provisional numbers.
@@ -255,7 +255,7 @@ def test_recompute_at_the_sampling_weights_gives_ratio_one(name, built):
     assert torch.equal(exact[valid], again.detach()[valid]), f"{name}: two passes of log_prob over one replay at the same weights differ"
     atol = contract_of(name).get("ratio_atol", 0.0)
     gap = (exact - rollout.old_logp.to(exact))[valid].abs().max().item()
-    what = "provisional (deferred) " if rollout.old_logp_deferred else ""
+    what = "provisional (deferred) " if rollout.old.deferred else ""
     message = (
         f"{name}: the rollout's {what}old log-probs are {gap:.3g} from log_prob(replay) at the sampling weights; "
         f"the contract declares ratio_atol {atol} (if recompute cannot be exact, measure the gap and declare ratio_atol with its ratio_why)"

@@ -88,7 +88,7 @@ def test_recomputed_turn_log_probs_equal_the_sampled_ones(trainer):
     [B, T] replay gives the same numbers to the bit."""
     t = trainer(policy={"generation": {"max_new_tokens": 4, "old_logp": "recompute"}})
     rollout = t.engine.collect(0, t.learner.version).rollout
-    assert not rollout.old_logp_deferred
+    assert not rollout.old.deferred
     with torch.no_grad():
         again = t.policy.log_prob(rollout.replay)
     valid = rollout.mask > 0

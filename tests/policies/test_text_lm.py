@@ -11,7 +11,7 @@ pytest.importorskip("tokenizers")
 
 from mmrl.config import from_dict, option  # noqa: E402
 from mmrl.core.component_config import RewardConfig  # noqa: E402
-from mmrl.core.rollout import Rollout  # noqa: E402
+from mmrl.core.rollout import OldLogProbs, Rollout  # noqa: E402
 from mmrl.core.weights import build_policy, load_pretrained, save_pretrained  # noqa: E402
 from mmrl.errors import ConfigError  # noqa: E402
 from mmrl.policies.text_lm import Generation, TextLMConfig, TextLMPolicy  # noqa: E402
@@ -415,7 +415,7 @@ def test_log_prob_of_replays_concatenated_across_sample_calls():
     parts = []
     for prompts, seed in ((PROMPTS[:2], 0), (["Hi", "Hello"], 1)):
         s = policy.sample(prompts, generator(seed))
-        parts.append(Rollout(group_id=torch.zeros(len(prompts), dtype=torch.long), old_logp=s.logp, mask=s.mask, replay=s.replay))
+        parts.append(Rollout(group_id=torch.zeros(len(prompts), dtype=torch.long), old=OldLogProbs(s.logp), mask=s.mask, replay=s.replay))
     joined = Rollout.cat(parts)
     assert joined.replay["prompt_mask"][2:, -1].eq(0).all()  # the short call's prompts got padding on the right
     # old_logp: deferred, so these are the decoding loop's numbers

@@ -12,7 +12,7 @@ pytest.importorskip("PIL")
 
 from mmrl.config import from_dict, option  # noqa: E402
 from mmrl.core.component_config import RewardConfig  # noqa: E402
-from mmrl.core.rollout import Rollout  # noqa: E402
+from mmrl.core.rollout import OldLogProbs, Rollout  # noqa: E402
 from mmrl.core.weights import build_policy, load_pretrained, save_pretrained  # noqa: E402
 from mmrl.data.prompts import ImagePrompt  # noqa: E402
 from mmrl.errors import ConfigError  # noqa: E402
@@ -232,7 +232,7 @@ def test_log_prob_of_replays_concatenated_across_sample_calls():
     parts = []
     for seed, batch in enumerate([prompts()[:2], ["text only", "no images in this call"], prompts()[2:], [ImagePrompt("x", tuple(images(3, seed=5)))]]):
         sample = policy.sample(batch, generator(seed))
-        parts.append(Rollout(group_id=torch.zeros(len(batch), dtype=torch.long), old_logp=sample.logp, mask=sample.mask, replay=sample.replay))
+        parts.append(Rollout(group_id=torch.zeros(len(batch), dtype=torch.long), old=OldLogProbs(sample.logp), mask=sample.mask, replay=sample.replay))
     rollout = Rollout.cat(parts)
     assert rollout.replay["pixel_values"].shape[1] == 3 and rollout.replay["image_count"].tolist() == [1, 2, 0, 0, 0, 1, 3]
     # old_logp: deferred, so these are the decoding loop's numbers

@@ -7,7 +7,7 @@ import torch
 
 from mmrl.config import from_dict
 from mmrl.core.weights import build_policy, load_pretrained, save_pretrained
-from mmrl.core.rollout import Rollout
+from mmrl.core.rollout import OldLogProbs, Rollout
 from mmrl.errors import ConfigError
 from mmrl.policies.toy import CategoricalSequenceConfig, CategoricalSequencePolicy, GaussianChainConfig, GaussianChainPolicy
 from mmrl.registry import POLICIES, REWARDS
@@ -30,7 +30,7 @@ def gen(seed: int) -> torch.Generator:
 
 def rollout_of(sample, prompts) -> Rollout:
     mask = sample.mask if sample.mask is not None else torch.ones_like(sample.logp)
-    return Rollout(group_id=prompts.clone(), old_logp=sample.logp, mask=mask, replay=sample.replay, info=dict(sample.info))
+    return Rollout(group_id=prompts.clone(), old=OldLogProbs(sample.logp), mask=mask, replay=sample.replay, info=dict(sample.info))
 
 
 KINDS = ["categorical_sequence", "gaussian_chain"]
@@ -237,18 +237,18 @@ def test_chain_config_errors_name_the_denoising_field():
 def test_token_fraction_counts_only_valid_tokens():
     tokens = torch.tensor([[3, 3, 1, 3], [3, 0, 0, 0], [3, 3, 3, 3]])
     mask = torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]])
-    rollout = Rollout(group_id=torch.zeros(3, dtype=torch.long), old_logp=torch.zeros(3, 4), mask=mask, replay={}, info={"tokens": tokens})
+    rollout = Rollout(group_id=torch.zeros(3, dtype=torch.long), old=OldLogProbs(torch.zeros(3, 4)), mask=mask, replay={}, info={"tokens": tokens})
     torch.testing.assert_close(token_fraction(rollout, TokenFractionConfig(type="token_fraction")), torch.tensor([2 / 3, 1 / 2, 0.0]))
 
 
 def test_target_distance_is_minus_mean_absolute_error():
     sample = torch.tensor([[1.0, 3.5], [2.0, 2.0]])
-    rollout = Rollout(group_id=torch.zeros(2, dtype=torch.long), old_logp=torch.zeros(2, 1), mask=torch.ones(2, 1), replay={}, info={"sample": sample})
+    rollout = Rollout(group_id=torch.zeros(2, dtype=torch.long), old=OldLogProbs(torch.zeros(2, 1)), mask=torch.ones(2, 1), replay={}, info={"sample": sample})
     torch.testing.assert_close(target_distance(rollout, TargetDistanceConfig(type="target_distance")), torch.tensor([-1.25, 0.0]))
 
 
 def test_reward_on_the_wrong_policy_names_the_policy_it_needs():
-    rollout = Rollout(group_id=torch.zeros(2, dtype=torch.long), old_logp=torch.zeros(2, 1), mask=torch.ones(2, 1), replay={}, info={})
+    rollout = Rollout(group_id=torch.zeros(2, dtype=torch.long), old=OldLogProbs(torch.zeros(2, 1)), mask=torch.ones(2, 1), replay={}, info={})
     with pytest.raises(ConfigError, match="gaussian_chain"):
         target_distance(rollout, TargetDistanceConfig(type="target_distance"))
 

@@ -14,7 +14,7 @@ pytest.importorskip("cv2")
 
 from mmrl.config import from_dict  # noqa: E402
 from mmrl.core.reward import RewardContext  # noqa: E402
-from mmrl.core.rollout import Rollout  # noqa: E402
+from mmrl.core.rollout import OldLogProbs, Rollout  # noqa: E402
 from mmrl.errors import ConfigError  # noqa: E402
 from mmrl.tasks.shapes.world import parse_prompt, render_scene  # noqa: E402
 from mmrl.train.distributed import Collectives  # noqa: E402
@@ -32,7 +32,7 @@ PROMPTS = [json.loads(line)["prompt"] for line in (SHAPES / "train.jsonl").read_
 
 def _rollout(images: np.ndarray, prompts: list[str]) -> Rollout:
     n = len(images)
-    return Rollout(group_id=torch.arange(n), old_logp=torch.zeros(n, 1), mask=torch.ones(n, 1), replay={}, info={"images": torch.from_numpy(images), "prompt": prompts})
+    return Rollout(group_id=torch.arange(n), old=OldLogProbs(torch.zeros(n, 1)), mask=torch.ones(n, 1), replay={}, info={"images": torch.from_numpy(images), "prompt": prompts})
 
 
 def _smudged(scene, seed: int) -> np.ndarray:

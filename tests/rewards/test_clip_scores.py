@@ -17,7 +17,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from mmrl.config import from_dict  # noqa: E402
 from mmrl.core.reward import RewardContext, build_reward  # noqa: E402
-from mmrl.core.rollout import Rollout  # noqa: E402
+from mmrl.core.rollout import OldLogProbs, Rollout  # noqa: E402
 from mmrl.errors import ConfigError  # noqa: E402
 from mmrl.registry import REWARDS  # noqa: E402
 
@@ -153,7 +153,7 @@ def rollout(images: np.ndarray, prompts: list[str] | None = None) -> Rollout:
     info = {"images": torch.from_numpy(np.ascontiguousarray(images))}
     if prompts is not None:
         info["prompt"] = list(prompts)
-    return Rollout(group_id=torch.zeros(n, dtype=torch.long), old_logp=torch.zeros(n, 1), mask=torch.ones(n, 1), replay={}, info=info)
+    return Rollout(group_id=torch.zeros(n, dtype=torch.long), old=OldLogProbs(torch.zeros(n, 1)), mask=torch.ones(n, 1), replay={}, info=info)
 
 
 def reward(name: str, **options):

@@ -3,7 +3,7 @@ import torch
 
 from mmrl.config import from_dict
 from mmrl.core.reward import RewardContext, build_reward
-from mmrl.core.rollout import Rollout
+from mmrl.core.rollout import OldLogProbs, Rollout
 from mmrl.data.prompts import EpochOrder, PromptRecord, clusters_by
 from mmrl.rewards.consistency import ParaphraseConsistencyConfig
 
@@ -11,7 +11,7 @@ from mmrl.rewards.consistency import ParaphraseConsistencyConfig
 def rollout(completions, record_ids, question_ids):
     n = len(completions)
     return Rollout(
-        group_id=torch.tensor(record_ids), old_logp=torch.zeros(n, 1), mask=torch.ones(n, 1), replay={},
+        group_id=torch.tensor(record_ids), old=OldLogProbs(torch.zeros(n, 1)), mask=torch.ones(n, 1), replay={},
         info={"completions": completions, "record_id": torch.tensor(record_ids), "metadata": [{"question_id": q} if q else {} for q in question_ids]},
     )
 
@@ -84,7 +84,7 @@ def care(**options):
 def text_rollout(prompts, completions, answers, groups):
     n = len(completions)
     return Rollout(
-        group_id=torch.tensor(groups), old_logp=torch.zeros(n, 1), mask=torch.ones(n, 1), replay={},
+        group_id=torch.tensor(groups), old=OldLogProbs(torch.zeros(n, 1)), mask=torch.ones(n, 1), replay={},
         info={"prompt": prompts, "completions": completions, "answer": answers, "record_id": torch.tensor(groups), "metadata": [{}] * n},
     )
 

@@ -9,14 +9,14 @@ import torch
 
 from mmrl.config import from_dict
 from mmrl.core.reward import RewardContext, build_reward
-from mmrl.core.rollout import Rollout
+from mmrl.core.rollout import OldLogProbs, Rollout
 from mmrl.errors import ConfigError
 from mmrl.registry import REWARDS
 
 
 def image_rollout(images: np.ndarray, **info) -> Rollout:
     n = len(images)
-    return Rollout(group_id=torch.zeros(n, dtype=torch.long), old_logp=torch.zeros(n, 1), mask=torch.ones(n, 1), replay={}, info={"images": torch.from_numpy(images), **info})
+    return Rollout(group_id=torch.zeros(n, dtype=torch.long), old=OldLogProbs(torch.zeros(n, 1)), mask=torch.ones(n, 1), replay={}, info={"images": torch.from_numpy(images), **info})
 
 
 def reward(name: str, **options):
@@ -73,10 +73,10 @@ def test_lower_quality_gives_smaller_files_of_the_same_image():
 
 
 def test_missing_or_malformed_images_and_bad_quality_are_explained():
-    bare = Rollout(group_id=torch.zeros(1, dtype=torch.long), old_logp=torch.zeros(1, 1), mask=torch.ones(1, 1), replay={}, info={"sample": torch.zeros(1, 2)})
+    bare = Rollout(group_id=torch.zeros(1, dtype=torch.long), old=OldLogProbs(torch.zeros(1, 1)), mask=torch.ones(1, 1), replay={}, info={"sample": torch.zeros(1, 2)})
     with pytest.raises(ConfigError, match=r"needs rollout.info\['images'\].*the rollout info has \['sample'\]"):
         reward("jpeg_compressibility")(bare)
-    floats = Rollout(group_id=torch.zeros(1, dtype=torch.long), old_logp=torch.zeros(1, 1), mask=torch.ones(1, 1), replay={}, info={"images": torch.zeros(1, 8, 8, 3)})
+    floats = Rollout(group_id=torch.zeros(1, dtype=torch.long), old=OldLogProbs(torch.zeros(1, 1)), mask=torch.ones(1, 1), replay={}, info={"images": torch.zeros(1, 8, 8, 3)})
     with pytest.raises(ValueError, match=r"must be a uint8 tensor \[B, H, W, 3\].*torch.float32 tensor of shape \(1, 8, 8, 3\)"):
         reward("jpeg_compressibility")(floats)
     with pytest.raises(ConfigError, match="quality"):

@@ -16,7 +16,7 @@ import torch
 
 from mmrl.config import from_dict
 from mmrl.core.reward import RewardContext, build_reward
-from mmrl.core.rollout import Rollout
+from mmrl.core.rollout import OldLogProbs, Rollout
 from mmrl.errors import ConfigError, MissingExtraError
 from mmrl.registry import REWARDS
 from mmrl.rewards.ocr import levenshtein, normalize_text, ocr_text_score, quoted_text
@@ -48,7 +48,7 @@ def render(lines: str | list[str], size: int, font: int = SIMPLEX, colours=BLACK
 def image_rollout(images: np.ndarray, prompts: list[str], metadata: list[dict] | None = None) -> Rollout:
     n = len(images)
     info = {"images": torch.from_numpy(np.ascontiguousarray(images)), "prompt": prompts, "metadata": metadata or [{} for _ in range(n)], "record_id": list(range(n))}
-    return Rollout(group_id=torch.zeros(n, dtype=torch.long), old_logp=torch.zeros(n, 1), mask=torch.ones(n, 1), replay={}, info=info)
+    return Rollout(group_id=torch.zeros(n, dtype=torch.long), old=OldLogProbs(torch.zeros(n, 1)), mask=torch.ones(n, 1), replay={}, info=info)
 
 
 def ocr_reward(**options):
@@ -149,12 +149,12 @@ def test_targets_come_from_the_metadata_field_else_the_quoted_prompt_text():
     with pytest.raises(ConfigError, match="record 1"):
         ocr_reward(target_field=None).targets(rollout)
     with pytest.raises(ConfigError, match="sampler.type: prompt"):
-        ocr_reward().targets(Rollout(group_id=torch.zeros(1, dtype=torch.long), old_logp=torch.zeros(1, 1), mask=torch.ones(1, 1), replay={}, info={"images": torch.zeros(1, 8, 8, 3, dtype=torch.uint8)}))
+        ocr_reward().targets(Rollout(group_id=torch.zeros(1, dtype=torch.long), old=OldLogProbs(torch.zeros(1, 1)), mask=torch.ones(1, 1), replay={}, info={"images": torch.zeros(1, 8, 8, 3, dtype=torch.uint8)}))
 
 
 def test_images_must_be_uint8_rgb(reward):
     with pytest.raises(ConfigError, match="images"):
-        reward(Rollout(group_id=torch.zeros(1, dtype=torch.long), old_logp=torch.zeros(1, 1), mask=torch.ones(1, 1), replay={}, info={"prompt": ['"a"']}))
+        reward(Rollout(group_id=torch.zeros(1, dtype=torch.long), old=OldLogProbs(torch.zeros(1, 1)), mask=torch.ones(1, 1), replay={}, info={"prompt": ['"a"']}))
     rollout = image_rollout(np.zeros((1, 8, 8, 3), dtype=np.uint8), ['"a"'])
     rollout.info["images"] = rollout.info["images"].float()
     with pytest.raises(ValueError, match="uint8"):
@@ -263,11 +263,11 @@ def test_a_fresh_process_rebuilds_the_reward_from_its_config(reward, tmp_path):
     child = textwrap.dedent("""
         import pickle, sys, torch
         from mmrl.core.reward import RewardContext, build_reward
-        from mmrl.core.rollout import Rollout
+        from mmrl.core.rollout import OldLogProbs, Rollout
         torch.set_num_threads(1)
         cfg, images, metadata = pickle.loads(open(sys.argv[1], "rb").read())
         n = len(images)
-        rollout = Rollout(group_id=torch.zeros(n, dtype=torch.long), old_logp=torch.zeros(n, 1), mask=torch.ones(n, 1), replay={},
+        rollout = Rollout(group_id=torch.zeros(n, dtype=torch.long), old=OldLogProbs(torch.zeros(n, 1)), mask=torch.ones(n, 1), replay={},
                           info={"images": torch.from_numpy(images), "prompt": ["a sign"] * n, "metadata": metadata, "record_id": list(range(n))})
         print(build_reward(cfg, RewardContext())(rollout).tolist())
     """)

@@ -8,7 +8,7 @@ from mmrl.algo.reward_aggregation import aggregate_rewards
 from mmrl.config import from_dict
 from mmrl.core.component_config import RewardConfig
 from mmrl.core.reward import RewardContext, RewardSet, build_reward
-from mmrl.core.rollout import Rollout
+from mmrl.core.rollout import OldLogProbs, Rollout
 from mmrl.core.weights import latest_checkpoint
 from mmrl.registry import REWARDS
 from mmrl.rewards.pairwise import win_rate
@@ -27,7 +27,7 @@ def _rollout(images, prompts, group_size, metadata=None):
     info = {"images": torch.as_tensor(np.asarray(images)), "prompt": list(prompts)}
     if metadata is not None:
         info["metadata"] = metadata
-    return Rollout(group_id=torch.arange(b // group_size).repeat_interleave(group_size), old_logp=torch.zeros(b, 1), mask=torch.ones(b, 1), replay={}, info=info)
+    return Rollout(group_id=torch.arange(b // group_size).repeat_interleave(group_size), old=OldLogProbs(torch.zeros(b, 1)), mask=torch.ones(b, 1), replay={}, info=info)
 
 
 def test_win_rate_lies_in_0_1_sums_to_half_the_group_size_and_is_antisymmetric():

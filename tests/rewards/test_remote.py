@@ -21,7 +21,7 @@ import mmrl.serve_reward
 from mmrl.cli import main
 from mmrl.config import from_dict
 from mmrl.core.reward import RewardContext, RewardSet, build_reward
-from mmrl.core.rollout import Rollout
+from mmrl.core.rollout import OldLogProbs, Rollout
 from mmrl.errors import ConfigError, UserCodeError
 from mmrl.registry import REWARDS
 from mmrl.rewards.remote import RemoteRewardError, decode_samples, encode_samples, request_rows
@@ -40,7 +40,7 @@ def reward(name: str, **options):
 
 def image_rollout(images: np.ndarray, group_size: int, **info) -> Rollout:
     n = len(images)
-    return Rollout(group_id=torch.arange(n) // group_size, old_logp=torch.zeros(n, 1), mask=torch.ones(n, 1), replay={}, info={"images": torch.from_numpy(images), **info})
+    return Rollout(group_id=torch.arange(n) // group_size, old=OldLogProbs(torch.zeros(n, 1)), mask=torch.ones(n, 1), replay={}, info={"images": torch.from_numpy(images), **info})
 
 
 def images(n: int, seed: int = 0) -> np.ndarray:
@@ -147,7 +147,7 @@ def test_samples_decode_back_into_the_rollout_the_rewards_read():
     tokens = torch.tensor([[3, 1, 0, 0], [3, 3, 3, 2], [1, 0, 0, 0], [2, 3, 3, 0]])
     mask = (torch.arange(4)[None] < torch.tensor([2, 4, 1, 3])[:, None]).float()
     rollout = Rollout(
-        group_id=torch.tensor([0, 0, 1, 1]), old_logp=torch.zeros(4, 4), mask=mask, replay={},
+        group_id=torch.tensor([0, 0, 1, 1]), old=OldLogProbs(torch.zeros(4, 4)), mask=mask, replay={},
         info={
             "images": videos[:, 0], "videos": videos, "tokens": tokens, "completions": ["a", "b", "c", "d"],
             "prompt": ["p0", "p0", "p1", "p1"], "answer": ["4", "4", None, None], "metadata": [{"k": 1}] * 2 + [{}] * 2,
@@ -243,7 +243,7 @@ def test_an_answer_that_is_not_one_finite_score_per_sample_is_one_line_naming_th
 
 def test_the_served_rewards_refuse_a_request_without_what_they_read():
     """jpeg_compressibility served, a request without images: HTTP 422 naming the reward, not retried."""
-    rollout = Rollout(group_id=torch.zeros(2, dtype=torch.long), old_logp=torch.zeros(2, 1), mask=torch.ones(2, 1), replay={}, info={"completions": ["a", "b"]})
+    rollout = Rollout(group_id=torch.zeros(2, dtype=torch.long), old=OldLogProbs(torch.zeros(2, 1)), mask=torch.ones(2, 1), replay={}, info={"completions": ["a", "b"]})
     with serving(toy(rewards=[{"type": "jpeg_compressibility"}])) as server:
         message = one_line_error(server.url, rollout, retries=3)
     assert "HTTP 422 Unprocessable Entity: rewards: got 'jpeg_compressibility'; scores images and needs rollout.info['images']" in message
@@ -330,7 +330,7 @@ def test_the_command_serves_until_stopped_and_refuses_a_bad_config_with_exit_2(t
         deadline = time.monotonic() + 30
         while not servers and time.monotonic() < deadline:
             time.sleep(0.02)
-        rollout = Rollout(group_id=torch.zeros(2, dtype=torch.long), old_logp=torch.zeros(2, 3), mask=torch.ones(2, 3), replay={}, info={"tokens": torch.tensor([[3, 3, 1], [1, 2, 1]])})
+        rollout = Rollout(group_id=torch.zeros(2, dtype=torch.long), old=OldLogProbs(torch.zeros(2, 3)), mask=torch.ones(2, 3), replay={}, info={"tokens": torch.tensor([[3, 3, 1], [1, 2, 1]])})
         assert reward("remote", url=servers[0].url, **FAST)(rollout).tolist() == pytest.approx([2 / 3, 0.0])  # the override applies
     finally:
         if servers:

@@ -9,7 +9,7 @@ import torch
 
 from mmrl.config import from_dict
 from mmrl.core.reward import RewardContext, build_reward
-from mmrl.core.rollout import Rollout
+from mmrl.core.rollout import OldLogProbs, Rollout
 from mmrl.tasks.shapes.world import CATEGORIES, MISTAKES, ObjectGroup, Scene, all_scenes, draw, layout, mistaken_scene, render_scene
 from mmrl.errors import ConfigError
 from mmrl.registry import REWARDS
@@ -37,7 +37,7 @@ def verify(scenes, images, *, metadata: bool = True, prompts=None, **options) ->
         "metadata": [{"category": s.category, "scene": s.to_dict()} if metadata else {} for s in scenes],
         "record_id": torch.arange(n) + 100,
     }
-    rollout = Rollout(group_id=torch.arange(n), old_logp=torch.zeros(n, 1), mask=torch.ones(n, 1), replay={}, info=info)
+    rollout = Rollout(group_id=torch.arange(n), old=OldLogProbs(torch.zeros(n, 1)), mask=torch.ones(n, 1), replay={}, info=info)
     cfg = from_dict(REWARDS.entry("shapes_geneval").config, {"type": "shapes_geneval", **options})
     return build_reward(cfg, RewardContext())(rollout)
 
@@ -96,7 +96,7 @@ def test_the_scene_comes_from_the_record_metadata_and_else_from_the_prompt_text(
     assert verify([shown, shown], images, metadata=False, prompts=[shown.text(), other.text()]).tolist() == [1.0, 0.0]
     with pytest.raises(ConfigError, match=r"record 101 is not a shapes scene: 'a photo of a dog' is not a shapes prompt"):
         verify([shown, shown], images, metadata=False, prompts=[shown.text(), "a photo of a dog"])
-    rollout = Rollout(group_id=torch.zeros(1, dtype=torch.long), old_logp=torch.zeros(1, 1), mask=torch.ones(1, 1), replay={}, info={"images": torch.from_numpy(images[0][None])})
+    rollout = Rollout(group_id=torch.zeros(1, dtype=torch.long), old=OldLogProbs(torch.zeros(1, 1)), mask=torch.ones(1, 1), replay={}, info={"images": torch.from_numpy(images[0][None])})
     with pytest.raises(ConfigError, match="sampler.type: prompt"):
         build_reward(from_dict(REWARDS.entry("shapes_geneval").config, {"type": "shapes_geneval"}), RewardContext())(rollout)
 

@@ -3,7 +3,7 @@ import torch
 
 from mmrl.config import from_dict
 from mmrl.core.reward import RewardContext, build_reward
-from mmrl.core.rollout import Rollout
+from mmrl.core.rollout import OldLogProbs, Rollout
 from mmrl.errors import ConfigError
 from mmrl.registry import REWARDS
 from mmrl.rewards.text import ExactMatchConfig, FormatConfig, MathAnswerConfig, tagged_answer
@@ -13,7 +13,7 @@ def rollout(completions, answers):
     n = len(completions)
     return Rollout(
         group_id=torch.arange(n),
-        old_logp=torch.zeros(n, 1),
+        old=OldLogProbs(torch.zeros(n, 1)),
         mask=torch.ones(n, 1),
         replay={},
         info={"completions": list(completions), "answer": list(answers), "record_id": torch.arange(n)},
@@ -99,7 +99,7 @@ def test_answer_rewards_name_the_record_without_an_answer_and_an_unreadable_gold
 
 
 def test_text_rewards_need_decoded_completions():
-    no_text = Rollout(group_id=torch.zeros(1, dtype=torch.long), old_logp=torch.zeros(1, 1), mask=torch.ones(1, 1), replay={}, info={"answer": ["1"]})
+    no_text = Rollout(group_id=torch.zeros(1, dtype=torch.long), old=OldLogProbs(torch.zeros(1, 1)), mask=torch.ones(1, 1), replay={}, info={"answer": ["1"]})
     with pytest.raises(ConfigError, match="text_lm"):
         build_reward(FormatConfig(), RewardContext())(no_text)
 

@@ -7,14 +7,14 @@ import torch
 
 from mmrl.config import from_dict
 from mmrl.core.reward import RewardContext, build_reward
-from mmrl.core.rollout import Rollout
+from mmrl.core.rollout import OldLogProbs, Rollout
 from mmrl.errors import ConfigError
 from mmrl.registry import REWARDS
 
 
 def video_rollout(videos: torch.Tensor, **info) -> Rollout:
     n = len(videos)
-    return Rollout(group_id=torch.zeros(n, dtype=torch.long), old_logp=torch.zeros(n, 1), mask=torch.ones(n, 1), replay={}, info={"videos": videos, **info})
+    return Rollout(group_id=torch.zeros(n, dtype=torch.long), old=OldLogProbs(torch.zeros(n, 1)), mask=torch.ones(n, 1), replay={}, info={"videos": videos, **info})
 
 
 def reward(**options):
@@ -50,7 +50,7 @@ def test_a_single_frame_is_consistent():
 
 
 def test_missing_or_malformed_videos_say_what_was_expected():
-    rollout = Rollout(group_id=torch.zeros(1, dtype=torch.long), old_logp=torch.zeros(1, 1), mask=torch.ones(1, 1), replay={}, info={"images": torch.zeros(1, 4, 4, 3, dtype=torch.uint8)})
+    rollout = Rollout(group_id=torch.zeros(1, dtype=torch.long), old=OldLogProbs(torch.zeros(1, 1)), mask=torch.ones(1, 1), replay={}, info={"images": torch.zeros(1, 4, 4, 3, dtype=torch.uint8)})
     with pytest.raises(ConfigError, match="videos"):
         reward()(rollout)
     with pytest.raises(ValueError, match=r"uint8 tensor \[B, F, H, W, 3\]"):

@@ -13,7 +13,7 @@ pytest.importorskip("cv2")
 
 from mmrl.config import from_dict  # noqa: E402
 from mmrl.core.reward import RewardContext, build_reward  # noqa: E402
-from mmrl.core.rollout import Rollout  # noqa: E402
+from mmrl.core.rollout import OldLogProbs, Rollout  # noqa: E402
 from mmrl.core.weights import build_policy  # noqa: E402
 from mmrl.errors import ConfigError  # noqa: E402
 from mmrl.policies.image_diffusion import ImageDiffusionConfig  # noqa: E402
@@ -94,7 +94,7 @@ def test_the_ocr_reward_reads_the_ground_truth_renderings():
     metadata = [{"text": w} for w in WORDS]
     info = {"images": torch.from_numpy(images), "prompt": [world.prompt_text(w, colours[i % 4]) for i, w in enumerate(WORDS)], "metadata": metadata, "record_id": list(range(len(WORDS)))}
     n = len(WORDS)
-    rollout = Rollout(group_id=torch.zeros(n, dtype=torch.long), old_logp=torch.zeros(n, 1), mask=torch.ones(n, 1), replay={}, info=info)
+    rollout = Rollout(group_id=torch.zeros(n, dtype=torch.long), old=OldLogProbs(torch.zeros(n, 1)), mask=torch.ones(n, 1), replay={}, info=info)
     scores = reward(rollout)
     exact = (scores == 1).float().mean().item()
     assert exact >= 0.9, [(w, s) for w, s in zip(WORDS, reward.read(images))]

@@ -56,7 +56,7 @@ def _train(cfg: TrainConfig, run_dir, defer: bool):
         out = update(rollout, targets, *args)
         adv = targets.adv
         trained = ((adv[:, None] if adv.dim() == 1 else adv).to(rollout.mask.device) * rollout.mask != 0).any(1).cpu()
-        handed_on.append((rollout.old_logp_deferred, rollout.old_logp.detach().cpu(), trained))
+        handed_on.append((rollout.old.deferred, rollout.old_logp.detach().cpu(), trained))
         return out
 
     trainer.learner.update = recorded_update

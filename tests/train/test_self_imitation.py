@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mmrl.core.rollout import Rollout
+from mmrl.core.rollout import OldLogProbs, Rollout
 from mmrl.train.metrics import read_metrics
 from mmrl.train.distributed import Collectives
 from mmrl.train.self_imitation import SelfImitationMemory
@@ -18,7 +18,7 @@ def _rollout(values: list[float], width: int) -> Rollout:
     b = len(values)
     return Rollout(
         group_id=torch.arange(b),
-        old_logp=torch.zeros(b, width),
+        old=OldLogProbs(torch.zeros(b, width)),
         mask=torch.ones(b, width),
         replay={"x": torch.tensor(values)[:, None, None].expand(b, width, 2).clone(), "text": [f"s{v}" for v in values]},
         info={"success": torch.ones(b)},

@@ -36,7 +36,7 @@ class PolicyGradient(Loss):
         """``algo`` is the run's ``algo`` section; ``reference`` the frozen KL reference (None
         without a KL term); ``critic`` the ``critic`` section when a critic trains beside the
         policy; ``sampling_graph`` whether the batch's log-probs are the sampling pass's own
-        (``batch.sampling_graph_logp``, the learner's reuse of the sampling graph)."""
+        (``batch.old.graph``, the learner's reuse of the sampling graph)."""
         self.algo, self.reference, self.critic, self.sampling_graph = algo, reference, critic, sampling_graph
         refusal = policy.likelihood_refusal() if hasattr(policy, "likelihood_refusal") else None
         if refusal is not None:
@@ -61,7 +61,7 @@ class PolicyGradient(Loss):
         algo = self.algo
         mask, adv = batch.mask, targets.adv
         kl = None
-        sampled = {"sampled_logp": batch.sampling_graph_logp} if self.sampling_graph else {}
+        sampled = {"sampled_logp": batch.old.graph} if self.sampling_graph else {}
         value = {"value": True} if self.critic is not None else {}  # the values come from the same forward
         if algo.kl.in_loss_term and self.kl_fn is None:
             out = model(batch.replay, mode="log_prob_and_kl", reference=self.reference, **sampled, **value)
@@ -80,7 +80,7 @@ class PolicyGradient(Loss):
         if self.correction_fn is not None:
             # stop-gradient weights of pi_old / mu, per decision, on the objective's loss only
             # (the normalizers keep the batch's mask: a removed decision counts with weight 0)
-            weight, kept, _ = self.correction_fn(old, batch.behaviour_logp, mask, **self.correction_options)
+            weight, kept, _ = self.correction_fn(old, batch.old.behaviour, mask, **self.correction_options)
             per_decision = apply_correction(per_decision, weight)
             decision_stats.update({"correction/weight_mean": weight, "correction/weight_max": weight, "correction/removed_fraction": (mask.bool() & ~kept).float()})
         with torch.no_grad():  # the approximate KL of the forward to the old policy, per decision
