@@ -463,9 +463,10 @@ class PI0Model(nn.Module):
         time = time_features(times, self.arch.expert.width, self.arch.min_period, self.arch.max_period).to(t.dtype)
         return F.silu(rowwise_linear(self.time_mlp_out, F.silu(rowwise_linear(self.time_mlp_in, time)))), inverse
 
-    def velocity(self, x: Tensor, t: Tensor, prefix: dict, pad: Tensor, state_token: Tensor | None) -> Tensor:
+    def velocity(self, x: Tensor, t: Tensor, prefix: dict, pad: Tensor, state_token: Tensor | None, with_hidden: bool = False):
         """v(x_t, t) [B, C, max_action_dim] of noisy chunks x [B, C, max_action_dim] at times
-        t [B]; π0 reads the state token [B, width] (:meth:`state_token`)."""
+        t [B]; π0 reads the state token [B, width] (:meth:`state_token`). ``with_hidden``: also
+        the action tokens' states [B, C, width]."""
         actions = self.action_in_proj(x)
         if self.arch.pi05:
             cond = self.time_condition(t)
@@ -477,7 +478,9 @@ class PI0Model(nn.Module):
             tokens = torch.cat([state_token[:, None, :].to(fused.dtype), fused], dim=1)
             blocks = [1, 1] + [0] * (self.arch.chunk_size - 1)
         out = self.paligemma_with_expert.expert(tokens, blocks, prefix, pad, cond)
-        return self.action_out_proj(out[:, -self.arch.chunk_size :].to(torch.float32))
+        hidden = out[:, -self.arch.chunk_size :].to(torch.float32)
+        v = self.action_out_proj(hidden)
+        return (v, hidden) if with_hidden else v
 
 
 # ------------------------------------------------------------------ the policy
@@ -555,6 +558,7 @@ class _PaliGemmaFlowPolicy(LeRobotFlowPolicy):
         self.register_state_dict_post_hook(_keep_file_aliases)
         self.register_load_state_dict_post_hook(_allow_missing_tied_names)
         self._load_lerobot_weights(stored)
+        self._add_noise_head()
         if config.vlm_dtype == "bfloat16":
             self._paligemma_to_bfloat16()
         self._set_trainable(config, arch)
@@ -634,7 +638,7 @@ class _PaliGemmaFlowPolicy(LeRobotFlowPolicy):
             else:
                 prefix = {"keys": [k[rows] for k in cond["prefix"]["keys"]], "values": [v[rows] for v in cond["prefix"]["values"]]}
                 pad, state = cond["pad"][rows], None if cond["state"] is None else cond["state"][rows]
-            return self.model.velocity(x, t, prefix, pad, state)
+            return self._velocity(lambda with_hidden: self.model.velocity(x, t, prefix, pad, state, with_hidden))
 
         return denoise
 

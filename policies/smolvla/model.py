@@ -422,14 +422,17 @@ class SmolVLAModel(nn.Module):
             blocks = F.pad(blocks, (0, extra))
         return embeds, pads, blocks.expand(n, -1)
 
-    def velocity(self, x: Tensor, t: Tensor, memory: list, pad: Tensor) -> Tensor:
-        """v(x_t, t) [B, C, max_action_dim] of noisy chunks x [B, C, max_action_dim] at times t [B]."""
+    def velocity(self, x: Tensor, t: Tensor, memory: list, pad: Tensor, with_hidden: bool = False):
+        """v(x_t, t) [B, C, max_action_dim] of noisy chunks x [B, C, max_action_dim] at times t
+        [B] (and the action tokens' states [B, C, width], ``with_hidden``)."""
         actions = self.action_in_proj(x)
         time = time_features(t, actions.shape[-1], self.arch.min_period, self.arch.max_period).to(actions.dtype)
         tokens = self.action_time_mlp_in(torch.cat([actions, time[:, None, :].expand_as(actions)], dim=2))
         tokens = self.action_time_mlp_out(F.silu(tokens))
         out = self.vlm_with_expert.expert(tokens, memory, pad)
-        return self.action_out_proj(out[:, -self.arch.chunk_size :].to(torch.float32))
+        hidden = out[:, -self.arch.chunk_size :].to(torch.float32)
+        v = self.action_out_proj(hidden)
+        return (v, hidden) if with_hidden else v
 
 
 # ------------------------------------------------------------------ the policy
@@ -511,6 +514,7 @@ class SmolVLAPolicy(LeRobotFlowPolicy):
         self.register_load_state_dict_post_hook(_allow_missing_tied_aliases)
         stored = read_lerobot_weights(files.path)
         self._load_lerobot_weights(stored)
+        self._add_noise_head()
         self.lerobot_keys = list(stored)  # the names export writes
         if config.vlm_dtype == "bfloat16":
             self.model.vlm_with_expert.vlm.to(torch.bfloat16)
@@ -579,7 +583,7 @@ class SmolVLAPolicy(LeRobotFlowPolicy):
             else:
                 memory = [None if m is None else (m[0][rows], m[1][rows]) for m in cond["memory"]]
                 pad = cond["pad"][rows]
-            return self.model.velocity(x, t, memory, pad)
+            return self._velocity(lambda with_hidden: self.model.velocity(x, t, memory, pad, with_hidden))
 
         return denoise
 

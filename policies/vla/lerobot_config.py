@@ -59,9 +59,8 @@ class LeRobotFlowConfig(PolicyConfig):
         p = f"{path}." if path else ""
         if self.checkpoint is None:
             raise ConfigError(p + "checkpoint", None, f"required: a LeRobot {self.type} policy directory (docs/vla.md)")
-        if self.denoising.transition not in FLOW_TRANSITIONS or self.denoising.transition == "flow_noise":
-            allowed = ", ".join(t for t in FLOW_TRANSITIONS if t != "flow_noise")
-            raise ConfigError(p + "denoising.transition", self.denoising.transition, f"the action expert predicts a velocity and has no noise head; allowed: {allowed}")
+        if self.denoising.transition not in FLOW_TRANSITIONS:
+            raise ConfigError(p + "denoising.transition", self.denoising.transition, f"allowed: {', '.join(FLOW_TRANSITIONS)} (flow_noise adds a noise head that mmrl trains; it is not part of the checkpoint)")
         if self.denoising.time_shift != 1.0:
             raise ConfigError(p + "denoising.time_shift", self.denoising.time_shift, "LeRobot integrates on an even grid; leave it at 1.0")
         if self.denoising.num_inference_steps is not None:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mmrl.denoising.options import DenoisingOptions
-from mmrl.denoising.transitions import FlowTransition
+from mmrl.denoising.transitions import FlowTransition, learned_noise_std
 from mmrl.errors import ConfigError, MissingExtraError
 from mmrl.policies.lora import adapters_disabled
 from mmrl.policies.vla.action_chunk import ActionChunkPolicy
@@ -97,6 +97,24 @@ class LeRobotFlowPolicy(ActionChunkPolicy):
         tokenizer_step = files.step("preprocessor", "tokenizer_processor") or {}
         self.tokenizer_settings = {"max_length": tokenizer_max_length, "padding": "max_length", "padding_side": "right", "truncation": True, **tokenizer_step.get("config", {})}
         self.rename_map = dict((files.step("preprocessor", "rename_observations_processor") or {}).get("config", {}).get("rename_map", {}))
+
+    def _add_noise_head(self) -> None:
+        """Flow-Noise (πRL): a noise head on the expert's action-token states, std =
+        learned_noise_std(head(h)) in ``denoising.noise_std_range``; mmrl's own (not in the
+        checkpoint, not exported: LeRobot's inference is the ODE). None for other transitions."""
+        self.noise_head = None
+        if self.config.denoising.transition != "flow_noise":
+            return
+        out = self.model.action_out_proj
+        head = nn.Sequential(nn.Linear(out.in_features, out.in_features), nn.Tanh(), nn.Linear(out.in_features, out.out_features))
+        self.noise_head = head.to(out.weight.device)
+
+    def _velocity(self, velocity) -> "Tensor | tuple[Tensor, Tensor]":
+        """``velocity(with_hidden)`` of the expert → v, or (v, std) with the noise head."""
+        if self.noise_head is None:
+            return velocity(False)
+        v, hidden = velocity(True)
+        return v, learned_noise_std(self.noise_head(hidden), self.denoising.noise_std_range)
 
     def _load_lerobot_weights(self, state: dict[str, Tensor]) -> None:
         missing, unexpected = self.load_state_dict(state, strict=False)
@@ -252,6 +270,7 @@ class LeRobotFlowPolicy(ActionChunkPolicy):
         """The weights under LeRobot's names (the file's), LoRA adapters merged into their
         layers, in the dtype the policy holds them."""
         state = {**dict(self.named_buffers(remove_duplicate=False)), **dict(self.named_parameters(remove_duplicate=False))}
+        state = {k: v for k, v in state.items() if not k.startswith("noise_head.")}  # mmrl's Flow-Noise head
         if self.lora:
             from peft.tuners.lora import LoraLayer
 

@@ -56,6 +56,24 @@ def lerobot_observation(n: int = 2, seed: int = 0) -> dict:
 # ------------------------------------------------------------------ the format
 
 
+@pytest.mark.numerics
+@pytest.mark.parametrize("kind", KINDS)
+def test_flow_noise_recomputes_with_ratio_one_and_leaves_the_ode_as_loaded(dirs, kind):
+    from mmrl.policies.vla.lerobot_config import LeRobotDenoising
+
+    policy = make(dirs, kind, denoising=LeRobotDenoising(transition="flow_noise"))
+    assert policy.noise_head is not None
+    with torch.no_grad():
+        assert torch.equal(policy.sample(env_inputs(), deterministic=True).output, make(dirs, kind).sample(env_inputs(), deterministic=True).output)
+    sample = policy.sample(env_inputs(), torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        recomputed = policy.log_prob(sample.replay)
+        assert torch.equal(policy.log_prob(sample.replay), recomputed)
+    if not sample.logp_deferred:  # a deferred policy's sampled numbers are provisional: the learner recomputes them
+        assert torch.equal(recomputed, sample.logp)
+    assert not any(k.startswith("noise_head") for k in policy.lerobot_state_dict())
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_loaded_weights_have_the_files_names_shapes_and_dtypes(dirs, kind):
     policy = make(dirs, kind)

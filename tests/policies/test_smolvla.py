@@ -406,3 +406,38 @@ def test_one_update_through_the_trainer_on_the_tabletop(dirs, tmp_path):
     assert any(not torch.equal(p, before[name]) for name, p in expert.named_parameters())
     metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert metrics["objective/ratio"] == 1.0 and math.isfinite(metrics["loss/policy"])
+
+
+@pytest.mark.numerics
+def test_flow_noise_learns_a_noise_head_recomputes_with_ratio_one_and_exports_without_it(dirs, tmp_path):
+    """Flow-Noise (πRL) on a LeRobot expert: mmrl's noise head on the action tokens' states
+    gives each step's std; the ODE (LeRobot's inference) is unchanged, the chain's log-prob
+    recomputes exactly, a positive advantage trains the head, and the export holds the
+    checkpoint's tensors only."""
+    from safetensors import safe_open
+
+    from mmrl.policies.vla.lerobot_config import LeRobotDenoising
+
+    policy = make(dirs, denoising=LeRobotDenoising(transition="flow_noise", noise_std_range=[0.05, 0.3]))
+    plain = make(dirs)
+    assert policy.noise_head is not None and plain.noise_head is None
+    inputs = env_inputs()
+    with torch.no_grad():
+        assert torch.equal(policy.sample(inputs, deterministic=True).output, plain.sample(inputs, deterministic=True).output)
+    sample = policy.sample(inputs, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(policy.log_prob(sample.replay), sample.logp)
+    head = [p.detach().clone() for p in policy.noise_head.parameters()]
+    optimizer = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=1e-4)
+    before = policy.log_prob(sample.replay).detach()
+    (-(policy.log_prob(sample.replay)[0].sum())).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.noise_head.parameters())
+    optimizer.step()
+    with torch.no_grad():
+        assert policy.log_prob(sample.replay)[0, 0] > before[0, 0]
+    assert any(not torch.equal(a, b) for a, b in zip(head, policy.noise_head.parameters()))
+    out = save_lerobot_policy(policy, tmp_path / "exported")
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert not any(k.startswith("noise_head") for k in f.keys())
+    with safe_open(str(dirs["policy"] / "model.safetensors"), "pt") as f, safe_open(str(out / "model.safetensors"), "pt") as g:
+        assert set(f.keys()) == set(g.keys())
