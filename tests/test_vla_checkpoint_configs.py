@@ -1,6 +1,6 @@
 """The configs that fine-tune a released VLA checkpoint on LIBERO or ManiSkill
 (configs/libero_spatial_smolvla_grpo.yaml, configs/libero_spatial_openvla_grpo.yaml,
-configs/libero_spatial_openvla_oft_grpo.yaml, configs/maniskill_pickcube_smolvla_grpo.yaml): each runs one update through the command line
+configs/libero_spatial_openvla_oft_grpo.yaml, configs/libero_spatial_pi05_grpo.yaml, configs/maniskill_pickcube_smolvla_grpo.yaml): each runs one update through the command line
 on a tiny random checkpoint of its format whose features match the env (cameras, state and
 action dims, statistics key), shrunk for a CPU; the run's export loads back as that policy.
 
@@ -41,6 +41,15 @@ def libero_smolvla(directory: Path) -> list[str]:
     return [f"policy.checkpoint={out}", f"policy.vlm_dir={directory / 'smolvlm'}"]
 
 
+def libero_pi05(directory: Path) -> list[str]:
+    """A tiny π0.5 shaped like a LeRobot LIBERO fine-tune: images ``image`` and ``image2``,
+    state 8, actions 7, chunk 50; the overrides that name it."""
+    from mmrl.policies.pi0.tiny import write_tiny_pi0
+
+    out = write_tiny_pi0(directory / "pi05", directory / "paligemma", state_dim=8, action_dim=7, cameras=LIBERO_SMOLVLA_CAMERAS, kind="pi05", chunk_size=50, n_action_steps=50)
+    return [f"policy.checkpoint={out}", f"policy.vlm_dir={directory / 'paligemma'}"]
+
+
 def libero_openvla(directory: Path) -> list[str]:
     """A tiny OpenVLA with a 7-dim ``libero_spatial`` statistics entry; the overrides that name it."""
     from mmrl.policies.openvla.tiny import write_tiny_openvla
@@ -77,9 +86,10 @@ CHECKPOINT_OF = {
     "libero_spatial_smolvla_grpo": libero_smolvla,
     "libero_spatial_openvla_grpo": libero_openvla,
     "libero_spatial_openvla_oft_grpo": libero_openvla_oft,
+    "libero_spatial_pi05_grpo": libero_pi05,
     "maniskill_pickcube_smolvla_grpo": maniskill_smolvla,
 }
-EXPORT = {"libero_spatial_smolvla_grpo": "lerobot", "libero_spatial_openvla_grpo": "openvla", "libero_spatial_openvla_oft_grpo": "openvla_oft", "maniskill_pickcube_smolvla_grpo": "lerobot"}
+EXPORT = {"libero_spatial_smolvla_grpo": "lerobot", "libero_spatial_openvla_grpo": "openvla", "libero_spatial_openvla_oft_grpo": "openvla_oft", "libero_spatial_pi05_grpo": "lerobot", "maniskill_pickcube_smolvla_grpo": "lerobot"}
 
 # one update on a CPU: 2 envs, one group of 2, short episodes, small images, no evaluation
 CPU = [
@@ -123,8 +133,8 @@ def _loads_back(name: str, exported: Path, tmp_path: Path) -> None:
 
     section = yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text())["policy"]
     section = {**section, "checkpoint": str(exported)}
-    if section["type"] == "smolvla":
-        section["vlm_dir"] = str(tmp_path / "checkpoint" / "smolvlm")
+    if section["type"] in ("smolvla", "pi05"):
+        section["vlm_dir"] = str(tmp_path / "checkpoint" / ("smolvlm" if section["type"] == "smolvla" else "paligemma"))
         state_dim = 8 if name.startswith("libero") else PICKCUBE_STATE_DIM
         cameras = 2 if name.startswith("libero") else 1
         image = [cameras, 32, 32, 3] if cameras > 1 else [32, 32, 3]
@@ -133,7 +143,7 @@ def _loads_back(name: str, exported: Path, tmp_path: Path) -> None:
         image = [2, 32, 32, 3] if section["type"] == "openvla_oft" else [32, 32, 3]
         spec = {"action_dim": 7, "action_low": [-1.0] * 7, "action_high": [1.0] * 7, "state_dim": 8, "image_shape": image, "instructions": ["pick up the black bowl"]}
     policy = build_policy(from_dict(POLICIES.entry(section["type"]).config, section, "policy"), spec)
-    assert type(policy).__name__ == {"smolvla": "SmolVLAPolicy", "openvla": "OpenVLAPolicy", "openvla_oft": "OpenVLAOFTPolicy"}[section["type"]]
+    assert type(policy).__name__ == {"smolvla": "SmolVLAPolicy", "pi05": "PI05Policy", "openvla": "OpenVLAPolicy", "openvla_oft": "OpenVLAOFTPolicy"}[section["type"]]
 
 
 def _libero():
