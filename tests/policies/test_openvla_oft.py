@@ -4,7 +4,6 @@
 
 import json
 import shutil
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -15,13 +14,12 @@ pytest.importorskip("safetensors")
 
 from safetensors import safe_open  # noqa: E402
 
-from mmrl.config import from_dict, option  # noqa: E402
-from mmrl.core.component_config import RewardConfig  # noqa: E402
+from mmrl.config import from_dict  # noqa: E402
 from mmrl.core.weights import build_policy  # noqa: E402
 from mmrl.errors import ConfigError  # noqa: E402
 from mmrl.policies.openvla.tiny import STATISTICS_DATA  # noqa: E402
 from mmrl.policies.openvla_oft.tiny import write_tiny_openvla_oft  # noqa: E402
-from mmrl.registry import POLICIES, REWARDS  # noqa: E402
+from mmrl.registry import POLICIES  # noqa: E402
 
 INSTRUCTIONS = ["push the red block to the left", "Put the Bowl on the plate"]
 SPEC = {"action_dim": 2, "action_low": [-1.0, -1.0], "action_high": [1.0, 1.0], "image_shape": [2, 16, 16, 3], "state_dim": 4, "instructions": INSTRUCTIONS}
@@ -214,16 +212,6 @@ def test_a_positive_advantage_raises_the_sampled_chunks_log_prob(checkpoint):
     assert policy.log_prob(sample.replay)[0].item() > before[0].item()
 
 
-@dataclass
-class _NoRewardConfig(RewardConfig):
-    type: str = option("_test_oft_zero", "registered name of this component (see `mmrl list`)")
-
-
-@REWARDS.register("_test_oft_zero", config=_NoRewardConfig)
-def _zero(rollout, cfg):
-    return torch.zeros(rollout.batch_size)
-
-
 def test_an_rl_run_with_the_l1_head_is_refused_in_one_line(checkpoint, tmp_path):
     pytest.importorskip("mujoco")
     from mmrl.train.run_config import TrainConfig
@@ -233,7 +221,7 @@ def test_an_rl_run_with_the_l1_head_is_refused_in_one_line(checkpoint, tmp_path)
         "name": "oft_l1", "seed": 0, "total_steps": 1, "run_dir": str(tmp_path / "run"), "device": "cpu",
         "env": {"type": "gym", "id": "mmrl/Tabletop-v0", "num_envs": 2, "max_episode_steps": 2, "kwargs": {"task": "spatial", "image_size": 16}},
         "policy": {"type": "openvla_oft", "checkpoint": str(checkpoint), "unnorm_key": "tabletop", "action_head": "l1", "chunk_size": CHUNK},
-        "sampler": {"type": "env"}, "rewards": [{"type": "_test_oft_zero"}],
+        "sampler": {"type": "env"}, "rewards": [{"type": "success"}],
         "algo": {"group_size": 2, "groups_per_step": 1, "kl": {"coef": 0.0}},
         "eval": {"at_start": False, "at_end": False}, "log": {"progress": False, "tensorboard": False},
     })
