@@ -66,6 +66,12 @@ class PolicyModule(nn.Module):
     # that reads no log-probs (``needs_log_probs=False``, DiffusionNFT); the samplers ask for it
     samples_final_only: bool = False
 
+    def renew_carry(self, carry: list) -> list:
+        """``carry`` (one entry per env row, None where no episode runs) of episodes that go on
+        under new weights: with partial rollouts a collection resumes episodes an update
+        interrupted. Returns what of it stays valid; by default all of it."""
+        return carry
+
     def likelihood_refusal(self) -> Exception | None:
         """Why this policy, as configured, has no log-probs for a loss that reads them (a
         one-line ``ConfigError`` naming the option, e.g. a deterministic regression head), or

@@ -50,7 +50,6 @@ fill whole waves.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -67,7 +66,7 @@ from mmrl.core.sampler import Sampler, SamplerContext, group_seed
 from mmrl.core.statistics import wilson_interval
 from mmrl.errors import ConfigError, UserCodeError, call_user_code
 from mmrl.registry import ENVS, SAMPLERS
-from mmrl.samplers.partial import EpisodesInFlight, as_numpy, device_of, observation_row, partial_metrics, stack_observation_rows
+from mmrl.samplers.partial import EpisodesInFlight, as_numpy, device_of, observation_row, partial_metrics, stack_observation_rows, state_key
 from mmrl.samplers.recording import EpisodeRecorder, TextEpisodeRecorder, VideoFrames, camera_names, check_recording, save_episodes, trajectory_info
 from mmrl.samplers.success import SuccessSource, success_metrics
 from mmrl.core.component_config import SamplerConfig
@@ -134,9 +133,6 @@ class EnvSampler(Sampler):
         o = ctx.over_provision
         self.over_provision = o
         self.partial = EpisodesInFlight(self, o, self.seed) if o > 1 else None
-        if self.partial is not None and self.state_keys:
-            self.env.close()
-            raise ConfigError("algo.advantage.step_groups", "state", "keys the states of whole waves; episodes in flight across collections (rollout.over_provision > 1) are not keyed yet")
         self.cameras = camera_names(ctx.env)
         try:
             has_images = self.structured and "image" in self.env.single_observation_space.spaces
@@ -230,8 +226,6 @@ class EnvSampler(Sampler):
     # ------------------------------------------------------------------ sampling
 
     def collect(self, policy, num_groups: int, group_size: int, step: int, group_offset: int = 0, version: int = 0) -> Rollout:
-        if self.partial is not None and getattr(policy, "carries_state", False):
-            raise ConfigError("rollout.over_provision", self.over_provision, f"episodes in flight across collections do not keep a {type(policy).__name__}'s carried state yet: use 1")
         if self.partial is not None:  # partial rollouts; ``version`` tags each decision
             return self.partial.collect(policy, num_groups, group_size, step, group_offset, version)
         seeds = [group_seed(self.seed, step, group_offset + g) for g in range(num_groups)]
@@ -353,8 +347,7 @@ class EnvSampler(Sampler):
         on = _tensor_device(obs)  # a simulator that returns torch tensors: bookkeeping stays on its device
         alive = torch.arange(num_envs, device=on) < n if on is not None else np.arange(num_envs) < n
         no_success = torch.zeros(num_envs, dtype=torch.bool, device=on) if on is not None else np.zeros(num_envs, dtype=bool)
-        if on is not None and not self.text_actions:
-            low, high = (torch.as_tensor(b, device=on) for b in (self.action_low, self.action_high))
+        bounds = (torch.as_tensor(self.action_low, device=on), torch.as_tensor(self.action_high, device=on)) if on is not None and not self.text_actions else None
         carry = None  # a policy that carries_state: its state in this wave's episodes
         keys: list[list[int]] = []  # per decision, each env's state key (state_keys)
         samples, rewards, terminated, truncated, success, chunk_index = [], [], [], [], [], []
@@ -368,16 +361,9 @@ class EnvSampler(Sampler):
                 keys.append([state_key(observation_row(obs, e)) for e in range(num_envs)])
             sample = self.sample(policy, obs, device, generator, deterministic, carry=carry, active=alive)
             carry = sample.carry
-            if self.text_actions:  # one turn: one env step with each env's text
-                actions = [tuple(str(text) for text in sample.output)]
-            elif on is not None:
-                actions = torch.minimum(torch.maximum(sample.output.to(on), low), high).unbind(1)
-            else:
-                actions = list(np.moveaxis(np.minimum(np.maximum(as_numpy(sample.output), self.action_low), self.action_high), 1, 0))
+            actions = self.actions(sample, on, bounds)
             samples.append(sample)
-            ended_by_policy = None  # the policy could act no further in these episodes
-            if sample.end is not None and bool(sample.end.any()):
-                ended_by_policy = torch.as_tensor(sample.end).to(on) if on is not None else as_numpy(sample.end).astype(bool)
+            ended_by_policy = self.ended_by_policy(sample, on)
             for j, action in enumerate(actions):
                 if kept is not None:
                     kept.step(obs, action)
@@ -431,6 +417,26 @@ class EnvSampler(Sampler):
         if frames is None:
             return len(rewards), rollout, *episodes
         return len(rewards), rollout, frames.clips(rollout), frames.instructions, *episodes
+
+    def actions(self, sample, on=None, bounds=None) -> list:
+        """The env actions of one policy call, one batch per env step of its chunk: each
+        env's text for a language agent's turn (one step), else the output clamped to the
+        action space (on the simulator's device ``on`` with its ``bounds`` tensors)."""
+        if self.text_actions:
+            return [tuple(str(text) for text in sample.output)]
+        if on is not None:
+            low, high = bounds
+            return list(torch.minimum(torch.maximum(sample.output.to(on), low), high).unbind(1))
+        return list(np.moveaxis(np.minimum(np.maximum(as_numpy(sample.output), self.action_low), self.action_high), 1, 0))
+
+    @staticmethod
+    def ended_by_policy(sample, on=None):
+        """[N] bool of the rows the policy can act no further in (``Sample.end``: a language
+        agent's full context), or None: their episodes end truncated before this step, whose
+        outcome does not count."""
+        if sample.end is None or not bool(sample.end.any()):
+            return None
+        return torch.as_tensor(sample.end).to(on) if on is not None else as_numpy(sample.end).astype(bool)
 
     def final_replay(self, policy, obs, device) -> dict:
         """The policy's replay [n, 1, ...] of ``obs``, final observations: what a critic
@@ -553,30 +559,6 @@ def _env_instructions(env) -> list[str]:
         for text in texts or []:
             seen.setdefault(str(text), None)
     return list(seen)
-
-
-def state_key(row) -> int:
-    """A 64-bit key of one env's observation (:func:`~mmrl.samplers.partial.observation_row`):
-    equal observations (text, arrays, dicts of them) get equal keys — GiGPO's anchor states."""
-    digest = hashlib.blake2b(digest_size=8)
-
-    def feed(value):
-        if isinstance(value, dict):
-            for name in sorted(value):
-                digest.update(str(name).encode())
-                feed(value[name])
-        elif isinstance(value, (Tensor, np.ndarray)):
-            array = value.detach().cpu().numpy() if isinstance(value, Tensor) else value
-            digest.update(str((array.shape, array.dtype.str)).encode())
-            digest.update(np.ascontiguousarray(array).tobytes())
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                feed(item)
-        else:
-            digest.update(repr(value).encode())
-
-    feed(row)
-    return int.from_bytes(digest.digest(), "little", signed=True)
 
 
 def _cat_replay(replays: list[dict], n: int) -> dict:

@@ -13,6 +13,13 @@ reset (gymnasium's ``reset_mask``) with fresh groups. Each decision is tagged wi
 policy version that sampled it (``info["decision_version"]``), and a sample's
 ``policy_version`` is its first decision's.
 
+A policy that ``carries_state`` (a language agent's conversation) keeps each env's carry
+across collections: a fresh episode starts with none, and an episode that goes on has it
+passed through ``policy.renew_carry`` first, since an update came between (the agent drops
+its key/value states there, which the old weights computed). APRIL by turn: an unfinished
+conversation waits for the next collection at a turn boundary. With GiGPO's state groups each
+decision's observation is keyed as a whole wave keys it.
+
 A fresh group's reset seed is ``group_seed(seed, step, g)`` with g its index among the
 step's fresh groups (from ⌈f·o⌉ at the first collection, from f later), as whole waves seed
 theirs. What is in flight lives in the simulator, which cannot be checkpointed: ``--resume``
@@ -22,6 +29,7 @@ in ``partial/restarted``).
 
 from __future__ import annotations
 
+import hashlib
 import math
 from types import SimpleNamespace
 from typing import Any
@@ -68,12 +76,13 @@ class EpisodesInFlight:
         self.reset_seeds: list[int | None] = [None] * sampler.num_envs  # env index -> the reset seed of its episode
         self.started = False  # the first collection has taken its ⌈·o⌉ groups
         self.restarted = 0
+        self.carry: list | None = None  # a policy that carries_state: env index -> its episode's carry
 
     def drop(self) -> None:
         """Forget the groups in flight (their envs are about to be reset by someone else)."""
         if self.groups:
             self.restarted += len(self.groups)
-        self.groups, self.episodes, self.obs = [], {}, None
+        self.groups, self.episodes, self.obs, self.carry = [], {}, None, None
 
     def collect(self, policy, num_groups: int, group_size: int, step: int, group_offset: int, version: int) -> Rollout:
         s = self.sampler
@@ -96,8 +105,14 @@ class EpisodesInFlight:
             for e in envs:
                 seeds[e], reset[e] = seed, True
                 self.reset_seeds[e] = seed
-                self.episodes[e] = {"decisions": [], "versions": [], "reward": [], "term": [], "trunc": [], "success": [], "chunk": [], "alive": True}
+                self.episodes[e] = {"decisions": [], "versions": [], "keys": [], "reward": [], "term": [], "trunc": [], "success": [], "chunk": [], "alive": True}
             self.groups.append({"born": step, "envs": envs})
+        carries = getattr(policy, "carries_state", False)
+        if carries:
+            # the episodes that go on were carried under the weights before the last update
+            self.carry = [None] * s.num_envs if self.carry is None else policy.renew_carry(list(self.carry))
+            for e in np.flatnonzero(reset).tolist():
+                self.carry[e] = None  # a fresh episode starts without one
         if reset.any():
             self._reset(seeds, reset)
         generator = torch.Generator().manual_seed(group_seed(self.seed, step, group_offset))
@@ -105,16 +120,26 @@ class EpisodesInFlight:
         cap = s.config.max_decisions
         no_success = np.zeros(s.num_envs, dtype=bool)
         while self._finished() < num_groups:
-            sample = s.sample(policy, self.obs, device, generator)
-            actions = np.minimum(np.maximum(as_numpy(sample.output), s.action_low), s.action_high)
             live = [e for e, ep in self.episodes.items() if ep["alive"]]
+            if s.state_keys:
+                for e in live:
+                    self.episodes[e]["keys"].append(state_key(observation_row(self.obs, e)))
+            active = np.zeros(s.num_envs, dtype=bool)
+            active[live] = True
+            sample = s.sample(policy, self.obs, device, generator, carry=self.carry, active=active)
+            if carries:
+                self.carry = sample.carry
+            actions = s.actions(sample)
+            ended_by_policy = s.ended_by_policy(sample)
             for e in live:
                 self.episodes[e]["decisions"].append((sample, e))
                 self.episodes[e]["versions"].append(version)
-            for j in range(actions.shape[1]):
-                self.obs, reward, term, trunc, info = s.env_call("step", self.reset_seeds, actions[:, j])
+            for j, action in enumerate(actions):
+                self.obs, reward, term, trunc, info = s.env_call("step", self.reset_seeds, action)
                 s.env_steps += s.num_envs
                 reward, term, trunc = as_numpy(reward), as_numpy(term), as_numpy(trunc)
+                if ended_by_policy is not None:  # truncated before this step: its outcome does not count
+                    reward, term, trunc = reward * ~ended_by_policy, term & ~ended_by_policy, trunc | ended_by_policy
                 success = as_numpy(s.success_source.flags(info, no_success))
                 for e in live:
                     ep = self.episodes[e]
@@ -176,7 +201,10 @@ class EpisodesInFlight:
         part = self.sampler._wave_rollout(decisions, 1, ep["reward"], ep["term"], ep["trunc"], ep["success"], ep["chunk"])
         k = decisions[0].logp.shape[1]
         tags = torch.tensor(ep["versions"], dtype=torch.long).repeat_interleave(k)[None]
-        return part.with_(policy_version=tags[:, 0].clone(), info={**part.info, "decision_version": tags.to(part.mask.device)})
+        info = {**part.info, "decision_version": tags.to(part.mask.device)}
+        if ep["keys"]:  # a decision's state key on each of its columns, as a whole wave keys them
+            info["state_keys"] = torch.tensor(ep["keys"], dtype=torch.long).repeat_interleave(k)[None].to(part.mask.device)
+        return part.with_(policy_version=tags[:, 0].clone(), info=info)
 
 
 def observation_row(obs, e: int):
@@ -188,6 +216,30 @@ def observation_row(obs, e: int):
     if isinstance(obs, np.ndarray):
         return obs[e : e + 1].copy()
     return [obs[e]]
+
+
+def state_key(row) -> int:
+    """A 64-bit key of one env's observation (:func:`observation_row`):
+    equal observations (text, arrays, dicts of them) get equal keys — GiGPO's anchor states."""
+    digest = hashlib.blake2b(digest_size=8)
+
+    def feed(value):
+        if isinstance(value, dict):
+            for name in sorted(value):
+                digest.update(str(name).encode())
+                feed(value[name])
+        elif isinstance(value, (Tensor, np.ndarray)):
+            array = value.detach().cpu().numpy() if isinstance(value, Tensor) else value
+            digest.update(str((array.shape, array.dtype.str)).encode())
+            digest.update(np.ascontiguousarray(array).tobytes())
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                feed(item)
+        else:
+            digest.update(repr(value).encode())
+
+    feed(row)
+    return int.from_bytes(digest.digest(), "little", signed=True)
 
 
 def stack_observation_rows(rows: list):

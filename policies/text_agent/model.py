@@ -113,6 +113,12 @@ class TextAgentPolicy(TextLMPolicy):
             )
         return self._caches_turns
 
+    def renew_carry(self, carry: list) -> list:
+        """Episodes that go on under new weights (partial rollouts) keep their token ids but
+        not their key/value states, which the old weights computed: their next turn re-encodes
+        the history, so it is sampled from the new weights alone."""
+        return [{k: v for k, v in state.items() if k != "kv"} if isinstance(state, dict) else state for state in carry]
+
     # ------------------------------------------------------------------ the conversation
 
     def glue_texts(self) -> tuple[str, str, str, str]:
