@@ -58,6 +58,45 @@ def generalized_advantages(rewards: Tensor, values: Tensor, mask: Tensor, gamma:
     return adv, (adv + values) * m
 
 
+class TokenLayout:
+    """GAE over decisions of several columns (a language agent's turn: its tokens, masked past
+    the turn's end), as PPO for language models runs it over tokens. ``decision_index`` [B, C]
+    names each column's decision and ``mask`` [B, C] its validity; the valid columns of a row
+    are taken in order as one sequence (:meth:`compact`), each decision's per-column rewards
+    and env steps summed onto its last valid column (:meth:`onto_last`), so γ discounts
+    between decisions and not between the tokens of one, and a masked column inside a turn
+    does not end the episode. :meth:`expand` puts the results back in the columns they came
+    from (0 on masked ones)."""
+
+    def __init__(self, decision_index: Tensor, mask: Tensor):
+        self.valid = mask > 0
+        self.decision_index = decision_index.long()
+        b, c = mask.shape
+        # valid columns first, each row's in order (a stable sort of the invalid flags)
+        self.order = torch.argsort((~self.valid).to(torch.int8), dim=1, stable=True)
+        columns = torch.arange(c).expand(b, c)
+        d = int(self.decision_index.max()) + 1 if self.decision_index.numel() else 0
+        self.last = torch.full((b, d), -1, dtype=torch.long).scatter_reduce(1, self.decision_index, torch.where(self.valid, columns, -1), reduce="amax")
+
+    def onto_last(self, x: Tensor) -> Tensor:
+        """[B, C]: each decision's sum of ``x`` on its last valid column, 0 elsewhere (a
+        decision without a valid column keeps nothing)."""
+        summed = torch.zeros(self.last.shape, dtype=x.dtype).scatter_add(1, self.decision_index, x)
+        has = self.last >= 0
+        out = torch.zeros_like(x)
+        rows = torch.arange(x.shape[0])[:, None].expand_as(self.last)
+        out[rows[has], self.last[has]] = summed[has]
+        return out
+
+    def compact(self, x: Tensor) -> Tensor:
+        """[B, C]: each row's valid columns first, in order; the invalid after them."""
+        return x.gather(1, self.order)
+
+    def expand(self, x: Tensor) -> Tensor:
+        """The inverse of :meth:`compact`, with 0 on the invalid columns."""
+        return torch.zeros_like(x).scatter(1, self.order, x) * self.valid.to(x.dtype)
+
+
 @dataclass
 class GaeConfig(AdvantageConfig):
     """GAE with a critic (``critic:`` section); per decision."""

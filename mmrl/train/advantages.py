@@ -11,6 +11,7 @@ from mmrl.algo.advantage import AdvantageConfig, best_worst, clip_advantages, de
 from mmrl.algo.kl import kl_in_reward
 from mmrl.algo.losses import Targets
 from mmrl.algo.masks import top_entropy_mask, truncation_mask
+from mmrl.algo.value import TokenLayout
 from mmrl.config import own_options
 from mmrl.core.rollout import Rollout
 from mmrl.errors import ConfigError
@@ -58,7 +59,7 @@ class Advantages:
             state_keys = None
             if cfg.advantage.step_groups == "state":
                 if "state_keys" not in rollout.info:
-                    raise ConfigError("algo.advantage.step_groups", "state", "needs a sampler that keys each decision's env state (the env sampler, without rollout.over_provision)")
+                    raise ConfigError("algo.advantage.step_groups", "state", "needs a sampler that keys each decision's env state (the env sampler)")
                 state_keys = gather(pad(rollout.info["state_keys"].long()))
             decision_index = gather(pad(rollout.info["decision_index"].long())) if "decision_index" in rollout.info else None
             adv, keep = step_advantages(
@@ -80,7 +81,7 @@ class Advantages:
         cfg = self.cfg.algo
         on_device = rollout.to(next(model.parameters()).device)
         with torch.no_grad():
-            values = model(on_device.replay, mode="value").detach().float().cpu()
+            values = old_values = model(on_device.replay, mode="value").detach().float().cpu()
             bootstrap = torch.zeros(rollout.batch_size)
             if options.get("bootstrap_truncated") and "final_replay" in rollout.info:  # episodes a time limit cut: V of the final observation
                 final = model(on_device.info["final_replay"], mode="value").detach().float().cpu()[:, 0]
@@ -90,13 +91,25 @@ class Advantages:
         step_rewards = gather(pad(rollout.step_rewards)) if rollout.step_rewards is not None else None
         per_decision = decision_rewards(reward, mask, step_rewards, cfg.advantage.step_reward_weight, cfg.advantage.step_reward_gate)
         gamma: float | torch.Tensor = cfg.advantage.gamma
-        if "decision_steps" in rollout.info:  # an action chunk of k env steps: the next decision is k steps away
-            gamma = cfg.advantage.gamma ** gather(pad(torch.as_tensor(rollout.info["decision_steps"]).cpu())).double()
+        steps = gather(pad(torch.as_tensor(rollout.info["decision_steps"]).cpu())).double() if "decision_steps" in rollout.info else None
+        values = gather(pad(values)).double()
+        decision_index = gather(pad(rollout.info["decision_index"].long())) if "decision_index" in rollout.info else None
+        tokens = None
+        if decision_index is not None and decision_index.numel() and int(decision_index.max()) + 1 < decision_index.shape[1]:
+            # decisions of several columns (a language agent's turn, masked past its end): GAE
+            # runs over the valid columns only, each decision's rewards and env steps on its last
+            tokens = TokenLayout(decision_index, mask)
+            per_decision, mask, values = tokens.compact(tokens.onto_last(per_decision)), tokens.compact(mask), tokens.compact(values)
+            steps = tokens.compact(tokens.onto_last(steps if steps is not None else torch.ones_like(per_decision, dtype=torch.float64)))
+        if steps is not None:  # an action chunk of k env steps: the next decision is k steps away
+            gamma = cfg.advantage.gamma ** steps
         adv, keep, returns = self.advantage_fn(
-            per_decision.double(), groups, values=gather(pad(values)).double(), mask=mask, gamma=gamma, bootstrap=gather(bootstrap).double(), **options,
+            per_decision.double(), groups, values=values, mask=mask, gamma=gamma, bootstrap=gather(bootstrap).double(), **options,
         )
+        if tokens is not None:
+            adv, returns = tokens.expand(adv), tokens.expand(returns)
         width = rollout.num_decisions
-        return adv[:, :width].float(), keep, {"returns": returns[rows, :width].float(), "old_values": values}
+        return adv[:, :width].float(), keep, {"returns": returns[rows, :width].float(), "old_values": old_values}
 
     def train_mask(self, rollout: Rollout, keep: torch.Tensor) -> torch.Tensor:
         """The sampled decisions of the kept samples, less truncated samples

@@ -61,7 +61,7 @@ from torch import Tensor, nn
 from mmrl.core.policy import Sample
 from mmrl.errors import ConfigError
 from mmrl.policies.text_agent.config import TextAgentConfig
-from mmrl.policies.text_lm.model import _TEXT_REPLAY, TextLMPolicy
+from mmrl.policies.text_lm.model import _TEXT_REPLAY, TextLMPolicy, _left_aligned
 from mmrl.registry import POLICIES
 
 CONTRACT = {
@@ -267,6 +267,33 @@ class TextAgentPolicy(TextLMPolicy):
         """log q'(token) [B, T·K] of every turn token of the replayed turns under the current
         parameters (0 on padding and on turns without tokens)."""
         return self._turn_scores(replay)[0]
+
+    @property
+    def value_feature_dim(self) -> int:
+        """Width of :meth:`value_features` (``critic.type: value_head``): the LM's hidden size."""
+        return int(self.language_model.config.get_text_config().hidden_size)
+
+    def value_features(self, replay: dict) -> Tensor:
+        """[B, T·K, hidden]: for each turn token, the LM's last hidden state at the position
+        that predicts it (the state of the conversation before the token, as PPO for language
+        models reads a value), with its gradient: a value head on it shares the LM. 0 on the
+        turns without tokens. GAE runs over these token columns (mmrl.algo.value.TokenLayout)."""
+        b, t, k = replay["completion_ids"].shape
+        flat = {key: replay[key].flatten(0, 1) for key in _TEXT_REPLAY}
+        rows = (flat["completion_mask"].sum(1) > 0).nonzero().flatten()
+        device = self.device
+        width = self.value_feature_dim
+        if not rows.numel():
+            return torch.zeros(b, t * k, width, device=device)
+        part = {key: value[rows].to(device) for key, value in flat.items()}
+        prompt, prompt_mask = _left_aligned(part["prompt_ids"], part["prompt_mask"], self.tokenizer.pad_token_id)
+        ids = torch.cat([prompt, part["completion_ids"]], dim=1)
+        mask = torch.cat([prompt_mask, part["completion_mask"].to(prompt_mask.dtype)], dim=1)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.language_model(input_ids=ids, attention_mask=mask, position_ids=positions, output_hidden_states=True, logits_to_keep=1)
+        states = out.hidden_states[-1][:, -k - 1 : -1]  # position P-1+j precedes turn token j
+        features = torch.zeros(b * t, k, states.shape[-1], device=device, dtype=states.dtype).index_put((rows.to(device),), states)
+        return features.view(b, t * k, -1)
 
     def sft_loss(self, batch: dict) -> Tensor:
         """Supervised fine-tuning on demonstrated episodes: ``batch["turns"]``, B lists of
