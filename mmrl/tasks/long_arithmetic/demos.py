@@ -8,7 +8,8 @@ writes one episode per line, ``{"turns": [[observation, action], ...]}`` (the
 ``{"tool": "calculator", "arguments": {"expression": "<the expression>"}}``, the second
 ``Answer: <the calculator's result>``. The observations are the tool env's own (without the
 tool instructions: ``instructions: false``, the form the demonstrations teach), so SFT sees
-exactly what sampling will.
+exactly what sampling will; ``--instructions`` keeps them, for an env that gives them (a
+pretrained model told the call form in its first message).
 """
 
 from __future__ import annotations
@@ -53,10 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--digits", type=int, default=6, help="digits of each number")
     parser.add_argument("--terms", type=int, default=2, help="numbers in the expression")
     parser.add_argument("--operators", default="+-*", help="operators drawn between the numbers")
+    parser.add_argument("--instructions", action="store_true", help="keep the tool env's instructions in the first observation (for an env with instructions: true)")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    lines = [json.dumps({"turns": calculator_episode(args.seed + i, args.digits, args.terms, args.operators)}) for i in range(args.episodes)]
+    lines = [json.dumps({"turns": calculator_episode(args.seed + i, args.digits, args.terms, args.operators, args.instructions)}) for i in range(args.episodes)]
     out.write_text("\n".join(lines) + "\n")
     print(out)
     return 0
