@@ -131,5 +131,7 @@ def pieces_of(batch: Rollout, targets: Targets, k: int, spare: Rollout) -> list[
     """``batch`` and its targets in ``k`` pieces; an empty piece becomes the spare sample
     with advantage 0 (a masked no-op forward/backward that keeps the processes in step)."""
     pieces = [(batch[i], targets[i]) for i in split_rows(batch.batch_size, k)]
+    if batch.old.behaviour is not None and spare.old.behaviour is None:  # a correction reads the behaviour's too
+        spare = spare.with_(old=spare.old.with_(behaviour=spare.old.values))
     return [p if p[0].batch_size else (spare, Targets.none_for(spare)) for p in pieces]
 

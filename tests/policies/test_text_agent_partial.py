@@ -140,3 +140,14 @@ def test_gigpo_state_keys_are_recorded_for_episodes_in_flight(trainer):
 def test_an_agent_with_partial_rollouts_trains_through_the_loop(tmp_path):
     out = train(from_dict(TrainConfig, config(total_steps=3)), tmp_path / "run")
     assert out["step"] == 3
+
+
+def test_an_agent_with_an_off_policy_correction_trains_with_partial_rollouts_in_a_worker(tmp_path):
+    """Turns sampled under several versions (episodes in flight, an async worker) with a
+    correction that reads the behaviour's log-probs; a minibatch split into more pieces than
+    it has rows runs the spare sample, which must carry them too."""
+    env = {"type": "gym", "id": "mmrl/GuessNumber-v0", "num_envs": 8, "max_episode_steps": 3}
+    algo = {"group_size": 2, "groups_per_step": 2, "kl": {"coef": 0.0}, "correction": {"type": "tis"}}
+    assert train(from_dict(TrainConfig, config(env=env, algo=algo, total_steps=2)), tmp_path / "sync")["step"] == 2
+    rollout = {"over_provision": 2.0, "workers": 1, "mode": "async"}
+    assert train(from_dict(TrainConfig, config(env=env, algo=algo, rollout=rollout, total_steps=3)), tmp_path / "async")["step"] == 3
