@@ -136,7 +136,17 @@ def cmd_train_reward(args) -> int:
 def cmd_eval(args) -> int:
     from mmrl.evaluate import evaluate_run
 
-    cfg, run_dir = _config_and_dir(args.target, args.overrides)
+    target = Path(args.target)
+    if target.is_dir() and (target / "train_config.yaml").is_file():
+        # a checkpoint directory: its run's config is saved beside its weights
+        if args.checkpoint is not None:
+            raise ConfigError("--checkpoint", args.checkpoint, f"{args.target} is a checkpoint already; give its run directory with --checkpoint, or the checkpoint alone")
+        from mmrl.config import load_config
+        from mmrl.train.run_config import TrainConfig
+
+        cfg, run_dir, args.checkpoint = load_config(TrainConfig, target / "train_config.yaml", args.overrides), None, str(target)
+    else:
+        cfg, run_dir = _config_and_dir(args.target, args.overrides)
     if args.suite and args.save_episodes:
         raise ConfigError("--save-episodes", args.save_episodes, "saves the episodes of a plain evaluation; leave out --suite")
     if not args.suite and args.videos is not None:
@@ -398,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train_reward)
 
     p = sub.add_parser("eval", help="evaluate a run directory or a config")
-    p.add_argument("target", help="run directory (latest checkpoint) or YAML config (initial/pretrained weights)")
+    p.add_argument("target", help="run directory (latest checkpoint), one checkpoint directory of a run, or YAML config (initial/pretrained weights)")
     p.add_argument("overrides", nargs="*", help="dotted overrides")
     p.add_argument("--episodes", type=_positive_int, default=None, help="episodes (default: eval.episodes of the config; with --suite: per task and seed)")
     p.add_argument("--suite", default=None, help="evaluate on a task suite: a name from configs/suites (e.g. tabletop_all) or a suite YAML")

@@ -251,3 +251,19 @@ def test_doctor_names_the_extra_for_each_missing_optional_package(monkeypatch):
     assert rows["transformers"][0] == "ok"
     assert rows["peft"] == ("missing", "pip install 'mmrl[text]' (LoRA adapters)")
     assert rows["trl"][0] == "missing" and "mmrl[parity]" in rows["trl"][1]
+
+
+def test_eval_of_a_checkpoint_directory_evaluates_that_checkpoint(tmp_path, write_config, capsys):
+    import json
+
+    path = write_config(point_reach_config(total_steps=2, checkpoint={"every": 1, "keep": 3}, eval={"at_start": False, "at_end": False}))
+    assert main(["train", str(path), "--run-dir", str(tmp_path / "run")]) == 0
+    capsys.readouterr()
+    first = tmp_path / "run" / "checkpoints" / "step_00000001"
+    assert main(["eval", str(first), "--episodes", "4"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["weights"] == str(first)
+    assert main(["eval", str(tmp_path / "run"), "--checkpoint", str(first), "--episodes", "4"]) == 0
+    assert json.loads(capsys.readouterr().out)["success_rate"] == result["success_rate"]  # the same as naming it with --checkpoint
+    assert main(["eval", str(first), "--checkpoint", str(first)]) == 2
+    assert "--checkpoint" in _error_line(capsys)
