@@ -11,7 +11,8 @@ it: one process and N train on the same samples.
   ``datasets`` directory; a batch is ``{"prompt": [...], "completion": [...]}``. A record with
   images (``image_field``) gives an :class:`~mmrl.data.prompts.ImagePrompt` as its prompt.
 - ``conversations``: demonstrated episodes of a language agent, (observation, action) turns
-  from a JSONL file; a batch is ``{"turns": [...]}``.
+  from a JSONL file (a VLM agent's observations with PNG files beside it); a batch is
+  ``{"turns": [...]}``.
 - ``preferences``: preference pairs (:mod:`mmrl.data.preferences`) for pairwise reward
   models; a batch is ``{"prompt": [...], "chosen": ..., "rejected": ...}``.
 
@@ -137,8 +138,37 @@ class Completions(DataSource):
 @dataclass
 class ConversationsConfig(DataSourceConfig):
     type: str = option("conversations", "data source (mmrl list data)")
-    path: str | None = option(None, "a .jsonl file, one demonstrated episode per line: {\"turns\": [[observation, action], ...]}")
+    path: str | None = option(None, "a .jsonl file, one demonstrated episode per line: {\"turns\": [[observation, action], ...]}; an observation is a text or {\"text\": ..., \"image\": PNG path(s) relative to the file} (a VLM agent's)")
     successful_only: bool = option(False, "keep only the lines whose \"success\" is true (episodes saved by mmrl eval --save-episodes: SFT on the solved ones, rejection sampling)")
+
+
+def _is_observation(x) -> bool:
+    """A turn's observation: a text, or {"text": str, "image": a path or a list of paths}."""
+    if isinstance(x, str):
+        return True
+    if not isinstance(x, dict) or set(x) != {"text", "image"} or not isinstance(x["text"], str):
+        return False
+    image = x["image"]
+    return isinstance(image, str) or (isinstance(image, list) and bool(image) and all(isinstance(i, str) for i in image))
+
+
+def _load_observation(x, path, number: int):
+    """A text as it is; ``{"text", "image"}`` with its image file(s) (relative to the .jsonl)
+    read as uint8 RGB [H, W, 3] (several: [K, H, W, 3]), what a VLM agent's sft_loss takes."""
+    if isinstance(x, str):
+        return x
+    import cv2
+
+    files = [x["image"]] if isinstance(x["image"], str) else x["image"]
+    images = []
+    for name in files:
+        bgr = cv2.imread(str(path.parent / name), cv2.IMREAD_COLOR)
+        if bgr is None:
+            raise ConfigError("data.path", str(path), f"line {number}: cannot read the image {path.parent / name}")
+        images.append(cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB))
+    if len({im.shape for im in images}) > 1:
+        raise ConfigError("data.path", str(path), f"line {number}: the images of one observation differ in size")
+    return {"text": x["text"], "image": images[0] if isinstance(x["image"], str) else np.stack(images)}
 
 
 @DATA_SOURCES.register("conversations", config=ConversationsConfig)
@@ -161,10 +191,14 @@ class Conversations(DataSource):
             try:
                 record = json.loads(line)
                 turns = record["turns"]
-                if not turns or not all(isinstance(t, list) and len(t) == 2 and all(isinstance(x, str) for x in t) for t in turns):
+                if not turns or not all(isinstance(t, list) and len(t) == 2 and isinstance(t[1], str) and _is_observation(t[0]) for t in turns):
                     raise ValueError
             except (ValueError, KeyError, TypeError):
-                raise ConfigError("data.path", cfg.path, f"line {number} is not {{\"turns\": [[observation, action], ...]}} with string pairs") from None
+                raise ConfigError(
+                    "data.path", cfg.path,
+                    f"line {number} is not {{\"turns\": [[observation, action], ...]}} with string actions and observations that are strings or {{\"text\": ..., \"image\": path(s)}}",
+                ) from None
+            turns = [[_load_observation(t[0], path, number), t[1]] for t in turns]
             if cfg.successful_only:
                 if not isinstance(record.get("success"), bool):
                     raise ConfigError("data.successful_only", True, f"line {number} of {cfg.path} has no boolean \"success\" (episodes saved by mmrl eval --save-episodes have one)")

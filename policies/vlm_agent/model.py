@@ -44,7 +44,8 @@ conversation every turn instead (a cached prefix loses the positions' offset).
 
 **SFT** (``sft_loss``) takes episodes of (observation, action) turns whose observation is a
 text or ``{"text": ..., "image": uint8 [H, W, 3] or [K, H, W, 3]}``, encoded as sampling
-encodes them; the ``conversations`` data source reads text observations only.
+encodes them; the ``conversations`` data source reads them with their images from PNG files
+beside its ``.jsonl`` (``python -m mmrl.tasks.minigrid_text.demos`` writes such demonstrations).
 """
 
 from __future__ import annotations
