@@ -57,6 +57,16 @@ def _identity(game) -> str:
     return json.dumps([facts, game.objective, [q.commands for q in game.quests]])
 
 
+def save_game(game, path: Path) -> None:
+    """``game.save(path)`` without the one machine-specific field TextWorld writes: its
+    knowledge base's ``text_grammars_path`` (the generating machine's install directory),
+    which loading, compiling and playing the game never read."""
+    game.save(str(path))
+    data = json.loads(path.read_text())
+    data["KB"]["text_grammars_path"] = ""
+    path.write_text(json.dumps(data))
+
+
 def compile_beside(game_json: Path) -> Path:
     """Compile the game of ``game_json`` into the ``.z8`` beside it."""
     import textworld
@@ -116,7 +126,7 @@ def write_games(out, num_train: int, num_eval: int, seed: int = 0, world_size: i
                     skipped += 1
                     continue
                 path = dirs[split] / f"game_{game_seed:05d}.json"
-                game.save(str(path))
+                save_game(game, path)
                 kept = split != "extra_demos"
                 if kept and not json_only:
                     compile_beside(path)
