@@ -194,6 +194,20 @@ class TextAgentPolicy(TextLMPolicy):
                 run.append(i)
                 past.append(states)
             end.append(active[i] and not fits)
+        return self._turn_sample(carry, histories, run, past if cached else None, end, generator, deterministic)
+
+    def _turn_sample(
+        self, carry: list, histories: list[list[int]], run: list[int], past: list | None, end: list[bool], generator, deterministic: bool,
+        model_inputs: dict | None = None, states: list[dict] | None = None, replay_inputs=None,
+    ) -> Sample:
+        """The turns of the rows ``run`` generated after their ``histories`` (over their carried
+        key/value states ``past`` when the turn cache is on, else None), and the call's Sample:
+        the grown conversations as carry (each row's ``states`` entries added: a VLM agent's
+        images), the replay (plus ``replay_inputs(turns)``, added before it is scored) and the
+        log-probs.
+        ``model_inputs``: what the generation pass also hands the model (images)."""
+        n, budget = len(histories), self.sampling.max_new_tokens
+        width = self.config.max_context_tokens - budget
         turns: list[list[int]] = [[] for _ in range(n)]
         logps: list[list[float]] = [[] for _ in range(n)]
         entropies: list[list[float]] = [[] for _ in range(n)]
@@ -201,20 +215,24 @@ class TextAgentPolicy(TextLMPolicy):
         kept: list = [None] * n
         if run:
             prompts = [histories[i] for i in run]
-            if cached:
-                generated = self.backend.generate(prompts, self.sampling, generator, deterministic, past=past, keep_cache=True)
+            extra = {"model_inputs": model_inputs} if model_inputs else {}
+            if past is not None:
+                generated = self.backend.generate(prompts, self.sampling, generator, deterministic, past=past, keep_cache=True, **extra)
             else:
-                generated = self.backend.generate(prompts, self.sampling, generator, deterministic)
+                generated = self.backend.generate(prompts, self.sampling, generator, deterministic, **extra)
             for k, i in enumerate(run):
                 turns[i], logps[i], reasons[i] = generated.token_ids[k], generated.logp[k], generated.finish_reason[k]
                 entropies[i] = generated.entropy[k] if generated.entropy is not None else [0.0] * len(turns[i])
-                if cached and generated.cache is not None:
+                if past is not None and generated.cache is not None:
                     kept[i] = generated.cache[k]
         next_carry = []
         for i in range(n):
             ended_with_eos = reasons[i] == "eos" if reasons[i] is not None else (carry[i]["eos"] if carry[i] is not None else True)
-            next_carry.append({"ids": histories[i] + turns[i], "eos": ended_with_eos, **({"kv": kept[i]} if kept[i] is not None else {})})
+            state = {"ids": histories[i] + turns[i], "eos": ended_with_eos, **(states[i] if states is not None else {})}
+            next_carry.append({**state, "kv": kept[i]} if kept[i] is not None else state)
         replay = self._turn_replay([h[-width:] for h in histories], turns, width)
+        if replay_inputs is not None:
+            replay.update(replay_inputs(turns))
         mask = replay["completion_mask"][:, 0].float()
         if self.config.generation.old_logp == "recompute":
             logp, entropy = self._turn_scores(replay, with_entropy=True)

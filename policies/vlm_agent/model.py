@@ -248,44 +248,15 @@ class VLMAgentPolicy(TextAgentPolicy, TextVLMPolicy):
                 # a row prefilled over its carried states takes only the new observation's images
                 fresh.append(encoded[i][1] if cached and states[i] is not None else images)
             end.append(active[i] and not fits)
-        turns: list[list[int]] = [[] for _ in range(n)]
-        logps: list[list[float]] = [[] for _ in range(n)]
-        entropies: list[list[float]] = [[] for _ in range(n)]
-        reasons: list[str | None] = [None] * n
-        kept: list = [None] * n
-        if run:
-            prompts = [histories[i] for i in run]
-            most = max(len(images) for images in fresh)
-            extra = {"model_inputs": self._stack_images(fresh, most)} if most else {}
-            if cached:
-                generated = self.backend.generate(prompts, self.sampling, generator, deterministic, past=past, keep_cache=True, **extra)
-            else:
-                generated = self.backend.generate(prompts, self.sampling, generator, deterministic, **extra)
-            for k, i in enumerate(run):
-                turns[i], logps[i], reasons[i] = generated.token_ids[k], generated.logp[k], generated.finish_reason[k]
-                entropies[i] = generated.entropy[k] if generated.entropy is not None else [0.0] * len(turns[i])
-                if cached and generated.cache is not None:
-                    kept[i] = generated.cache[k]
-        next_carry = []
-        for i in range(n):
-            ended_with_eos = reasons[i] == "eos" if reasons[i] is not None else (carry[i]["eos"] if carry[i] is not None else True)
-            state = {"ids": histories[i] + turns[i], "eos": ended_with_eos, "images": pictures[i]}
-            next_carry.append({**state, "kv": kept[i]} if kept[i] is not None else state)
-        replay = self._turn_replay([h[-width:] for h in histories], turns, width)
-        images = self._stack_images([pictures[i] if turns[i] else [] for i in range(n)], slots)
-        replay.update({name: value.unsqueeze(1).to(self.device) for name, value in images.items()})
-        mask = replay["completion_mask"][:, 0].float()
-        if self.config.generation.old_logp == "recompute":
-            logp, entropy = self._turn_scores(replay, with_entropy=True)
-        else:
-            logp, entropy = (torch.tensor([row + [0.0] * (budget - len(row)) for row in values], device=mask.device) for values in (logps, entropies))
-        outputs = [self.tokenizer.decode(t[:-1] if reasons[i] == "eos" else t, skip_special_tokens=True) for i, t in enumerate(turns)]
-        return Sample(
-            output=outputs, logp=logp, replay=replay, mask=mask, entropy=entropy,
-            info={"turns": outputs, "finish_reason": reasons},
-            logp_deferred=self.config.generation.old_logp == "deferred",
-            carry=next_carry,
-            end=torch.tensor(end, dtype=torch.bool),
+        most = max((len(images) for images in fresh), default=0)
+
+        def replay_images(turns):  # the history's images of each row that took a turn
+            images = self._stack_images([pictures[i] if turns[i] else [] for i in range(n)], slots)
+            return {name: value.unsqueeze(1).to(self.device) for name, value in images.items()}
+
+        return self._turn_sample(
+            carry, histories, run, past if cached else None, end, generator, deterministic,
+            model_inputs=self._stack_images(fresh, most) if most else None, states=[{"images": images} for images in pictures], replay_inputs=replay_images,
         )
 
     def _turn_scores(self, replay: dict, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
