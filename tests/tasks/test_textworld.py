@@ -5,6 +5,7 @@ and read as SFT data, a tiny agent trains on the env by SFT and GRPO, bad ``game
 line."""
 
 import json
+import sys
 
 import gymnasium
 import pytest
@@ -43,8 +44,6 @@ def test_generation_writes_the_games_their_demonstrations_and_their_settings(gam
     assert [p.name for p in train] == [g["file"] for g in info["train"]] and len(train) == 2
     assert [p.name for p in held_out] == [g["file"] for g in info["eval"]] and len(held_out) == 1
     assert not list(out.rglob("*.z8"))  # --json-only: compiled on first use, into the cache
-    import sys
-
     # no path of the generating machine in the games (TextWorld saves its install directory)
     assert all(sys.prefix not in p.read_text() and json.loads(p.read_text())["KB"]["text_grammars_path"] == "" for p in train + held_out)
     assert len(list(cache.glob("*/game.z8"))) == 3
