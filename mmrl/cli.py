@@ -472,6 +472,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # stdout went to a reader that stopped early (`mmrl train --help | head`): end quietly,
+        # as a Unix tool killed by SIGPIPE does, with no traceback; the flush at exit would
+        # raise again, so stdout is pointed at /dev/null first.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     # Options may come after the overrides (`mmrl train cfg.yaml a.b=1 --run-dir X`):
     # argparse stops filling a positional list at the first option, so dotted overrides

@@ -267,3 +267,17 @@ def test_eval_of_a_checkpoint_directory_evaluates_that_checkpoint(tmp_path, writ
     assert json.loads(capsys.readouterr().out)["success_rate"] == result["success_rate"]  # the same as naming it with --checkpoint
     assert main(["eval", str(first), "--checkpoint", str(first)]) == 2
     assert "--checkpoint" in _error_line(capsys)
+
+
+def test_help_into_a_reader_that_stops_early_ends_without_a_traceback():
+    # `mmrl train --help | head -3`: the help is longer than the pipe takes once the reader
+    # has gone; the write fails with EPIPE, which must end the command quietly
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "mmrl", "train", "--help"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.read(10)
+    proc.stdout.close()  # the reader stops: the rest of the help meets a closed pipe
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
