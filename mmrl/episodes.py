@@ -404,7 +404,7 @@ def read_episodes(directory: str | os.PathLike) -> list[Episode]:
             if len(frames) != stop - start:
                 raise ConfigError("episodes", str(directory), f"episode {rows['episode_index'][e]}: {key} holds {len(frames)} of its {stop - start} frames")
             cameras.append(frames)
-        image = cameras[0] if len(cameras) == 1 else np.stack(cameras, axis=1)
+        image = np.zeros((stop - start, 0), np.uint8) if not cameras else cameras[0] if len(cameras) == 1 else np.stack(cameras, axis=1)  # no cameras: a state-only env
         instruction = str(rows["tasks"][e][0])
         costs = {name[len("costs/"):]: float(rows[name][e]) for name in rows if name.startswith("costs/") and not math.isnan(rows[name][e])}
         episodes.append(Episode(

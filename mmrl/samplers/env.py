@@ -139,7 +139,7 @@ class EnvSampler(Sampler):
             if self.text_actions and sampler_cfg.keep_frames:
                 raise ConfigError("sampler.keep_frames", sampler_cfg.keep_frames, f"keeps keyframes of robot episodes for a trajectory reward; {self.env_name} acts in text")
             # a language agent's evaluation episodes are kept as text turns (recording.TextEpisodeRecorder)
-            check_recording(sampler_cfg.keep_frames, None if self.text_actions else sampler_cfg.save_eval_episodes, self.partial is not None, has_images, self.env_name)
+            check_recording(sampler_cfg.keep_frames, self.partial is not None, has_images, self.env_name)
             # the env's success flag or a learned one (mmrl/samplers/success.py)
             self.success_source = SuccessSource(ctx.env, ctx.rewards, self.env_name, self.env.single_observation_space, o)
         except ConfigError:

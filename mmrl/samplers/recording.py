@@ -10,8 +10,9 @@ trajectory reward model (``pairwise_preference`` with ``bt_trajectory``).
 Evaluation's videos (``videos`` > 0) are the first camera's images of its first episodes:
 frame 0 the reset observation, frame t the one seen after action t.
 
-Both keep camera images, so they need an env with image observations; keyframes need whole
-episodes, which partial rollouts (``rollout.over_provision`` > 1) split across collections.
+Keyframes and videos keep camera images, so they need an env with image observations; a
+state-only env's whole episodes are kept with its state vector and no image. Keyframes need
+whole episodes, which partial rollouts (``rollout.over_provision`` > 1) split across collections.
 
 A language agent's episodes (an env that acts in text) are kept turn by turn instead
 (:class:`TextEpisodeRecorder`) and written as JSON lines (:func:`write_text_episodes`): one
@@ -33,15 +34,14 @@ from mmrl.errors import ConfigError
 from mmrl.samplers.partial import as_numpy
 
 
-def check_recording(keep_frames: int, save_eval_episodes: str | None, partial: bool, has_images: bool, env_name: str) -> None:
+def check_recording(keep_frames: int, partial: bool, has_images: bool, env_name: str) -> None:
     """Raises a :class:`~mmrl.errors.ConfigError` for recording options this env sampler
     cannot serve (see the module docstring); ``partial``: it keeps episodes in flight,
     ``has_images``: the env has image observations."""
     if keep_frames and partial:
         raise ConfigError("sampler.keep_frames", keep_frames, "keeps whole episodes, which partial rollouts split across collections: use rollout.over_provision 1")
-    if (keep_frames or save_eval_episodes) and not has_images:
-        field = "sampler.keep_frames" if keep_frames else "sampler.save_eval_episodes"
-        raise ConfigError(field, keep_frames or save_eval_episodes, f"keeps episodes' camera images; env {env_name!r} has no image observations")
+    if keep_frames and not has_images:
+        raise ConfigError("sampler.keep_frames", keep_frames, f"keeps episodes' camera images; env {env_name!r} has no image observations")
 
 
 def camera_names(env_cfg) -> list[str] | None:
@@ -59,15 +59,19 @@ class EpisodeRecorder:
     def __init__(self, obs, reset_info: dict, seeds: list[int]):
         self.seeds = list(seeds)
         n = len(seeds)
-        self.instructions = [str(text) for text in obs["instruction"][:n]] if "instruction" in obs else [""] * n
+        self.instructions = [str(text) for text in obs["instruction"][:n]] if isinstance(obs, dict) and "instruction" in obs else [""] * n
         tasks = reset_info.get("task")
         self.tasks = [str(t) for t in tasks[:n]] if tasks is not None else self.instructions
         self.images, self.states, self.actions = [], [], []
 
     def step(self, obs, action) -> None:
         n = len(self.seeds)
-        self.images.append(as_numpy(obs["image"])[:n].copy())
-        self.states.append(as_numpy(obs["state"])[:n].astype(np.float32) if "state" in obs else np.zeros((n, 0), np.float32))
+        if not isinstance(obs, dict):  # a state-only env (a Box observation): the state, no image
+            self.images.append(np.zeros((n, 0), np.uint8))
+            self.states.append(as_numpy(obs)[:n].reshape(n, -1).astype(np.float32))
+        else:
+            self.images.append(as_numpy(obs["image"])[:n].copy() if "image" in obs else np.zeros((n, 0), np.uint8))
+            self.states.append(as_numpy(obs["state"])[:n].astype(np.float32) if "state" in obs else np.zeros((n, 0), np.float32))
         self.actions.append(as_numpy(action)[:n].astype(np.float32))
 
     def episodes(self, rollout: Rollout, rewards: list, success: list | None) -> list:

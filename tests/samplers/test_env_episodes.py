@@ -100,3 +100,30 @@ def test_keeping_frames_where_it_cannot_work_is_a_config_error_naming_the_field(
     with pytest.raises(ConfigError, match=field):
         cfg = from_dict(TrainConfig, {**RUN, **change})
         EnvSampler(cfg.sampler, sampler_context(cfg))
+
+
+def test_a_state_only_env_saves_its_evaluation_episodes_with_the_state_and_no_image(tmp_path, capsys):
+    # `mmrl eval RUN --save-episodes DIR` on an env whose observation is a plain Box (PointReach,
+    # ManiSkill's obs_mode state): each episode keeps the state vector, the actions replay it
+    import yaml
+
+    from mmrl.cli import main
+    from mmrl.episodes import read_episodes
+    from tests.conftest import point_reach_config
+
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(point_reach_config(eval={"episodes": 5})))
+    assert main(["eval", str(config), "--out", str(tmp_path / "eval"), "--save-episodes", str(tmp_path / "episodes")]) == 0
+    episodes = read_episodes(tmp_path / "episodes")
+    assert len(episodes) == 5
+    env = gymnasium.make("mmrl/PointReach-v0")
+    for episode in episodes:
+        assert episode.image.shape == (len(episode), 0) and episode.state.shape[1] == env.observation_space.shape[0]
+        obs, _ = env.reset(seed=episode.seed)
+        for t, action in enumerate(episode.action):
+            assert np.allclose(obs, episode.state[t])
+            obs, reward, terminated, truncated, info = env.step(action)
+            assert reward == pytest.approx(episode.reward[t])
+        assert terminated or truncated
+        assert bool(info.get("success", False)) == episode.success
+    env.close()
