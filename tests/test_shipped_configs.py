@@ -22,6 +22,7 @@ SFT_OF["tabletop_spatial_vlm_token_vla_gae"] = "tabletop_spatial_vlm_token_vla_s
 SFT_OF["image_shapes_flow_grpo"] = "image_shapes_flow_sft_words"  # the word-level generator
 SFT_OF["image_shapes_flow_grpo_adversarial"] = "image_shapes_flow_sft_words"
 SFT_OF["image_shapes_nft"] = "image_shapes_flow_sft_words"  # DiffusionNFT from the same generator
+SFT_OF["image_text_render_nft"] = "image_text_render_sft"  # DiffusionNFT on the OCR reward from the text-rendering generator
 # RL configs rewarded by a learned reward model: the reward-model config whose smoke run they score with
 REWARD_MODEL_OF = {"image_shapes_flow_grpo_pairwise": "reward_shapes_single_count_pairwise"}
 # RL configs rewarded by a trajectory reward model (win rate): the reward-model config whose smoke run they score with

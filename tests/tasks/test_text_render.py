@@ -59,7 +59,7 @@ def test_the_shipped_configs_vocabulary_is_the_worlds():
     import yaml
 
     assert len(set(VOCABULARY)) == len(VOCABULARY) and set(WORDS) | set(COLOURS) <= set(VOCABULARY)
-    for name in ("image_text_render_sft", "image_text_render_grpo"):
+    for name in ("image_text_render_sft", "image_text_render_grpo", "image_text_render_nft"):
         cfg = yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text())
         assert tuple(cfg["policy"]["tiny"]["vocabulary"]) == VOCABULARY, name
         assert cfg["policy"]["tiny"]["resolution"] == SIZE
