@@ -66,12 +66,10 @@ class EpisodeRecorder:
 
     def step(self, obs, action) -> None:
         n = len(self.seeds)
-        if not isinstance(obs, dict):  # a state-only env (a Box observation): the state, no image
-            self.images.append(np.zeros((n, 0), np.uint8))
-            self.states.append(as_numpy(obs)[:n].reshape(n, -1).astype(np.float32))
-        else:
-            self.images.append(as_numpy(obs["image"])[:n].copy() if "image" in obs else np.zeros((n, 0), np.uint8))
-            self.states.append(as_numpy(obs["state"])[:n].astype(np.float32) if "state" in obs else np.zeros((n, 0), np.float32))
+        if not isinstance(obs, dict):  # a state-only env (a Box observation): its state, no image
+            obs = {"state": as_numpy(obs)[:n].reshape(n, -1)}
+        self.images.append(as_numpy(obs["image"])[:n].copy() if "image" in obs else np.zeros((n, 0), np.uint8))
+        self.states.append(as_numpy(obs["state"])[:n].astype(np.float32) if "state" in obs else np.zeros((n, 0), np.float32))
         self.actions.append(as_numpy(action)[:n].astype(np.float32))
 
     def episodes(self, rollout: Rollout, rewards: list, success: list | None) -> list:

@@ -5,6 +5,7 @@ import gymnasium
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from mmrl.config import from_dict
 from mmrl.core.sampler import group_seed, sampler_context
@@ -13,6 +14,7 @@ from mmrl.demos import keyframes
 from mmrl.errors import ConfigError
 from mmrl.samplers.env import EnvSampler
 from mmrl.train.run_config import TrainConfig
+from tests.conftest import point_reach_config
 
 pytest.importorskip("mujoco")
 
@@ -102,14 +104,11 @@ def test_keeping_frames_where_it_cannot_work_is_a_config_error_naming_the_field(
         EnvSampler(cfg.sampler, sampler_context(cfg))
 
 
-def test_a_state_only_env_saves_its_evaluation_episodes_with_the_state_and_no_image(tmp_path, capsys):
+def test_a_state_only_env_saves_its_evaluation_episodes_with_the_state_and_no_image(tmp_path):
     # `mmrl eval RUN --save-episodes DIR` on an env whose observation is a plain Box (PointReach,
     # ManiSkill's obs_mode state): each episode keeps the state vector, the actions replay it
-    import yaml
-
     from mmrl.cli import main
     from mmrl.episodes import read_episodes
-    from tests.conftest import point_reach_config
 
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(point_reach_config(eval={"episodes": 5})))

@@ -33,8 +33,8 @@ from mmrl.core.component_config import RewardConfig
 from mmrl.core.rollout import Rollout
 from mmrl.errors import ConfigError
 from mmrl.registry import REWARDS
-from mmrl.tasks.text_render.world import COLOURS, parse_prompt
 from mmrl.rewards.images import rollout_images
+from mmrl.tasks.text_render.world import COLOURS, parse_prompt
 
 _LUMA = np.array([0.299, 0.587, 0.114])
 
@@ -69,7 +69,7 @@ def nearest_colour(rgb: np.ndarray) -> str:
 
 
 def _asked_colour(rollout: Rollout, i: int) -> str:
-    metadata = (rollout.info.get("metadata") or [{}] * (i + 1))[i] or {}
+    metadata = rollout.info["metadata"][i] if rollout.info.get("metadata") else {}
     if metadata.get("colour") in COLOURS:
         return metadata["colour"]
     try:
