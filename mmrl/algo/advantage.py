@@ -54,6 +54,10 @@ class AdvantageConfig(Component):
         "train on the k highest- and k lowest-reward samples of each group only (DanceGRPO's best/worst-of-n); the advantages are computed over the whole group first, the other samples leave the update (and its recompute); null = every sample",
         ge=1,
     )
+    group_weight: Literal["sample", "group"] = option(
+        "sample",
+        "when groups differ in size (sampler.budget): sample = every sample counts the same (TRL, verl); group = each group's advantages x mean size / its size, so every prompt counts the same however many samples it drew",
+    )
 
 
 @dataclass
@@ -222,6 +226,23 @@ def best_worst(adv: Tensor, keep: Tensor, rewards: Tensor, group_id: Tensor, k: 
     rank[order] = torch.arange(len(order), device=rewards.device) - starts[index[order]]
     chosen = (rank < k) | (rank >= counts[index] - k)
     return adv * chosen.view(-1, *[1] * (adv.ndim - 1)).to(adv.dtype), keep & chosen
+
+
+def group_weights(adv: Tensor, group_id: Tensor, mode: str) -> Tensor:
+    """``group_weight``: with ``"group"``, each sample's advantage ([B] or [B, T]) times
+    mean group size / its group's size, so that under a per-sample mean every group (prompt)
+    weighs the same in the gradient: (1/G) Σ_g (1/n_g) Σ_{i in g} A_i ∇log π_i, each prompt's
+    gradient estimated from its own n_g samples (Knapsack RL's budgets change n_g, not how
+    much a prompt counts). Groups of equal size, and ``"sample"``, leave ``adv`` as it is."""
+    if mode == "sample":
+        return adv
+    if mode != "group":
+        raise ValueError(f"group_weight must be 'sample' or 'group', got {mode!r}")
+    index, counts = _groups(group_id)
+    if bool((counts == counts[0]).all()):
+        return adv
+    weight = (counts.double().mean() / counts.double())[index].to(adv.dtype)
+    return adv * weight.view(-1, *([1] * (adv.dim() - 1)))
 
 
 def clip_advantages(adv: Tensor, clip: float | None) -> Tensor:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from mmrl import registry
-from mmrl.algo.advantage import AdvantageConfig, best_worst, clip_advantages, decision_rewards, step_advantages
+from mmrl.algo.advantage import AdvantageConfig, best_worst, clip_advantages, decision_rewards, group_weights, step_advantages
 from mmrl.algo.kl import kl_in_reward
 from mmrl.algo.losses import Targets
 from mmrl.algo.masks import top_entropy_mask, truncation_mask
@@ -71,6 +71,7 @@ class Advantages:
         else:
             adv, keep = self.advantage_fn(reward, groups, **options)
         adv, keep = best_worst(clip_advantages(adv, cfg.advantage.clip), keep, reward, groups, cfg.advantage.best_worst)
+        adv = group_weights(adv, groups, cfg.advantage.group_weight)
         return Targets(adv[rows], **values), keep[rows]
 
     def _value_advantages(self, model, rollout: Rollout, reward, groups, gather, pad, rows, options):

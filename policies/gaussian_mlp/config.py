@@ -21,6 +21,10 @@ class GaussianMLPConfig(PolicyConfig):
     min_log_std: float = option(-5.0, "lower clamp of the log standard deviation")
     max_log_std: float = option(1.0, "upper clamp of the log standard deviation")
     action_chunk: int = option(1, "actions emitted per decision (an action chunk; the env executes them in turn)", ge=1)
+    squash: Literal["none", "tanh"] = option(
+        "none",
+        "tanh: a tanh-squashed Gaussian (SAC, Brax PPO): the normalized action is tanh of the Gaussian sample, inside the env's bounds without clipping, its log-prob with the change of variables; none: the sample as it is (the env sampler clips it)",
+    )
     state_dependent_std: bool = option(False, "the MLP also outputs the log std (otherwise one learned log std per action dimension)")
     obs_norm: bool = option(False, "normalize observations by running mean/std (updated while sampling stochastically, saved with the weights)")
     obs_norm_update: Literal["auto", "always", "never"] = option(

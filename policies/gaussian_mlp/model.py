@@ -12,6 +12,15 @@ from densities of env actions by the constant sum(log half_range), which cancels
 importance ratios and KL terms. The samples are not clipped here: the env sampler clips
 what it executes, and the log-prob is that of the unclipped sample.
 
+With ``squash: tanh`` the normalized action is a_n = tanh(u), u ~ N(mu(o), diag(sigma^2)),
+and log pi(a_n | o) = log N(u; mu, sigma^2) − sum_i log(1 − tanh(u_i)^2) (the change of
+variables of SAC's squashed Gaussian). Env actions then lie within their bounds, so nothing
+is clipped: an unsquashed Gaussian whose samples the env clips gives the same env action to
+every sample past a bound, so the policy gradient cannot tell them apart and the mean and the
+std can drift past the bounds unchecked. Replay keeps u, so the recompute is exact; the
+deterministic action is tanh(mu); the logged entropy is that of u's Gaussian. Demonstrations
+(``sft_loss``) are read through atanh, their normalized actions held 1e-4 inside ±1.
+
 Exploration noise can be annealed (``final_log_std``): the log std in use is
 min(learned log std, cap), the cap going linearly from ``init_log_std`` to ``final_log_std``
 over the first ``log_std_anneal_decisions`` decisions this policy samples stochastically in
@@ -42,6 +51,7 @@ from torch import Tensor, nn
 
 from mmrl.core.policy import PolicyModule, Sample
 from mmrl.core.statistics import RunningCount, RunningMoments
+from mmrl.errors import ConfigError
 from mmrl.policies.gaussian_mlp.config import GaussianMLPConfig
 from mmrl.registry import POLICIES
 
@@ -49,6 +59,8 @@ _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 # Observations further than this many running stds from the running mean are clipped
 # (as in Stable-Baselines3's VecNormalize), so one outlier cannot blow up the MLP input.
 _OBS_CLIP = 10.0
+# Demo actions at a bound are read as tanh(u) at this distance inside it (atanh(±1) is infinite).
+_SQUASH_EDGE = 1e-4
 
 
 # The tiny example of itself that every policy declares (``contract``): tests/policies/test_contract.py
@@ -99,6 +111,8 @@ class GaussianMLPPolicy(PolicyModule):
         low = torch.as_tensor(spec.get("action_low", [-math.inf] * self.action_dim), dtype=torch.float32)
         high = torch.as_tensor(spec.get("action_high", [math.inf] * self.action_dim), dtype=torch.float32)
         finite = torch.isfinite(low) & torch.isfinite(high)
+        if config.squash == "tanh" and not bool(finite.all()):
+            raise ConfigError("policy.squash", "tanh", "needs an env whose action bounds are all finite (tanh maps onto [low, high])")
         # Derived from the spec, not learned: kept out of the saved weights.
         self.register_buffer("action_center", torch.where(finite, (low + high) / 2, 0.0), persistent=False)
         self.register_buffer("action_half_range", torch.where(finite, (high - low) / 2, 1.0), persistent=False)
@@ -151,11 +165,19 @@ class GaussianMLPPolicy(PolicyModule):
             log_std = torch.minimum(log_std, cap.to(log_std))
         return mean, log_std.clamp(self.config.min_log_std, self.config.max_log_std)
 
-    @staticmethod
-    def _log_density(x: Tensor, mean: Tensor, log_std: Tensor) -> Tensor:
-        """Diagonal Gaussian log-density summed over the last dim."""
+    def _log_density(self, x: Tensor, mean: Tensor, log_std: Tensor) -> Tensor:
+        """Log-density of the pre-squash sample ``x`` (the normalized action without
+        ``squash``) summed over the last dim: the diagonal Gaussian's, less
+        sum log(1 − tanh(x)^2) with ``squash: tanh``."""
         z = (x - mean) * torch.exp(-log_std)
-        return (-0.5 * z.square() - log_std - _LOG_SQRT_2PI).sum(-1)
+        logp = (-0.5 * z.square() - log_std - _LOG_SQRT_2PI).sum(-1)
+        if self.config.squash == "tanh":
+            logp = logp - _log_tanh_jacobian(x).sum(-1)
+        return logp
+
+    def _squash(self, u: Tensor) -> Tensor:
+        """The normalized action of a pre-squash sample."""
+        return torch.tanh(u) if self.config.squash == "tanh" else u
 
     # ------------------------------------------------------------------ protocol
 
@@ -193,7 +215,7 @@ class GaussianMLPPolicy(PolicyModule):
         if cap is not None:
             replay["log_std_cap"] = cap  # [N, 1]: one cap per decision
         return Sample(
-            output=self.action_center + self.action_half_range * chunk,
+            output=self.action_center + self.action_half_range * self._squash(chunk),
             logp=logp,
             replay=replay,
             entropy=entropy,
@@ -238,13 +260,23 @@ class GaussianMLPPolicy(PolicyModule):
         actions = batch["actions"].to(obs.device, torch.float32)  # [B, C, A] env units
         b = actions.shape[0]
         action_n = ((actions - self.action_center) / self.action_half_range).clamp(-1, 1)
+        if self.config.squash == "tanh":  # the pre-squash value of the demo action
+            action_n = torch.atanh(action_n.clamp(-1 + _SQUASH_EDGE, 1 - _SQUASH_EDGE))
         cap_value = self.log_std_cap()
         mean, log_std = self._mean_log_std(self._normalize(obs), None if cap_value is None else torch.tensor(cap_value))
         z = (action_n.reshape(b, -1) - mean) / torch.exp(log_std)
-        nll = (0.5 * z.square() + log_std + _LOG_SQRT_2PI).view(b, self.chunk, self.action_dim).sum(-1)  # [B, C]
+        nll = 0.5 * z.square() + log_std + _LOG_SQRT_2PI
+        if self.config.squash == "tanh":
+            nll = nll + _log_tanh_jacobian(action_n.reshape(b, -1))
+        nll = nll.view(b, self.chunk, self.action_dim).sum(-1)  # [B, C]
         mask = batch.get("action_mask")
         mask = torch.ones_like(nll) if mask is None else mask.to(nll)
         return (nll * mask).sum() / mask.sum().clamp_min(1)
+
+
+def _log_tanh_jacobian(u: Tensor) -> Tensor:
+    """log(1 − tanh(u)^2) = 2 (log 2 − u − softplus(−2u)), elementwise, stable for large |u|."""
+    return 2.0 * (math.log(2.0) - u - nn.functional.softplus(-2.0 * u))
 
 
 def _rename_legacy_statistics(state_dict, prefix, *args) -> None:

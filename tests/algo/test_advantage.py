@@ -4,7 +4,7 @@ import torch
 
 from mmrl.errors import ConfigError
 
-from mmrl.algo.advantage import best_worst, clip_advantages, discounted_returns, grpo, median, passk, psr_nsr, rloo, step_advantages, trained_returns, trains_on_step_rewards
+from mmrl.algo.advantage import best_worst, clip_advantages, discounted_returns, group_weights, grpo, median, passk, psr_nsr, rloo, step_advantages, trained_returns, trains_on_step_rewards
 from mmrl.config import from_dict
 from mmrl.train.run_config import AlgoConfig
 from mmrl.registry import ADVANTAGES
@@ -294,3 +294,33 @@ def test_with_one_column_per_decision_the_decision_index_changes_nothing():
     plain = step_advantages(grpo, terminal, groups, mask, step_rewards, gamma=0.9, step_reward_weight=0.5)
     indexed = step_advantages(grpo, terminal, groups, mask, step_rewards, gamma=0.9, step_reward_weight=0.5, decision_index=torch.arange(5).expand(6, -1))
     assert torch.equal(plain[0], indexed[0]) and torch.equal(plain[1], indexed[1])
+
+
+def test_group_weight_makes_every_group_count_the_same_under_a_sample_mean():
+    # groups of 2, 6 and 4 samples (mean size 4), rewards that give each a non-zero advantage
+    group_id = torch.tensor([5, 5, 1, 1, 1, 1, 1, 1, 9, 9, 9, 9])
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0])
+    adv, _ = grpo(rewards, group_id)
+    weighted = group_weights(adv, group_id, "group")
+    # per-sample mean of |A| per group, as a per-sample mean of the loss sees it
+    share = lambda a: torch.stack([a[group_id == g].abs().sum() for g in (5, 1, 9)]) / len(a)  # noqa: E731
+    raw, even = share(adv), share(weighted)
+    # unweighted, a group counts in proportion to its size; weighted, as its mean |A|
+    assert torch.allclose(weighted[group_id == 5], adv[group_id == 5] * 2.0)
+    assert torch.allclose(weighted[group_id == 1], adv[group_id == 1] * (4 / 6))
+    assert torch.allclose(weighted[group_id == 9], adv[group_id == 9])
+    means = torch.stack([adv[group_id == g].abs().mean() for g in (5, 1, 9)])
+    assert torch.allclose(even, means * 4 / 12)  # n_g · mean_g · (4 / n_g) / 12: the size drops out
+    assert not torch.allclose(raw, means * 4 / 12)
+    # per decision [B, T]: the same weight on every decision of a sample
+    steps = adv[:, None].repeat(1, 3)
+    assert torch.equal(group_weights(steps, group_id, "group"), weighted[:, None].repeat(1, 3))
+
+
+def test_group_weight_leaves_equal_groups_and_sample_mode_bit_for_bit():
+    group_id = torch.arange(4).repeat_interleave(3)
+    adv = torch.randn(12)
+    assert group_weights(adv, group_id, "group") is adv
+    assert torch.equal(group_weights(adv, torch.tensor([0] * 2 + [1] * 10), "sample"), adv)
+    with pytest.raises(ValueError, match="group_weight"):
+        group_weights(adv, group_id, "prompt")

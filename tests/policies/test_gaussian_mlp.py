@@ -16,6 +16,7 @@ VARIANTS = {
     "state_dependent_std": {"state_dependent_std": True, "activation": "relu"},
     "obs_norm": {"obs_norm": True},
     "anneal_std": {"final_log_std": -2.0, "log_std_anneal_decisions": 12},
+    "tanh_squash": {"squash": "tanh", "init_log_std": 0.5},
 }
 
 
@@ -90,7 +91,7 @@ def test_same_generator_seed_gives_the_same_sample():
     assert torch.equal(a.output, b.output) and torch.equal(a.logp, b.logp)
 
 
-@pytest.mark.parametrize("variant", ["default", "state_dependent_std"])
+@pytest.mark.parametrize("variant", ["default", "state_dependent_std", "tanh_squash"])
 def test_positive_advantage_raises_that_actions_log_prob_after_one_adam_step(variant):
     policy = make(**VARIANTS[variant])
     sample = policy.sample(obs_batch(), torch.Generator().manual_seed(0))
@@ -253,3 +254,51 @@ def test_annealed_noise_shrinks_the_spread_of_sampled_actions_around_the_same_me
     mean = policy.sample(obs, deterministic=True).replay["action"][:, 0, 0]
     assert (early - mean).std().item() == pytest.approx(1.0, rel=0.1)
     assert (late - mean).std().item() == pytest.approx(math.exp(-3.0), rel=0.1)
+
+
+def test_tanh_squash_keeps_env_actions_inside_the_bounds_and_its_logp_is_the_change_of_variables():
+    policy = make(squash="tanh", init_log_std=1.0)  # std e: most pre-squash samples lie past ±1
+    sample = policy.sample(obs_batch(200), torch.Generator().manual_seed(0))
+    u = sample.replay["action"][:, 0, 0]  # [N, 2] pre-squash
+    assert (u.abs() > 1).float().mean() > 0.4
+    low, high = torch.tensor(SPEC["action_low"]), torch.tensor(SPEC["action_high"])
+    assert bool(((sample.output >= low) & (sample.output <= high)).all())
+    torch.testing.assert_close(sample.output[:, 0], torch.tensor([1.0, 0.0]) + torch.tensor([1.0, 2.0]) * torch.tanh(u))
+    # log pi(a) = log N(u; mu, sigma) - sum log(1 - tanh(u)^2), in float64 as the reference
+    mean = policy.net(sample.replay["obs"][:, 0]).double()
+    gauss = torch.distributions.Normal(mean, policy.log_std.exp().double()).log_prob(u.double()).sum(-1)
+    reference = gauss - torch.log1p(-torch.tanh(u.double()) ** 2).sum(-1)
+    torch.testing.assert_close(sample.logp[:, 0].double(), reference, atol=1e-4, rtol=1e-5)  # float32 Jacobian of |u| <= ~5
+    # a density over the bounded action: it integrates to 1 over (-1, 1) (one dimension, fixed mu, sigma)
+    grid = torch.linspace(-1 + 1e-6, 1 - 1e-6, 200_001, dtype=torch.float64)
+    mu, sigma = 0.3, 1.5
+    density = torch.distributions.Normal(mu, sigma).log_prob(torch.atanh(grid)).exp() / (1 - grid**2)
+    assert abs(torch.trapezoid(density, grid).item() - 1.0) < 1e-3
+    # deterministic: tanh of the mean, inside the bounds
+    det = policy.sample(obs_batch(200), deterministic=True).output[:, 0]
+    torch.testing.assert_close(det, torch.tensor([1.0, 0.0]) + torch.tensor([1.0, 2.0]) * torch.tanh(policy.net(policy._normalize(obs_batch(200)))))
+
+
+def test_tanh_squash_behaviour_cloning_fits_demo_actions_at_the_bounds():
+    policy = make(squash="tanh")
+    obs = obs_batch(32)
+    actions = torch.tensor([2.0, -2.0]).expand(32, 1, 2)  # both at a bound
+    optimizer = torch.optim.Adam(policy.parameters(), lr=3e-3)
+    first = None
+    for _ in range(150):
+        loss = policy.sft_loss({"obs": obs, "actions": actions})
+        assert torch.isfinite(loss)
+        first = loss.item() if first is None else first
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    det = policy.sample(obs, deterministic=True).output[:, 0]
+    assert loss.item() < first
+    assert bool((det[:, 0] > 1.9).all() and (det[:, 1] < -1.8).all())
+
+
+def test_tanh_squash_needs_finite_bounds():
+    from mmrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="policy.squash"):
+        make({"obs_dim": 5, "action_dim": 2, "action_low": [-math.inf, -1.0], "action_high": [math.inf, 1.0]}, squash="tanh")

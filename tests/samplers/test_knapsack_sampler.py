@@ -186,3 +186,18 @@ def test_knapsack_budgets_in_one_worker_process(tmp_path):
     steps = [r for r in read_metrics(tmp_path / "run") if "budget/group_size" in r]
     assert len(steps) == 4 and max(r["budget/group_size"] for r in steps) > 8
     assert all(r["decisions"] == 48 for r in steps)
+
+
+def test_group_weight_reweights_uneven_groups_only(tmp_path):
+    """``algo.advantage.group_weight: group`` changes the update when knapsack budgets make
+    the groups uneven, and leaves fixed groups bit for bit as they train by default."""
+
+    def weights(budget, mode):
+        out = tmp_path / f"{budget['type']}_{mode}"
+        train(from_dict(TrainConfig, _toy(budget, total_steps=4, algo={"advantage": {"group_weight": mode}})), out)
+        return load_file(str(out / "checkpoints/step_00000004/model.safetensors"))
+
+    same, other = weights({"type": "fixed"}, "sample"), weights({"type": "fixed"}, "group")
+    assert all(torch.equal(same[k], other[k]) for k in same)
+    same, other = weights(KNAPSACK, "sample"), weights(KNAPSACK, "group")
+    assert any(not torch.equal(same[k], other[k]) for k in same)
