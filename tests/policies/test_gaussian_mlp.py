@@ -6,6 +6,7 @@ import torch
 from mmrl.core.statistics import commit_statistics
 
 from mmrl.core.weights import build_policy, load_pretrained, save_pretrained
+from mmrl.errors import ConfigError
 from mmrl.policies.gaussian_mlp import GaussianMLPConfig, GaussianMLPPolicy
 from mmrl.registry import POLICIES
 
@@ -298,7 +299,5 @@ def test_tanh_squash_behaviour_cloning_fits_demo_actions_at_the_bounds():
 
 
 def test_tanh_squash_needs_finite_bounds():
-    from mmrl.errors import ConfigError
-
     with pytest.raises(ConfigError, match="policy.squash"):
         make({"obs_dim": 5, "action_dim": 2, "action_low": [-math.inf, -1.0], "action_high": [math.inf, 1.0]}, squash="tanh")
