@@ -9,7 +9,7 @@ Every run is ``configs/text_arithmetic_grpo.yaml`` (16 prompts x 8 samples a ste
 SFT model (``--init``, default ``runs/text_arithmetic_sft``; trained with
 ``configs/text_arithmetic_sft.yaml`` first when it is missing), on a pool of ``--pool`` train
 problems (the first of ``examples/arithmetic/train.jsonl``) so that each problem comes back
-every pool / 16 updates and has a pass rate to share by; held-out accuracy is on the 200
+every pool / groups_per_step updates and has a pass rate to share by; held-out accuracy is on the 200
 held-out problems, every ``--eval-every`` updates. A variant is NAME=override[,override...];
 the default pair is fixed groups and ``sampler.budget.type=knapsack``. Prints one row per run
 and the mean per variant, and the relative change of the non-zero share against the first
@@ -28,6 +28,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import yaml
 
 from mmrl.train.metrics import read_metrics
 
@@ -74,12 +76,13 @@ def main() -> None:
             metrics = read_metrics(run)
             steps = [r for r in metrics if "adv/nonzero_fraction" in r]
             evals = {r["step"]: r["eval/accuracy"] for r in metrics if "eval/accuracy" in r}
-            samples = 128  # 16 prompts x 8 samples a step, both variants
+            algo = yaml.safe_load((run / "config.yaml").read_text())["algo"]
+            samples = algo["group_size"] * algo["groups_per_step"]  # the step's samples (128 in the shipped config)
             row = {
-                "variant": name, "seed": seed,
+                "variant": name, "seed": seed, "samples_per_step": samples,
                 "nonzero_share": statistics.mean(r["adv/nonzero_fraction"] for r in steps),
-                "nonzero_share_after_epoch": statistics.mean(r["adv/nonzero_fraction"] for r in steps[args.pool // 16 :]),
-                "group_size_spread": statistics.mean(r.get("budget/group_size", 8.0) for r in steps),
+                "nonzero_share_after_epoch": statistics.mean(r["adv/nonzero_fraction"] for r in steps[args.pool // algo["groups_per_step"] :]),
+                "group_size_spread": statistics.mean(r.get("budget/group_size", float(algo["group_size"])) for r in steps),
                 "accuracy": {str(step * samples): acc for step, acc in sorted(evals.items())},
                 "final_accuracy": evals.get(args.updates),
                 # the curve's mean after the start (its area over the samples drawn, per sample):
@@ -92,6 +95,8 @@ def main() -> None:
                   f"mean group size of a sample {row['group_size_spread']:.1f}, held-out accuracy by samples drawn "
                   + " ".join(f"{k}:{v:.3f}" for k, v in row["accuracy"].items()), flush=True)
     print()
+    if len({r["samples_per_step"] for r in rows}) > 1:
+        print("note: the variants draw different samples per step: " + ", ".join(sorted({f"{r['variant']} {r['samples_per_step']}" for r in rows})))
     first = variants[0][0]
     base = statistics.mean(r["nonzero_share_after_epoch"] for r in rows if r["variant"] == first)
     for name, _ in variants:

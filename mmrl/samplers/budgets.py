@@ -53,6 +53,7 @@ class BudgetConfig:
     history: int = option(16, "knapsack: outcomes kept per prompt (its pass rate is their mean)", ge=1)
     min_history: int = option(8, "knapsack: outcomes a prompt needs before its pass rate is used (before that it gets algo.group_size)", ge=1)
     alpha: float = option(0.9, "knapsack: a prompt's cost is the samples that show both outcomes with this probability (see explore)", gt=0, lt=1)
+    value: Literal["paper", "variance"] = option("paper", "knapsack: a prompt's information gain: paper = p(1 - p)^2 (Knapsack RL, weighted to hard prompts); variance = p(1 - p) (hard and nearly solved prompts alike)")
     explore: bool = option(True, "knapsack: samples beyond what the open prompts cost go to the prompts at pass rate 0 (the paper's rule); false: the program shares them all among the open prompts")
 
     def validate(self, path: str) -> None:
@@ -63,9 +64,11 @@ class BudgetConfig:
             raise ConfigError(p + "min_history", self.min_history, f"must be <= history ({self.history})")
 
 
-def budget_value(n: int, p: float) -> float:
-    """V(n, p) = (1 − p^n − (1 − p)^n) · p(1 − p)²."""
-    return (1.0 - p**n - (1.0 - p) ** n) * p * (1.0 - p) ** 2
+def budget_value(n: int, p: float, value: str = "paper") -> float:
+    """V(n, p) = (1 − p^n − (1 − p)^n) · g(p), with the information gain g(p) = p(1 − p)²
+    (``paper``) or p(1 − p) (``variance``)."""
+    gain = p * (1.0 - p) ** 2 if value == "paper" else p * (1.0 - p)
+    return (1.0 - p**n - (1.0 - p) ** n) * gain
 
 
 def sample_cost(p: float, alpha: float) -> float:
@@ -97,7 +100,7 @@ def knapsack_sizes(values: Sequence[Sequence[float]], budget: int) -> list[int]:
     return out
 
 
-def allocate(rates: Sequence[float | None], total: int, default: int, min_size: int, max_size: int, alpha: float = 0.9, explore: bool = True) -> list[int]:
+def allocate(rates: Sequence[float | None], total: int, default: int, min_size: int, max_size: int, alpha: float = 0.9, explore: bool = True, value: str = "paper") -> list[int]:
     """Samples per prompt, summing to ``total`` (the module docstring). ``rates``: each
     prompt's pass rate, None where it is not known (that prompt gets ``default``)."""
     n = len(rates)
@@ -112,7 +115,7 @@ def allocate(rates: Sequence[float | None], total: int, default: int, min_size: 
     if explore and open_ and need < left:  # more than the open prompts need: the surplus explores
         left -= _spread(sizes, zeros or [i for i in range(n) if i not in set(open_)], left - need, max_size)
     if open_ and left > 0:
-        tables = [[budget_value(min_size + e, rates[i]) for e in range(max_size - min_size + 1)] for i in open_]
+        tables = [[budget_value(min_size + e, rates[i], value) for e in range(max_size - min_size + 1)] for i in open_]
         extra = knapsack_sizes(tables, left)
         for i, e in zip(open_, extra):
             sizes[i] += e

@@ -248,7 +248,7 @@ class PromptSampler(Sampler):
     def _allocate(self, index: list[int], group_size: int) -> list[int]:
         """Knapsack sizes of the train records ``index`` from a budget of ``group_size`` each."""
         b = self.config.budget
-        return allocate([self.history.rate(i) for i in index], group_size * len(index), group_size, b.min_size, b.max_size, b.alpha, b.explore)
+        return allocate([self.history.rate(i) for i in index], group_size * len(index), group_size, b.min_size, b.max_size, b.alpha, b.explore, b.value)
 
     def observe(self, rollout: Rollout, reward: Tensor, gather=None) -> None:
         """Knapsack: add the outcome of each scored training sample (a pass when its

@@ -76,6 +76,20 @@ def test_informative_prompts_get_more_and_settled_prompts_the_minimum():
             assert value(other) <= value(sizes) + 1e-12
 
 
+def test_the_variance_gain_treats_hard_and_nearly_solved_prompts_alike():
+    for n, p in [(2, 0.5), (8, 0.125), (32, 0.9)]:
+        assert budget_value(n, p, "variance") == pytest.approx((1 - p**n - (1 - p) ** n) * p * (1 - p), rel=1e-12)
+        assert budget_value(n, p, "variance") == pytest.approx(budget_value(n, 1 - p, "variance"), rel=1e-12)
+    # four prompts that need more than the budget: the paper's gain p(1-p)^2 sends the samples
+    # to the hard prompts, the variance shares them alike between p and 1 - p
+    rates = [0.1, 0.9, 0.2, 0.8]
+    paper = allocate(rates, 32, 8, 1, 32)
+    variance = allocate(rates, 32, 8, 1, 32, value="variance")
+    assert paper[0] > paper[1] and paper[2] > paper[3]
+    assert variance[0] == variance[1] and variance[2] == variance[3]
+    assert sum(paper) == sum(variance) == 32
+
+
 def test_the_surplus_beyond_what_open_prompts_need_explores_prompts_at_zero():
     # one open prompt at p = 0.1 needs ceil(log 0.1 / log 0.9) = 22 samples; 48 are left after
     # the minimums, so 48 - 20 = 28 go to the three prompts at 0
