@@ -102,6 +102,8 @@ def rl_metrics(dist, collected, rollout, adv, update: dict[str, float], filters_
     # equal gives its samples none: what dynamic sampling and knapsack budgets act on)
     nonzero = (adv.reshape(adv.shape[0], -1) != 0).any(1) if adv.numel() else adv.new_zeros(0, dtype=torch.bool)
     out["adv/nonzero_fraction"] = (dist.sum(nonzero.sum()) / max(dist.sum(adv.shape[0]).item(), 1.0)).item()
+    # how many prompts (groups) the step learns from: those with a sample whose advantage is not zero
+    out["adv/informative_groups"] = dist.sum(torch.unique(rollout.group_id[nonzero.to(rollout.group_id.device)]).numel()).item()
     out["decisions"] = dist.sum(rollout.mask.sum()).item()
     if rollout.entropy is not None:
         # the sampling policy's entropy per decision (sharpening or spreading under RL)

@@ -96,9 +96,14 @@ def test_knapsack_budgets_raise_the_share_of_samples_with_a_non_zero_advantage(t
     """Two prompts that always pass give fixed groups nothing to learn from; knapsack gives them
     2 samples each and the rest to the open prompts. Measured over steps 3-8 (the rates exist
     after step 1), seeds 0 and 1: fixed 0.42 / 0.56, knapsack 0.76 / 0.66."""
-    fixed = [_nonzero_share(tmp_path, {"type": "fixed"}, s)[0] for s in (0, 1)]
+    fixed, fixed_runs = zip(*[_nonzero_share(tmp_path, {"type": "fixed"}, s) for s in (0, 1)])
     knapsack, runs = zip(*[_nonzero_share(tmp_path, KNAPSACK, s) for s in (0, 1)])
     assert statistics.mean(knapsack) >= statistics.mean(fixed) + 0.1, (fixed, knapsack)
+    # the prompts a step learns from: with fixed groups of 8 a mixed group's samples are all
+    # non-zero (pass/fail rewards), so 8 per informative group; knapsack's are among its 6
+    assert all(r["adv/informative_groups"] * 8 == round(r["adv/nonzero_fraction"] * 48) for run in fixed_runs for r in run)
+    assert all(0 <= r["adv/informative_groups"] <= 6 for run in runs for r in run)
+    assert any(r["adv/informative_groups"] > 0 for run in runs for r in run)
     # the groups were uneven, and each step still drew its 48 samples
     assert max(r["budget/group_size"] for r in runs[0]) > 8
     assert all(r["decisions"] == 48 for run in runs for r in run)
