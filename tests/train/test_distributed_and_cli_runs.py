@@ -127,7 +127,7 @@ def test_knapsack_budgets_with_two_processes_match_one_process(tmp_path):
     ra, rb = [r for r in ra if "budget/group_size" in r], [r for r in rb if "budget/group_size" in r]
     assert max(r["budget/group_size"] for r in ra) > 4  # the groups were uneven
     assert len(ra) == len(rb) == 5
-    for key in ("budget/group_size", "filter/kept_fraction", "reward/total", "decisions", "loss/policy", "grad_norm"):
+    for key in ("budget/group_size", "filter/kept_fraction", "reward/total", "decisions", "adv/informative_groups", "loss/policy", "grad_norm"):
         for x, y in zip(ra, rb):
             assert (key in x) == (key in y), key  # a step whose filter kept nothing has no loss
             assert key not in x or math.isclose(x[key], y[key], rel_tol=1e-9, abs_tol=1e-12), (key, x[key], y[key])
