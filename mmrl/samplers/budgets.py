@@ -67,6 +67,8 @@ class BudgetConfig:
 def budget_value(n: int, p: float, value: str = "paper") -> float:
     """V(n, p) = (1 − p^n − (1 − p)^n) · g(p), with the information gain g(p) = p(1 − p)²
     (``paper``) or p(1 − p) (``variance``)."""
+    if value not in ("paper", "variance"):
+        raise ValueError(f"value {value!r}: must be 'paper' or 'variance'")
     mixed = 1.0 - p**n - (1.0 - p) ** n
     # this order of the products is what the benchmarks ran: the program's ties, and so the
     # runs, follow the last bit of these values

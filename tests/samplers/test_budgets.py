@@ -88,6 +88,8 @@ def test_the_variance_gain_treats_hard_and_nearly_solved_prompts_alike():
     assert paper[0] > paper[1] and paper[2] > paper[3]
     assert variance[0] == variance[1] and variance[2] == variance[3]
     assert sum(paper) == sum(variance) == 32
+    with pytest.raises(ValueError, match="'paper' or 'variance'"):
+        budget_value(8, 0.5, "varience")
 
 
 def test_the_surplus_beyond_what_open_prompts_need_explores_prompts_at_zero():
