@@ -7,8 +7,9 @@ against samples drawn.
 
 Every run is ``configs/text_arithmetic_grpo.yaml`` (16 prompts x 8 samples a step) from the same
 SFT model (``--init``, default ``runs/text_arithmetic_sft``; trained with
-``configs/text_arithmetic_sft.yaml`` first when it is missing), on a pool of ``--pool`` train
-problems (the first of ``examples/arithmetic/train.jsonl``) so that each problem comes back
+``configs/text_arithmetic_sft.yaml`` first when it is missing; a checkpoint directory of it
+also works), on a pool of ``--pool`` train problems (the first of ``--pool-from``, default
+``examples/arithmetic/train.jsonl``) so that each problem comes back
 every pool / groups_per_step updates and has a pass rate to share by; held-out accuracy is on the 200
 held-out problems, every ``--eval-every`` updates. A variant is NAME=override[,override...];
 the default pair is fixed groups and ``sampler.budget.type=knapsack``. Prints one row per run
@@ -46,8 +47,9 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--updates", type=int, default=50)
     ap.add_argument("--pool", type=int, default=128, help="train problems the runs draw from")
+    ap.add_argument("--pool-from", default="examples/arithmetic/train.jsonl", help="the problems the pool is the first --pool of")
     ap.add_argument("--eval-every", type=int, default=10)
-    ap.add_argument("--init", default="runs/text_arithmetic_sft", help="the SFT run every run starts from")
+    ap.add_argument("--init", default="runs/text_arithmetic_sft", help="the SFT run (or one of its checkpoints) every run starts from")
     ap.add_argument("--variant", action="append", help="NAME=override[,override...] (repeatable)")
     ap.add_argument("--work", default=None, help="folder for the runs (default: a temporary one)")
     ap.add_argument("--out", default=None, help="write the per-run rows here (JSON)")
@@ -55,12 +57,14 @@ def main() -> None:
     variants = [(v.split("=", 1)[0], [o for o in v.split("=", 1)[1].split(",") if o]) for v in (args.variant or DEFAULT_VARIANTS)]
 
     init = ROOT / args.init
-    if not (init / "checkpoints").exists():
+    if not (init / "checkpoints").exists() and not (init / "model.safetensors").exists():
+        if init.exists() and any(init.iterdir()):
+            ap.error(f"--init: {args.init} holds neither a run's checkpoints nor a model.safetensors")
         mmrl("train", "configs/text_arithmetic_sft.yaml", "log.progress=false", "--run-dir", str(init))
-    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="knapsack_"))
+    work = Path(args.work).resolve() if args.work else Path(tempfile.mkdtemp(prefix="knapsack_"))
     work.mkdir(parents=True, exist_ok=True)
     pool = work / "pool.jsonl"
-    lines = (ROOT / "examples/arithmetic/train.jsonl").read_text().splitlines()[: args.pool]
+    lines = (ROOT / args.pool_from).read_text().splitlines()[: args.pool]
     pool.write_text("\n".join(lines) + "\n")
 
     rows = []
