@@ -104,8 +104,9 @@ class GaeConfig(AdvantageConfig):
     type: str = option("gae", "advantage estimator (mmrl list advantages)")
     level: Literal["sequence", "step"] = option("step", "gae is per decision: step")
     lam: float = option(0.95, "GAE's λ: 0 = one-step TD errors, 1 = Monte Carlo returns minus the value", ge=0, le=1)
-    normalize: Literal["batch", "group", "none"] = option(
-        "batch", "scale of the advantages: batch = centred and scaled over the batch's valid decisions (PPO's usual), group = over each group's (group-normalized GAE), none = as estimated"
+    normalize: Literal["batch", "minibatch", "group", "none"] = option(
+        "batch",
+        "scale of the advantages: batch = centred and scaled over the batch's valid decisions; minibatch = over each minibatch's, in the policy-gradient loss before each optimizer step (CleanRL's, Stable-Baselines3's and ManiSkill's PPO); group = over each group's (group-normalized GAE); none = as estimated",
     )
     eps: float = option(1e-8, "added to the std of the normalization", gt=0)
     bootstrap_truncated: bool = option(
@@ -135,7 +136,8 @@ def gae(
     ``rewards`` [B, T] per decision, ``values`` [B, T] the critic's, ``mask`` [B, T],
     ``bootstrap`` [B] the values after the last decisions (None: 0; the learner passes the
     final observations' values of truncated episodes when ``bootstrap_truncated``). Returns
-    (A [B, T], keep [B]) after ``normalize`` (batch, group or none) and, as a third item, the
+    (A [B, T], keep [B]) after ``normalize`` (batch, group or none; minibatch is left to the
+    loss) and, as a third item, the
     critic's targets R [B, T] (before normalization)."""
     adv, returns = generalized_advantages(rewards, values, mask, gamma, lam, bootstrap)
     valid = mask > 0
@@ -144,6 +146,7 @@ def gae(
     elif normalize == "group":
         index, _ = _groups(group_id)
         adv = _normalize_by(adv, valid, index, eps)
+    # minibatch: as estimated here; the loss scales each minibatch's (distributed.normalizers)
     return adv, valid.any(1), returns
 
 

@@ -38,7 +38,7 @@ def batch_gradient(trainer: Trainer, step: int) -> tuple[dict[str, torch.Tensor]
     adv = targets.adv = targets.adv[:, None] if targets.adv.dim() == 1 else targets.adv
     model = trainer.learner.model
     model.zero_grad(set_to_none=True)
-    loss = trainer.learner.loss(model, rollout, targets, trainer.learner.normalizers(rollout), at_sampling_weights=True).loss
+    loss = trainer.learner.loss(model, rollout, targets, trainer.learner.normalizers(rollout, targets), at_sampling_weights=True).loss
     loss.backward()
     grads = {n: p.grad.detach().flatten().cpu().clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)

@@ -77,14 +77,25 @@ def local_rows(global_rows: Tensor, start: int, count: int) -> Tensor:
     return global_rows[mine] - start
 
 
-def normalizers(dist, mb, aggregation) -> dict:
-    """The aggregation's normalizers for minibatch ``mb`` (this process's rows): token count,
-    sequence count and length, over all processes. Each process divides by (global count /
-    processes), so the distributed wrapper's gradient average equals one process's loss on
-    the whole batch."""
-    return {
+def normalizers(dist, mb, algo, targets=None) -> dict:
+    """The normalizers of minibatch ``mb`` (this process's rows) under the ``algo`` section:
+    the aggregation's token count, sequence count and length, over all processes. Each process
+    divides by (global count / processes), so the distributed wrapper's gradient average
+    equals one process's loss on the whole batch. With ``algo.advantage.normalize:
+    minibatch`` and ``targets`` (``mb``'s), also ``adv_shift`` and ``adv_scale``: the mean
+    and std (+ eps) of the advantages over the minibatch's valid decisions on all processes,
+    float64, which the policy-gradient loss applies."""
+    out = {
         # a minibatch without valid decisions (e.g. all truncated) gives loss 0, not 0/0
         "num_tokens": max(dist.sum(mb.mask.sum()).item(), 1.0) / dist.world,
         "num_seqs": dist.sum(mb.batch_size).item() / dist.world,
-        "max_len": getattr(aggregation, "max_len", None) or dist.max(mb.mask.shape[1]),
+        "max_len": getattr(algo.aggregation, "max_len", None) or dist.max(mb.mask.shape[1]),
     }
+    if targets is not None and getattr(algo.advantage, "normalize", None) == "minibatch":
+        adv, valid = targets.adv.double(), (mb.mask > 0).double()
+        adv = adv[:, None].expand_as(valid) if adv.dim() == 1 else adv
+        count = max(dist.sum(valid.sum()).item(), 1.0)
+        shift = dist.sum((adv * valid).sum()) / count
+        out["adv_shift"] = shift
+        out["adv_scale"] = (dist.sum(((adv - shift) * valid).square().sum()) / count).sqrt() + algo.advantage.eps
+    return out

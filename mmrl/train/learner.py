@@ -212,8 +212,8 @@ class Learner:
             source.old = source.old.with_(values=rollout.old.values.to(source.old.values.device), deferred=rollout.old.deferred)
         return out
 
-    def normalizers(self, mb: Rollout) -> dict[str, Any]:
-        return normalizers(self.dist, mb, self.cfg.algo.aggregation)
+    def normalizers(self, mb: Rollout, targets: Targets | None = None) -> dict[str, Any]:
+        return normalizers(self.dist, mb, self.cfg.algo, targets)
 
     def _minibatch_step(self, mb: Rollout, targets: Targets, spare: Rollout, step: int, at_sampling_weights: bool = False, rows: torch.Tensor | None = None):
         """One optimizer step of the loss on this process's rows ``mb`` of a global minibatch,
@@ -222,7 +222,7 @@ class Learner:
         (None, None when ``algo.target_kl`` stops the update before this step) and, with
         ``at_sampling_weights``, the detached log-probs of the rows that ran."""
         cfg = self.cfg.algo
-        norm = self.normalizers(mb)
+        norm = self.normalizers(mb, targets)
         if rows is not None and not bool(rows.all()):
             mb, targets = mb[rows], targets[rows]
         # a reused sampling graph is backpropagated once, whole: one piece

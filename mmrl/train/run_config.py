@@ -131,6 +131,11 @@ class AlgoConfig:
             value = getattr(self.advantage, field)
             if value != default and (self.advantage.level != "step" or traits.get("needs_values", False)):
                 raise ConfigError(p + f"advantage.{field}", value, "shapes the group-relative step-level advantage: needs level: step with a group-relative advantage (grpo, rloo, ...)")
+        if getattr(self.advantage, "normalize", None) == "minibatch":
+            if self.loss.type != "policy_gradient":
+                raise ConfigError(p + "advantage.normalize", "minibatch", f"is applied by the policy_gradient loss, and algo.loss.type is {self.loss.type!r}: use batch, group or none")
+            if self.self_imitation.size > 0:
+                raise ConfigError(p + "advantage.normalize", "minibatch", "self-imitation keeps the batch's advantages, which minibatch leaves unscaled: use batch, or self_imitation.size 0")
         if self.advantage.step_reward_gate is not None and not trains_on_step_rewards(self.advantage):
             raise ConfigError(
                 p + "advantage.step_reward_gate", self.advantage.step_reward_gate,

@@ -3,6 +3,7 @@ through the trainer — learning, N processes = 1 process, exact resume, and the
 errors where it cannot run."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -111,11 +112,13 @@ def test_a_run_with_a_critic_resumes_exactly(tmp_path):
 
 
 @pytest.mark.numerics
-def test_the_critic_with_two_processes_matches_one_process(tmp_path, write_config):
-    """Values, advantages (normalized over the global batch), the value loss's global
-    normalizer and the gradient all-reduce: two processes end with one's policy, critic and
-    metrics (float32, as the robot-configuration test)."""
-    data = gae_config(total_steps=3, checkpoint={"every": 3}, algo={**GAE, "num_minibatches": 2}, eval={"at_start": False, "at_end": False})
+@pytest.mark.parametrize("normalize", ["batch", "minibatch"])
+def test_the_critic_with_two_processes_matches_one_process(tmp_path, write_config, normalize):
+    """Values, advantages (normalized over the global batch, or over each global minibatch),
+    the value loss's global normalizer and the gradient all-reduce: two processes end with
+    one's policy, critic and metrics (float32, as the robot-configuration test)."""
+    algo = {**GAE, "num_minibatches": 2, "advantage": {**GAE["advantage"], "normalize": normalize}}
+    data = gae_config(total_steps=3, checkpoint={"every": 3}, algo=algo, eval={"at_start": False, "at_end": False})
     ra, rb = _one_and_two_processes(tmp_path, write_config(data), 29537)
     for name in ("model.safetensors",):
         a, b = load_file(str(tmp_path / "one/checkpoints/step_00000003" / name)), load_file(str(tmp_path / "two/checkpoints/step_00000003" / name))
@@ -131,10 +134,60 @@ def test_the_critic_with_two_processes_matches_one_process(tmp_path, write_confi
                 assert math.isclose(x[key], y[key], rel_tol=1e-5, abs_tol=1e-6), (x["step"], key, x[key], y[key])
 
 
+def _minibatch_gae(**algo) -> dict:
+    return gae_config(total_steps=1, algo={**GAE, "advantage": {**GAE["advantage"], "normalize": "minibatch"}, **algo}, eval={"at_start": False, "at_end": False})
+
+
+def test_minibatch_normalization_scales_each_minibatch_by_its_own_statistics(tmp_path):
+    """``normalize: minibatch`` (CleanRL's and ManiSkill's PPO): the advantages stay as GAE
+    estimates them, and each minibatch's loss sees them centred and scaled by that
+    minibatch's mean and std over its valid decisions, computed here again in float64 by
+    hand. The loss is the one of those scaled advantages handed in directly, at ratio 1 to
+    float32 rounding of one subtraction and one division."""
+    trainer = Trainer(from_dict(TrainConfig, _minibatch_gae(num_minibatches=4)), tmp_path / "run")
+    collected = trainer.engine.collect(0, trainer.learner.version)
+    targets, keep = trainer.learner.advantage_stage(collected.rollout, trainer.learner.model)
+    rollout = collected.rollout.with_(mask=trainer.learner.train_mask(collected.rollout, keep))
+    valid = rollout.mask.cpu() > 0
+    raw = targets.adv[valid].double()
+    assert abs(raw.mean()) > 1e-3 or abs(raw.std(correction=0) - 1) > 1e-3  # not normalized over the batch
+    loss = trainer.learner.loss
+    assert not loss.zero_at_zero_advantage  # scaling moves a zero advantage: no row is skipped
+    for idx in torch.arange(rollout.batch_size).chunk(4):
+        mb, mt = rollout[idx], targets[idx]
+        norm = trainer.learner.normalizers(mb, mt)
+        a = mt.adv[mb.mask.cpu() > 0].double()
+        assert math.isclose(norm["adv_shift"].item(), a.mean().item(), rel_tol=1e-12, abs_tol=1e-15)
+        assert math.isclose(norm["adv_scale"].item(), a.std(correction=0).item() + 1e-8, rel_tol=1e-12)
+        scaled = replace(mt, adv=((mt.adv.double() - a.mean()) / (a.std(correction=0) + 1e-8)).float())
+        plain = {k: v for k, v in norm.items() if not k.startswith("adv_")}
+        got = loss(trainer.learner.model, mb, mt, norm, at_sampling_weights=True).loss
+        want = loss(trainer.learner.model, mb, scaled, plain, at_sampling_weights=True).loss
+        assert math.isclose(got.item(), want.item(), rel_tol=1e-5), (got, want)
+
+
+def test_minibatch_normalization_with_one_minibatch_trains_as_batch_normalization(tmp_path):
+    """One minibatch is the whole batch: two updates with ``minibatch`` end at the weights of
+    ``batch`` (float32 summation order differs, so to the two-process test's tolerance), and
+    with four minibatches they end elsewhere."""
+    runs = {}
+    for name, normalize, minibatches in (("batch", "batch", 1), ("one", "minibatch", 1), ("four", "minibatch", 4)):
+        data = _minibatch_gae(num_minibatches=minibatches)
+        data.update(total_steps=2, checkpoint={"every": 2})
+        data["algo"]["advantage"]["normalize"] = normalize
+        train(from_dict(TrainConfig, data), tmp_path / name)
+        runs[name] = load_file(str(tmp_path / name / "checkpoints/step_00000002/model.safetensors"))
+    for k in runs["batch"]:
+        torch.testing.assert_close(runs["one"][k], runs["batch"][k], rtol=1e-5, atol=1e-6)
+    assert any(not torch.allclose(runs["four"][k], runs["batch"][k], rtol=1e-3, atol=1e-4) for k in runs["batch"])
+
+
 @pytest.mark.parametrize(
     ("data", "field", "message"),
     [
         (point_reach_config(algo={"advantage": {"type": "gae"}}), "critic.type", "algo.advantage.type gae learns a value baseline"),
+        (_minibatch_gae(loss={"type": "nft"}), "algo.advantage.normalize", "is applied by the policy_gradient loss"),
+        (_minibatch_gae(self_imitation={"size": 64}), "algo.advantage.normalize", "self-imitation keeps the batch's advantages"),
         (point_reach_config(critic={"type": "mlp"}), "critic.type", "nothing reads its values"),
         (toy(algo={"advantage": {"type": "gae"}}, critic={"type": "mlp"}), "algo.advantage.type", "GAE runs over the decisions of env episodes"),
     ],

@@ -1,5 +1,6 @@
 """``policy_gradient``: the clipped-ratio family of section 3 as one loss module — the
-objective (``algo.objective``) over the forward's log-probs and the old ones, an off-policy
+objective (``algo.objective``) over the forward's log-probs and the old ones (with GAE's
+``normalize: minibatch``, on advantages scaled by the minibatch's statistics), an off-policy
 correction's stop-gradient weights (``algo.correction``), the aggregation
 (``algo.aggregation``), the KL to the reference in the loss (``algo.kl``) and, with a
 critic, its value loss."""
@@ -51,8 +52,9 @@ class PolicyGradient(Loss):
         self.correction_fn = entry.obj if entry.traits.get("needs_behaviour", False) else None
         self.correction_options = {**own_options(algo.correction, CorrectionConfig), "log_ratio_clamp": algo.correction.log_ratio_clamp}
         self.objective_options = {**own_options(algo.objective, ObjectiveConfig), "log_ratio_clamp": algo.objective.log_ratio_clamp}
-        # exactly 0 where every advantage is 0 (the objective says so), unless a KL term adds to it
-        self.zero_at_zero_advantage = getattr(self.objective_fn, "zero_at_zero_advantage", False) and not algo.kl.in_loss_term
+        # exactly 0 where every advantage is 0 (the objective says so), unless a KL term adds to
+        # it or the minibatch's normalization moves that 0
+        self.zero_at_zero_advantage = getattr(self.objective_fn, "zero_at_zero_advantage", False) and not algo.kl.in_loss_term and getattr(algo.advantage, "normalize", None) != "minibatch"
         self.needs_proximal = getattr(self.objective_fn, "needs_proximal", False) and not sampling_graph
 
     def __call__(self, model, batch, targets: Targets, norm: dict, at_sampling_weights: bool = False) -> LossOutput:
@@ -60,6 +62,9 @@ class PolicyGradient(Loss):
         i.e. every ratio is 1: the gradient of a first PPO step."""
         algo = self.algo
         mask, adv = batch.mask, targets.adv
+        if "adv_shift" in norm:  # algo.advantage.normalize: minibatch, over the whole minibatch
+            norm = dict(norm)
+            adv = (adv - norm.pop("adv_shift").to(adv)) / norm.pop("adv_scale").to(adv)
         kl = None
         sampled = {"sampled_logp": batch.old.graph} if self.sampling_graph else {}
         value = {"value": True} if self.critic is not None else {}  # the values come from the same forward
