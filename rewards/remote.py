@@ -12,7 +12,9 @@ in the order of ``samples``. What a sample carries is what its rollout has
 (:func:`encode_samples`); :func:`decode_samples` turns a request's samples back into a
 :class:`~mmrl.core.rollout.Rollout` that mmrl's own rewards score.
 
-A request that fails (no connection, a timeout, HTTP 5xx, 408 or 429) is sent again after an
+Each attempt of a request has ``timeout_s`` in all, to connect, send and read the whole answer:
+a scorer that answers slowly (a byte at a time) fails at that deadline as one that does not
+answer. A request that fails (no connection, a timeout, HTTP 5xx, 408 or 429) is sent again after an
 exponential back-off; after the last attempt, and at once for an answer that is not one
 finite score per sample, the reward raises :class:`RemoteRewardError`, one line naming the
 URL and the cause, and the run stops as for any reward that raises (the last checkpoint is
@@ -22,7 +24,9 @@ left intact).
 from __future__ import annotations
 
 import base64
+import functools
 import http.client
+import io
 import json
 import math
 import os
@@ -68,7 +72,7 @@ class RemoteRewardConfig(RewardConfig):
 
     type: str = option("remote", "registered name of this component (see `mmrl list`)")
     url: str = option("", "the scorer's endpoint (http:// or https://); every request is a POST of JSON there (docs/reward_models.md, 'Rewards served over HTTP')")
-    timeout_s: float = option(60.0, "seconds a request waits to connect and for each read of the answer before it counts as failed", gt=0.0)
+    timeout_s: float = option(60.0, "seconds one attempt of a request may take in all (connect, send, read the whole answer) before it counts as failed", gt=0.0)
     retries: int = option(3, "further attempts of a request that failed (no connection, timeout, HTTP 5xx, 408 or 429); 0 = one attempt", ge=0)
     backoff_s: float = option(1.0, "seconds before the first retry; each next retry waits twice as long as the one before", ge=0.0)
     batch_size: int | None = option(None, "most samples per request, whole groups together where they fit (a larger group is split); null = a rollout in one request", ge=1)
@@ -331,12 +335,108 @@ def _failure(error: BaseException, timeout_s: float) -> str:
         return _one_line(f"HTTP {error.code} {error.reason}" + (f": {body}" if str(body).strip() else ""))
     reason = error.reason if isinstance(error, urllib.error.URLError) else error
     if isinstance(reason, (TimeoutError, socket.timeout)):
-        return f"no answer within timeout_s={timeout_s:g} s"
+        return f"no complete answer within timeout_s={timeout_s:g} s"
     if isinstance(reason, ConnectionRefusedError):
         return "connection refused (is the scorer running?)"
     if isinstance(reason, OSError) and reason.strerror:
         return _one_line(reason.strerror)
     return _one_line(f"{type(reason).__name__}: {reason}" if str(reason) else type(reason).__name__)
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A socket's answer stream whose every read waits at most until ``deadline`` (monotonic
+    seconds): a server that trickles its answer a byte at a time ends at the deadline, where a
+    socket timeout alone would restart its wait at each byte."""
+
+    def __init__(self, sock: socket.socket, deadline: float):
+        super().__init__()
+        self.sock, self.deadline = sock, deadline
+        self.raw = sock.makefile("rb", buffering=0)  # holds the socket open until this stream closes, as http.client expects
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        self.sock.settimeout(_remaining(self.deadline))
+        return self.raw.readinto(buffer)
+
+    def close(self) -> None:
+        self.raw.close()
+        super().close()
+
+
+def _remaining(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the request's deadline passed")
+    return left
+
+
+class _DeadlineSocket:
+    """A connected socket whose sends and answer reads end at ``deadline``; otherwise the socket."""
+
+    def __init__(self, sock: socket.socket, deadline: float):
+        self._sock, self._deadline = sock, deadline
+
+    def sendall(self, data) -> None:
+        self._sock.settimeout(_remaining(self._deadline))  # since Python 3.5 a timeout bounds the whole sendall
+        self._sock.sendall(data)
+
+    def makefile(self, mode: str = "r", *args, **kwargs):
+        if mode != "rb":
+            return self._sock.makefile(mode, *args, **kwargs)
+        return io.BufferedReader(_DeadlineReader(self._sock, self._deadline))
+
+    def __getattr__(self, name: str):
+        return getattr(self._sock, name)
+
+
+class _DeadlineConnection:
+    """Mixed into http.client's connections: connect within what is left of ``deadline``, and
+    every later send and read within it too."""
+
+    def __init__(self, *args, deadline: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.deadline = deadline
+
+    def connect(self) -> None:
+        self.timeout = _remaining(self.deadline)
+        super().connect()
+        self.sock = _DeadlineSocket(self.sock, self.deadline)
+
+
+class _DeadlineHTTP(_DeadlineConnection, http.client.HTTPConnection):
+    pass
+
+
+class _DeadlineHTTPS(_DeadlineConnection, http.client.HTTPSConnection):
+    pass
+
+
+class _DeadlineHandler:
+    """Mixed into urllib's HTTP(S) handlers: the connection ends at the request's ``deadline``
+    (proxies from the environment, redirects and TLS stay urllib's)."""
+
+    def do_open(self, http_class, req, **kwargs):
+        deadline_class = _DeadlineHTTPS if issubclass(http_class, http.client.HTTPSConnection) else _DeadlineHTTP
+        return super().do_open(functools.partial(deadline_class, deadline=req.deadline), req, **kwargs)
+
+
+class _DeadlineHTTPHandler(_DeadlineHandler, urllib.request.HTTPHandler):
+    pass
+
+
+class _DeadlineHTTPSHandler(_DeadlineHandler, urllib.request.HTTPSHandler):
+    pass
+
+
+def _post(url: str, body: bytes, headers: dict[str, str], timeout_s: float) -> bytes:
+    """The answer to one POST, all of it within ``timeout_s`` seconds from now (else TimeoutError)."""
+    deadline = time.monotonic() + timeout_s
+    request = urllib.request.Request(url, data=body, headers=headers, method="POST")
+    request.deadline = deadline
+    with urllib.request.build_opener(_DeadlineHTTPHandler, _DeadlineHTTPSHandler).open(request, timeout=timeout_s) as response:
+        return response.read()
 
 
 def check_scores(answer: Any, n: int, url: str) -> list[float]:
@@ -386,10 +486,8 @@ class RemoteReward(Reward):
             if attempt:
                 time.sleep(cfg.backoff_s * 2 ** (attempt - 1))
             self.requests += 1
-            request = urllib.request.Request(cfg.url, data=body, headers=self.headers, method="POST")
             try:
-                with urllib.request.urlopen(request, timeout=cfg.timeout_s) as response:
-                    raw = response.read()
+                raw = _post(cfg.url, body, self.headers, cfg.timeout_s)
             except urllib.error.HTTPError as e:
                 cause = _failure(e, cfg.timeout_s)
                 if e.code not in RETRIED_STATUS:

@@ -5,6 +5,7 @@ config's rewards over the same protocol (docs/reward_models.md, "Rewards served 
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 import urllib.error
@@ -192,8 +193,66 @@ def test_a_scorer_that_does_not_answer_in_time_is_a_timeout_naming_the_url():
         start = time.monotonic()
         message = one_line_error(url, rollout, timeout_s=0.2, retries=1, backoff_s=0.05)
         assert time.monotonic() - start < 1.5  # two attempts of 0.2 s, not the scorer's 2 s
-        assert message.endswith(f"{url}: no answer after 2 attempts: no answer within timeout_s=0.2 s")
+        assert message.endswith(f"{url}: no answer after 2 attempts: no complete answer within timeout_s=0.2 s")
         assert httpd.attempts == 2
+
+
+@contextmanager
+def trickling(answer: bytes, seconds_per_byte: float):
+    """A scorer on 127.0.0.1 that reads each request and sends ``answer`` (a whole HTTP
+    response) one byte at a time; yields its URL and the bytes sent so far."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    sent = [0]
+
+    def serve():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # the listener closed: the test is over
+                return
+            with conn:
+                conn.settimeout(5)
+                request = b""
+                while b"\r\n\r\n" not in request:
+                    request += conn.recv(65536)
+                head, _, body = request.partition(b"\r\n\r\n")
+                length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+                while len(body) < length:
+                    body += conn.recv(65536)
+                try:
+                    for i in range(len(answer)):
+                        conn.sendall(answer[i : i + 1])
+                        sent[0] += 1
+                        time.sleep(seconds_per_byte)
+                except OSError:  # the client gave up
+                    pass
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}/score", sent
+    finally:
+        listener.close()
+
+
+def http_answer(body: bytes) -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
+
+
+def test_a_scorer_that_trickles_its_answer_fails_at_the_requests_deadline_not_per_byte():
+    rollout = image_rollout(images(2), group_size=2)
+    with trickling(http_answer(scores([0.0, 0.0])), seconds_per_byte=0.1) as (url, sent):  # ~10 s for the whole answer
+        start = time.monotonic()
+        message = one_line_error(url, rollout, timeout_s=1.0, retries=0)
+        elapsed = time.monotonic() - start
+    assert elapsed < 3.0, elapsed  # the deadline, although a byte came every 0.1 s (well within 1 s per read)
+    assert sent[0] >= 3
+    assert message.endswith(f"{url}: no answer after 1 attempt (retries: 0): no complete answer within timeout_s=1 s")
+
+
+def test_a_slow_answer_that_completes_within_the_deadline_is_scored():
+    rollout = image_rollout(images(2), group_size=2)
+    with trickling(http_answer(scores([0.25, 0.75])), seconds_per_byte=0.002) as (url, _):
+        assert reward("remote", url=url, **{**FAST, "timeout_s": 5.0})(rollout).tolist() == [0.25, 0.75]
 
 
 def test_http_500_is_retried_with_backoff_then_one_line_naming_the_url_and_the_cause(monkeypatch):
