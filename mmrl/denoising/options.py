@@ -23,6 +23,7 @@ one kind of output (ε or v) checks ``transition`` against what it supports.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -108,9 +109,11 @@ class DenoisingOptions:
             raise ConfigError(p + "sde_diffusion", self.sde_diffusion, f"only flow_sde has an SDE diffusion to choose (transition is {self.transition}); leave it at flow_grpo")
         if self.transition == "flow_cps" and self.noise_level > 1:
             raise ConfigError(p + "noise_level", self.noise_level, "flow_cps needs a noise level in (0, 1]")
+        if self.time_shift == math.inf:
+            raise ConfigError(p + "time_shift", self.time_shift, "must be a finite number > 0 (an infinite shift puts every sigma at 1)")
         lo_hi = self.noise_std_range
-        if len(lo_hi) != 2 or not 0 < lo_hi[0] <= lo_hi[1]:
-            raise ConfigError(p + "noise_std_range", lo_hi, "expected [lo, hi] with 0 < lo <= hi")
+        if len(lo_hi) != 2 or not 0 < lo_hi[0] <= lo_hi[1] < math.inf:
+            raise ConfigError(p + "noise_std_range", lo_hi, "expected [lo, hi] with 0 < lo <= hi, both finite")
         clamp = self.logp_element_clamp
         if clamp is not None and (len(clamp) != 2 or not clamp[0] < clamp[1]):
             raise ConfigError(p + "logp_element_clamp", clamp, "expected [lo, hi] with lo < hi, or null")

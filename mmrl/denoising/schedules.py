@@ -75,8 +75,8 @@ def flow_sigmas(num_steps: int, shift: float = 1.0) -> Tensor:
     """
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-    if shift <= 0:
-        raise ValueError(f"shift must be > 0, got {shift}")
+    if not 0 < shift < math.inf:
+        raise ValueError(f"shift must be a finite number > 0, got {shift}")
     sigmas = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
     return shift * sigmas / (1 + (shift - 1) * sigmas)
 
@@ -97,9 +97,11 @@ def resolution_shift(
         raise ValueError(f"max_seq_len must differ from base_seq_len ({base_seq_len})")
     m = (max_shift - base_shift) / (max_seq_len - base_seq_len)
     mu = image_seq_len * m + (base_shift - m * base_seq_len)
+    if shift_type == "exponential" and mu > math.log(torch.finfo(torch.float64).max):
+        raise ValueError(f"e^mu overflows a float (mu = {mu:.4g})")
     shift = math.exp(mu) if shift_type == "exponential" else mu
-    if shift <= 0:
-        raise ValueError(f"the shift must be > 0, got {shift} (mu = {mu}, {shift_type})")
+    if not shift > 0:
+        raise ValueError(f"the shift must be > 0, got {shift} (mu = {mu:.4g}, {shift_type})")
     return shift
 
 

@@ -137,7 +137,7 @@ class ImageDiffusionConfig(PolicyConfig):
     max_t5_tokens: int = option(256, "SD3 with a T5 encoder (text_encoder_3/), FLUX (text_encoder_2/): prompts are padded / truncated to this many T5 tokens (StableDiffusion3Pipeline's and FluxPipeline's max_sequence_length: 256 for SD3 and FLUX.1-schnell, 512 (the most) for FLUX.1-dev)", ge=1)
     resolution: list[int] | None = option(
         None,
-        "FLUX: [height, width] of the generated images in pixels, each a multiple of twice the VAE's downsampling (16 for FLUX.1: 8x VAE, 2x2 latent packing); null = FluxPipeline's default 1024 x 1024. Other denoisers generate at their sample_size and take null",
+        "FLUX: [height, width] of the generated images in pixels, each a multiple of twice the VAE's downsampling (16 for FLUX.1: 8x VAE, 2x2 latent packing); null = FluxPipeline's default, 128 x the VAE's downsampling a side (1024 x 1024 for FLUX.1). Other denoisers generate at their sample_size and take null",
     )
     flux_guidance: float | None = option(
         None,

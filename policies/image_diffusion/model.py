@@ -766,7 +766,8 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         The guidance embedding of a guidance-distilled transformer (``guidance_embeds``) takes
         ``flux_guidance``."""
         config = self.config
-        height, width = config.resolution or (1024, 1024)  # FluxPipeline: default_sample_size 128 x vae_scale_factor 8
+        default = FLUX_SAMPLE_SIZE * self.vae_factor  # FluxPipeline: default_sample_size x vae_scale_factor (1024 for FLUX.1)
+        height, width = config.resolution or (default, default)
         multiple = 2 * self.vae_factor
         if height % multiple or width % multiple:
             raise ConfigError("policy.resolution", [height, width], f"each must be a multiple of {multiple} (the VAE's {self.vae_factor}x downsampling, then 2 x 2 packing)")
@@ -785,10 +786,16 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         self.flux_guidance = (3.5 if config.flux_guidance is None else float(config.flux_guidance)) if distilled else None
         scheduler = scheduler or {}
         if scheduler.get("use_dynamic_shifting"):
-            self.flow_shift = resolution_shift(
-                tokens_h * tokens_w, scheduler.get("base_image_seq_len", 256), scheduler.get("max_image_seq_len", 4096),
-                scheduler.get("base_shift", 0.5), scheduler.get("max_shift", 1.15), scheduler.get("time_shift_type", "exponential"),
-            )
+            seq_lens = scheduler.get("base_image_seq_len", 256), scheduler.get("max_image_seq_len", 4096)
+            shifts = scheduler.get("base_shift", 0.5), scheduler.get("max_shift", 1.15)
+            try:
+                self.flow_shift = resolution_shift(tokens_h * tokens_w, *seq_lens, *shifts, scheduler.get("time_shift_type", "exponential"))
+            except ValueError as e:
+                raise ConfigError(
+                    "policy.resolution", config.resolution or [height, width],
+                    f"{tokens_h * tokens_w} image tokens give no time shift under the scheduler's dynamic shifting (image_seq_len {list(seq_lens)}, shift {list(shifts)}): {e}; "
+                    f"choose a resolution nearer {default} x {default} (FluxPipeline's default for this VAE)",
+                ) from None
 
     @property
     def denoising(self) -> DenoisingOptions:

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from mmrl.denoising import alphas_cumprod, ddim_timesteps, ddpm_betas, flow_sigmas, gaussian_entropy, gaussian_log_prob
+from mmrl.denoising import alphas_cumprod, ddim_timesteps, ddpm_betas, flow_sigmas, gaussian_entropy, gaussian_log_prob, resolution_shift
 
 
 def test_log_prob_is_summed_or_averaged_over_latent_elements():
@@ -70,3 +70,13 @@ def test_flow_sigmas_with_and_without_shift():
     # shift 3: 3s / (1 + 2s); at s = 0.5: 1.5 / 2 = 0.75
     shifted = flow_sigmas(2, shift=3.0)
     torch.testing.assert_close(shifted, torch.tensor([1.0, 0.75, 0.0], dtype=torch.float64))
+
+
+def test_a_shift_outside_the_floats_is_a_value_error_not_a_math_error():
+    # 65,536 image tokens on a scheduler that goes from shift e^0.5 at 4 tokens to e^2 at 64: mu = 1639
+    with pytest.raises(ValueError, match=r"e\^mu overflows a float \(mu = 1639\)"):
+        resolution_shift(65536, 4, 64, 0.5, 2.0)
+    with pytest.raises(ValueError, match=r"shift must be > 0.*linear"):
+        resolution_shift(1, 4, 64, 0.0, 2.0, "linear")
+    with pytest.raises(ValueError, match="finite number > 0"):
+        flow_sigmas(4, shift=float("inf"))

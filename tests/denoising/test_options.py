@@ -69,6 +69,8 @@ def test_log_prob_options_are_the_chain_functions_keyword_arguments():
         ({"stochastic_steps": "window", "window_start": 8, "window_size": 3}, "window_size", "at most 2"),
         ({"stochastic_steps": "last", "window_size": 11}, "window_size", "at most 10"),
         ({"noise_std_range": [0.3, 0.1]}, "noise_std_range", "0 < lo <= hi"),
+        ({"noise_std_range": [0.1, float("inf")]}, "noise_std_range", "both finite"),
+        ({"time_shift": float("inf")}, "time_shift", "finite number > 0"),
         ({"logp_element_clamp": [2, -5]}, "logp_element_clamp", "lo < hi"),
         ({"chunk_steps": 0}, "chunk_steps", ">= 1"),
         ({"logp_granularity": "token"}, "logp_granularity", "allowed: step, chain"),

@@ -7,6 +7,7 @@ the LoRA exported in diffusers' format loaded by FluxPipeline.load_lora_weights,
 that do not fit as config errors."""
 
 import json
+import math
 import shutil
 
 import pytest
@@ -27,15 +28,18 @@ PROMPTS = ["a red circle", "two blue squares", "", "a red circle"]
 LORA = {"r": 4, "alpha": 8.0, "target_modules": ["to_q", "to_k", "to_v", "to_out.0"]}
 # the tiny scheduler's dynamic shift: 16 image tokens between base 4 (shift e^0.5) and max 64 (e^2)
 SCHEDULER = {"use_dynamic_shifting": True, "shift": 3.0, "base_image_seq_len": 4, "max_image_seq_len": 64, "base_shift": 0.5, "max_shift": 2.0}
+# FLUX.1-dev's own dynamic shift: e^0.5 at 256 image tokens, e^1.15 at 4096
+FLUX1_SCHEDULER = {"use_dynamic_shifting": True, "shift": 3.0, "base_image_seq_len": 256, "max_image_seq_len": 4096, "base_shift": 0.5, "max_shift": 1.15}
 FLUX_DENOISING = {"transition": "flow_sde", "num_inference_steps": 4, "min_std": 0.0}
 
 
-def flux_pipeline(directory, distilled: bool = True):
+def flux_pipeline(directory, distilled: bool = True, scheduler: dict | None = None):
     """A FLUX.1-shaped pipeline: FluxTransformer2DModel (16 = 4 x 4 packed latent channels, one
     double and one single block, rope axes 4 + 6 + 6), the 2-level VAE (scaling 0.3611, shift
     0.1159 as FLUX.1's), a CLIPTextModel 16 wide (its pooled output), a T5 32 wide; guidance
     embedding when ``distilled`` (FLUX.1-dev) with a dynamic-shift scheduler, else (as
-    FLUX.1-schnell's scheduler) a fixed shift of 1. Saved with FluxPipeline.save_pretrained."""
+    FLUX.1-schnell's scheduler) a fixed shift of 1, or the given ``scheduler`` fields. Saved with
+    FluxPipeline.save_pretrained."""
     torch.manual_seed(0)
     tok1, tok2 = _tokenizer(), _tokenizer(None)
     clip = _clip(tok1, 16, False)
@@ -44,7 +48,7 @@ def flux_pipeline(directory, distilled: bool = True):
         patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
         joint_attention_dim=32, pooled_projection_dim=16, guidance_embeds=distilled, axes_dims_rope=(4, 6, 6),
     )
-    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(**SCHEDULER) if distilled else diffusers.FlowMatchEulerDiscreteScheduler(shift=1.0)
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(**(scheduler or (SCHEDULER if distilled else {"shift": 1.0})))
     pipe = diffusers.FluxPipeline(
         scheduler=scheduler, vae=_vae(0.3611, 0.1159), text_encoder=clip, tokenizer=tok1, text_encoder_2=t5, tokenizer_2=tok2, transformer=transformer,
     )
@@ -98,6 +102,27 @@ def test_the_deterministic_chain_equals_diffusers_flux_pipeline_and_decodes_as_i
     torch.testing.assert_close(ours.output, latents, atol=1e-4, rtol=1e-4)
     images = pipe(prompts, output_type="pt", **common).images  # [0, 1]
     assert (ours.info["images"].permute(0, 3, 1, 2).float() - images * 255).abs().max() <= 1.0
+
+
+@pytest.mark.numerics
+def test_flux_without_a_resolution_samples_at_flux_pipelines_default_for_its_vae(tmp_path):
+    # FluxPipeline's default height and width: default_sample_size 128 x vae_scale_factor, 256 for
+    # this VAE's 2x downsampling, whose 4,096 image tokens FLUX.1's scheduler shifts by e^1.15
+    pipe = flux_pipeline(tmp_path / "flux", scheduler=FLUX1_SCHEDULER)
+    size = pipe.default_sample_size * pipe.vae_scale_factor
+    policy = flux_policy(tmp_path / "flux", resolution=None, denoising={**FLUX_DENOISING, "transition": "flow_ode", "num_inference_steps": 1})
+    assert size == 256 and policy.image_resolution == (size, size) and policy.resolution == (128, 128)
+    ours = policy.sample(["a red circle"], torch.Generator().manual_seed(1), deterministic=True)
+    x = torch.randn((1, 4, 128, 128), generator=torch.Generator().manual_seed(1))
+    packed = pipe(["a red circle"], latents=_pack(x), num_inference_steps=1, max_sequence_length=8, output_type="latent").images
+    torch.testing.assert_close(ours.output, pipe._unpack_latents(packed, size, size, pipe.vae_scale_factor), atol=1e-4, rtol=1e-4)
+    assert ours.info["images"].shape == (1, size, size, 3) and policy.denoising.time_shift == pytest.approx(math.exp(1.15))
+
+
+def test_a_resolution_whose_dynamic_shift_leaves_the_floats_is_a_config_error(flux_dir):
+    # the tiny scheduler goes from e^0.5 at 4 tokens to e^2 at 64: at 1024 x 1024 mu = 1639
+    with pytest.raises(ConfigError, match=r"policy\.resolution: got \[1024, 1024\]; 65536 image tokens.*overflows.*nearer 256 x 256"):
+        flux_policy(flux_dir, resolution=[1024, 1024])
 
 
 def test_flux_recomputes_its_log_probs_exactly_one_step_per_call(flux_dir):
