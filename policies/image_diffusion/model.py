@@ -58,6 +58,9 @@ from mmrl.policies.text_lm.model import _allow_missing_tied_aliases, _drop_tied_
 from mmrl.registry import POLICIES
 
 
+FLUX_SAMPLE_SIZE = 128  # FluxPipeline.default_sample_size: the default image is this many latent pixels a side
+
+
 def _diffusers():
     try:
         import diffusers
