@@ -51,18 +51,40 @@ WORKDIR = "/tmp/work"  # the working directory as the code sees it under bwrap
 _UID_BASE, _UID_SPAN = 1_900_000_000, 100_000_000
 _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8", "PYTHONDONTWRITEBYTECODE": "1"}
 
-# Runs inside the sandbox before the code: limits first (as root, RLIMIT_NPROC before the uid
-# changes, which the kernel then enforces), then the uid, then the code itself.
+# Runs inside the sandbox before the code. It forks: the child sets the limits (as root,
+# RLIMIT_NPROC before the uid changes, which the kernel then enforces), drops the uid and
+# executes the code; the parent waits for it and writes how it ended to the status pipe, since
+# bwrap reports a death by signal n as exit status 128 + n, which `sys.exit(128 + n)` gives too.
+# The parent then ends the same way (the same exit status, or the same signal).
 _BOOTSTRAP = """\
-import json, os, resource, sys
+import json, os, resource, signal, sys
 spec = json.loads(sys.argv[1])
-for name, (soft, hard) in spec["limits"].items():
-    resource.setrlimit(getattr(resource, name), (soft, hard))
-if spec["uid"] is not None:
-    os.setgroups([])
-    os.setgid(spec["uid"])
-    os.setuid(spec["uid"])
-os.execv(sys.executable, [sys.executable, "-E", "-s", "-u", "main.py"])
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+pid = os.fork()
+if pid == 0:
+    if spec["status_fd"] is not None:
+        os.close(spec["status_fd"])
+    for name, (soft, hard) in spec["limits"].items():
+        resource.setrlimit(getattr(resource, name), (soft, hard))
+    if spec["uid"] is not None:
+        os.setgroups([])
+        os.setgid(spec["uid"])
+        os.setuid(spec["uid"])
+    os.execv(sys.executable, [sys.executable, "-E", "-s", "-u", "main.py"])
+while True:
+    try:
+        _, status = os.waitpid(pid, 0)
+        break
+    except InterruptedError:
+        continue
+ending = {"signal": os.WTERMSIG(status)} if os.WIFSIGNALED(status) else {"exit_code": os.waitstatus_to_exitcode(status)}
+if spec["status_fd"] is not None:
+    os.write(spec["status_fd"], json.dumps(ending).encode())
+if "signal" in ending:
+    signal.signal(ending["signal"], signal.SIG_DFL)
+    os.kill(os.getpid(), ending["signal"])
+    os._exit(128 + ending["signal"])
+os._exit(ending["exit_code"])
 """
 
 
@@ -160,7 +182,9 @@ def run_python(code: str, sandbox: SandboxConfig | None = None, **options) -> Sa
         if cfg.backend == "bwrap" and uid is not None:
             os.chown(workdir, uid, uid)
             os.chown(os.path.join(workdir, "main.py"), uid, uid)
-        spec = json.dumps({"limits": _limits(cfg), "uid": uid})
+        status_read, status_write = os.pipe()  # the bootstrap writes there how the code ended
+        os.set_blocking(status_read, False)
+        spec = json.dumps({"limits": _limits(cfg), "uid": uid, "status_fd": status_write})
         inner = [python, "-E", "-s", "-c", _BOOTSTRAP, spec]
         if cfg.backend == "bwrap":
             argv = _bwrap_argv(cfg, workdir, python, uid) + inner
@@ -168,7 +192,10 @@ def run_python(code: str, sandbox: SandboxConfig | None = None, **options) -> Sa
             argv = [part.replace("{workdir}", workdir) for part in cfg.command] + inner
         else:
             argv = inner
-        return _run(argv, workdir, cfg)
+        try:
+            return _run(argv, workdir, cfg, status_read, status_write)
+        finally:
+            os.close(status_read)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -263,7 +290,7 @@ def _private_ancestors(paths: list[str]) -> list[str]:
     return found
 
 
-def _run(argv: list[str], workdir: str, cfg: SandboxConfig) -> SandboxResult:
+def _run(argv: list[str], workdir: str, cfg: SandboxConfig, status_read: int, status_write: int) -> SandboxResult:
     start = time.monotonic()
     deadline = start + cfg.wall_seconds
     info_read = info_write = None
@@ -274,8 +301,9 @@ def _run(argv: list[str], workdir: str, cfg: SandboxConfig) -> SandboxResult:
     # code that did not start a session of its own
     proc = subprocess.Popen(
         argv, cwd=workdir, env=dict(_ENV, HOME=workdir), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        start_new_session=True, pass_fds=() if info_write is None else (info_write,),
+        start_new_session=True, pass_fds=(status_write,) if info_write is None else (status_write, info_write),
     )
+    os.close(status_write)
     init = None
     try:
         if info_write is not None:
@@ -298,7 +326,7 @@ def _run(argv: list[str], workdir: str, cfg: SandboxConfig) -> SandboxResult:
             if fd is not None:
                 os.close(fd)
     wall = time.monotonic() - start
-    code, reason = _ending(proc.returncode, cfg, bwrap=cfg.backend == "bwrap")
+    code, reason = _ending(proc.returncode, _status(status_read), cfg, bwrap=cfg.backend == "bwrap")
     if overflow:
         reason, code = f"output limit ({cfg.max_output_bytes} bytes)", None
     if timed_out:
@@ -375,10 +403,27 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
-def _ending(returncode: int, cfg: SandboxConfig, bwrap: bool) -> tuple[int | None, str | None]:
-    """(exit code, killed reason) from the status: a signal shows as a negative status, or
-    under bwrap as 128 + the signal."""
-    signum = -returncode if returncode < 0 else (returncode - 128 if bwrap and returncode > 128 else None)
+def _status(status_read: int) -> dict | None:
+    """How the code ended as the bootstrap saw it ({"exit_code": n} or {"signal": n}); None when
+    it wrote nothing (killed first, or a ``command`` sandbox that does not pass the pipe on)."""
+    try:
+        ending = json.loads(os.read(status_read, 4096))
+    except (OSError, ValueError):
+        return None
+    return ending if isinstance(ending, dict) and len(ending) == 1 and ending.keys() <= {"exit_code", "signal"} else None
+
+
+def _ending(returncode: int, status: dict | None, cfg: SandboxConfig, bwrap: bool) -> tuple[int | None, str | None]:
+    """(exit code, killed reason). From the bootstrap's ``status`` where there is one: the
+    code's own exit status or the signal that ended it. Without it, from the sandbox's exit
+    status: a signal shows as a negative status, or under bwrap as 128 + the signal (which an
+    exit status above 128 cannot be told from)."""
+    if status is not None:
+        signum = status.get("signal")
+        if signum is None:
+            return int(status["exit_code"]), None
+    else:
+        signum = -returncode if returncode < 0 else (returncode - 128 if bwrap and returncode > 128 else None)
     if signum is None:
         return returncode, None
     if signum == signal.SIGXCPU:

@@ -201,3 +201,23 @@ def test_result_reports_exit_status_and_output_of_a_normal_run(python_tool):
     result = run_python("import sys\nprint('out')\nprint('err', file=sys.stderr)\nsys.exit(3)\n", LIMITS)
     assert (result.stdout, result.stderr, result.exit_code, result.ok) == ("out\n", "err\n", 3, False)
     assert run(python_tool, "print(sum(range(10)))").text == "45"
+
+
+@pytest.mark.parametrize("backend", ["bwrap", "limits_only"])
+def test_an_exit_status_above_128_is_an_exit_status_and_a_real_signal_is_a_signal(python_tool, backend):
+    limits = SandboxConfig(**{**LIMITS.__dict__, "backend": backend})
+    exited = run_python("raise SystemExit(139)\n", limits)
+    assert (exited.exit_code, exited.killed_reason) == (139, None)
+    crashed = run_python("import ctypes\nctypes.string_at(0)\n", limits)  # a real segmentation fault
+    assert (crashed.exit_code, crashed.killed_reason) == (None, "signal SIGSEGV")
+    killed = run_python("import os, signal\nos.kill(os.getpid(), signal.SIGTERM)\n", limits)
+    assert (killed.exit_code, killed.killed_reason) == (None, "signal SIGTERM")
+    assert run(make_tools(["python"], limits), "raise SystemExit(139)").text.endswith("\n[exit status 139]")
+
+
+def test_without_the_bootstraps_word_bwraps_status_above_128_reads_as_a_signal():
+    # what bwrap alone reports (a `command` sandbox that does not pass the status pipe on is the same)
+    assert sandbox_module._ending(139, None, LIMITS, bwrap=True) == (None, "signal SIGSEGV")
+    assert sandbox_module._ending(139, {"exit_code": 139}, LIMITS, bwrap=True) == (139, None)
+    assert sandbox_module._ending(-11, None, LIMITS, bwrap=False) == (None, "signal SIGSEGV")
+    assert sandbox_module._ending(139, None, LIMITS, bwrap=False) == (139, None)
