@@ -11,6 +11,12 @@ and, when mmrl runs as root, drops to an unprivileged uid, then executes the cod
 kills bwrap's whole process group at the wall-clock timeout; the code's processes live in
 bwrap's pid namespace, which the kernel tears down with its init, so none survives.
 
+A call's processes together hold at most ``call_memory_mb``: the host starts the sandbox in a
+memory cgroup of its own where it may make one (cgroup v2 with the memory controller delegated,
+or a v1 memory hierarchy); elsewhere it lowers the process limit until processes ×
+``memory_mb`` fits. The host counts the files and directories of the working directory and
+the private ``/tmp`` every 0.1 s and ends a run past ``max_files``.
+
 Why the uid drop: the kernel never applies ``RLIMIT_NPROC`` to root (nor to processes with
 ``CAP_SYS_RESOURCE``), so as root a fork bomb would be bounded by nothing but the timeout.
 As root, the code runs as a fresh uid per run (``sandbox.uid`` pins one), whose process count
@@ -46,6 +52,7 @@ from mmrl.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 WORKDIR = "/tmp/work"  # the working directory as the code sees it under bwrap
+_FILE_CHECK_S = 0.1  # how often the files a run holds are counted
 # as root, each run's code gets its own uid from this range (above systemd's container
 # ranges, below 2^31): its process count, which RLIMIT_NPROC bounds, is that run's alone
 _UID_BASE, _UID_SPAN = 1_900_000_000, 100_000_000
@@ -99,8 +106,10 @@ class SandboxConfig:
     python: str | None = option(None, "interpreter inside the sandbox (null = the Python running mmrl)")
     cpu_seconds: int = option(5, "CPU seconds of each process (RLIMIT_CPU; SIGXCPU ends it)", ge=1)
     memory_mb: int = option(512, "address space of each process in MiB (RLIMIT_AS)", ge=64)
+    call_memory_mb: int = option(2048, "memory of all the code's processes together, MiB: a memory cgroup's limit where one can be made, else max_processes is lowered so that max_processes × memory_mb fits", ge=64)
     max_processes: int = option(32, "processes the code may run at once (RLIMIT_NPROC)", ge=1)
     max_file_mb: int = option(16, "largest file the code may write, MiB (RLIMIT_FSIZE)", ge=0)
+    max_files: int = option(1000, "files and directories the working directory and the private /tmp may hold together (checked every 0.1 s); more ends the run", ge=1)
     tmp_mb: int = option(64, "size of the private /tmp under bwrap (a tmpfs; the working directory is not part of it), MiB", ge=1)
     wall_seconds: float = option(10.0, "wall-clock timeout; then the whole sandbox is killed", gt=0)
     max_output_bytes: int = option(16384, "stdout and stderr kept together; more is cut with a marker and ends the run", ge=1)
@@ -111,6 +120,8 @@ class SandboxConfig:
         prefix = f"{path}." if path else ""
         if self.backend == "command" and not self.command:
             raise ConfigError(f"{prefix}command", self.command, "backend 'command' needs the sandbox's command line, e.g. [nsjail, --config, sandbox.cfg, --]")
+        if self.call_memory_mb < self.memory_mb:
+            raise ConfigError(f"{prefix}call_memory_mb", self.call_memory_mb, f"at least memory_mb ({self.memory_mb}), the memory of one process")
 
 
 @dataclass
@@ -121,7 +132,7 @@ class SandboxResult:
     stderr: str
     exit_code: int | None  # the code's exit status; None when it was killed
     timed_out: bool = False
-    killed_reason: str | None = None  # "wall-clock timeout (10 s)", "CPU time limit (5 s)", "output limit ...", "signal SIGSEGV"
+    killed_reason: str | None = None  # "wall-clock timeout (10 s)", "CPU time limit (5 s)", "output limit ...", "file limit ...", "signal SIGSEGV"
     truncated: bool = False  # output beyond max_output_bytes was dropped
     wall_seconds: float = 0.0
 
@@ -175,6 +186,8 @@ def run_python(code: str, sandbox: SandboxConfig | None = None, **options) -> Sa
     if cfg.backend != "command" and not os.path.isabs(python):
         python = shutil.which(python) or python
     uid = _sandbox_uid(cfg)
+    cgroup = _MemoryCgroup.make(cfg.call_memory_mb << 20)
+    processes = cfg.max_processes if cgroup is not None else _processes_within_budget(cfg)
     workdir = tempfile.mkdtemp(prefix="mmrl-sandbox-")
     try:
         with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
@@ -184,7 +197,7 @@ def run_python(code: str, sandbox: SandboxConfig | None = None, **options) -> Sa
             os.chown(os.path.join(workdir, "main.py"), uid, uid)
         status_read, status_write = os.pipe()  # the bootstrap writes there how the code ended
         os.set_blocking(status_read, False)
-        spec = json.dumps({"limits": _limits(cfg), "uid": uid, "status_fd": status_write})
+        spec = json.dumps({"limits": _limits(cfg, processes), "uid": uid, "status_fd": status_write})
         inner = [python, "-E", "-s", "-c", _BOOTSTRAP, spec]
         if cfg.backend == "bwrap":
             argv = _bwrap_argv(cfg, workdir, python, uid) + inner
@@ -193,11 +206,13 @@ def run_python(code: str, sandbox: SandboxConfig | None = None, **options) -> Sa
         else:
             argv = inner
         try:
-            return _run(argv, workdir, cfg, status_read, status_write)
+            return _run(argv, workdir, cfg, status_read, status_write, cgroup)
         finally:
             os.close(status_read)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+        if cgroup is not None:
+            cgroup.remove()
 
 
 def _sandbox_uid(cfg: SandboxConfig) -> int | None:
@@ -208,12 +223,12 @@ def _sandbox_uid(cfg: SandboxConfig) -> int | None:
     return cfg.uid if cfg.uid is not None else _UID_BASE + secrets.randbelow(_UID_SPAN)
 
 
-def _limits(cfg: SandboxConfig) -> dict[str, tuple[int, int]]:
+def _limits(cfg: SandboxConfig, processes: int) -> dict[str, tuple[int, int]]:
     mib = 1 << 20
     return {
         "RLIMIT_CPU": (cfg.cpu_seconds, cfg.cpu_seconds + 1),  # SIGXCPU at the soft limit, SIGKILL a second later
         "RLIMIT_AS": (cfg.memory_mb * mib, cfg.memory_mb * mib),
-        "RLIMIT_NPROC": (cfg.max_processes, cfg.max_processes),
+        "RLIMIT_NPROC": (processes, processes),
         "RLIMIT_FSIZE": (cfg.max_file_mb * mib, cfg.max_file_mb * mib),
         "RLIMIT_CORE": (0, 0),
     }
@@ -290,13 +305,186 @@ def _private_ancestors(paths: list[str]) -> list[str]:
     return found
 
 
-def _run(argv: list[str], workdir: str, cfg: SandboxConfig, status_read: int, status_write: int) -> SandboxResult:
+class _MemoryCgroup:
+    """A memory cgroup of its own for one call, limited to ``call_memory_mb``: the code's
+    processes together, its private /tmp included, cannot hold more (the kernel's OOM killer
+    ends one that tries). cgroup v2 (``memory.max``) where the controller is enabled for
+    mmrl's cgroup's children, else v1's memory hierarchy (``memory.limit_in_bytes``)."""
+
+    def __init__(self, path: str, events: str):
+        self.path, self.events = path, events
+
+    @classmethod
+    def make(cls, limit_bytes: int) -> _MemoryCgroup | None:
+        for parent, version in _cgroup_parents():
+            path = os.path.join(parent, f"mmrl-sandbox-{secrets.token_hex(6)}")
+            try:
+                os.mkdir(path)
+            except OSError:
+                continue
+            try:
+                if version == 2:
+                    _write(os.path.join(path, "memory.max"), str(limit_bytes))
+                    if os.path.exists(os.path.join(path, "memory.swap.max")):
+                        _write(os.path.join(path, "memory.swap.max"), "0")
+                    return cls(path, "memory.events")
+                _write(os.path.join(path, "memory.limit_in_bytes"), str(limit_bytes))
+                if os.path.exists(os.path.join(path, "memory.memsw.limit_in_bytes")):
+                    _write(os.path.join(path, "memory.memsw.limit_in_bytes"), str(limit_bytes))
+                return cls(path, "memory.oom_control")
+            except OSError:
+                _rmdir(path)
+        return None
+
+    def enter(self, argv: list[str]) -> list[str]:
+        """``argv`` started inside this cgroup: a shell moves itself in, then becomes ``argv``,
+        so that every process the sandbox starts is born inside."""
+        return ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', os.path.join(self.path, "cgroup.procs"), *argv]
+
+    def oom_kills(self) -> int:
+        try:
+            with open(os.path.join(self.path, self.events)) as f:
+                counts = dict(line.split() for line in f if len(line.split()) == 2)
+            return int(counts.get("oom_kill", 0))
+        except (OSError, ValueError):
+            return 0
+
+    def remove(self) -> None:
+        _rmdir(self.path)
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _rmdir(path: str) -> None:
+    """Remove a cgroup; its last processes may take a moment to leave it."""
+    for _ in range(50):
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.02)
+    logger.debug("could not remove the sandbox's cgroup %s", path)
+
+
+def _cgroup_parents() -> list[tuple[str, int]]:
+    """Directories where this process may make a memory cgroup, with the cgroup version: its
+    own cgroup v2 when the memory controller is enabled for its children, and its own cgroup
+    in a v1 memory hierarchy."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            own = [line.rstrip("\n").split(":", 2) for line in f]
+        with open("/proc/self/mountinfo") as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return []
+    found = []
+    for fields in mounts:
+        if "-" not in fields:
+            continue
+        rest = fields[fields.index("-") + 1 :]
+        root, mountpoint, fstype, options = fields[3], fields[4], rest[0], rest[2].split(",") if len(rest) > 2 else []
+        for hierarchy, controllers, path in own:
+            if fstype == "cgroup2" and hierarchy == "0":
+                parent = mountpoint + (path if root == "/" else path.removeprefix(root))
+                try:
+                    with open(os.path.join(parent, "cgroup.subtree_control")) as f:
+                        enabled = f.read().split()
+                except OSError:
+                    continue
+                if "memory" in enabled:
+                    found.append((parent.rstrip("/") or "/", 2))
+            elif fstype == "cgroup" and "memory" in options and "memory" in controllers.split(","):
+                found.append(((mountpoint + (path if root == "/" else path.removeprefix(root))).rstrip("/") or "/", 1))
+    return sorted(found, key=lambda found: -found[1])
+
+
+_warned_no_cgroup = False
+
+
+def _processes_within_budget(cfg: SandboxConfig) -> int:
+    """Without a cgroup: the process limit under which max_processes × memory_mb fits
+    call_memory_mb (warned once when that lowers max_processes)."""
+    global _warned_no_cgroup
+    fits = max(1, cfg.call_memory_mb // cfg.memory_mb)
+    if fits < cfg.max_processes and not _warned_no_cgroup:
+        _warned_no_cgroup = True
+        logger.warning(
+            "sandbox: no memory cgroup can be made here, so the code runs at most %d processes (not max_processes=%d), "
+            "so that processes × memory_mb (%d MiB) fits call_memory_mb=%d MiB", fits, cfg.max_processes, cfg.memory_mb, cfg.call_memory_mb,
+        )
+    return min(cfg.max_processes, fits)
+
+
+def _count_entries(path: str, limit: int, device: int | None = None) -> int:
+    """Files and directories under ``path`` (not ``path`` itself), counted up to ``limit`` + 1;
+    with ``device``, only those on that device (a walk that does not cross into mounts)."""
+    count, stack = 0, [path]
+    while stack and count <= limit:
+        try:
+            with os.scandir(stack.pop()) as entries:
+                for entry in entries:
+                    count += 1
+                    if count > limit:
+                        break
+                    try:
+                        if entry.is_dir(follow_symlinks=False) and (device is None or entry.stat(follow_symlinks=False).st_dev == device):
+                            stack.append(entry.path)
+                    except OSError:
+                        continue
+        except OSError:
+            continue
+    return count
+
+
+class _FileCount:
+    """The files and directories a run holds: its working directory on the host and, under
+    bwrap, its private /tmp (seen through the sandbox's init's ``/proc/PID/root``, where this
+    process may look), without descending into what is mounted there (the working directory,
+    the interpreter)."""
+
+    def __init__(self, workdir: str, limit: int):
+        self.workdir, self.limit = workdir, limit
+        self.init_pid: int | None = None
+
+    def sandbox_started(self, init_pid: int | None) -> None:
+        self.init_pid = init_pid
+
+    def _tmp(self) -> tuple[str, int] | None:
+        """The sandbox's /tmp and its device, once bwrap has made its root (until then the
+        init's root is the host's, whose /tmp is not the run's)."""
+        if self.init_pid is None:
+            return None
+        tmp = f"/proc/{self.init_pid}/root/tmp"
+        try:
+            device = os.stat(tmp).st_dev
+            host = os.stat("/tmp").st_dev
+        except OSError:
+            return None
+        return (tmp, device) if device != host else None
+
+    def over(self) -> bool:
+        count = _count_entries(self.workdir, self.limit)
+        tmp = self._tmp() if count <= self.limit else None
+        if tmp is not None:
+            count += _count_entries(tmp[0], self.limit - count, tmp[1])
+        return count > self.limit
+
+
+def _run(argv: list[str], workdir: str, cfg: SandboxConfig, status_read: int, status_write: int, cgroup: _MemoryCgroup | None) -> SandboxResult:
     start = time.monotonic()
     deadline = start + cfg.wall_seconds
     info_read = info_write = None
     if cfg.backend == "bwrap":  # bwrap tells the pid of the sandbox's init through --info-fd
         info_read, info_write = os.pipe()
         argv = [argv[0], "--info-fd", str(info_write), *argv[1:]]
+    if cgroup is not None:
+        argv = cgroup.enter(argv)
+    files = _FileCount(workdir, cfg.max_files)
     # a session of its own: killpg reaches bwrap or, with limits only, every process of the
     # code that did not start a session of its own
     proc = subprocess.Popen(
@@ -308,15 +496,21 @@ def _run(argv: list[str], workdir: str, cfg: SandboxConfig, status_read: int, st
     try:
         if info_write is not None:
             os.close(info_write)
-        out, err, info, timed_out, overflow = _read_capped(proc, info_read, deadline, cfg.max_output_bytes)
+        out, err, info, timed_out, overflow, flood = _read_capped(proc, info_read, deadline, cfg.max_output_bytes, files)
         init = _pidfd(info)
-        if timed_out or overflow:
+        while not (timed_out or overflow or flood) and proc.poll() is None:  # the code closed its output and runs on
+            left = deadline - time.monotonic()
+            if left <= 0:
+                timed_out = True
+                break
+            try:
+                proc.wait(timeout=min(_FILE_CHECK_S, left))
+            except subprocess.TimeoutExpired:
+                flood = files.over()
+        if timed_out or overflow or flood:
             _stop(proc, init)
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:  # the code closed its output and kept running
-            timed_out = True
-            _stop(proc, init)
+        elif files.over():  # written faster than the last look, then the code ended
+            flood = True
         if cfg.backend != "bwrap":
             _kill_group(proc.pid)  # what the code left running in its group
     finally:
@@ -327,6 +521,11 @@ def _run(argv: list[str], workdir: str, cfg: SandboxConfig, status_read: int, st
                 os.close(fd)
     wall = time.monotonic() - start
     code, reason = _ending(proc.returncode, _status(status_read), cfg, bwrap=cfg.backend == "bwrap")
+    oom_kills = cgroup.oom_kills() if cgroup is not None else 0
+    if oom_kills:
+        reason = f"memory limit of the call (call_memory_mb={cfg.call_memory_mb} MiB): the kernel killed {oom_kills} process(es)"
+    if flood:
+        reason, code = f"file limit (max_files={cfg.max_files} files and directories)", None
     if overflow:
         reason, code = f"output limit ({cfg.max_output_bytes} bytes)", None
     if timed_out:
@@ -339,29 +538,37 @@ def _run(argv: list[str], workdir: str, cfg: SandboxConfig, status_read: int, st
     )
 
 
-def _read_capped(proc: subprocess.Popen, info_fd: int | None, deadline: float, cap: int) -> tuple[bytes, bytes, bytes, bool, bool]:
+def _read_capped(proc: subprocess.Popen, info_fd: int | None, deadline: float, cap: int, files: _FileCount) -> tuple[bytes, bytes, bytes, bool, bool, bool]:
     """Read stdout and stderr as they come, keeping ``cap`` bytes of both together, until both
-    close, the deadline passes (timed out) or the output passes ``cap`` (overflow); and
-    bwrap's info (``info_fd``) on the way."""
+    close, the deadline passes (timed out), the output passes ``cap`` (overflow) or the run
+    holds more files than ``files`` allows (flood, looked at every 0.1 s); and bwrap's info
+    (``info_fd``) on the way."""
     out, err, info = bytearray(), bytearray(), bytearray()
     buffers = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
-    timed_out = overflow = False
+    timed_out = overflow = flood = False
+    next_count = time.monotonic() + _FILE_CHECK_S
     with selectors.DefaultSelector() as selector:
         for fd in buffers:
             selector.register(fd, selectors.EVENT_READ)
         if info_fd is not None:
             selector.register(info_fd, selectors.EVENT_READ)
         while any(key.fd in buffers for key in selector.get_map().values()) and not overflow:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            now = time.monotonic()
+            if now >= deadline:
                 timed_out = True
                 break
-            for key, _ in selector.select(remaining):
+            if now >= next_count:
+                next_count = now + _FILE_CHECK_S
+                if files.over():
+                    flood = True
+                    break
+            for key, _ in selector.select(min(deadline, next_count) - now):
                 chunk = os.read(key.fd, 65536)
                 if not chunk:
                     selector.unregister(key.fd)
                 elif key.fd == info_fd:
                     info += chunk
+                    files.sandbox_started(_child_pid(info))
                 else:
                     room = cap - len(out) - len(err)
                     buffers[key.fd] += chunk[:room]
@@ -370,14 +577,23 @@ def _read_capped(proc: subprocess.Popen, info_fd: int | None, deadline: float, c
                         break
     proc.stdout.close()
     proc.stderr.close()
-    return bytes(out), bytes(err), bytes(info), timed_out, overflow
+    return bytes(out), bytes(err), bytes(info), timed_out, overflow, flood
+
+
+def _child_pid(info: bytes) -> int | None:
+    """The pid of the sandbox's init from bwrap's info, once all of it has come."""
+    try:
+        return int(json.loads(info)["child-pid"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _pidfd(info: bytes) -> int | None:
     """A pidfd of the sandbox's init, from bwrap's info; None without one."""
+    pid = _child_pid(info)
     try:
-        return os.pidfd_open(int(json.loads(info)["child-pid"]))
-    except (ValueError, KeyError, TypeError, OSError, AttributeError):
+        return None if pid is None else os.pidfd_open(pid)
+    except (OSError, AttributeError):
         return None
 
 

@@ -17,6 +17,8 @@ import uuid
 
 import pytest
 
+from mmrl.config import from_dict
+from mmrl.errors import ConfigError
 from mmrl.tools import sandbox as sandbox_module
 from mmrl.tools.sandbox import SandboxConfig, check_sandbox, run_python
 from mmrl.tools.tool import ToolCall, call_tool, make_tools
@@ -221,3 +223,64 @@ def test_without_the_bootstraps_word_bwraps_status_above_128_reads_as_a_signal()
     assert sandbox_module._ending(139, {"exit_code": 139}, LIMITS, bwrap=True) == (139, None)
     assert sandbox_module._ending(-11, None, LIMITS, bwrap=False) == (None, "signal SIGSEGV")
     assert sandbox_module._ending(139, None, LIMITS, bwrap=False) == (139, None)
+
+
+def forking(children: int, megabytes: int) -> str:
+    """Code that forks ``children`` processes each holding ``megabytes`` MB for a second, then
+    prints how many it forked and how each ended."""
+    return (
+        "import os, time\npids = []\n"
+        f"for _ in range({children}):\n"
+        "    try:\n        pid = os.fork()\n    except OSError:\n        break\n"
+        f"    if pid == 0:\n        block = b'x' * ({megabytes} << 20)\n        time.sleep(1)\n        os._exit(0)\n"
+        "    pids.append(pid)\n"
+        "print('forked', len(pids), 'ended', [os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in pids])\n"
+    )
+
+
+def test_a_calls_processes_together_are_held_to_call_memory_mb_by_a_cgroup(python_tool):
+    probe = sandbox_module._MemoryCgroup.make(1 << 30)
+    if probe is None:
+        pytest.skip("no memory cgroup can be made here (the process limit keeps the budget: the next test)")
+    probe.remove()
+    cgroups = set(glob.glob("/sys/fs/cgroup/**/mmrl-sandbox-*", recursive=True))
+    limits = SandboxConfig(**{**LIMITS.__dict__, "call_memory_mb": 300, "wall_seconds": 10})
+    result = run_python(forking(3, 150), limits)  # 3 × 150 MB, each within memory_mb (256)
+    assert result.killed_reason.startswith("memory limit of the call (call_memory_mb=300 MiB): the kernel killed"), result
+    assert "forked 3" in result.stdout and "-9" in result.stdout
+    assert set(glob.glob("/sys/fs/cgroup/**/mmrl-sandbox-*", recursive=True)) <= cgroups  # removed after the call
+    assert run_python(forking(1, 150), limits).ok  # one child of 150 MB fits
+
+
+def test_without_a_cgroup_the_process_limit_is_lowered_so_processes_times_memory_fits(python_tool, monkeypatch, caplog):
+    monkeypatch.setattr(sandbox_module._MemoryCgroup, "make", classmethod(lambda cls, limit: None))
+    monkeypatch.setattr(sandbox_module, "_warned_no_cgroup", False)
+    limits = SandboxConfig(**{**LIMITS.__dict__, "call_memory_mb": 512})  # 2 processes of 256 MiB
+    with caplog.at_level("WARNING", logger="mmrl.tools.sandbox"):
+        result = run_python(forking(4, 1), limits)
+        run_python("print(1)", limits)
+    forks = int(result.stdout.split("forked ")[1].split()[0])
+    assert forks <= 1, result  # the main process and at most one child
+    warnings = [r.getMessage() for r in caplog.records if "call_memory_mb" in r.getMessage()]
+    assert warnings == ["sandbox: no memory cgroup can be made here, so the code runs at most 2 processes (not max_processes=8), "
+                        "so that processes × memory_mb (256 MiB) fits call_memory_mb=512 MiB"]
+
+
+def test_call_memory_mb_below_one_process_is_refused_naming_the_field():
+    with pytest.raises(ConfigError) as e:
+        from_dict(SandboxConfig, {"memory_mb": 512, "call_memory_mb": 256}, "env.sandbox")
+    assert str(e.value) == "env.sandbox.call_memory_mb: got 256; at least memory_mb (512), the memory of one process"
+
+
+@pytest.mark.parametrize("where", ["the working directory", "/tmp"])
+def test_a_flood_of_files_is_stopped_at_max_files_and_reported(python_tool, where):
+    before = sandbox_dirs()
+    prefix = "/tmp/" if where == "/tmp" else ""
+    code = f"import os\nos.makedirs('{prefix}d', exist_ok=True)\nfor i in range(100000):\n    open(f'{prefix}d/f{{i}}', 'w').close()\nprint('wrote them all')\n"
+    start = time.monotonic()
+    result = run_python(code, SandboxConfig(**{**LIMITS.__dict__, "max_files": 200, "wall_seconds": 20}))
+    assert time.monotonic() - start < 5
+    assert (result.exit_code, result.killed_reason) == (None, "file limit (max_files=200 files and directories)"), result
+    assert "wrote them all" not in result.stdout
+    assert sandbox_dirs() <= before
+    assert run_python("import os\nos.mkdir('d')\nfor i in range(150):\n    open(f'd/f{i}', 'w').close()\n", SandboxConfig(**{**LIMITS.__dict__, "max_files": 200})).ok

@@ -122,7 +122,7 @@ def test_limits_only_warns_once_what_is_lost_and_still_limits(monkeypatch, caplo
     with caplog.at_level(logging.WARNING, logger="mmrl.tools.sandbox"):
         first = run_python("print('hi')", backend="limits_only")
         slow = run_python("import time\ntime.sleep(30)", backend="limits_only", wall_seconds=0.5)
-    warnings = [r.getMessage() for r in caplog.records if r.name == "mmrl.tools.sandbox"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "mmrl.tools.sandbox" and "limits_only" in r.getMessage()]
     assert len(warnings) == 1 and "code runs with CPU, memory" in warnings[0] and "network" in warnings[0] and "environment" in warnings[0]
     assert first.stdout == "hi\n" and first.ok
     assert slow.timed_out and slow.killed_reason == "wall-clock timeout (0.5 s)"
