@@ -98,7 +98,7 @@ class ToolEnv(gymnasium.Wrapper):
             result = call_tool(self.tools, call)
             self.calls, self.errors = self.calls + 1, self.errors + result.error
             results.append(format_result(call.name, result.text, self.call_format))
-        return self._cut("\n\n".join(results)), 0.0, False, False, self._info({})
+        return self._fit(results), 0.0, False, False, self._info({})
 
     def _out_of_calls(self):
         return f"No tool calls left (at most {self.max_calls}).", 0.0, False, True, self._info({})
@@ -108,12 +108,43 @@ class ToolEnv(gymnasium.Wrapper):
         counts = {"tool_calls": float(self.calls), "tool_errors": float(self.errors)}
         return {"success": False, **info, "tool_calls": self.calls, "tool_errors": self.errors, "costs": counts}
 
+    def _fit(self, results: list[str]) -> str:
+        """A turn's tool results in ``max_text``: the shorter ones whole, each longer one cut to
+        a fair share of what is left, keeping its head and its last lines, where the python
+        tool says how the run ended (``[output limit ...]``, ``[exit status 1]``)."""
+        separator = "\n\n"
+        if len(separator.join(results)) <= self.max_text:
+            return separator.join(results)
+        room = self.max_text - len(separator) * (len(results) - 1)
+        fitted = list(results)
+        for left, i in enumerate(sorted(range(len(results)), key=lambda i: len(results[i]))):
+            share = room // (len(results) - left)
+            fitted[i] = _head_and_tail(results[i], share)
+            room -= len(fitted[i])
+        return separator.join(fitted)
+
     def _cut(self, text: str) -> str:
         text = str(text)
         if len(text) <= self.max_text:
             return text
         marker = f"\n[cut at {self.max_text} characters]"
         return text[: self.max_text - len(marker)] + marker
+
+
+def _head_and_tail(text: str, limit: int) -> str:
+    """``text`` in ``limit`` characters: whole if it fits, else its head, a marker saying how
+    much was cut, and its last lines (up to a quarter of ``limit``)."""
+    widest = len(f"\n[... {len(text)} characters cut ...]\n")
+    if len(text) <= limit or limit < 2 * widest:
+        return text[:limit]
+    tail = ""
+    for line in reversed(text.split("\n")):
+        if len(tail) + len(line) + 1 > limit // 4:
+            break
+        tail = f"\n{line}{tail}"
+    tail = tail[1:] or text[-(limit // 4) :]
+    head = max(0, limit - len(tail) - widest)
+    return f"{text[:head]}\n[... {len(text) - head - len(tail)} characters cut ...]\n{tail}"
 
 
 def _make_tool_env(env_id: str, max_episode_steps: int | None, kwargs: dict, wrappers: list[WrapperConfig], cfg: ToolEnvConfig) -> ToolEnv:

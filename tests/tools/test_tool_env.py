@@ -3,6 +3,7 @@ use is counted; its config, the long-arithmetic task, and the sandbox backends' 
 
 from __future__ import annotations
 
+import json
 import logging
 
 import gymnasium
@@ -72,7 +73,25 @@ def test_long_tool_output_is_cut_to_max_text():
     obs, _ = env.reset(seed=0)
     assert "calculator" not in obs and env.tool_schemas[0]["function"]["name"] == "calculator"
     obs = env.step(call("10 ** 900"))[0]
-    assert len(obs) == 256 and obs.endswith("[cut at 256 characters]")
+    assert 200 < len(obs) <= 256 and obs.startswith("Result of calculator:\n1000") and "characters cut ...]\n" in obs
+    task = ToolEnv(LongArithmeticEnv(digits=400), tools=["calculator"], max_text=256)
+    first, _ = task.reset(seed=0)  # the task's own text keeps its head
+    assert len(first) == 256 and first.endswith("[cut at 256 characters]")
+
+
+@pytest.mark.parametrize("call_format", ["json", "hermes"])
+def test_a_flooding_programs_observation_still_ends_with_how_it_ended(call_format):
+    env = ToolEnv(LongArithmeticEnv(), tools=["python"], sandbox=SandboxConfig(backend="limits_only", wall_seconds=10), call_format=call_format)
+    env.reset(seed=0)
+    flood = json.dumps({"tool": "python", "arguments": {"code": "while True:\n    print('x' * 1000)"}})
+    failing = json.dumps({"tool": "python", "arguments": {"code": "for i in range(3000):\n    print(i)\nraise SystemExit(3)"}})
+    obs = env.step(flood)[0]
+    assert len(obs) <= 4096 and "characters cut ...]" in obs
+    ending = "[output limit (16384 bytes)]" + ("\n</tool_response>" if call_format == "hermes" else "")
+    assert obs.endswith(ending), obs[-300:]
+    obs = env.step(f"{flood}\n{failing}")[0]  # two results share the room, each keeps its end
+    assert len(obs) <= 4096 and obs.count("characters cut ...]") == 2
+    assert "[output limit (16384 bytes)]" in obs and "2999\n[exit status 3]" in obs
 
 
 def test_long_arithmetic_task_is_seeded_and_checked_exactly():
