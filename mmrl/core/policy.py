@@ -93,6 +93,28 @@ class PolicyModule(nn.Module):
     def critic_inputs(self, replay: dict[str, Any]) -> Tensor:
         raise NotImplementedError
 
+    # the values of one decision's action as ``rsample`` gives it (a chunk's actions × their
+    # dimensions); None: the policy has no reparameterised continuous action
+    action_values: int | None = None
+
+    def rsample(self, replay: dict[str, Any], noise: Tensor | None = None, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+        """A fresh action for each replayed decision's observation, reparameterised: the
+        normalized action [B, T, D] (D: a chunk's values, in [-1, 1]) as a differentiable
+        function of the parameters and standard normal ``noise`` [B, T, D] (drawn from
+        ``generator`` when None), and its log-prob [B, T] with grad. Off-policy actor-critic
+        losses (``algo.loss: sac``) train through it; a policy without it is refused there."""
+        raise NotImplementedError(f"{type(self).__name__} gives no reparameterised continuous action (rsample)")
+
+    def replayed_action(self, replay: dict[str, Any]) -> Tensor:
+        """The normalized action [B, T, D] each replayed decision executed, in the space
+        ``rsample`` returns (a critic's action input)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot give its replayed actions (replayed_action)")
+
+    def rsample_refusal(self) -> Exception | None:
+        """Why this policy, as configured, cannot serve ``rsample`` to an off-policy loss (a
+        one-line ``ConfigError`` naming the option), or None."""
+        return None
+
     def value_features(self, replay: dict[str, Any]) -> Tensor:
         raise NotImplementedError
 
@@ -146,6 +168,8 @@ class PolicyModule(nn.Module):
             return self.sft_loss(replay)
         if mode == "velocity":
             return self.velocity(replay, **kwargs)
+        if mode == "rsample":
+            return self.rsample(replay, **kwargs)
         logp = sampled_logp if sampled_logp is not None else self.log_prob(replay)
         if mode == "log_prob_and_kl":
             return logp, self.exact_kl(replay, reference)

@@ -31,11 +31,13 @@ class SamplerContext:
       there to read when a ``success`` reward reads it.
     - ``policy_type``: the registered name of the run's policy (``policy.type``); the prompt
       sampler's ``shared_noise`` needs a policy that shares its initial noise.
-    - ``gamma``: ``algo.advantage.gamma``; the env sampler discounts each action chunk's
-      rewards to its first step by it (``step_rewards``).
+    - ``gamma``: ``algo.advantage.gamma``, or the loss's own ``algo.loss.gamma`` where it has
+      one (sac); the env sampler discounts each action chunk's rewards to its first step by it
+      (``step_rewards``).
     - ``bootstrap_truncated``: ``algo.advantage.bootstrap_truncated`` (false for advantages
-      without it); the env sampler then keeps the final observation of episodes a time limit
-      cut (``info["final_replay"]``) for a critic to bootstrap from.
+      without it), or true for a loss with the ``final_observations`` trait (sac); the env
+      sampler then keeps the final observation of episodes a time limit cut
+      (``info["final_replay"]``) for a critic to bootstrap from.
     - ``over_provision``: ``rollout.over_provision``; above 1, samplers keep groups in
       flight across steps (partial rollouts).
     - ``groups_per_step``: ``algo.groups_per_step``; the prompt sampler's record stream
@@ -82,18 +84,19 @@ def sampler_context(cfg) -> SamplerContext:
     from mmrl import registry
 
     loss = getattr(cfg.algo, "loss", None)
-    log_probs = True if loss is None else registry.LOSSES.entry(loss.type, "algo.loss.type").traits.get("needs_log_probs", True)
+    traits = {} if loss is None else registry.LOSSES.entry(loss.type, "algo.loss.type").traits
     return SamplerContext(
         seed=cfg.seed,
         env=cfg.env,
         rewards=tuple(cfg.rewards),
         policy_type=getattr(cfg.policy, "type", ""),  # no policy section: ""
-        gamma=cfg.algo.advantage.gamma,
-        bootstrap_truncated=getattr(cfg.algo.advantage, "bootstrap_truncated", False),
+        gamma=getattr(loss, "gamma", cfg.algo.advantage.gamma),  # a loss with a discount of its own (sac) discounts the chunks
+        # a loss that bootstraps from every truncated episode (its ``final_observations`` trait) needs their final observations
+        bootstrap_truncated=getattr(cfg.algo.advantage, "bootstrap_truncated", False) or traits.get("final_observations", False),
         over_provision=cfg.rollout.over_provision,
         groups_per_step=cfg.algo.groups_per_step,
         group_size=cfg.algo.group_size,
-        log_probs=log_probs,
+        log_probs=traits.get("needs_log_probs", True),
         state_keys=getattr(cfg.algo.advantage, "step_groups", "decision") == "state",
     )
 

@@ -17,7 +17,7 @@ from mmrl.config import MovedKey, option
 from mmrl.core.component_config import EnvConfig, PolicyConfig, RewardConfig, SamplerConfig
 from mmrl.data.sources import DataSourceConfig, DemonstrationsConfig
 from mmrl.errors import ConfigError
-from mmrl.registry import ADVANTAGES, ENGINES
+from mmrl.registry import ADVANTAGES, ENGINES, LOSSES
 from mmrl.core.critic import CriticConfig
 from mmrl.rollout.config import RolloutConfig
 
@@ -120,7 +120,12 @@ class AlgoConfig:
             raise ConfigError(p + "correction.type", self.correction.type, "decoupled_ppo already weights stale samples by their behaviour ratio; use correction none with it, or ppo_clip with the correction")
         traits = ADVANTAGES.entry(self.advantage.type, p + "advantage.type").traits
         needed = traits.get("min_group_size", 1)
-        if self.group_size < needed:  # declared where the advantage registers
+        from_buffer = LOSSES.entry(self.loss.type, p + "loss.type").traits.get("trains_from_buffer", False)
+        if from_buffer and self.filters:
+            raise ConfigError(p + "filters", [f.type for f in self.filters], f"algo.loss {self.loss.type} trains from the replay buffer, which keeps every transition: use []")
+        if from_buffer and self.self_imitation.size > 0:
+            raise ConfigError(p + "self_imitation.size", self.self_imitation.size, f"algo.loss {self.loss.type} already learns from past transitions (its replay buffer): use 0")
+        if self.group_size < needed and not from_buffer:  # declared where the advantage registers (a loss on the replay buffer reads no advantage)
             raise ConfigError(p + "group_size", self.group_size, f"must be >= {needed} for the group-relative advantage {self.advantage.type!r}")
         if traits.get("needs_values", False) and self.advantage.level != "step":
             raise ConfigError(

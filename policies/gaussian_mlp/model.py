@@ -247,6 +247,37 @@ class GaussianMLPPolicy(PolicyModule):
         mean, log_std = self._mean_log_std(obs_n.reshape(b * t, -1), None if cap is None else cap.reshape(b * t, 1))
         return self._log_density(action_n.reshape(b * t, -1), mean, log_std).view(b, t)
 
+    @property
+    def action_values(self) -> int:
+        return self.chunk * self.action_dim
+
+    def rsample(self, replay: dict, noise: Tensor | None = None, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+        """tanh(u), u = mu(o) + sigma(o) * noise, and log pi = log N(u; mu, sigma^2) −
+        sum log(1 − tanh(u)^2), both with grad, for the replayed normalized observations
+        [B, T, obs_dim] (SAC's reparameterised tanh-Gaussian; no log std cap)."""
+        obs_n = replay["obs"]
+        b, t = obs_n.shape[:2]
+        mean, log_std = self._mean_log_std(obs_n.reshape(b * t, -1))
+        if noise is None:
+            noise = torch.randn(mean.shape, generator=generator, device=generator.device if generator is not None else mean.device)
+        u = mean + torch.exp(log_std) * noise.reshape(mean.shape).to(mean)
+        return torch.tanh(u).view(b, t, -1), self._log_density(u, mean, log_std).view(b, t)
+
+    def replayed_action(self, replay: dict) -> Tensor:
+        """The executed normalized chunk [B, T, C*A] (tanh of the replayed u)."""
+        action = replay["action"]
+        return self._squash(action.reshape(*action.shape[:2], -1))
+
+    def rsample_refusal(self) -> Exception | None:
+        cfg = self.config
+        if cfg.squash != "tanh":
+            return ConfigError("policy.squash", cfg.squash, "an off-policy actor-critic loss trains a bounded reparameterised action: use tanh")
+        if cfg.obs_norm:
+            return ConfigError("policy.obs_norm", True, "the replay buffer keeps normalized observations, which moving statistics would leave stale: use false")
+        if cfg.final_log_std is not None:
+            return ConfigError("policy.final_log_std", cfg.final_log_std, "an off-policy actor-critic loss learns its exploration (the entropy temperature): use null")
+        return None
+
     def sft_loss(self, batch: dict) -> Tensor:
         """Behaviour cloning: the masked mean negative log-likelihood of the demonstrated
         chunks, -log N(a_n; mu(o), sigma^2) per action, with a_n the demo actions in the

@@ -20,16 +20,25 @@ its class attributes (:class:`Loss`). A new method is a new module in this packa
 plugin's module that registers itself): the learner, the trainer and the run config stay
 as they are.
 
+An off-policy loss (``trains_from_buffer``, its config an :class:`OffPolicyConfig`) trains
+from the replay buffer instead (``mmrl/train/replay_buffer.py``): each training step the
+learner adds the step's transitions to the buffer and runs ``utd`` optimizer steps per new
+transition, each on ``batch_size`` transitions drawn from it; the loss's own networks (critics,
+their targets, a temperature) train in the same optimizer, as ``parameter_groups`` says, and
+``after_optimizer_step`` moves what follows the weights (target networks).
+
 Built in: ``policy_gradient`` (the clipped-ratio family: ``algo.objective``,
 ``aggregation``, ``kl``, ``correction``, and the value loss of a critic), ``sft`` (the
-policy's own supervised loss), ``self_imitation`` (``algo.self_imitation``) and ``nft``
-(DiffusionNFT: a flow policy's final samples, no log-probs). A loss with state of its own
+policy's own supervised loss), ``self_imitation`` (``algo.self_imitation``), ``nft``
+(DiffusionNFT: a flow policy's final samples, no log-probs) and ``sac`` (Soft Actor-Critic
+on the replay buffer). A loss with state of its own
 (DiffusionNFT's old policy) returns it from ``state_dict``; checkpoints keep it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -42,6 +51,19 @@ class LossConfig(Component):
     """``algo.loss``: the loss module (``type``) and its own options."""
 
     type: str = option("policy_gradient", "the loss module (mmrl list losses): policy_gradient is the ratio objective of algo.objective/aggregation/kl/correction")
+
+
+@dataclass
+class OffPolicyConfig(LossConfig):
+    """The options every loss that trains from the replay buffer has: the buffer and how
+    many optimizer steps each new transition buys."""
+
+    buffer_size: int = option(1_000_000, "transitions the replay buffer keeps (the oldest are overwritten)", ge=1)
+    buffer_device: Literal["learner", "cpu"] = option("learner", "where the replay buffer lives: the learner's device, or the CPU (batches move to the learner)")
+    n_step: int = option(1, "n-step returns: a transition's reward sums n decisions' discounted rewards and bootstraps after them", ge=1)
+    batch_size: int = option(256, "transitions drawn from the buffer per optimizer step", ge=1)
+    learning_starts: int = option(5000, "transitions in the buffer before the first optimizer step", ge=0)
+    utd: float = option(1.0, "update-to-data ratio: optimizer steps per new transition (fractions carry over)", gt=0)
 
 
 @dataclass
@@ -106,6 +128,8 @@ class Loss:
     zero_at_zero_advantage: bool = False
     needs_proximal: bool = False
     reads_sampling_graph: bool = False
+    # trains from the replay buffer (the module docstring), not from the step's rollout
+    trains_from_buffer: bool = False
 
     @classmethod
     def wants_reference(cls, algo, options) -> bool:
@@ -124,6 +148,14 @@ class Loss:
     def end_update(self, step: int) -> dict[str, float]:
         """After update ``step``'s last optimizer step; returns metrics to log."""
         return {}
+
+    def parameter_groups(self) -> list[dict]:
+        """The loss's own trained parameters as optimizer parameter groups (``params`` and
+        ``base_lr``), beside the policy's; none by default."""
+        return []
+
+    def after_optimizer_step(self) -> None:
+        """After each optimizer step of a loss that trains from the buffer."""
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps of the loss (empty: nothing)."""
