@@ -119,6 +119,7 @@ class EnvSampler(Sampler):
         space = self.env.single_action_space
         # a language agent's env: each action is the text of one turn (mmrl/tasks/guess_number)
         self.text_actions = isinstance(space, gymnasium.spaces.Text)
+        self.tool_env = bool(getattr(ctx.env, "tools", None))  # its turns call tools (envs/tool_env.py)
         if not isinstance(space, gymnasium.spaces.Box) and not self.text_actions:
             self.env.close()
             raise ConfigError("env.id", ctx.env.id, f"the env sampler needs a continuous (Box) or a text (Text) action space; this env has {space}")
@@ -341,7 +342,7 @@ class EnvSampler(Sampler):
         n, num_envs = len(seeds), self.num_envs
         reset_seeds = seeds + seeds[:1] * (num_envs - n)
         obs, reset_info = self.env_call("reset", reset_seeds, seed=reset_seeds)
-        kept = (TextEpisodeRecorder(seeds) if self.text_actions else EpisodeRecorder(obs, reset_info, seeds)) if keep else None
+        kept = (TextEpisodeRecorder(seeds, tools=self.tool_env) if self.text_actions else EpisodeRecorder(obs, reset_info, seeds)) if keep else None
         costs: list[dict] = []
         device = device_of(policy)
         on = _tensor_device(obs)  # a simulator that returns torch tensors: bookkeeping stays on its device
@@ -368,6 +369,8 @@ class EnvSampler(Sampler):
                 if kept is not None:
                     kept.step(obs, action)
                 obs, reward, term, trunc, info = self.env_call("step", reset_seeds, action)
+                if self.text_actions and kept is not None:
+                    kept.answered(obs)
                 if ended_by_policy is not None:  # truncated before this step: its outcome does not count
                     reward = reward * ~ended_by_policy
                     term = term & ~ended_by_policy

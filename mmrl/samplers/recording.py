@@ -16,10 +16,12 @@ whole episodes, which partial rollouts (``rollout.over_provision`` > 1) split ac
 
 A language agent's episodes (an env that acts in text) are kept turn by turn instead
 (:class:`TextEpisodeRecorder`) and written as JSON lines (:func:`write_text_episodes`): one
-episode per line, ``{"turns": [[observation, reply], ...], "success", "return", "rewards",
-"length", "truncated", "seed"}`` — the ``conversations`` data source's format, so saved
-episodes train by SFT as they are (``data.successful_only`` keeps the solved ones: rejection
-sampling / expert iteration).
+episode per line, ``{"turns": [[observation, reply], ...], "final_observation", "success",
+"return", "rewards", "length", "truncated", "seed"}`` (``final_observation``: the env's answer
+to the last reply) and, in a tool env, ``"tools"``: per turn ``{"tool_call": [...],
+"tool_result": ...}`` where the reply called a tool, else ``{}`` — the ``conversations`` data
+source's format, so saved episodes train by SFT as they are (``data.successful_only`` keeps the
+solved ones: rejection sampling / expert iteration).
 """
 
 from __future__ import annotations
@@ -99,35 +101,54 @@ class EpisodeRecorder:
 @dataclass
 class TextEpisode:
     """One language-agent episode: each turn's observation text and the reply the policy
-    wrote, the env's reward after each turn, its success and whether a limit cut it."""
+    wrote, the env's answer to the last reply, the env's reward after each turn, its success
+    and whether a limit cut it; in a tool env, each turn's tool calls and their result."""
 
     turns: list[tuple[str, str]]
     rewards: list[float]
     success: bool
     truncated: bool
     seed: int
+    final_observation: str = ""
+    tools: list[dict] | None = None  # per turn: {"tool_call": [...], "tool_result": text}, or {} without a call
 
     def as_json(self) -> dict:
-        return {
-            "turns": [list(turn) for turn in self.turns], "success": self.success, "return": float(sum(self.rewards)),
-            "rewards": self.rewards, "length": len(self.turns), "truncated": self.truncated, "seed": self.seed,
+        saved = {
+            "turns": [list(turn) for turn in self.turns], "final_observation": self.final_observation, "success": self.success,
+            "return": float(sum(self.rewards)), "rewards": self.rewards, "length": len(self.turns), "truncated": self.truncated, "seed": self.seed,
         }
+        if self.tools is not None:
+            saved["tools"] = self.tools
+        return saved
 
 
 class TextEpisodeRecorder:
     """The turns of a wave's first ``len(seeds)`` envs of a language agent: each observation's
-    text (before the turn; a Dict observation's ``"text"``) and the turn's reply."""
+    text (before the turn; a Dict observation's ``"text"``), the turn's reply and the env's
+    answer to it. ``tools``: the env runs tool calls (a ``tools`` env), so each turn's calls
+    are read from its reply (:func:`mmrl.tools.calls.parse_turn`, as the env reads them)."""
 
-    def __init__(self, seeds: list[int]):
+    def __init__(self, seeds: list[int], tools: bool = False):
         self.seeds = list(seeds)
+        self.tools = tools
         self.observations: list[list[str]] = []
         self.replies: list[list[str]] = []
+        self.answers: list[list[str]] = []  # the env's observation after each turn
 
     def step(self, obs, action) -> None:
-        n = len(self.seeds)
-        texts = obs["text"] if isinstance(obs, dict) else obs
-        self.observations.append([str(t) for t in list(texts)[:n]])
-        self.replies.append([str(t) for t in list(action)[:n]])
+        self.observations.append(_texts(obs, len(self.seeds)))
+        self.replies.append([str(t) for t in list(action)[: len(self.seeds)]])
+
+    def answered(self, obs) -> None:
+        """The env's observation after the turn :meth:`step` recorded last."""
+        self.answers.append(_texts(obs, len(self.seeds)))
+
+    def _tools(self, reply: str, answer: str) -> dict:
+        from mmrl.tools.calls import parse_turn
+
+        turn = parse_turn(reply)
+        calls = [{"name": call.name, "arguments": call.arguments} for call in turn.calls] + [{"error": error} for error in turn.errors]
+        return {"tool_call": calls, "tool_result": answer} if calls else {}
 
     def episodes(self, rollout: Rollout, rewards: list, success: list | None) -> list[TextEpisode]:
         info = rollout.info
@@ -139,8 +160,16 @@ class TextEpisodeRecorder:
                 turns=[(self.observations[t][i], self.replies[t][i]) for t in range(steps)],
                 rewards=[float(r) for r in reward[i, :steps]], success=bool(info["success"][i]),
                 truncated=bool(info["truncated"][i]), seed=int(self.seeds[i]),
+                final_observation=self.answers[steps - 1][i] if steps else "",
+                tools=[self._tools(self.replies[t][i], self.answers[t][i]) for t in range(steps)] if self.tools else None,
             ))
         return out
+
+
+def _texts(obs, n: int) -> list[str]:
+    """The first ``n`` envs' observation texts (a Dict observation's ``"text"``)."""
+    texts = obs["text"] if isinstance(obs, dict) else obs
+    return [str(t) for t in list(texts)[:n]]
 
 
 def write_text_episodes(directory, episodes: list[TextEpisode], metadata: dict | None = None) -> Path:
