@@ -168,3 +168,26 @@ def test_bad_games_fail_in_one_line_naming_the_kwarg(games, tmp_path, monkeypatc
     monkeypatch.setitem(__import__("sys").modules, "textworld", None)
     with pytest.raises(MissingExtraError, match=r"mmrl/TextWorld-v0 needs the 'textworld' package: pip install 'mmrl\[textworld\]'"):
         TextWorldEnv(games=str(out / "train"))
+
+
+def test_a_game_whose_opening_is_longer_than_max_text_is_warned_about_once_with_its_length(games, tmp_path, monkeypatch, caplog):
+    from mmrl.tasks.textworld import env as textworld_env
+    from mmrl.tasks.textworld.games import save_game
+
+    _, cache = games
+    save_game(make_game(3, world_size=1, nb_objects=2, quest_length=2, theme="house"), tmp_path / "house.json")  # tw-make's default theme
+    monkeypatch.setattr(textworld_env, "_warned_cut", False)
+    whole = TextWorldEnv(games=[str(tmp_path / "house.json")], max_text=4096, cache_dir=str(cache))
+    opening = whole.reset(seed=0)[0]
+    assert len(opening) > 512 and not caplog.records  # what the default max_text cuts
+    env = TextWorldEnv(games=[str(tmp_path / "house.json")], cache_dir=str(cache))
+    with caplog.at_level("WARNING", logger="mmrl.tasks.textworld.env"):
+        cut_opening = env.reset(seed=0)[0]
+        env.reset(seed=1)
+    assert len(cut_opening) == 512 and cut_opening.endswith("[cut at 512 characters]")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"mmrl/TextWorld-v0: game house's opening text (its objective and first room) is {len(opening)} characters, more than env.kwargs.max_text=512, "
+        f"and is cut; set max_text to at least {len(opening)} to keep it whole"
+    ]
+    for e in (whole, env):
+        e.close()

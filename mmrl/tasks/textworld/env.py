@@ -14,7 +14,9 @@ in it) or a list of game files (``.json``, or ``.z8`` with its ``.json`` beside 
 
 ``info`` also holds ``score`` and ``max_score`` (the game's), ``moves`` (the game's move count)
 and ``game`` (the game's file name without its extension). Observations are at most
-``max_text`` characters (a longer one is cut with a marker) of printable ASCII. The commands
+``max_text`` characters (a longer one is cut with a marker, and the first cut is warned about
+once, with its length: TextWorld's own ``house`` theme opens with more than the default 512) of
+printable ASCII. The commands
 that would leave the game (``quit``, ``restart``, ``restore``, ``save``, ``undo``, ``script``)
 are not passed on: the reply says so and nothing changes.
 
@@ -36,6 +38,7 @@ that one (~15 ms). ``textworld`` is imported only when the env is built (``pip i
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import shutil
@@ -47,6 +50,8 @@ import gymnasium
 from gymnasium import spaces
 
 from mmrl.errors import ConfigError, MissingExtraError
+
+logger = logging.getLogger(__name__)
 
 # printable ASCII: what the observations and the agent's turns may hold
 CHARSET = "".join(chr(c) for c in range(32, 127)) + "\n"
@@ -144,6 +149,21 @@ def story_file(game_json: Path, cache_dir: str | os.PathLike | None = None) -> P
     return story
 
 
+_warned_cut = False
+
+
+def _warn_cut(length: int, limit: int, game: str, opening: bool) -> None:
+    """Once per process: an observation is longer than ``max_text`` and loses its end."""
+    global _warned_cut
+    if not _warned_cut:
+        _warned_cut = True
+        what = "opening text (its objective and first room)" if opening else "reply"
+        logger.warning(
+            "mmrl/TextWorld-v0: game %s's %s is %d characters, more than env.kwargs.max_text=%d, and is cut; "
+            "set max_text to at least %d to keep it whole", game, what, length, limit, length,
+        )
+
+
 def cut(text: str, limit: int) -> str:
     if len(text) <= limit:
         return text
@@ -198,8 +218,11 @@ class TextWorldEnv(gymnasium.Env):
     def _info(self, won: bool = False) -> dict:
         return {"success": bool(won), "score": int(self.score), "max_score": int(self.max_score), "moves": int(self.moves), "game": self.game.stem}
 
-    def _text(self, raw: str) -> str:
-        return cut(clean_text(raw) or "...", self.max_text)
+    def _text(self, raw: str, opening: bool = False) -> str:
+        text = clean_text(raw) or "..."
+        if len(text) > self.max_text:
+            _warn_cut(len(text), self.max_text, self.game.stem, opening)
+        return cut(text, self.max_text)
 
     def reset(self, *, seed: int | None = None, options=None):
         super().reset(seed=seed)
@@ -209,7 +232,7 @@ class TextWorldEnv(gymnasium.Env):
         self._open(self.game)
         state = self._tw.reset()
         self.score, self.max_score, self.moves, self.over = int(state["score"] or 0), int(state["max_score"] or 0), int(state["moves"] or 0), False
-        return self._text(state.feedback), self._info()
+        return self._text(state.feedback, opening=True), self._info()
 
     def step(self, action: str):
         if self.over:
