@@ -117,7 +117,7 @@ def load_pretrained(directory: str | os.PathLike, **overrides) -> nn.Module:
 
 
 # what samplers tell a policy about its inputs and outputs (``Sampler.policy_spec``)
-SPEC_KEYS = ("obs_dim", "action_dim", "action_low", "action_high", "state_dim", "image_shape", "instructions", "privileged_dim", "num_prompts", "action_space", "observation_space", "max_action_length")
+SPEC_KEYS = ("obs_dim", "action_dim", "action_low", "action_high", "state_dim", "image_shape", "instructions", "privileged_dim", "num_prompts", "prompt_file", "action_space", "observation_space", "max_action_length")
 
 
 def build_policy(cfg, spec: dict) -> nn.Module:

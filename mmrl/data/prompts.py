@@ -126,6 +126,23 @@ def prompt_input(record: PromptRecord) -> str | int | ImagePrompt:
     return ImagePrompt(str(record.prompt), tuple(read_image(p) for p in record.images))
 
 
+def require_text_prompts(spec: dict, policy: str) -> None:
+    """Refuse a prompt sampler whose records are integer conditions (its policy spec holds
+    ``num_prompts``; ``prompt_file``, its train source) for a ``policy`` that reads prompt
+    strings, naming the field that chose the conditions."""
+    n = spec.get("num_prompts")
+    if n is None:
+        return
+    source = spec.get("prompt_file")
+    if source is None:
+        given = f"gives the integer conditions 0 .. {n - 1} (sampler.data.num_prompts)"
+        fix = "set it to a .jsonl or .csv file of text prompts (or a directory saved by datasets' save_to_disk)"
+    else:
+        given = "holds integer prompts, read as conditions (sampler.data.prompt_kind auto)"
+        fix = "give it text prompts, or set sampler.data.prompt_kind: text to read these as texts"
+    raise ConfigError("sampler.data.train", source, f"{given}, but {policy} takes prompt strings; {fix}")
+
+
 def integer_records(num_prompts: int) -> list[PromptRecord]:
     """The conditions 0 … n−1, without answers or metadata."""
     return [PromptRecord(prompt=i, record_id=i) for i in range(num_prompts)]

@@ -162,7 +162,7 @@ class PromptSampler(Sampler):
 
     def policy_spec(self) -> dict:
         n = self.data.num_conditions
-        return {"num_prompts": n} if n is not None else {}
+        return {"num_prompts": n, "prompt_file": self.config.data.train} if n is not None else {}
 
     def _inputs(self, records: list[PromptRecord], copies: int | list[int], device: torch.device) -> Tensor | list[str]:
         """One input per sample: ``copies`` of each record (a count per record, or one for all)."""

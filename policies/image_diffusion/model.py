@@ -50,6 +50,7 @@ import torch
 from torch import Tensor, nn
 
 from mmrl.core.policy import Sample
+from mmrl.data.prompts import require_text_prompts
 from mmrl.denoising import DenoisingOptions, DenoisingPolicy, alphas_cumprod, ddpm_betas, resolution_shift
 from mmrl.errors import ConfigError, MissingExtraError
 from mmrl.policies.image_diffusion.config import ImageDiffusionConfig
@@ -629,6 +630,8 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         else:
             self.transformer = parts.denoiser
         self.conditioning = parts.conditioning
+        if self.conditioning == "text":
+            require_text_prompts(spec, f"the text-conditioned pipeline at policy.model_path ({config.model_path})" if config.model_path else "policy.tiny.conditioning: text")
         encoders = parts.text_encoders + [None] * (3 - len(parts.text_encoders))
         tokenizers = parts.tokenizers + [None] * (3 - len(parts.tokenizers))
         self.text_encoder, self.text_encoder_2, self.text_encoder_3 = encoders

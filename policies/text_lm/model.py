@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from mmrl.core.policy import PolicyModule, Sample
+from mmrl.data.prompts import require_text_prompts
 from mmrl.errors import ConfigError, MissingExtraError
 from mmrl.policies.text_lm.config import TextLMConfig
 from mmrl.policies.text_lm.generation import (
@@ -263,8 +264,7 @@ class TextLMPolicy(PolicyModule):
         super().__init__()
         config.validate("policy")
         self.config, self.spec = config, dict(spec)
-        if spec.get("num_prompts") is not None:
-            raise ConfigError("policy.type", config.type, "takes text prompts; the prompt sampler's records are condition ids (give sampler.data a train file of text prompts)")
+        require_text_prompts(spec, f"policy.type {config.type}")
         self.tokenizer, model = self._build_model(config)
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token  # the pad id only fills masked slots

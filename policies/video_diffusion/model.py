@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from mmrl.core.policy import Sample
 from mmrl.core.rollout import Rollout
+from mmrl.data.prompts import require_text_prompts
 from mmrl.denoising import DenoisingPolicy, alphas_cumprod, ddpm_betas
 from mmrl.errors import ConfigError, MissingExtraError
 from mmrl.policies.image_diffusion.model import diffusion_target, epsilon_from_prediction, pixels_to_uint8, tiny_text_encoder, uint8_to_pixels
@@ -122,6 +123,7 @@ class VideoDiffusionPolicy(DenoisingPolicy):
             self.condition_embedding = nn.Embedding(num_prompts + 1, tiny.condition_dim)
             nn.init.normal_(self.condition_embedding.weight, std=1.0)
         elif self.conditioning == "text":
+            require_text_prompts(spec, "policy.tiny.conditioning: text")
             self.text_encoder, self.tokenizer = _tiny_text_encoder(config)
             self.text_encoder.requires_grad_(False)
         else:

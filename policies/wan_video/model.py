@@ -50,6 +50,7 @@ from torch import Tensor, nn
 
 from mmrl.core.policy import Sample
 from mmrl.core.rollout import Rollout
+from mmrl.data.prompts import require_text_prompts
 from mmrl.denoising import DenoisingPolicy
 from mmrl.denoising.options import DenoisingOptions
 from mmrl.denoising.transitions import FlowTransition
@@ -302,6 +303,7 @@ class WanVideoPolicy(_SchedulerChain):
         super().__init__()
         config.validate("policy")
         self.config, self.spec = config, dict(spec)
+        require_text_prompts(spec, "wan_video (text to video)")
         parts = _load_parts(config) if config.model_path else _tiny_parts(config)
         self.shift, self.num_train_timesteps = _scheduler_shift(config, parts.scheduler)
         self.transformer, self.vae, self.text_encoder, self.tokenizer = parts.transformer, parts.vae, parts.text_encoder, parts.tokenizer

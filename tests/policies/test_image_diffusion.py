@@ -361,7 +361,7 @@ def test_a_pipeline_whose_scheduler_disagrees_with_the_denoising_options_is_a_co
         ({"denoising": {"transition": "flow_noise"}}, "policy.denoising.transition"),
         ({"tiny": {"conditioning": "none"}, "guidance_scale": 2.0}, "policy.guidance_scale"),
         ({"tiny": {"resolution": 10, "block_out_channels": [8, 16, 16]}}, "policy.tiny.resolution"),
-        ({"tiny": {"conditioning": "text"}, "max_prompt_tokens": 17}, "policy.max_prompt_tokens"),
+        ({"tiny": {"conditioning": "text"}, "max_prompt_tokens": 17, "spec": {}}, "policy.max_prompt_tokens"),
     ],
 )
 def test_bad_options_are_config_errors_that_name_the_field(fields, field):

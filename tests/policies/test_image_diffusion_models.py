@@ -459,6 +459,30 @@ def test_mmrl_train_runs_from_a_saved_pipeline_directory(tmp_path, shape):
         assert all("kl" in " ".join(m) for m in metrics)
 
 
+@pytest.mark.parametrize("train", [None, "conditions.jsonl"])
+def test_mmrl_train_on_integer_conditions_with_a_text_pipeline_names_sampler_data_train(tmp_path, capsys, train):
+    import yaml
+
+    from mmrl.cli import main
+
+    sd_pipeline(tmp_path / "pipe")
+    config = yaml.safe_load(open(_train_config(tmp_path, "sd", {"model_path": str(tmp_path / "pipe"), "denoising": SD_DENOISING}, {"coef": 0.0})))
+    if train is None:
+        config["sampler"]["data"] = {"num_prompts": 4}
+    else:  # a file whose prompts are all integers reads as conditions
+        (tmp_path / train).write_text("".join(json.dumps({"prompt": i}) + "\n" for i in range(3)))
+        config["sampler"]["data"] = {"train": str(tmp_path / train)}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    assert main(["train", str(tmp_path / "run.yaml"), "--run-dir", str(tmp_path / "run")]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "it/s]" not in line]  # not the progress bars
+    assert len(err) == 1 and err[0].startswith("mmrl: error: sampler.data.train: got "), err
+    assert f"the text-conditioned pipeline at policy.model_path ({tmp_path / 'pipe'}) takes prompt strings" in err[0]
+    if train is None:
+        assert "got None; gives the integer conditions 0 .. 3 (sampler.data.num_prompts)" in err[0] and "a .jsonl or .csv file of text prompts" in err[0]
+    else:
+        assert f"got {str(tmp_path / train)!r}; holds integer prompts" in err[0] and "sampler.data.prompt_kind: text" in err[0]
+
+
 def test_a_stable_diffusion_scheduler_needs_its_beta_range_in_the_denoising_options(tmp_path):
     sd_pipeline(tmp_path / "sd")
     with pytest.raises(ConfigError, match="policy.denoising.beta_schedule"):

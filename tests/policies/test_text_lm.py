@@ -502,7 +502,7 @@ def test_errors_at_build_time_name_the_field():
         make(generation={"backend": "no_such_module:factory"})
     with pytest.raises(ConfigError, match=r"policy\.generation\.backend"):
         make(generation={"backend": f"{__name__}:PROMPTS"})
-    with pytest.raises(ConfigError, match="text prompts"):
+    with pytest.raises(ConfigError, match=r"sampler\.data\.train: got None; gives the integer conditions 0 \.\. 3.*policy\.type text_lm takes prompt strings"):
         build_policy(TextLMConfig(tiny=from_dict(TextLMConfig, {"tiny": TINY}).tiny), {"num_prompts": 4})
     if _has_peft():
         with pytest.raises(ConfigError, match=r"policy\.lora\.target_modules"):

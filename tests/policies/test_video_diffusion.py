@@ -214,6 +214,8 @@ def test_inputs_of_the_wrong_kind_are_config_errors():
         make().sample(["a red circle"])
     with pytest.raises(ConfigError, match="prompt strings"):
         make(spec={}, tiny={"conditioning": "text"}).sample(CONDITIONS)
+    with pytest.raises(ConfigError, match=r"sampler\.data\.train: got None; gives the integer conditions 0 \.\. 2 .*policy\.tiny\.conditioning: text takes prompt strings"):
+        make(spec={"num_prompts": 3}, tiny={"conditioning": "text"})
 
 
 def _train_cfg(run_steps: int, **over):

@@ -55,7 +55,8 @@ def make(path, **fields) -> WanVideoPolicy:
     base = {"type": "wan_video", "model_path": str(path), "frames": FRAMES, "height": SIZE, "width": SIZE, "max_sequence_length": TOKENS,
             "guidance_scale": 3.0, "negative_prompt": "blurry, static", "denoising": {"num_inference_steps": STEPS, "time_shift": SHIFT}}
     denoising = {**base["denoising"], **fields.pop("denoising", {})}
-    return build_policy(from_dict(WanVideoConfig, {**base, **fields, "denoising": denoising}, "policy"), {})
+    spec = fields.pop("spec", {})
+    return build_policy(from_dict(WanVideoConfig, {**base, **fields, "denoising": denoising}, "policy"), spec)
 
 
 def test_the_deterministic_chain_and_decode_equal_wan_pipeline_with_the_euler_scheduler(wan_dir):
@@ -246,3 +247,5 @@ def test_layouts_that_do_not_fit_are_one_line_config_errors(wan_dir, tmp_path):
         assert "\n" not in str(e.value), name
     with pytest.raises(ConfigError, match="prompt strings"):
         make(wan_dir).sample(torch.tensor([0, 1]))
+    with pytest.raises(ConfigError, match=r"sampler\.data\.train: got 'ids\.csv'; holds integer prompts.*wan_video \(text to video\) takes prompt strings"):
+        make(wan_dir, spec={"num_prompts": 2, "prompt_file": "ids.csv"})

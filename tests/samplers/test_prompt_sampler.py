@@ -120,12 +120,12 @@ def test_a_missing_prompt_file_fails_when_the_sampler_is_built(tmp_path):
     assert err.value.field == "sampler.data.train"
 
 
-def test_policy_spec_holds_the_number_of_conditions(tmp_path):
+def test_policy_spec_holds_the_number_of_conditions_and_their_file(tmp_path):
     sampler, policy = sequence_setup(data={"num_prompts": 3})
-    assert sampler.policy_spec() == {"num_prompts": 3}
+    assert sampler.policy_spec() == {"num_prompts": 3, "prompt_file": None}
     assert policy.prompt_embedding.num_embeddings == 3
     conditions = train_config(data={"train": write_jsonl(tmp_path / "c.jsonl", [{"prompt": 0}, {"prompt": 5}])})
-    assert PromptSampler(conditions.sampler, sampler_context(conditions)).policy_spec() == {"num_prompts": 6}
+    assert PromptSampler(conditions.sampler, sampler_context(conditions)).policy_spec() == {"num_prompts": 6, "prompt_file": str(tmp_path / "c.jsonl")}
     texts = train_config(data={"train": write_jsonl(tmp_path / "t.jsonl", [{"prompt": "hi"}])})
     assert PromptSampler(texts.sampler, sampler_context(texts)).policy_spec() == {}
 
