@@ -10,6 +10,10 @@ One update, on the samples of all processes:
     update(rollout, targets)                   # epochs x minibatches: loss(piece) -> optimizer step
     self_imitation()                           # optional: the self_imitation loss on remembered samples
 
+A loss that trains from the replay buffer (``sac``) takes ``learn_from_buffer`` instead:
+the step's transitions join the buffer, and ``utd`` optimizer steps per new transition each
+draw a batch from it (``mmrl/train/replay_buffer.py``).
+
 The loss turns a piece into its scalar and metrics (``mmrl/algo/losses/``); the optimizer
 and the schedule live in ``mmrl/train/optimization.py``; the speed-ups, each exact, in
 ``mmrl/train/speedups.py``.
