@@ -278,6 +278,21 @@ def cmd_doctor(args) -> int:
     return report()
 
 
+class _ExportHelp(argparse.Action):
+    """``mmrl export --help``: the help with every format a policy writes, read from the
+    policies (:func:`mmrl.export.layouts_help`) only when asked, as the policies load slowly."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from mmrl.export import layouts_help
+
+        parser.epilog = layouts_help()
+        parser.print_help()
+        parser.exit()
+
+
 def cmd_export(args) -> int:
     from mmrl.export import export_policy
 
@@ -454,11 +469,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_serve_reward)
 
     p = sub.add_parser(
-        "export", help="write a trained policy in the layout its users' stack reads (LeRobot, diffusers LoRA, transformers)",
-        description="Write the policy of a run (its latest checkpoint), a checkpoint or a save_pretrained directory in another layout: "
-        "lerobot (a LeRobot policy directory), diffusers-lora (pipeline.load_lora_weights), transformers (the VLM a VLA sits on). "
-        "A wrong --format lists the ones this policy writes.",
+        "export", help="write a trained policy in the layout its users' stack reads (mmrl export --help lists the formats)", add_help=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Write the policy of a run (its latest checkpoint), a checkpoint or a save_pretrained directory in the layout\n"
+        "of the stack it came from. A wrong --format lists the ones this policy writes.",
     )
+    p.add_argument("-h", "--help", action=_ExportHelp, help="show this help, with every format a policy writes, and exit")
     p.add_argument("source", help="run directory (latest checkpoint), checkpoint directory or save_pretrained directory")
     p.add_argument("--format", required=True, help="layout to write (the error for a wrong one lists this policy's)")
     p.add_argument("--out", required=True, help="new directory to write (must not exist, or be empty)")

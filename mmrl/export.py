@@ -21,6 +21,31 @@ from pathlib import Path
 from mmrl.errors import ConfigError
 
 
+def layouts() -> dict[str, dict[str, str]]:
+    """Every format a registered policy can write, from each policy class's
+    ``export_layouts``: ``{format: {policy type: what is written}}``, sorted by format."""
+    from mmrl.registry import POLICIES
+
+    found: dict[str, dict[str, str]] = {}
+    for entry in POLICIES.entries():
+        for name, doc in getattr(entry.obj, "export_layouts", {}).items():
+            found.setdefault(name, {})[entry.name] = doc
+    return dict(sorted(found.items()))
+
+
+def layouts_help() -> str:
+    """The formats of :func:`layouts` as ``mmrl export --help`` lists them: each format, then
+    the policies that write it, those writing the same thing on one line."""
+    lines = ["formats (--format), each with the policies that write it; which ones a policy writes depends on its configuration:"]
+    for name, policies in layouts().items():
+        lines.append(f"  {name}")
+        by_doc: dict[str, list[str]] = {}
+        for policy, doc in policies.items():
+            by_doc.setdefault(doc, []).append(policy)
+        lines += [f"    {', '.join(names)}: {doc}" for doc, names in by_doc.items()]
+    return "\n".join(lines)
+
+
 def export_policy(source: str | os.PathLike, fmt: str, out: str | os.PathLike) -> Path:
     """Load the policy of ``source`` (run directory, checkpoint or weights directory) and
     write it in format ``fmt`` into the new directory ``out``; returns ``out``."""

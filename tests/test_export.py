@@ -32,6 +32,7 @@ def test_a_lora_image_policy_exports_the_adapters_diffusers_loads_from_a_run_dir
     optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad])
     checkpoint = Checkpointer(tmp_path / "run").save(3, policy, optimizer, {}, "name: x\n")
     (tmp_path / "run" / "config.yaml").write_text((checkpoint / "config.yaml").read_text())
+    assert policy.export_formats().keys() <= type(policy).export_layouts.keys()  # what it writes as configured: of what its class declares
     assert main(["export", str(tmp_path / "run"), "--format", "diffusers-lora", "--out", str(tmp_path / "lora")]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "lora")
     exported = load_file(tmp_path / "lora" / "pytorch_lora_weights.safetensors")
@@ -51,6 +52,7 @@ def test_a_vla_on_a_pretrained_vlm_exports_the_vlm_and_a_miniature_says_it_has_n
     policy = make_vla("flow_vla", vlm_dirs("paligemma"))
     _perturb(policy, scale=0.05)
     save_pretrained(policy, tmp_path / "trained")
+    assert policy.export_formats().keys() <= type(policy).export_layouts.keys()
     assert main(["export", str(tmp_path / "trained"), "--format", "transformers", "--out", str(tmp_path / "vlm")]) == 0
     loaded = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "vlm").state_dict()
     trained = policy.backbone.vlm.state_dict()
@@ -86,3 +88,28 @@ def test_bad_sources_and_outputs_exit_2_with_one_line_and_a_failed_export_leaves
     with pytest.raises(OSError, match="disk full"):
         main(["export", str(tmp_path / "trained"), "--format", "transformers", "--out", str(tmp_path / "half")])
     assert not (tmp_path / "half").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".half")]
+
+
+def test_export_help_lists_every_format_the_policies_declare_with_the_policies_that_write_it(capsys):
+    from mmrl.core.policy import PolicyModule
+    from mmrl.registry import POLICIES
+
+    with pytest.raises(SystemExit) as e:
+        main(["export", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    declared: dict[str, set[str]] = {}
+    for entry in POLICIES.entries():
+        writes = getattr(entry.obj, "export", None) is not getattr(PolicyModule, "export")
+        assert bool(getattr(entry.obj, "export_layouts", {})) == writes, f"{entry.name}: a policy that exports declares its export_layouts"
+        for name in getattr(entry.obj, "export_layouts", {}):
+            declared.setdefault(name, set()).add(entry.name)
+    listed: dict[str, set[str]] = {}  # format -> the policies its lines name
+    for line in out.split("formats (--format)")[1].splitlines()[1:]:
+        if line.startswith("    "):
+            listed[name] |= set(line.strip().split(": ")[0].split(", "))
+        else:
+            name = line.strip()
+            listed[name] = set()
+    assert listed == declared and {"lerobot", "diffusers-lora", "transformers", "openvla", "openvla_oft"} <= set(listed)
+    assert "    openvla_oft: the checkpoint's own layout" in out and "    pi0, pi05, smolvla: a LeRobot policy directory" in out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -193,11 +193,14 @@ class PolicyModule(nn.Module):
         initial weights."""
         return None
 
+    # every format ``mmrl export`` can write a policy of this class in, {name: what is written}
+    # (``mmrl export --help`` lists them); none: mmrl's own config.yaml + model.safetensors
+    export_layouts: ClassVar[dict[str, str]] = {}
+
     def export_formats(self) -> dict[str, str]:
         """The formats ``mmrl export --format`` writes this policy in, as it is configured:
-        ``{name: what is written}``. Default: none (mmrl's own ``config.yaml`` +
-        ``model.safetensors`` is the only layout)."""
-        return {}
+        ``{name: what is written}``, some of :attr:`export_layouts`. Default: all of them."""
+        return dict(self.export_layouts)
 
     def export(self, fmt: str, out: Path) -> None:
         """Write this policy in format ``fmt`` (a key of :meth:`export_formats`) into the

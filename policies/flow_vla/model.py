@@ -60,7 +60,7 @@ from mmrl.errors import ConfigError
 from mmrl.policies.flow_vla.config import FlowVLAConfig
 from mmrl.policies.vla.action_chunk import ActionChunkPolicy
 from mmrl.policies.vla.backbone import encode_observations, pooled_prefix_state
-from mmrl.policies.vla.pretrained import AdapterFreeReference, build_backbone, export_vlm, vlm_export_formats
+from mmrl.policies.vla.pretrained import VLM_LAYOUTS, AdapterFreeReference, build_backbone, export_vlm, vlm_export_formats
 from mmrl.policies.vla.tokenizer import InstructionTokenizer
 from mmrl.registry import POLICIES
 
@@ -262,6 +262,8 @@ class FlowVLAPolicy(ActionChunkPolicy):
         """With LoRA on a pretrained VLM, this policy with its adapters disabled; otherwise
         None (the trainer keeps a frozen copy of the initial weights)."""
         return AdapterFreeReference(self) if getattr(self.backbone, "lora", False) else None
+
+    export_layouts = VLM_LAYOUTS
 
     def export_formats(self) -> dict[str, str]:
         return vlm_export_formats(self)

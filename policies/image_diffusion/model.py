@@ -1193,10 +1193,12 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         if self.config.lora.r and type(self.denoiser_model).__name__ in LORA_EXPORTS:
             save_diffusers_lora(self, Path(directory) / "lora_diffusers")
 
+    export_layouts = {"diffusers-lora": "the LoRA adapters as pytorch_lora_weights.safetensors, for pipeline.load_lora_weights(DIR)"}
+
     def export_formats(self) -> dict[str, str]:
         """``diffusers-lora`` with LoRA on a denoiser diffusers has a LoRA loader for."""
         if self.config.lora.r and type(self.denoiser_model).__name__ in LORA_EXPORTS:
-            return {"diffusers-lora": "the LoRA adapters as pytorch_lora_weights.safetensors, for pipeline.load_lora_weights(DIR)"}
+            return dict(self.export_layouts)
         return {}
 
     def export(self, fmt: str, out: Path) -> None:

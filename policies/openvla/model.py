@@ -405,8 +405,7 @@ class OpenVLAPolicy(PolicyModule):
 
     # ------------------------------------------------------------------ export
 
-    def export_formats(self) -> dict[str, str]:
-        return {"openvla": "the checkpoint's own layout (same files, tensor names and dtypes; config, tokenizer, processor and statistics copied) with the current weights, LoRA merged"}
+    export_layouts = {"openvla": "the checkpoint's own layout (same files, tensor names and dtypes; config, tokenizer, processor and statistics copied) with the current weights, LoRA merged"}
 
     def export_tensors(self) -> dict[str, Tensor]:
         """The weights under the checkpoint's names; LoRA adapters merged into their layers."""

@@ -328,11 +328,10 @@ class OpenVLAOFTPolicy(OpenVLAPolicy):
 
     # ------------------------------------------------------------------ export
 
-    def export_formats(self) -> dict[str, str]:
-        return {
-            "openvla_oft": "the checkpoint's own layout: the OpenVLA files with the current weights (LoRA merged, source dtypes), the action head / proprio projector .pt files "
-            "rewritten under their names (plain tensors, module. prefix kept), every other file (tokenizer, statistics, lora_adapter/) copied"
-        }
+    export_layouts = {
+        "openvla_oft": "the checkpoint's own layout: the OpenVLA files with the current weights (LoRA merged, source dtypes), the action head / proprio projector .pt files "
+        "rewritten under their names (plain tensors, module. prefix kept), every other file (tokenizer, statistics, lora_adapter/) copied"
+    }
 
     def export(self, fmt: str, out) -> None:
         from mmrl.policies.openvla.checkpoint import write_checkpoint

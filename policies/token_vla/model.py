@@ -42,7 +42,7 @@ from mmrl.core.policy import PolicyModule, Sample
 from mmrl.errors import ConfigError
 from mmrl.policies.token_vla.config import TokenVLAConfig
 from mmrl.policies.vla.backbone import encode_observations, pooled_prefix_state
-from mmrl.policies.vla.pretrained import AdapterFreeReference, build_backbone, export_vlm, vlm_export_formats
+from mmrl.policies.vla.pretrained import VLM_LAYOUTS, AdapterFreeReference, build_backbone, export_vlm, vlm_export_formats
 from mmrl.policies.vla.tokenizer import FILE_NAME as TOKENIZER_FILE
 from mmrl.policies.vla.tokenizer import InstructionTokenizer
 from mmrl.registry import POLICIES
@@ -264,6 +264,8 @@ class TokenVLAPolicy(PolicyModule):
         """With LoRA on a pretrained VLM, this policy with its adapters disabled; otherwise
         None (the trainer keeps a frozen copy of the initial weights)."""
         return AdapterFreeReference(self) if getattr(self.backbone, "lora", False) else None
+
+    export_layouts = VLM_LAYOUTS
 
     def export_formats(self) -> dict[str, str]:
         return vlm_export_formats(self)

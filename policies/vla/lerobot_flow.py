@@ -255,8 +255,7 @@ class LeRobotFlowPolicy(ActionChunkPolicy):
         """With LoRA, this policy with its adapters disabled (the KL reference); else None."""
         return AdapterFreeLeRobotFlow(self) if self.lora else None
 
-    def export_formats(self) -> dict[str, str]:
-        return {"lerobot": "a LeRobot policy directory: the checkpoint's config.json and processors with their statistics, model.safetensors with the trained weights under LeRobot's names (LoRA merged)"}
+    export_layouts = {"lerobot": "a LeRobot policy directory: the checkpoint's config.json and processors with their statistics, model.safetensors with the trained weights under LeRobot's names (LoRA merged)"}
 
     def export(self, fmt: str, out) -> None:
         save_lerobot_policy(self, out)

@@ -408,11 +408,15 @@ class AdapterFreeReference(nn.Module):
         return self.log_prob(replay)
 
 
+# what a VLA on a pretrained VLM can be exported as (:func:`export_vlm`)
+VLM_LAYOUTS = {"transformers": "the VLM with its trained weights, tokenizer and image processor (save_pretrained); the action head stays in the checkpoint"}
+
+
 def vlm_export_formats(policy: nn.Module) -> dict[str, str]:
     """``transformers`` for a VLA on a pretrained VLM without LoRA adapters (:func:`export_vlm`)."""
     backbone = getattr(policy, "backbone", None)
     if backbone is not None and getattr(backbone, "pretrained", False) and not backbone.lora:
-        return {"transformers": "the VLM with its trained weights, tokenizer and image processor (save_pretrained); the action head stays in the checkpoint"}
+        return dict(VLM_LAYOUTS)
     return {}
 
 

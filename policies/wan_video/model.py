@@ -496,9 +496,11 @@ class WanVideoPolicy(_SchedulerChain):
         """The sampled videos, to be written at evaluation (an mp4 and a PNG of the frames)."""
         return {"videos": rollout.info["videos"]}
 
+    export_layouts = {"diffusers-lora": "the LoRA adapters as pytorch_lora_weights.safetensors, for WanPipeline.load_lora_weights(DIR)"}
+
     def export_formats(self) -> dict[str, str]:
         """``diffusers-lora`` with LoRA on the transformer."""
-        return {"diffusers-lora": "the LoRA adapters as pytorch_lora_weights.safetensors, for WanPipeline.load_lora_weights(DIR)"} if self.config.lora.r else {}
+        return dict(self.export_layouts) if self.config.lora.r else {}
 
     def export(self, fmt: str, out: Path) -> None:
         save_wan_lora(self, out)
