@@ -56,7 +56,12 @@ _FILE_CHECK_S = 0.1  # how often the files a run holds are counted
 # as root, each run's code gets its own uid from this range (above systemd's container
 # ranges, below 2^31): its process count, which RLIMIT_NPROC bounds, is that run's alone
 _UID_BASE, _UID_SPAN = 1_900_000_000, 100_000_000
-_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8", "PYTHONDONTWRITEBYTECODE": "1"}
+# one BLAS / OpenMP thread: threads count against RLIMIT_NPROC, and a numpy that cannot start
+# one per core fails on import
+_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8", "PYTHONDONTWRITEBYTECODE": "1",
+    "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+}
 
 # Runs inside the sandbox before the code. It forks: the child sets the limits (as root,
 # RLIMIT_NPROC before the uid changes, which the kernel then enforces), drops the uid and

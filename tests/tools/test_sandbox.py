@@ -284,3 +284,9 @@ def test_a_flood_of_files_is_stopped_at_max_files_and_reported(python_tool, wher
     assert "wrote them all" not in result.stdout
     assert sandbox_dirs() <= before
     assert run_python("import os\nos.mkdir('d')\nfor i in range(150):\n    open(f'd/f{i}', 'w').close()\n", SandboxConfig(**{**LIMITS.__dict__, "max_files": 200})).ok
+
+
+def test_numpy_imports_under_a_process_limit_below_the_number_of_cores(python_tool):
+    # OpenBLAS starts a thread per core unless told otherwise, and threads count as processes
+    result = run_python("import numpy\nprint(numpy.ones(3).sum())\n", SandboxConfig(**{**LIMITS.__dict__, "max_processes": 1}))
+    assert result.ok and result.stdout == "3.0\n", result
