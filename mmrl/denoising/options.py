@@ -68,6 +68,7 @@ class DenoisingOptions:
     lcm_timestep_scaling: float = option(10.0, "lcm: timestep scaling of the boundary-condition coefficients c_skip, c_out", gt=0)
     beta_start: float = option(1e-4, "ddim / ddpm / lcm, linear and scaled_linear schedules: the first beta (DDPM 1e-4; Stable Diffusion and LCM 0.00085 with scaled_linear)", gt=0, lt=1)
     beta_end: float = option(0.02, "ddim / ddpm / lcm, linear and scaled_linear schedules: the last beta (DDPM 0.02; Stable Diffusion and LCM 0.012)", gt=0, lt=1)
+    set_alpha_to_one: bool | None = option(None, "ddim / ddpm / lcm: the step after the last timestep goes to alpha_bar 1 (true) or to alpha_bar at t = 0 (false), as diffusers' DDIMScheduler; null = the pipeline's scheduler's (true without one)")
     clip_denoised: float | None = option(None, "ddim / ddpm: clip the predicted clean sample x0 to +-this inside each step; null: no clipping", gt=0)
     stochastic_steps: Literal["all", "last", "window", "random"] = option(
         "all",
@@ -162,7 +163,7 @@ def make_transition(options: DenoisingOptions, deterministic: bool = False, devi
         return DiffusionTransition.from_config(
             options.num_train_timesteps, k, options.beta_schedule, options.transition, options.eta, options.clip_denoised, device=device,
             lcm_original_steps=options.lcm_original_steps, lcm_timestep_scaling=options.lcm_timestep_scaling,
-            beta_start=options.beta_start, beta_end=options.beta_end,
+            beta_start=options.beta_start, beta_end=options.beta_end, set_alpha_to_one=options.set_alpha_to_one is not False,
         )
     name = "flow_ode" if deterministic else options.transition
     return FlowTransition.from_config(k, name, options.noise_level, options.time_shift, device=device, diffusion=options.sde_diffusion)

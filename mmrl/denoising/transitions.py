@@ -192,7 +192,8 @@ class DiffusionTransition:
     :func:`ddpm_step`; ``"lcm"``: :func:`lcm_step` over LCM's timesteps (a multistep
     consistency sampler, RLCM). Deterministic steps use DDIM with η = 0 (for lcm, with the
     consistency estimate as the clean sample). The step after the last
-    timestep goes to ᾱ = ``final_alpha_cumprod`` (1.0: the clean sample).
+    timestep goes to ᾱ = ``final_alpha_cumprod`` (1.0: the clean sample; diffusers'
+    ``DDIMScheduler`` with ``set_alpha_to_one`` false stops at ᾱ_0 = 1 − β_0).
 
     The denoiser is given the training timestep t_k (as a float) as its time.
     """
@@ -234,13 +235,15 @@ class DiffusionTransition:
         lcm_timestep_scaling: float = 10.0,
         beta_start: float = 1e-4,
         beta_end: float = 0.02,
+        set_alpha_to_one: bool = True,
     ) -> "DiffusionTransition":
         ab = alphas_cumprod(ddpm_betas(num_train_timesteps, beta_schedule, beta_start, beta_end)).to(device)
+        final_alpha_cumprod = 1.0 if set_alpha_to_one else float(ab[0])
         if name == "lcm":
             timesteps = lcm_timesteps(num_train_timesteps, num_steps, lcm_original_steps)
         else:
             timesteps = ddim_timesteps(num_train_timesteps, num_steps, spacing)
-        return cls(ab, timesteps.to(device), name, eta, clip_denoised, lcm_timestep_scaling=lcm_timestep_scaling)
+        return cls(ab, timesteps.to(device), name, eta, clip_denoised, final_alpha_cumprod, lcm_timestep_scaling)
 
     def model_time(self, step: Tensor) -> Tensor:
         return self.timesteps.to(step.device)[step].float()

@@ -415,6 +415,9 @@ def _check_scheduler(config: ImageDiffusionConfig, scheduler: dict, kind: str = 
     for key, value in (("beta_start", options.beta_start), ("beta_end", options.beta_end)):
         if key in scheduler and abs(float(scheduler[key]) - value) > 1e-12:
             raise ConfigError(path + key, value, f"the pipeline's scheduler has {key} {scheduler[key]} (Stable Diffusion: scaled_linear from 0.00085 to 0.012)")
+    alpha_to_one = scheduler.get("set_alpha_to_one")
+    if options.set_alpha_to_one is not None and alpha_to_one is not None and bool(alpha_to_one) != options.set_alpha_to_one:
+        raise ConfigError(path + "set_alpha_to_one", options.set_alpha_to_one, f"the pipeline's scheduler has set_alpha_to_one {bool(alpha_to_one)}; set {str(bool(alpha_to_one)).lower()}, or null to follow it")
     if "clip_sample" in scheduler:
         clip = float(scheduler.get("clip_sample_range", 1.0)) if scheduler["clip_sample"] else None
         if clip != options.clip_denoised:
@@ -677,6 +680,9 @@ class ImageDiffusionPolicy(DenoisingPolicy):
             if isinstance(num_prompts, int) and num_prompts > self.null_class:
                 raise ConfigError("policy.model_path", config.model_path, f"the denoiser has {self.null_class} classes besides the null class (the last); the sampler has {num_prompts} conditions")
         self.flow_shift = None  # FLUX's resolution-dependent time shift (denoising.time_shift otherwise)
+        # where the pipeline's DDIMScheduler ends the last step: alpha_bar 1, or alpha_bar_0 (set_alpha_to_one false)
+        scheduler_alpha_to_one = (parts.scheduler or {}).get("set_alpha_to_one")
+        self.alpha_to_one = bool(scheduler_alpha_to_one) if config.is_diffusion and config.denoising.set_alpha_to_one is None and scheduler_alpha_to_one is not None else None
         if self.kind == "flux":
             self._setup_flux(parts.scheduler)
         else:
@@ -805,11 +811,12 @@ class ImageDiffusionPolicy(DenoisingPolicy):
 
     @property
     def denoising(self) -> DenoisingOptions:
-        """``config.denoising``, with FLUX's resolution-dependent shift as its ``time_shift``
-        when the pipeline's scheduler shifts dynamically."""
-        if self.flow_shift is None:
-            return self.config.denoising
-        return dataclasses.replace(self.config.denoising, time_shift=self.flow_shift)
+        """``config.denoising``, with what it leaves to the pipeline's scheduler: FLUX's
+        resolution-dependent shift as its ``time_shift`` when the scheduler shifts dynamically,
+        and the scheduler's ``set_alpha_to_one`` where the option is null."""
+        followed = {"time_shift": self.flow_shift, "set_alpha_to_one": self.alpha_to_one}
+        followed = {k: v for k, v in followed.items() if v is not None}
+        return dataclasses.replace(self.config.denoising, **followed) if followed else self.config.denoising
 
     def _no_label_dropout(self) -> None:
         """DiT drops class labels at random in train mode (its own CFG training); RL compares

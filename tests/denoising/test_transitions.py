@@ -185,3 +185,32 @@ def test_flow_transitions_and_model_time():
         FlowTransition(sigmas, "langevin")
     with pytest.raises(ValueError, match="ddim"):
         DiffusionTransition(torch.tensor([0.9, 0.5]), torch.tensor([1, 0]), "flow_sde")
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("set_alpha_to_one", [True, False])
+@pytest.mark.parametrize("eta", [0.0, 1.0])
+def test_ddim_steps_equal_diffusers_ddim_scheduler_with_its_set_alpha_to_one(set_alpha_to_one, eta):
+    # DDIMScheduler's last step goes to final_alpha_cumprod: 1, or alphas_cumprod[0] = 1 - beta_0
+    # with set_alpha_to_one false (Stable Diffusion's and SDXL's scheduler configs)
+    diffusers = pytest.importorskip("diffusers")
+    sd = {"num_train_timesteps": 1000, "beta_schedule": "scaled_linear", "beta_start": 0.00085, "beta_end": 0.012}
+    scheduler = diffusers.DDIMScheduler(**sd, clip_sample=False, set_alpha_to_one=set_alpha_to_one, timestep_spacing="trailing")
+    scheduler.set_timesteps(4)
+    ours = DiffusionTransition.from_config(1000, 4, sd["beta_schedule"], "ddim", eta, beta_start=sd["beta_start"], beta_end=sd["beta_end"], set_alpha_to_one=set_alpha_to_one)
+    assert ours.timesteps.tolist() == scheduler.timesteps.tolist()
+    generator = torch.Generator().manual_seed(0)
+    x, eps, noise = (torch.randn((2, 4, 8, 8), generator=generator) for _ in range(3))
+    for k, t in enumerate(scheduler.timesteps):
+        step = torch.full((2,), k)
+        mean, std = ours.mean_std(step, x, eps, torch.full((2,), eta > 0))
+        theirs = scheduler.step(eps, t, x, eta=eta, variance_noise=noise).prev_sample
+        torch.testing.assert_close(mean + std * noise, theirs, atol=1e-6, rtol=1e-6)
+    final = 1.0 if set_alpha_to_one else 1 - sd["beta_start"]
+    assert ours.alpha_bar_prev[-1].item() == pytest.approx(final, abs=1e-7) and scheduler.final_alpha_cumprod.item() == pytest.approx(final, abs=1e-7)
+    # what ᾱ_0 changes: the last step keeps sqrt(1 - ᾱ_0) = 0.029 of the noise estimate (0.1 here)
+    if not set_alpha_to_one and eta == 0:
+        one = DiffusionTransition.from_config(1000, 4, sd["beta_schedule"], "ddim", eta, beta_start=sd["beta_start"], beta_end=sd["beta_end"])
+        last = torch.full((2,), 3)
+        gap = (one.mean_std(last, x, eps, torch.zeros(2, dtype=torch.bool))[0] - ours.mean_std(last, x, eps, torch.zeros(2, dtype=torch.bool))[0]).abs().max()
+        assert gap > 0.05

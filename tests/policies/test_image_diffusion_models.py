@@ -80,9 +80,10 @@ def sd3_pipeline(directory, t5: bool = True):
     return pipe
 
 
-def sd_pipeline(directory):
+def sd_pipeline(directory, set_alpha_to_one: bool = True):
     """A Stable-Diffusion-shaped pipeline (UNet2DConditionModel over a VAE's latents, CLIPTextModel,
-    DDIM with SD's scaled_linear 0.00085 … 0.012), saved with StableDiffusionPipeline.save_pretrained."""
+    DDIM with SD's scaled_linear 0.00085 … 0.012, its last step to alpha_bar 1 or, as SD 1.5's
+    scheduler config, to alpha_bar_0), saved with StableDiffusionPipeline.save_pretrained."""
     torch.manual_seed(0)
     tokenizer = _tokenizer()
     unet = diffusers.UNet2DConditionModel(
@@ -90,7 +91,7 @@ def sd_pipeline(directory):
         down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=16, attention_head_dim=4,
     )
     scheduler = diffusers.DDIMScheduler(
-        num_train_timesteps=1000, beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, clip_sample=False, set_alpha_to_one=True, timestep_spacing="trailing", steps_offset=1
+        num_train_timesteps=1000, beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, clip_sample=False, set_alpha_to_one=set_alpha_to_one, timestep_spacing="trailing", steps_offset=1
     )
     pipe = diffusers.StableDiffusionPipeline(
         vae=_vae(0.18215, None), text_encoder=_clip(tokenizer, 16, False), tokenizer=tokenizer, unet=unet, scheduler=scheduler,
@@ -186,10 +187,12 @@ def test_the_deterministic_chain_equals_diffusers_sd3_pipeline_with_guidance_and
 
 
 @pytest.mark.numerics
-def test_the_deterministic_chain_equals_diffusers_stable_diffusion_pipeline(tmp_path):
-    pipe = sd_pipeline(tmp_path / "sd")
+@pytest.mark.parametrize("set_alpha_to_one", [True, False])
+def test_the_deterministic_chain_equals_diffusers_stable_diffusion_pipeline(tmp_path, set_alpha_to_one):
+    pipe = sd_pipeline(tmp_path / "sd", set_alpha_to_one)
     policy = make(spec={}, model_path=str(tmp_path / "sd"), guidance_scale=3.0, denoising=SD_DENOISING)
     assert policy.kind == "unet" and policy.vae is not None and policy.prediction_type == "epsilon"
+    assert policy.denoising.set_alpha_to_one is set_alpha_to_one and policy.config.denoising.set_alpha_to_one is None  # the scheduler's
     prompts = ["a red circle", "two squares"]
     ours = policy.sample(prompts, torch.Generator().manual_seed(2), deterministic=True)
     x = torch.randn((2, 4, 8, 8), generator=torch.Generator().manual_seed(2))
@@ -484,7 +487,10 @@ def test_mmrl_train_on_integer_conditions_with_a_text_pipeline_names_sampler_dat
 
 
 def test_a_stable_diffusion_scheduler_needs_its_beta_range_in_the_denoising_options(tmp_path):
-    sd_pipeline(tmp_path / "sd")
+    sd_pipeline(tmp_path / "sd", set_alpha_to_one=False)
+    with pytest.raises(ConfigError, match=r"policy\.denoising\.set_alpha_to_one: got True; the pipeline's scheduler has set_alpha_to_one False; set false, or null"):
+        make(spec={}, model_path=str(tmp_path / "sd"), denoising={**SD_DENOISING, "set_alpha_to_one": True})
+    assert make(spec={}, model_path=str(tmp_path / "sd"), denoising={**SD_DENOISING, "set_alpha_to_one": False}).denoising.set_alpha_to_one is False
     with pytest.raises(ConfigError, match="policy.denoising.beta_schedule"):
         make(spec={}, model_path=str(tmp_path / "sd"))
     with pytest.raises(ConfigError, match="policy.denoising.beta_start"):

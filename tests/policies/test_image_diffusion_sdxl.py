@@ -23,10 +23,11 @@ PROMPTS = ["a red circle", "two blue squares", "", "a red circle"]
 LORA = {"r": 4, "alpha": 8.0}
 
 
-def sdxl_pipeline(directory, force_zeros: bool = True):
+def sdxl_pipeline(directory, force_zeros: bool = True, set_alpha_to_one: bool = True):
     """An SDXL-shaped pipeline: a UNet2DConditionModel with addition_embed_type text_time over a
     VAE's latents, CLIPTextModel + CLIPTextModelWithProjection (states 16 + 8 wide, projection 8),
-    DDIM with SD's scaled_linear betas; saved with StableDiffusionXLPipeline.save_pretrained."""
+    DDIM with SD's scaled_linear betas, its last step to alpha_bar 1 or (as SDXL's scheduler config)
+    to alpha_bar_0; saved with StableDiffusionXLPipeline.save_pretrained."""
     torch.manual_seed(0)
     tok1, tok2 = _tokenizer(), _tokenizer()
     te1, te2 = _clip(tok1, 16, False), _clip(tok2, 8, True)
@@ -36,7 +37,7 @@ def sdxl_pipeline(directory, force_zeros: bool = True):
         addition_embed_type="text_time", addition_time_embed_dim=4, projection_class_embeddings_input_dim=6 * 4 + 8,
     )
     scheduler = diffusers.DDIMScheduler(
-        num_train_timesteps=1000, beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, clip_sample=False, set_alpha_to_one=True, timestep_spacing="trailing", steps_offset=1
+        num_train_timesteps=1000, beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, clip_sample=False, set_alpha_to_one=set_alpha_to_one, timestep_spacing="trailing", steps_offset=1
     )
     pipe = diffusers.StableDiffusionXLPipeline(
         vae=_vae(0.13025, None), text_encoder=te1, text_encoder_2=te2, tokenizer=tok1, tokenizer_2=tok2, unet=unet, scheduler=scheduler,
@@ -62,12 +63,12 @@ def sdxl_policy(directory, **fields):
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize("force_zeros", [True, False])
-def test_the_deterministic_chain_equals_diffusers_sdxl_pipeline_with_guidance(tmp_path, force_zeros):
+@pytest.mark.parametrize("force_zeros, set_alpha_to_one", [(True, True), (False, True), (True, False)])
+def test_the_deterministic_chain_equals_diffusers_sdxl_pipeline_with_guidance(tmp_path, force_zeros, set_alpha_to_one):
     # StableDiffusionXLPipeline's whole conditioning: both CLIPs' penultimate states side by side,
     # text_encoder_2's pooled projection, the time ids (original size, crop, target size), and its
     # unconditional branch (zeros with force_zeros_for_empty_prompt, else the empty prompt)
-    pipe = sdxl_pipeline(tmp_path / "sdxl", force_zeros=force_zeros)
+    pipe = sdxl_pipeline(tmp_path / "sdxl", force_zeros=force_zeros, set_alpha_to_one=set_alpha_to_one)
     policy = sdxl_policy(tmp_path / "sdxl", guidance_scale=3.0, sdxl_original_size=[24, 20], sdxl_crops_coords_top_left=[2, 1])
     assert policy.sdxl and policy.kind == "unet" and policy.zero_null_prompt == force_zeros and policy.text_encoder_2 is not None
     assert policy.sdxl_time_ids == (24, 20, 2, 1, 16, 16)
