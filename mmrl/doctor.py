@@ -101,6 +101,38 @@ def libero_row() -> tuple[str, str, str]:
     return ("libero", "BROKEN", f"{versions}; cannot run a scene: {err[:160]}")
 
 
+_WARP_DEVICES = """
+import sys, warp
+warp.config.log_level = warp.LOG_ERROR
+warp.init()
+sys.stderr.write(f"{warp.get_cuda_device_count()}\\n")
+"""
+
+
+def warp_row() -> tuple[str, str, str]:
+    """MuJoCo Warp (the tabletop_warp env): installed, and does warp find a CUDA device?"""
+    v = _version("mujoco-warp") or _version("mujoco_warp")
+    if v is None:
+        return ("mujoco_warp", "missing", "pip install 'mmrl[warp]' (batched MuJoCo worlds: env type tabletop_warp)")
+    ok, out = _run(_WARP_DEVICES)
+    if not ok:
+        return ("mujoco_warp", "BROKEN", f"{v}; warp does not start: {out[:160]}")
+    cuda = int(out) if out.isdigit() else 0
+    devices = f"CUDA devices: {cuda}" if cuda else "no CUDA device: worlds run on warp's CPU backend"
+    return ("mujoco_warp", "ok", f"{v}, warp-lang {_version('warp-lang')}; {devices}")
+
+
+def hub_row() -> tuple[str, str, str]:
+    """Where hub ids (org/name[@revision]) resolve: the cache, offline mode and the endpoint."""
+    if _version("huggingface_hub") is None:
+        return ("hub", "missing", "pip install huggingface_hub (hub ids in model paths)")
+    from mmrl import hub
+
+    mode = "offline (HF_HUB_OFFLINE=1): the cache only" if hub.offline() else f"online: downloads from {hub.endpoint()}"
+    token = "; a token is set" if os.environ.get("HF_TOKEN") else ""
+    return ("hub", "ok", f"cache {hub.cache_dir()}; {mode}{token}")
+
+
 def sandbox_row() -> tuple[str, str, str]:
     """The python tool's sandbox (mmrl/tools/sandbox.py): is bwrap installed, and does code run in it?"""
     from mmrl.tools.sandbox import bwrap_path, check_sandbox
@@ -161,6 +193,8 @@ def report() -> int:
         rows.append(("mujoco", "ok" if good and chosen else "no-render", detail))
     rows.append(maniskill_row())
     rows.append(libero_row())
+    rows.append(warp_row())
+    rows.append(hub_row())
     rows.append(sandbox_row())
     v = _version("opencv-python") or _version("opencv-python-headless")
     rows.append(("opencv", "ok" if v else "missing", f"{v}; image rewards and the shapes renderer" if v else "pip install 'mmrl[image]' (image rewards, the shapes renderer)"))

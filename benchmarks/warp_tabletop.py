@@ -1,0 +1,176 @@
+"""The tabletop suite on MuJoCo Warp against the CPU env: throughput and equivalence.
+
+    python benchmarks/warp_tabletop.py throughput [--device cpu|cuda] [--worlds 1 64 256] [--steps 10]
+    python benchmarks/warp_tabletop.py equivalence [--episodes 256] [--families spatial object goal]
+
+``throughput``: env steps/s of ``mmrl/Tabletop-v0`` (state observations) in a gymnasium
+SyncVectorEnv of N envs against one warp batch of N worlds (``tabletop_warp``), in the same
+run, random actions, finished episodes reset inside both; the ratio is warp / CPU.
+``equivalence``: per family, episodes seeded 0..E-1 run by the scripted expert closed loop
+on both backends; prints both success rates, how often success agrees, and where the states
+part: the first control step at which a block or the pusher is more than 1 mm apart, and
+whether the pusher had touched a block by then (CPU MuJoCo's contacts). Also the open-loop
+gap: the CPU expert's first 20 actions replayed on the warp worlds, the largest state
+difference before the pusher's first touch of a block and after it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import gymnasium  # noqa: E402
+
+import mmrl.envs  # noqa: E402,F401  (registers mmrl/Tabletop-v0)
+from mmrl.envs.tabletop.batched import TabletopBatchedEnv, expert_actions  # noqa: E402
+from mmrl.envs.tabletop.env import MAX_SPEED, PHYSICS_STEPS, TabletopEnv  # noqa: E402
+from mmrl.envs.tabletop.expert import expert_action  # noqa: E402
+
+PART = 1e-3  # metres: states "part" when a block or the pusher is this far apart
+
+
+def throughput(args) -> None:
+    print(f"| worlds | CPU env steps/s | warp ({args.device}) steps/s | warp / CPU |")
+    print("|---|---|---|---|")
+    for n in args.worlds:
+        cpu = gymnasium.vector.SyncVectorEnv([lambda: gymnasium.make("mmrl/Tabletop-v0", task=args.family, obs_mode="state")] * n)
+        cpu.reset(seed=list(range(n)))
+        rng = np.random.default_rng(0)
+        actions = rng.uniform(-1, 1, size=(args.steps, n, 2)).astype(np.float32)
+        cpu.step(actions[0])
+        start = time.perf_counter()
+        for a in actions:
+            cpu.step(a)
+        cpu_rate = n * args.steps / (time.perf_counter() - start)
+        cpu.close()
+        warp = TabletopBatchedEnv(n, task=args.family, device=args.device)
+        warp.reset(seed=list(range(n)))
+        batch = torch.from_numpy(actions).to(warp.device)
+        warp.step(batch[0])  # loads the kernels (and on CUDA the next step captures a graph)
+        warp.step(batch[0])
+        _synchronize(warp.device)
+        start = time.perf_counter()
+        for a in batch:
+            warp.step(a)
+        _synchronize(warp.device)
+        warp_rate = n * args.steps / (time.perf_counter() - start)
+        print(f"| {n} | {cpu_rate:,.0f} | {warp_rate:,.0f} | {warp_rate / cpu_rate:.3f} |", flush=True)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _pusher_touched(env: TabletopEnv) -> bool:
+    sim = env.unwrapped._sim
+    blocks = {int(g) for g in sim.block_geoms}
+    return any(sim.pusher_geom in (c.geom1, c.geom2) and {int(c.geom1), int(c.geom2)} & blocks for c in sim.data.contact[: sim.data.ncon])
+
+
+def _positions(state: np.ndarray, blocks: int) -> np.ndarray:
+    """Pusher and block centres [.., 1 + blocks, 2] from state vectors."""
+    pusher = state[..., None, 0:2]
+    centres = state[..., 4 : 4 + 4 * blocks].reshape(*state.shape[:-1], blocks, 4)[..., :2]
+    return np.concatenate([pusher, centres], -2)
+
+
+def equivalence(args) -> None:
+    for family in args.families:
+        n = args.episodes
+        warp = TabletopBatchedEnv(n, task=family, autoreset="disabled", device=args.device)
+        blocks = warp.num_blocks
+        cpus = [TabletopEnv(task=family, obs_mode="state") for _ in range(n)]
+        cpu_obs = np.stack([e.reset(seed=i)[0]["state"] for i, e in enumerate(cpus)])
+        warp_obs = warp.reset(seed=list(range(n)))[0]["state"].cpu().numpy()
+        cpu_success, warp_success = np.zeros(n, bool), np.zeros(n, bool)
+        cpu_alive, warp_alive = np.ones(n, bool), np.ones(n, bool)
+        touched = np.zeros(n, bool)  # the CPU pusher has touched a block so far
+        parted_at, parted_touched = np.full(n, -1), np.zeros(n, bool)
+        for step in range(60):
+            gap = np.abs(_positions(cpu_obs, blocks) - _positions(warp_obs, blocks)).max(axis=(-1, -2))
+            newly = (parted_at < 0) & (gap > PART) & cpu_alive & warp_alive
+            parted_at[newly], parted_touched[newly] = step, touched[newly]
+            actions = expert_actions(warp)
+            warp_out = warp.step(actions)
+            warp_obs = warp_out[0]["state"].cpu().numpy()
+            warp_success |= warp_out[4]["success"].cpu().numpy() & warp_alive
+            warp_alive &= ~(warp_out[2] | warp_out[3]).cpu().numpy()
+            for i, env in enumerate(cpus):
+                if cpu_alive[i]:
+                    obs, _, term, trunc, info = env.step(expert_action(env))
+                    cpu_obs[i] = obs["state"]
+                    cpu_success[i] |= info["success"]
+                    cpu_alive[i] = not (term or trunc)
+                    touched[i] |= _pusher_touched(env)
+        agree = (cpu_success == warp_success).mean()
+        parted = parted_at >= 0
+        print(
+            f"{family}: {n} expert episodes; success CPU {cpu_success.mean():.3f}, warp {warp_success.mean():.3f}; agree {agree:.3f} "
+            f"({(cpu_success & ~warp_success).sum()} only CPU, {(~cpu_success & warp_success).sum()} only warp); "
+            f"states part by > {PART * 1000:.0f} mm in {parted.sum()} episodes, at control step {np.median(parted_at[parted]) if parted.any() else float('nan'):.0f} "
+            f"(median), {parted_touched[parted].sum()} of them after the pusher had touched a block",
+            flush=True,
+        )
+        _open_loop(family, min(n, args.open_loop), args.device)
+
+
+def _open_loop(family: str, n: int, device: str) -> None:
+    """The CPU expert's first 20 actions replayed on warp worlds: the largest state gap
+    before and after the pusher first touches a block."""
+    cpus = [TabletopEnv(task=family, obs_mode="state", terminate_on_success=False) for _ in range(n)]
+    for i, env in enumerate(cpus):
+        env.reset(seed=i)
+    warp = TabletopBatchedEnv(n, task=family, autoreset="disabled", terminate_on_success=False, device=device)
+    warp.reset(seed=list(range(n)))
+    touched = np.zeros(n, bool)
+    blocks = warp.num_blocks
+    before, pusher_after, blocks_after = 0.0, 0.0, 0.0
+    for _ in range(20):
+        actions = np.stack([expert_action(env) for env in cpus])
+        for i, (env, action) in enumerate(zip(cpus, actions)):  # env.step's physics, a contact check after each MuJoCo step
+            sim = env.unwrapped._sim
+            sim.data.ctrl[:] = np.clip(action.astype(np.float64), -1.0, 1.0) * MAX_SPEED
+            for _ in range(PHYSICS_STEPS):
+                sim.mujoco.mj_step(sim.model, sim.data)
+                touched[i] |= _pusher_touched(env)
+        cpu_state = np.stack([env.unwrapped._full_state() for env in cpus])
+        warp_state = warp.step(torch.from_numpy(actions))[0]["state"].cpu().numpy()
+        gap = np.abs(warp_state - cpu_state).max(-1)
+        before = max(before, float(gap[~touched].max(initial=0.0)))
+        moved = np.abs(_positions(warp_state, blocks) - _positions(cpu_state, blocks)).max(-1)  # [n, 1 + blocks]
+        pusher_after = max(pusher_after, float(moved[touched, 0].max(initial=0.0)))
+        blocks_after = max(blocks_after, float(moved[touched, 1:].max(initial=0.0)))
+    print(
+        f"  open loop, {n} worlds x 20 steps: largest state gap {before:.2e} before the pusher touches a block; "
+        f"after, the pusher {pusher_after * 1000:.1f} mm and a block {blocks_after * 1000:.1f} mm apart", flush=True,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="what", required=True)
+    t = sub.add_parser("throughput")
+    t.add_argument("--worlds", type=int, nargs="+", default=[1, 64, 256])
+    t.add_argument("--steps", type=int, default=10, help="timed control steps")
+    t.add_argument("--family", default="object")
+    t.add_argument("--device", default="cpu", help="warp device: cpu or cuda")
+    e = sub.add_parser("equivalence")
+    e.add_argument("--episodes", type=int, default=256, help="expert episodes per family")
+    e.add_argument("--open-loop", type=int, default=64, help="worlds of the open-loop comparison")
+    e.add_argument("--families", nargs="+", default=["spatial", "object", "goal"])
+    e.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    throughput(args) if args.what == "throughput" else equivalence(args)
+
+
+if __name__ == "__main__":
+    main()

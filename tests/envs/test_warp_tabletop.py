@@ -1,0 +1,260 @@
+"""The tabletop suite on MuJoCo Warp (env type tabletop_warp) against mmrl/Tabletop-v0: the
+same tasks and initial states from the same seeds, states equal to float32 rounding until the
+pusher touches a block, the scripted expert's success, masked and same-step resets, costs,
+config errors, and the env sampler on it.
+
+MuJoCo Warp's kernels compile on first use (10-40 s on a CPU, then cached in warp's kernel
+cache); the tests that step share one compiled batch (``batch``). They need the warp extra:
+skipped without it, failed without it under ``MMRL_REQUIRE_WARP=1`` (.ci/run, whose set-up
+installs every extra)."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from mmrl.envs.tabletop.env import PHYSICS_STEPS, TabletopEnv
+from mmrl.envs.tabletop.expert import expert_action
+from mmrl.errors import ConfigError
+
+WORLDS = 16
+STEPS = 20
+# Every state entry is at most ~1 in size (metres, m/s, cos and sin) and each MuJoCo step rounds
+# it to float32 once (relative error <= eps32 = 1.19e-7); added up in the worst case over the
+# 20 x PHYSICS_STEPS = 400 MuJoCo steps of 20 control steps: 400 * eps32 = 4.8e-5.
+TOLERANCE = STEPS * PHYSICS_STEPS * float(np.finfo(np.float32).eps)
+
+
+def require_warp():
+    try:
+        import mujoco_warp  # noqa: F401
+    except ImportError as error:
+        problem = f"the warp extra is not installed ({error}); pip install 'mmrl[warp]'"
+        if os.environ.get("MMRL_REQUIRE_WARP") == "1":
+            pytest.fail(problem + " (MMRL_REQUIRE_WARP=1)", pytrace=False)
+        pytest.skip(problem)
+
+
+@pytest.fixture(scope="module")
+def batch():
+    """One compiled batch of WORLDS object-family worlds; each test resets it."""
+    require_warp()
+    from mmrl.envs.tabletop.batched import TabletopBatchedEnv
+
+    env = TabletopBatchedEnv(WORLDS, task="object", autoreset="disabled", device="cpu")
+    yield env
+    env.close()
+
+
+def _cpu_envs(n, task="object", **kwargs):
+    return [TabletopEnv(task=task, obs_mode="state", **kwargs) for _ in range(n)]
+
+
+def _watch_the_pusher(env) -> list[bool]:
+    """Make ``env`` (reset) run its MuJoCo steps one by one and set the returned flag once
+    the pusher touches a block at any of them."""
+    sim, touched = env._sim, [False]
+    blocks = {int(g) for g in sim.block_geoms}
+
+    def step(velocity):
+        sim.data.ctrl[:] = velocity
+        for _ in range(PHYSICS_STEPS):
+            sim.mujoco.mj_step(sim.model, sim.data)
+            touched[0] |= any(sim.pusher_geom in (c.geom1, c.geom2) and {int(c.geom1), int(c.geom2)} & blocks for c in sim.data.contact[: sim.data.ncon])
+
+    sim.step = step
+    return touched
+
+
+def test_a_world_reset_with_a_seed_gets_the_task_and_initial_state_of_the_cpu_env():
+    require_warp()
+    from mmrl.envs.tabletop.batched import TabletopBatchedEnv
+
+    env = TabletopBatchedEnv(8, task="spatial", device="cpu")  # four tasks: the seed draws the task too
+    seeds = [100 + i for i in range(8)]
+    obs, info = env.reset(seed=seeds)
+    cpus = _cpu_envs(8, "spatial")
+    expected = [cpu.reset(seed=s) for cpu, s in zip(cpus, seeds)]
+    assert env.state_layout() == cpus[0].state_layout()
+    assert info["task"] == [i["task"] for _, i in expected] and len(set(info["task"])) > 1
+    assert list(obs["instruction"]) == [o["instruction"] for o, _ in expected]
+    assert isinstance(obs["state"], torch.Tensor) and obs["state"].dtype == torch.float32
+    np.testing.assert_allclose(obs["state"].numpy(), np.stack([o["state"] for o, _ in expected]), atol=1e-6)
+    assert env.target.tolist() == [cpu.target for cpu in cpus]
+    # one integer seed: world i gets seed + i, as gymnasium's vector envs do
+    again, _ = env.reset(seed=100)
+    assert torch.equal(again["state"], obs["state"])
+    same, _ = env.reset(seed=[7] * 8)
+    assert (same["state"] == same["state"][0]).all()
+
+
+def test_states_rewards_and_costs_match_the_cpu_env_to_float32_rounding_until_the_pusher_touches_a_block(batch):
+    batch.reward_mode = "dense"
+    try:
+        batch.reset(seed=list(range(WORLDS)))
+        cpus = _cpu_envs(WORLDS, reward_mode="dense")
+        for i, cpu in enumerate(cpus):
+            cpu.reset(seed=i)
+        watched = [_watch_the_pusher(cpu) for cpu in cpus]
+        untouched_steps = 0
+        for _ in range(STEPS):
+            actions = np.stack([expert_action(cpu) for cpu in cpus])
+            expected = [cpu.step(action) for cpu, action in zip(cpus, actions)]
+            obs, reward, terminated, _, info = batch.step(torch.from_numpy(actions))
+            free = ~np.array([w[0] for w in watched]) & ~np.array([e[2] for e in expected])
+            untouched_steps += int(free.sum())
+            state = np.stack([e[0]["state"] for e in expected])
+            assert np.abs(obs["state"].numpy() - state)[free].max(initial=0.0) <= TOLERANCE
+            assert np.abs(reward.numpy() - np.array([e[1] for e in expected]))[free].max(initial=0.0) <= 10 * TOLERANCE
+            path = np.array([e[4]["costs"]["path_length"] for e in expected])
+            assert np.abs(info["costs"]["path_length"].numpy() - path)[free].max(initial=0.0) <= TOLERANCE
+            assert (info["costs"]["steps"].numpy() == np.array([e[4]["costs"]["steps"] for e in expected])).all()
+            assert (terminated.numpy() == np.array([e[2] for e in expected]))[free].all()
+        assert untouched_steps >= WORLDS * 3  # the comparison covers the approach to the block
+    finally:
+        batch.reward_mode = "sparse"
+
+
+def test_the_scripted_expert_succeeds_where_it_succeeds_on_the_cpu_env(batch):
+    from mmrl.envs.tabletop.batched import expert_actions
+
+    batch.reset(seed=list(range(WORLDS)))
+    cpus = _cpu_envs(WORLDS)
+    cpu_success, warp_success = np.zeros(WORLDS, bool), np.zeros(WORLDS, bool)
+    cpu_alive, warp_alive = np.ones(WORLDS, bool), np.ones(WORLDS, bool)
+    for i, cpu in enumerate(cpus):
+        cpu.reset(seed=i)
+    for _ in range(60):
+        _, _, terminated, truncated, info = batch.step(expert_actions(batch))
+        warp_success |= info["success"].numpy() & warp_alive
+        warp_alive &= ~(terminated | truncated).numpy()
+        for i, cpu in enumerate(cpus):
+            if cpu_alive[i]:
+                _, _, term, trunc, step_info = cpu.step(expert_action(cpu))
+                cpu_success[i] |= step_info["success"]
+                cpu_alive[i] = not (term or trunc)
+    assert not warp_alive.any() and not cpu_alive.any()  # the time limit ends them all
+    assert cpu_success.mean() >= 0.9
+    assert (cpu_success == warp_success).sum() >= WORLDS - 1
+
+
+def test_a_masked_reset_resets_only_the_masked_worlds(batch):
+    first, _ = batch.reset(seed=list(range(WORLDS)))
+    batch.step(torch.full((WORLDS, 2), 0.5))
+    moved = batch.observe()["state"].clone()
+    mask = torch.arange(WORLDS) < 4
+    obs, _ = batch.reset(seed=list(range(WORLDS)), options={"reset_mask": mask})
+    assert torch.equal(obs["state"][:4], first["state"][:4])
+    assert torch.equal(obs["state"][4:], moved[4:]) and not torch.equal(moved[4:], first["state"][4:])
+    assert batch.elapsed.tolist() == [0] * 4 + [1] * (WORLDS - 4)
+
+
+def test_same_step_autoreset_starts_each_finished_world_from_its_own_generator(batch):
+    batch.autoreset, batch.max_episode_steps = "same_step", 2
+    try:
+        batch.reset(seed=list(range(WORLDS)))
+        batch.step(torch.zeros(WORLDS, 2))
+        obs, _, terminated, truncated, info = batch.step(torch.zeros(WORLDS, 2))
+        assert truncated.all() and not terminated.any()
+        assert info["_final"].all() and info["final_obs"]["state"].shape == obs["state"].shape
+        assert batch.elapsed.tolist() == [0] * WORLDS
+        cpus = _cpu_envs(WORLDS)
+        for i, cpu in enumerate(cpus):
+            cpu.reset(seed=i)
+        second = np.stack([cpu.reset()[0]["state"] for cpu in cpus])  # the generator goes on
+        np.testing.assert_allclose(obs["state"].numpy(), second, atol=1e-6)
+    finally:
+        batch.autoreset, batch.max_episode_steps = "disabled", 60
+
+
+def test_the_collision_cost_counts_a_block_pinned_by_the_pusher_against_a_wall_as_the_cpu_env_does(batch):
+    batch.reset(seed=list(range(WORLDS)))
+    cpu = _cpu_envs(1)[0]
+    cpu.reset(seed=0)
+    other = (batch.target[0].item() + 1) % batch.num_blocks  # not the task's block
+    y = float(batch.block_positions()[0, other, 1])
+    adr = int(batch.block_qpos[other])
+    batch.qpos[0, adr : adr + 7] = torch.tensor([0.215, y, 0.025, 1.0, 0.0, 0.0, 0.0])  # 1 cm from the right wall, square to it
+    batch.qpos[0, batch.pusher_qpos] = torch.tensor([0.16, y])
+    cpu._sim.data.qpos[:] = batch.qpos[0].double().numpy()
+    cpu._sim.mujoco.mj_forward(cpu._sim.model, cpu._sim.data)
+    actions = torch.zeros(WORLDS, 2)
+    actions[0, 0] = 1.0  # push it into the wall
+    for _ in range(3):
+        _, _, _, _, info = batch.step(actions)
+        _, _, _, _, cpu_info = cpu.step(actions[0].numpy())
+    assert cpu_info["costs"]["collisions"] >= 1
+    assert info["costs"]["collisions"][0].item() == cpu_info["costs"]["collisions"]
+    assert info["costs"]["collisions"][1:].tolist() == [0] * (WORLDS - 1)
+
+
+def test_the_env_sampler_collects_tensors_from_the_warp_tabletop(batch):
+    from mmrl.config import from_dict
+    from mmrl.core.sampler import sampler_context
+    from mmrl.core.weights import build_policy
+    from mmrl.samplers.env import EnvSampler
+    from mmrl.train.run_config import TrainConfig
+
+    cfg = from_dict(TrainConfig, {
+        "env": {"type": "tabletop_warp", "num_envs": 4, "task": "object", "device": "cpu", "privileged_state": True},
+        "policy": {"type": "gaussian_mlp", "hidden_sizes": [16]},
+        "sampler": {"type": "env", "max_decisions": 3},
+        "rewards": [{"type": "success"}],
+        "algo": {"group_size": 2, "groups_per_step": 2},
+    })
+    sampler = EnvSampler(cfg.sampler, sampler_context(cfg))
+    try:
+        spec = sampler.policy_spec()
+        assert spec["state_dim"] == len(sampler.env.state_layout()) and spec["privileged_dim"] == spec["state_dim"]
+        assert spec["instructions"] == sampler.env.instructions
+        torch.manual_seed(0)
+        rollout = sampler.collect(build_policy(cfg.policy, spec), num_groups=2, group_size=2, step=0)
+    finally:
+        sampler.close()
+    assert rollout.mask.shape[0] == 4 and rollout.mask.sum() > 0
+    assert torch.equal(rollout.replay["privileged"][0::2, 0], rollout.replay["privileged"][1::2, 0])  # a group's copies share their start
+    assert set(rollout.info["costs"]) == {"path_length", "steps", "collisions"}
+    assert sampler.env_steps == 3 * 4
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"obs_mode": "rgb"}, "env.obs_mode"),
+        ({"task": "all"}, "env.task"),
+        ({"task": "push everything"}, "env.task"),
+        ({"layout": "grid"}, "env.layout"),
+        ({"reward_mode": "shaped"}, "env.reward_mode"),
+        ({"device": "tpu"}, "device"),
+        ({"autoreset": "next_step"}, "autoreset"),
+        ({"num_envs": 0}, "num_envs"),
+    ],
+)
+def test_bad_options_are_config_errors_naming_the_field(kwargs, field):
+    require_warp()
+    from mmrl.envs.tabletop.batched import TabletopBatchedEnv
+
+    options = {"num_envs": 2, "device": "cpu", **kwargs}
+    with pytest.raises(ConfigError) as error:
+        TabletopBatchedEnv(options.pop("num_envs"), **options)
+    assert error.value.field == field
+
+
+def test_the_env_section_refuses_async_vectorization_and_wrappers():
+    from mmrl.config import from_dict
+    from mmrl.envs.tabletop.batched import TabletopWarpEnvConfig
+
+    with pytest.raises(ConfigError, match="vectorization"):
+        from_dict(TabletopWarpEnvConfig, {"vectorization": "async"}).validate("env")
+    with pytest.raises(ConfigError, match="wrappers"):
+        from_dict(TabletopWarpEnvConfig, {"wrappers": [{"type": "gymnasium.wrappers:ClipAction"}]}).validate("env")
+    with pytest.raises(ConfigError, match="task"):
+        from_dict(TabletopWarpEnvConfig, {"task": "no_such_task"}).validate("env")
+
+
+def test_doctor_reports_mujoco_warp_and_names_the_extra_when_it_is_missing(monkeypatch):
+    from mmrl import doctor
+
+    monkeypatch.setattr(doctor, "_version", lambda dist: None)
+    assert doctor.warp_row() == ("mujoco_warp", "missing", "pip install 'mmrl[warp]' (batched MuJoCo worlds: env type tabletop_warp)")
