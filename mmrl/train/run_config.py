@@ -10,7 +10,7 @@ from mmrl.algo.correction import CorrectionConfig
 from mmrl.algo.aggregation import AggregationConfig
 from mmrl.algo.filters import FilterConfig
 from mmrl.algo.kl import KLConfig
-from mmrl.algo.losses import LossConfig
+from mmrl.algo.losses import LossConfig, check_requirements
 from mmrl.algo.losses.policy_gradient import PolicyGradientConfig
 from mmrl.algo.objective import ObjectiveConfig, PPOClipConfig
 from mmrl.config import MovedKey, option
@@ -224,6 +224,9 @@ class TrainConfig:
                 raise ConfigError("data.path", None, f"algo.type sft needs data: the {self.data.type} source reads data.path")
         elif not self.rewards:
             raise ConfigError("rewards", [], "at least one reward component is required; see `mmrl list rewards`")
+        if self.algo.type == "rl":
+            loss = self.algo.loss.type
+            check_requirements(loss, LOSSES.get(loss, "algo.loss.type").requires, self)
         self._validate_rollout()
         self._validate_critic()
         if self.device not in ("auto", "cpu", "mps") and not self.device.startswith("cuda"):

@@ -4,6 +4,7 @@ velocity toward the sample, r < ½ away), and the run-level guarantees (exact re
 EMA, N processes = 1 process)."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +23,8 @@ from tests.rollout.test_engine import _same, _steps
 from tests.train.test_distributed_and_cli_runs import _one_and_two_processes
 
 pytest.importorskip("diffusers")
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def nft_config(**algo) -> dict:
@@ -186,8 +189,22 @@ def test_nft_with_two_processes_matches_one_process(tmp_path, write_config):
 
 def test_nft_refuses_a_kl_term_it_has_no_log_probs_for(tmp_path):
     data = nft_config(kl={"type": "k3", "coef": 0.01})
-    with pytest.raises(ConfigError, match=r"algo\.kl\.coef: got 0\.01; algo\.loss nft has no log-probs"):
+    with pytest.raises(ConfigError, match=r"algo\.kl\.coef: got 0\.01; algo\.loss nft needs 0: it has no log-probs for a KL term"):
         Trainer(from_dict(TrainConfig, data), tmp_path / "run")
+
+
+def test_switching_a_flow_grpo_config_to_nft_names_every_override_in_one_error():
+    from mmrl.config import load_config
+
+    path = ROOT / "configs" / "image_shapes_flow_grpo.yaml"  # flow_sde, one decision per step
+    with pytest.raises(ConfigError) as e:
+        load_config(TrainConfig, path, ["algo.loss=nft", "algo.kl.coef=0.01"])
+    message = str(e.value)
+    assert e.value.field == "algo.loss.type" and "\n" not in message
+    overrides = message.split("; override: ")[1].split()
+    assert overrides == ["policy.denoising.transition=flow_ode", "policy.denoising.logp_granularity=chain", "algo.kl.coef=0"]
+    cfg = load_config(TrainConfig, path, ["algo.loss=nft", "algo.kl.coef=0.01", *overrides])  # the second run loads
+    assert (cfg.algo.loss.type, cfg.policy.denoising.transition, cfg.policy.denoising.logp_granularity) == ("nft", "flow_ode", "chain")
 
 
 @REWARDS.register("_test_every_other_sample", config=RewardConfig)

@@ -33,17 +33,22 @@ policy's own supervised loss), ``self_imitation`` (``algo.self_imitation``), ``n
 (DiffusionNFT: a flow policy's final samples, no log-probs) and ``sac`` (Soft Actor-Critic
 on the replay buffer). A loss with state of its own
 (DiffusionNFT's old policy) returns it from ``state_dict``; checkpoints keep it.
+
+What a loss needs elsewhere in the run config (DiffusionNFT: the flow ODE, one decision per
+chain, no KL term) it declares once, as :class:`Requirement` s in its ``requires``; the run
+config's validation reports every unmet one in a single error (:func:`check_requirements`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
 from mmrl.config import Component, option
+from mmrl.errors import ConfigError
 
 
 @dataclass
@@ -64,6 +69,60 @@ class OffPolicyConfig(LossConfig):
     batch_size: int = option(256, "transitions drawn from the buffer per optimizer step", ge=1)
     learning_starts: int = option(5000, "transitions in the buffer before the first optimizer step", ge=0)
     utd: float = option(1.0, "update-to-data ratio: optimizer steps per new transition (fractions carry over)", gt=0)
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """A setting a loss needs elsewhere in the run config: the dotted ``field`` (from the
+    config's root: ``policy.denoising.transition``) must equal ``value``; ``why`` says what
+    for, as the end of "the loss needs it: ..."."""
+
+    field: str
+    value: Any
+    why: str
+
+
+_ABSENT = object()
+
+
+def _lookup(config, dotted: str):
+    node = config
+    for name in dotted.split("."):
+        node = getattr(node, name, _ABSENT)
+        if node is _ABSENT:
+            return _ABSENT
+    return node
+
+
+def _override(value) -> str:
+    """``value`` as a command-line override writes it."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def check_requirements(loss_type: str, requires: tuple[Requirement, ...], config) -> None:
+    """Raise one :class:`~mmrl.errors.ConfigError` for every ``requires`` that ``config`` (the
+    run config, or anything with its sections as attributes) does not meet: naming the field
+    where one is unmet, else ``algo.loss.type`` with each unmet field, its value and the
+    overrides that meet them all."""
+    unmet = [(r, _lookup(config, r.field)) for r in requires]
+    unmet = [(r, found) for r, found in unmet if found is _ABSENT or found != r.value]
+    if not unmet:
+        return
+    policy_type = getattr(getattr(config, "policy", None), "type", None)
+
+    def got(found) -> str:
+        return f"policy {policy_type} has no such field" if found is _ABSENT else f"got {found!r}"
+
+    if len(unmet) == 1 and unmet[0][1] is not _ABSENT:
+        (r, found), = unmet
+        raise ConfigError(r.field, found, f"algo.loss {loss_type} needs {_override(r.value)}: {r.why}")
+    needs = ", ".join(f"{r.field} {_override(r.value)} ({got(found)}; {r.why})" for r, found in unmet)
+    overrides = " ".join(f"{r.field}={_override(r.value)}" for r, _ in unmet)
+    raise ConfigError("algo.loss.type", loss_type, f"needs {needs}; override: {overrides}")
 
 
 @dataclass
@@ -122,6 +181,9 @@ class Loss:
       epochs).
     - ``reads_sampling_graph``: it can take the sampling pass's own log-probs (with their
       graph) instead of a recompute forward.
+
+    ``requires``: the settings it needs elsewhere in the run config (:class:`Requirement`),
+    checked all at once when the run config is validated.
     """
 
     reads_old_logp: bool = False
@@ -130,6 +192,7 @@ class Loss:
     reads_sampling_graph: bool = False
     # trains from the replay buffer (the module docstring), not from the step's rollout
     trains_from_buffer: bool = False
+    requires: tuple[Requirement, ...] = ()
 
     @classmethod
     def wants_reference(cls, algo, options) -> bool:

@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from mmrl import registry
-from mmrl.algo.losses import Loss, LossConfig, LossOutput, Targets
+from mmrl.algo.losses import Loss, LossConfig, LossOutput, Requirement, Targets
 from mmrl.config import option
 from mmrl.core.sampler import group_seed
 from mmrl.errors import ConfigError
@@ -99,16 +99,16 @@ def nft_terms(v: Tensor, v_old: Tensor, x_t: Tensor, x0: Tensor, sigma: Tensor, 
 class NFT(Loss):
     """DiffusionNFT: the negative-aware fit of final samples (no log-probs, any ODE sampler)."""
 
+    requires = (
+        Requirement("policy.denoising.transition", "flow_ode", "it samples with the ODE and keeps no log-probs"),
+        Requirement("policy.denoising.logp_granularity", "chain", "it trains one loss per sample, its chain"),
+        Requirement("algo.kl.coef", 0.0, "it has no log-probs for a KL term; its pull toward the reference is algo.loss.ref_coef"),
+    )
+
     def __init__(self, algo, options: NFTConfig, policy, *, reference=None, seed: int = 0, **_):
         denoising = getattr(getattr(policy, "config", None), "denoising", None)
         if not hasattr(policy, "flow_sigmas") or denoising is None:
             raise ConfigError("algo.loss.type", "nft", f"needs a flow policy with a denoising chain (image_diffusion, video_diffusion); {type(policy).__name__} has none")
-        if algo.kl.coef > 0:
-            raise ConfigError("algo.kl.coef", algo.kl.coef, "algo.loss nft has no log-probs for a KL term; its pull toward the reference is algo.loss.ref_coef: use 0")
-        if denoising.transition != "flow_ode":
-            raise ConfigError("policy.denoising.transition", denoising.transition, "algo.loss nft samples with the ODE and keeps no log-probs: use flow_ode")
-        if denoising.logp_granularity != "chain":
-            raise ConfigError("policy.denoising.logp_granularity", denoising.logp_granularity, "algo.loss nft trains one loss per sample (its chain): use chain")
         self.options, self.policy, self.reference, self.seed = options, policy, reference, seed
         sigmas = policy.flow_sigmas()
         count = int(options.timestep_fraction * (sigmas.numel() - 1))

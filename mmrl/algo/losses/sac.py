@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from mmrl import registry
-from mmrl.algo.losses import Loss, LossOutput, OffPolicyConfig
+from mmrl.algo.losses import Loss, LossOutput, OffPolicyConfig, Requirement
 from mmrl.config import option
 from mmrl.core.policy import overrides
 from mmrl.core.sampler import group_seed
@@ -118,6 +118,7 @@ class SAC(Loss):
     """Soft Actor-Critic on the replay buffer: a critic ensemble, its targets, a temperature."""
 
     trains_from_buffer = True
+    requires = (Requirement("algo.kl.coef", 0.0, "it has no KL term to a reference"),)
 
     def __init__(self, algo, options: SACConfig, policy, *, seed: int = 0, device=None, **_):
         if not overrides(policy, "rsample") or not policy.action_values or policy.critic_input_dim is None:
@@ -125,8 +126,6 @@ class SAC(Loss):
         refusal = policy.rsample_refusal()
         if refusal is not None:
             raise refusal
-        if algo.kl.coef > 0:
-            raise ConfigError("algo.kl.coef", algo.kl.coef, "algo.loss sac has no KL term to a reference: use 0")
         self.options, self.policy = options, policy
         device = device if device is not None else next(policy.parameters()).device
         self.action_dim = int(policy.action_values)
