@@ -34,6 +34,7 @@ for the same noise. RL: Flow-SDE (or CPS) steps on that grid, one decision per c
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import types
 from dataclasses import dataclass
@@ -49,6 +50,9 @@ from mmrl.policies.vla.backbone import observation_spec
 from mmrl.policies.vla.lerobot_flow import ACTION_KEY, STATE_KEY, LeRobotFlowPolicy
 from mmrl.policies.vla.lerobot_format import LeRobotPolicyDir, read_lerobot_policy, read_lerobot_weights, resolve_vlm
 from mmrl.registry import POLICIES
+
+logger = logging.getLogger(__name__)
+_warned_empty_cameras: set[tuple[str, tuple[str, ...]]] = set()
 
 ATTENTION_MODES = ("cross_attn", "self_attn")
 
@@ -491,10 +495,12 @@ class SmolVLAPolicy(LeRobotFlowPolicy):
             why = f"unknown image features {unknown}" if unknown else f"the env has {num_cameras} camera(s)"
             raise ConfigError("policy.cameras", config.cameras, f"{why}; name one of the checkpoint's image features {self.image_keys} per env camera")
         absent = [key for key in self.image_keys if key not in self.cameras]
-        if len(absent) > arch.empty_cameras:
+        if absent and not arch.empty_cameras:
             raise ConfigError(
-                where + "input_features", absent, f"image features the env does not provide (it gives {self.cameras}); the checkpoint allows {arch.empty_cameras} empty camera(s): map env cameras with policy.cameras"
+                where + "input_features", absent, f"image features the env does not provide (it gives {self.cameras}); the checkpoint allows no empty camera (empty_cameras 0): map env cameras with policy.cameras"
             )
+        if absent:
+            _warn_empty_cameras(str(config.checkpoint), self.cameras, absent, arch.empty_cameras)
 
         # the VLM: config and tokenizer from its directory, weights from model.safetensors
         vlm_path = resolve_vlm(str(files.field("vlm_model_name")), config.vlm_dir)
@@ -586,6 +592,19 @@ class SmolVLAPolicy(LeRobotFlowPolicy):
             return self._velocity(lambda with_hidden: self.model.velocity(x, t, memory, pad, with_hidden))
 
         return denoise
+
+
+def _warn_empty_cameras(checkpoint: str, given: list[str], absent: list[str], empty_cameras: int) -> None:
+    """Once per process and checkpoint: the image features the env does not give, which run
+    as LeRobot's ``prepare_images`` runs them (:meth:`SmolVLAPolicy.lerobot_prefix`): the
+    first ``empty_cameras`` as empty images (−1, masked out), any further ones left out."""
+    key = (checkpoint, tuple(given))
+    if key in _warned_empty_cameras:
+        return
+    _warned_empty_cameras.add(key)
+    filled, left_out = absent[:empty_cameras], absent[empty_cameras:]
+    extra = f"; {left_out} are left out (beyond the checkpoint's empty_cameras {empty_cameras})" if left_out else ""
+    logger.warning("SmolVLA %s: the env gives %s; %s filled with an empty image (-1, masked out) as LeRobot does%s", checkpoint, given, filled, extra)
 
 
 def lerobot_actions(directory: str, observation: dict, noise: Tensor, vlm_dir: str | None = None) -> Tensor:

@@ -352,6 +352,37 @@ def test_env_mismatches_name_the_field(dirs):
         make(dirs, spec={**SPEC, "state_dim": 5})
 
 
+def test_a_checkpoint_with_empty_cameras_runs_on_fewer_cameras_filling_them_as_lerobot_does(dirs, tmp_path, caplog):
+    """LeRobot's SmolVLAConfig names its empty cameras as image features (empty_camera_i). Given
+    the main camera only, its prepare_images takes the present cameras in the checkpoint's
+    order, then at most empty_cameras images of -1 (after x2 - 1) with their mask off, and
+    leaves any further missing camera out; mmrl runs the same prefix and warns once."""
+    cameras = {"image": (3, 16, 16), "image2": (3, 16, 16), "empty_camera_0": (3, 16, 16)}
+    out = write_tiny_smolvla(tmp_path / "policy", dirs["vlm"], state_dim=4, action_dim=2, cameras=cameras, chunk_size=4, n_action_steps=2, empty_cameras=1)
+    with caplog.at_level("WARNING", logger="mmrl.policies.smolvla.model"):
+        policy = SmolVLAPolicy(SmolVLAConfig(checkpoint=str(out)), SPEC).eval()
+        SmolVLAPolicy(SmolVLAConfig(checkpoint=str(out)), SPEC)  # the same checkpoint and cameras: no second warning
+    warned = [r.getMessage() for r in caplog.records if "empty image" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "['observation.images.image2'] filled with an empty image (-1, masked out) as LeRobot does" in warned[0]
+    assert "['observation.images.empty_camera_0'] are left out" in warned[0] and policy.cameras == ["observation.images.image"]
+    obs, key = lerobot_observation(), "observation.images.image"
+    with torch.no_grad():
+        ids, mask = policy.tokenize(obs["task"])
+        ours = policy.lerobot_prefix({key: obs[key]}, obs["observation.state"], ids, mask)
+        image = resize_with_pad(policy.normalizer.normalize(key, obs[key]), 32, 32, pad_value=0) * 2.0 - 1.0
+        masks = [torch.ones(2, dtype=torch.bool), torch.zeros(2, dtype=torch.bool)]
+        state = F.pad(policy.normalizer.normalize("observation.state", obs["observation.state"]), (0, 4))
+        embeds, pad, blocks = policy.model.embed_prefix([image, torch.full_like(image, -1.0)], masks, ids, mask, state, policy.special_ids)
+        expected = policy.model.vlm_with_expert.prefix(embeds, pad, blocks)
+    assert torch.equal(ours["hidden"], expected["hidden"]) and torch.equal(ours["pad"], pad)
+    per_image = (ours["pad"].shape[1] - ids.shape[1] - 1) // 2  # two image slots, the words, the state
+    assert ours["pad"][:, :per_image].all() and not ours["pad"][:, per_image : 2 * per_image].any()
+    sample = policy.sample(env_inputs(), torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(policy.log_prob(sample.replay), sample.logp)
+
+
 def test_a_missing_vlm_lists_where_it_looked(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ConfigError) as e:
