@@ -14,6 +14,16 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
+# MMRL_SHAPE_KERNELS=1: every float GEMM sums in an order chosen from its row count, as MKL's
+# do on some CPUs, so an exact-equality test between two batch layouts fails here as it would
+# there (tests/kernel_emulation). Spawned workers enter the same mode through PYTHONPATH.
+if os.environ.get("MMRL_SHAPE_KERNELS") == "1":
+    from tests.kernel_emulation import enable as _shape_kernels
+
+    _here = str(ROOT / "tests" / "kernel_emulation")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_here, os.environ.get("PYTHONPATH")) if p)
+    _shape_kernels()
+
 # Learning tests (marker `learning`) train from this seed: `scripts/learning_spread.py` runs them
 # over several seeds and CPU kernels (ATEN_CPU_CAPABILITY) to measure each threshold's margin.
 LEARNING_SEED = int(os.environ.get("MMRL_LEARNING_SEED", "0"))

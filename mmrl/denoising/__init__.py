@@ -22,7 +22,7 @@ expert): the chain is the chain.
 from mmrl.denoising.chain import ChainSample, chain_kl, chain_log_probs, last_steps, random_step, run_chain, sde_window
 from mmrl.denoising.gaussian import gaussian_entropy, gaussian_log_prob
 from mmrl.denoising.options import DenoisingOptions, make_transition, stochastic_mask
-from mmrl.denoising.policy import ChainDecisions, DenoisingPolicy
+from mmrl.denoising.policy import ChainDecisions, DenoisingPolicy, provisional_logp_why
 from mmrl.denoising.schedules import alphas_cumprod, ddim_timesteps, ddpm_betas, flow_sigmas, resolution_shift
 from mmrl.denoising.time_embedding import sinusoidal_embedding
 from mmrl.denoising.transitions import (

@@ -27,6 +27,18 @@ from mmrl.denoising.options import DenoisingOptions, make_transition, stochastic
 from mmrl.denoising.transitions import FLOW_TRANSITIONS
 
 
+def provisional_logp_why(measured: str) -> str:
+    """A denoising policy's contract ``ratio_why`` when its old log-probs are deferred: the
+    sampling pass runs the chain over one wave of observations, ``log_prob`` over the whole
+    replay, so their matrix products have other row counts. ``measured`` gives the gaps seen."""
+    return (
+        "the old log-probs are deferred (the trainer's first ratio is exactly 1: two passes over one replay agree to the bit); the "
+        "sampling pass's provisional numbers come from GEMMs over one wave of rows, log_prob's from GEMMs over every decision of the "
+        "replay at once, and some BLAS kernels (MKL on AVX512 Intel Xeons) sum a row in an order chosen from the row count, a few "
+        f"ulps of each log-prob apart (0 on AMD EPYC; tests/kernel_emulation reproduces it anywhere). Measured: {measured}"
+    )
+
+
 @dataclass
 class ChainDecisions:
     """What :meth:`DenoisingPolicy.sample_chain` returns for N chains."""

@@ -391,3 +391,39 @@ def test_a_trained_vlm_exports_as_a_checkpoint_another_vla_loads(vlm_dirs, tmp_p
     assert vla_tool(["export", str(tmp_path / "miniature"), "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
     assert err.strip().count("\n") == 0 and "policy.backbone.vlm_path" in err
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("policy_type", POLICY_TYPES)
+def test_the_first_ppo_step_under_bf16_weights_starts_from_ratio_one(vlm_dirs, tmp_path, policy_type):
+    """bf16 VLM weights: the sampling pass (a wave of env observations, its own batch layout and
+    the key/value cache or denoising chain) and log_prob over the replay round differently, by far
+    more than in float32. The old log-probs are deferred: the first minibatch's own forward gives
+    them, so every ratio of the first PPO step is 1 to the bit and a clip range of 1e-4 clips
+    nothing; old_logp/sampler_gap_max reports how far the sampling pass's numbers were. The run is
+    made under GEMMs whose rounding follows the row count (tests/kernel_emulation, as MKL's on an
+    AVX512 Xeon), so the sampling pass and log_prob differ on every machine."""
+    pytest.importorskip("mujoco")
+    from tests.kernel_emulation import ShapeDependentGemm
+    from mmrl.train.metrics import read_metrics
+    from mmrl.train.run_config import TrainConfig
+    from mmrl.train.trainer import Trainer
+
+    policy = {"type": policy_type, "action_chunk": 2, "backbone": {"vlm_path": vlm_dirs("smolvlm"), "vlm_dtype": "bfloat16"}}
+    if policy_type == "flow_vla":
+        policy["denoising"] = {"num_inference_steps": 2}
+    cfg = {
+        "name": "bf16_ratio", "seed": 0, "total_steps": 1, "run_dir": str(tmp_path / "run"),
+        # dense rewards: every group has a spread, every decision an advantage
+        "env": {"type": "gym", "id": "mmrl/Tabletop-v0", "num_envs": 4, "kwargs": {"task": "spatial", "image_size": 32, "reward_mode": "dense"}},
+        "policy": policy, "sampler": {"type": "env", "max_decisions": 3}, "rewards": [{"type": "return"}],
+        "algo": {"group_size": 2, "groups_per_step": 2, "ppo_epochs": 1, "num_minibatches": 1, "kl": {"coef": 0.0},
+                 "objective": {"type": "ppo_clip", "eps_low": 1e-4, "eps_high": 1e-4}},
+        "optim": {"lr": 1e-6}, "eval": {"every": 1000, "at_start": False, "at_end": False}, "checkpoint": {"every": 1000},
+        "log": {"progress": False, "tensorboard": False},
+    }
+    with ShapeDependentGemm():
+        Trainer(from_dict(TrainConfig, cfg)).train()
+    (m,) = [r for r in read_metrics(tmp_path / "run") if "loss/policy" in r]
+    assert m["adv/nonzero_fraction"] > 0 and 0 < m["old_logp/sampler_gap_max"] < 1
+    assert m["objective/ratio"] == 1.0 and m["objective/clipped"] == 0.0 and m["approx_kl"] == 0.0
