@@ -93,6 +93,7 @@ from mmrl.core.component_config import RewardConfig
 from mmrl.core.reward import Reward, RewardContext
 from mmrl.core.rollout import Rollout
 from mmrl.errors import ConfigError, MissingExtraError
+from mmrl.hub import CONFIG_FILES, pretrained_dir, split_hub_id
 from mmrl.registry import REWARDS
 from mmrl.rewards.images import rollout_images
 
@@ -136,14 +137,17 @@ def l2_normalize(x: Tensor) -> Tensor:
     return x / x.norm(p=2, dim=-1, keepdim=True)
 
 
-def check_dir(path: str, field: str, what: str) -> Path:
-    """``path`` as a directory, or a one-line config error naming ``field``."""
+def check_dir(path: str, field: str, what: str, only: list[str] | None = None) -> Path:
+    """``path`` as a directory (a local one, or a hub id's snapshot: :func:`mmrl.hub.pretrained_dir`,
+    ``only`` the files it fetches), or a one-line config error naming ``field``."""
     if not path:
         raise ConfigError(field, path, f"required: {what}")
     p = Path(path).expanduser()
-    if not p.is_dir():
-        raise ConfigError(field, path, f"no such directory; expected {what}")
-    return p
+    if p.is_dir():
+        return p
+    if split_hub_id(path) is None:
+        raise ConfigError(field, path, f"no such directory, nor a hub id (org/name[@revision]); expected {what}")
+    return pretrained_dir(path, field, only=only)
 
 
 def check_file(path: str, field: str, what: str) -> Path:
@@ -160,7 +164,7 @@ def load_clip_model(path: str, field: str, device: torch.device, dtype: torch.dt
     """A transformers ``CLIPModel`` from a local ``save_pretrained`` directory (its
     ``config.json`` and weights), frozen in eval mode on ``device`` in ``dtype``."""
     transformers = transformers_module("the CLIP-based rewards")
-    p = check_dir(path, field, "a local save_pretrained directory of a transformers CLIPModel (config.json + model.safetensors)")
+    p = check_dir(path, field, "a save_pretrained directory of a transformers CLIPModel (config.json + model.safetensors)")
     if not (p / "config.json").is_file():
         raise ConfigError(field, path, "has no config.json; expected a local save_pretrained directory of a transformers CLIPModel")
     try:
@@ -174,7 +178,7 @@ def load_clip_tokenizer(path: str, field: str):
     """A transformers ``CLIPTokenizer`` from a local directory (``tokenizer.json``, or
     ``vocab.json`` + ``merges.txt``)."""
     transformers = transformers_module("the CLIP-based rewards")
-    p = check_dir(path, field, "a local directory with a CLIP tokenizer (tokenizer.json, or vocab.json and merges.txt)")
+    p = check_dir(path, field, "a directory with a CLIP tokenizer (tokenizer.json, or vocab.json and merges.txt)", only=CONFIG_FILES)
     if not ((p / "tokenizer.json").is_file() or ((p / "vocab.json").is_file() and (p / "merges.txt").is_file())):
         raise ConfigError(field, path, "has no tokenizer.json nor vocab.json + merges.txt; expected a CLIP tokenizer directory")
     try:
@@ -190,7 +194,7 @@ def load_clip_image_processor(path: str, field: str):
     the references ran), so resize, crop and normalization are the saved config's, computed as
     the reference computed them."""
     transformers = transformers_module("the CLIP-based rewards")
-    p = check_dir(path, field, "a local directory with a CLIP processor (preprocessor_config.json or processor_config.json)")
+    p = check_dir(path, field, "a directory with a CLIP processor (preprocessor_config.json or processor_config.json)", only=CONFIG_FILES)
     if not ((p / "preprocessor_config.json").is_file() or (p / "processor_config.json").is_file()):
         raise ConfigError(field, path, "has no preprocessor_config.json nor processor_config.json; expected a saved CLIPProcessor / CLIPImageProcessor")
     cls = getattr(transformers, "CLIPImageProcessorPil", None) or transformers.CLIPImageProcessor
@@ -512,8 +516,8 @@ def clip_model_from_open_clip(state: dict[str, Tensor], vision_head_width: int, 
 class ClipDirectoryConfig(RewardConfig):
     """Options shared by the rewards on a transformers CLIP directory (not itself registered)."""
 
-    path: str = option("", "local save_pretrained directory of the transformers CLIPModel (config.json + weights)")
-    processor_path: str | None = option(None, "local directory of its CLIPProcessor (tokenizer + preprocessor_config.json); null: path")
+    path: str = option("", "directory or hub id (org/name[@revision]) of the transformers CLIPModel (config.json + weights)")
+    processor_path: str | None = option(None, "directory or hub id of its CLIPProcessor (tokenizer + preprocessor_config.json); null: path")
     batch_size: int = option(32, "images scored per forward pass", ge=1)
     dtype: Literal["float32", "bfloat16", "float16"] = option("float32", "dtype the model runs in (scores are returned as float32)")
 
@@ -527,8 +531,8 @@ class PickScoreConfig(ClipDirectoryConfig):
     """PickScore (Kirstain et al. 2023): exp(logit_scale) * cos(image, prompt) of the PickScore CLIP, divided by scale."""
 
     type: str = option("pickscore", "registered name of this component (see `mmrl list`)")
-    path: str = option("", "local save_pretrained directory of the PickScore CLIPModel (yuvalkirstain/PickScore_v1)")
-    processor_path: str | None = option(None, "local directory of the processor PickScore was trained with (laion/CLIP-ViT-H-14-laion2B-s32B-b79K); null: path")
+    path: str = option("", "directory or hub id (org/name[@revision]) of the PickScore CLIPModel (yuvalkirstain/PickScore_v1)")
+    processor_path: str | None = option(None, "directory or hub id of the processor PickScore was trained with (laion/CLIP-ViT-H-14-laion2B-s32B-b79K); null: path")
     scale: float = option(1.0, "the score is divided by this (1: raw PickScore; Flow-GRPO's reward divides by 26)", gt=0)
     max_length: int = option(77, "prompt tokens kept, start and end tokens included (longer prompts are truncated)", ge=2)
 
@@ -538,7 +542,7 @@ class ClipScoreConfig(ClipDirectoryConfig):
     """CLIPScore: w * max(cos, 0) with the caption prefix 'A photo depicts' (Hessel et al. 2021), or Flow-GRPO's logits / 30."""
 
     type: str = option("clip_score", "registered name of this component (see `mmrl list`)")
-    path: str = option("", "local save_pretrained directory of the CLIPModel (openai/clip-vit-large-patch14 for Flow-GRPO; Hessel et al. used ViT-B/32)")
+    path: str = option("", "directory or hub id (org/name[@revision]) of the CLIPModel (openai/clip-vit-large-patch14 for Flow-GRPO; Hessel et al. used ViT-B/32)")
     variant: Literal["hessel", "flow_grpo"] = option("hessel", "hessel: w * max(cos, 0), prefix 'A photo depicts ', images through the processor; flow_grpo: exp(logit_scale) * cos / 30, bilinear-resized images as Flow-GRPO's ClipScorer")
     w: float = option(2.5, "CLIPScore's weight w of the hessel variant (2.5 in the paper)", gt=0)
     prefix: str | None = option(None, "text put before each prompt; null: the variant's ('A photo depicts ' for hessel, none for flow_grpo)")
@@ -550,7 +554,7 @@ class AestheticConfig(ClipDirectoryConfig):
     """The LAION aesthetic predictor v2: an MLP head on CLIP ViT-L/14's L2-normalized image embedding (about 1-10)."""
 
     type: str = option("aesthetic", "registered name of this component (see `mmrl list`)")
-    path: str = option("", "local save_pretrained directory of the CLIPModel the head was trained on (openai/clip-vit-large-patch14)")
+    path: str = option("", "directory or hub id (org/name[@revision]) of the CLIPModel the head was trained on (openai/clip-vit-large-patch14)")
     head_path: str = option("", "the MLP head's state dict (layers.{0,2,4,6,7}.weight/bias): a .safetensors file or a .pth (sac+logos+ava1-l14-linearMSE.pth), loaded with torch.load(weights_only=True)")
 
     def validate(self, path: str) -> None:
@@ -565,7 +569,7 @@ class HPSv2Config(RewardConfig):
 
     type: str = option("hpsv2", "registered name of this component (see `mmrl list`)")
     path: str = option("", "the HPS checkpoint in open_clip's parameter names: HPS_v2.1_compressed.pt / HPS_v2_compressed.pt (torch.load(weights_only=True)) or a .safetensors")
-    tokenizer_path: str = option("", "local directory of a transformers CLIPTokenizer with OpenAI CLIP's BPE vocabulary (e.g. the tokenizer files of openai/clip-vit-large-patch14)")
+    tokenizer_path: str = option("", "directory or hub id of a transformers CLIPTokenizer with OpenAI CLIP's BPE vocabulary (e.g. the tokenizer files of openai/clip-vit-large-patch14)")
     vision_head_width: int = option(80, "width of one attention head of the image tower (open_clip's head_width; ViT-H-14: 80, i.e. 16 heads)", ge=1)
     text_head_width: int = option(64, "width of one attention head of the text tower (ViT-H-14: 1024 / 16 heads = 64)", ge=1)
     resize: Literal["pad", "crop"] = option("pad", "pad: HPSv2's ResizeMaxSize (longer side to the image size, zero padding); crop: shorter side to it and a centre crop (open_clip's usual validation transform)")
@@ -594,8 +598,8 @@ class ClipDirectoryReward(Reward):
         processor_path = cfg.processor_path or cfg.path
         processor_field = f"rewards.{cfg.type}.processor_path" if cfg.processor_path else f"rewards.{cfg.type}.path"
         # the directories first, so that a missing one is named before anything loads
-        check_dir(cfg.path, f"rewards.{cfg.type}.path", "a local save_pretrained directory of a transformers CLIPModel")
-        check_dir(processor_path, processor_field, "a local directory with a CLIP processor")
+        check_dir(cfg.path, f"rewards.{cfg.type}.path", "a save_pretrained directory of a transformers CLIPModel")
+        check_dir(processor_path, processor_field, "a directory with a CLIP processor", only=CONFIG_FILES)
         self.model = load_clip_model(cfg.path, f"rewards.{cfg.type}.path", self.device, self.dtype)
         self.image_processor = load_clip_image_processor(processor_path, processor_field)
         self.tokenizer = self._load_tokenizer(processor_path, processor_field)
@@ -709,7 +713,7 @@ class HPSv2Reward(Reward):
         self.dtype = DTYPES[cfg.dtype]
         path_field, tok_field = f"rewards.{cfg.type}.path", f"rewards.{cfg.type}.tokenizer_path"
         check_file(cfg.path, path_field, "the HPS checkpoint (HPS_v2.1_compressed.pt) in open_clip's parameter names")
-        check_dir(cfg.tokenizer_path, tok_field, "a local CLIPTokenizer directory with OpenAI CLIP's vocabulary")
+        check_dir(cfg.tokenizer_path, tok_field, "a CLIPTokenizer directory with OpenAI CLIP's vocabulary", only=CONFIG_FILES)
         state = load_state_dict_file(cfg.path, path_field)
         try:
             model = clip_model_from_open_clip(state, cfg.vision_head_width, cfg.text_head_width)

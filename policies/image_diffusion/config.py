@@ -119,7 +119,7 @@ class ImageDiffusionConfig(PolicyConfig):
     type: str = option("image_diffusion", "registered name of this component (see `mmrl list`)")
     model_path: str | None = option(
         None,
-        "local directory laid out like a diffusers pipeline: unet/ (UNet2DModel or UNet2DConditionModel, SD 1.x/2.x or SDXL shaped) or transformer/ (SD3Transformer2DModel, FluxTransformer2DModel or DiTTransformer2DModel), optional vae/ (AutoencoderKL: the chain runs over its latents; FLUX needs it), text_encoder/ + tokenizer/ (and _2 for SDXL and FLUX's T5, _2 and _3 for SD3) for text prompts, optional scheduler/ (its training schedule and prediction type are checked against denoising); null = the random tiny model of `tiny`",
+        "hub id (org/name[@revision]) or directory of a diffusers pipeline: unet/ (UNet2DModel or UNet2DConditionModel, SD 1.x/2.x or SDXL shaped) or transformer/ (SD3Transformer2DModel, FluxTransformer2DModel or DiTTransformer2DModel), optional vae/ (AutoencoderKL: the chain runs over its latents; FLUX needs it), text_encoder/ + tokenizer/ (and _2 for SDXL and FLUX's T5, _2 and _3 for SD3) for text prompts, optional scheduler/ (its training schedule and prediction type are checked against denoising); null = the random tiny model of `tiny`",
     )
     tiny: TinyDenoiserConfig = option(factory=TinyDenoiserConfig, doc="the random tiny model built when model_path is null")
     prediction_type: Literal["epsilon", "v_prediction", "sample", "velocity"] | None = option(

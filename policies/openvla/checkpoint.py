@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from mmrl.errors import ConfigError
+from mmrl.hub import pretrained_dir
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -100,7 +101,8 @@ def read_checkpoint(path) -> OpenVLACheckpoint:
     """Read an OpenVLA directory's config, statistics and weight layout (shapes, dtypes)."""
     from safetensors import safe_open
 
-    root = Path(path).expanduser()
+    # a hub id fetches OpenVLA-OFT's head files too (loaded with torch.load(weights_only=True))
+    root = pretrained_dir(path, "policy.checkpoint", files=["*checkpoint.pt"])
     config_file = root / "config.json"
     expected = "expected an OpenVLA checkpoint directory in the released Hugging Face layout (config.json of model_type 'openvla', model.safetensors or its shards)"
     if not config_file.is_file():

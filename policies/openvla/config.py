@@ -16,7 +16,7 @@ class OpenVLAConfig(PolicyConfig):
     """An OpenVLA checkpoint (Hugging Face layout) as a token policy: 7 action tokens per step."""
 
     type: str = option("openvla", "registered name of this component (see `mmrl list`)")
-    checkpoint: str | None = option(None, "the OpenVLA directory: config.json, model*.safetensors, tokenizer, preprocessor_config.json, dataset_statistics.json (docs/openvla.md)")
+    checkpoint: str | None = option(None, "the OpenVLA checkpoint, a hub id (org/name[@revision]) or a directory: config.json, model*.safetensors, tokenizer, preprocessor_config.json, dataset_statistics.json (docs/openvla.md)")
     unnorm_key: str | None = option(None, "dataset whose action statistics un-normalize the actions (needed when the checkpoint holds several)")
     cameras: list[int] = option(factory=lambda: [0], doc="the env cameras fed to the model, in order (OpenVLA reads one image)")
     temperature: float = option(1.0, "sampling temperature of the action tokens (log-probs are those of the tempered distribution)", gt=0)

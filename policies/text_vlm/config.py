@@ -42,7 +42,7 @@ class TextVLMConfig(TextLMConfig):
 
     type: str = option("text_vlm", "registered name of this component (see `mmrl list`)")
     model_path: str | None = option(
-        None, "local directory of a transformers vision-language model and its processor (written by their save_pretrained); null = the random tiny model of `tiny` and `vision`"
+        None, "directory or hub id (org/name[@revision]) of a transformers vision-language model and its processor (save_pretrained layout); null = the random tiny model of `tiny` and `vision`"
     )
     vision: TinyVisionConfig = option(factory=TinyVisionConfig, doc="the vision tower of the random tiny model built when model_path is null")
     freeze_vision_tower: bool = option(False, "keep the vision tower's weights fixed (the projector and the decoder train)")

@@ -123,8 +123,8 @@ def _pretrained_model(config: TextVLMConfig, dtype: torch.dtype):
     tf = _transformers()
     path = resolve_model_path(config.model_path)
     if not path.is_dir():
-        raise ConfigError("policy.model_path", config.model_path, "expected a local directory holding a transformers vision-language model and its processor (save_pretrained)")
-    # local_files_only: a directory name that looks like a hub id must never start a download
+        raise ConfigError("policy.model_path", config.model_path, "expected a directory holding a transformers vision-language model and its processor (save_pretrained)")
+    # local_files_only: the directory is resolved (mmrl.hub); transformers must not look further
     model_config = tf.AutoConfig.from_pretrained(path, local_files_only=True)
     if config.disable_dropout:
         _without_dropout(model_config)

@@ -71,7 +71,7 @@ class VLABackboneConfig:
     attn_implementation: str = option("sdpa", "transformers attention kernel", choices=("sdpa", "eager"))
     vlm_path: str | None = option(
         None,
-        "local save_pretrained directory of a transformers vision-language model with its tokenizer and image processor (LLaVA, Idefics3/SmolVLM, PaliGemma, Qwen2-VL/Qwen2.5-VL): the VLA sits on it instead of the miniature above, whose size fields are then unused; null = the miniature",
+        "directory or hub id (org/name[@revision]) of a transformers vision-language model with its tokenizer and image processor, save_pretrained layout (LLaVA, Idefics3/SmolVLM, PaliGemma, Qwen2-VL/Qwen2.5-VL): the VLA sits on it instead of the miniature above, whose size fields are then unused; null = the miniature",
     )
     vlm_layers: int | None = option(None, "with vlm_path: keep only the first N decoder layers of the VLM (SmolVLA uses the first half); null = all", ge=1)
     vlm_dtype: str = option("float32", "with vlm_path: dtype of the VLM's weights (what mmrl adds stays float32)", choices=("float32", "bfloat16"))

@@ -13,6 +13,7 @@ from mmrl.core.component_config import PolicyConfig
 from mmrl.denoising.options import DenoisingOptions
 from mmrl.denoising.transitions import FLOW_TRANSITIONS
 from mmrl.errors import ConfigError
+from mmrl.hub import pretrained_dir
 from mmrl.policies.lora import LoraOptions
 
 
@@ -31,8 +32,8 @@ class LeRobotDenoising(DenoisingOptions):
 class LeRobotFlowConfig(PolicyConfig):
     """A LeRobot flow-matching policy directory, run as LeRobot runs it; RL via Flow-SDE chains."""
 
-    checkpoint: str | None = option(None, "the LeRobot policy directory (config.json, model.safetensors, policy_preprocessor.json, policy_postprocessor.json)")
-    vlm_dir: str | None = option(None, "local directory with the VLM's config.json and tokenizer; null = the name the checkpoint gives if it is a directory, else the Hugging Face cache")
+    checkpoint: str | None = option(None, "the LeRobot policy: a hub id (org/name[@revision]) or a directory (config.json, model.safetensors, policy_preprocessor.json, policy_postprocessor.json)")
+    vlm_dir: str | None = option(None, "directory or hub id with the VLM's config.json and tokenizer; null = the name the checkpoint gives (a directory, or a hub id: its config and tokenizer files, cached or downloaded)")
     cameras: list[str] | None = option(None, "the checkpoint's image feature key for each env camera, in the env's camera order; null = the checkpoint's image features in order")
     n_action_steps: int | None = option(None, "actions of each predicted chunk the env executes; null = the checkpoint's n_action_steps", ge=1)
     denoising: LeRobotDenoising = option(
@@ -51,8 +52,8 @@ class LeRobotFlowConfig(PolicyConfig):
         if self.checkpoint is None:
             return 1
         try:
-            return int(json.loads((Path(self.checkpoint).expanduser() / "config.json").read_text())["chunk_size"])
-        except (OSError, KeyError, ValueError):
+            return int(json.loads((pretrained_dir(self.checkpoint, "policy.checkpoint") / "config.json").read_text())["chunk_size"])
+        except (ConfigError, OSError, KeyError, ValueError):
             return 1
 
     def validate(self, path: str) -> None:

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from mmrl.errors import ConfigError
+from mmrl.hub import CONFIG_FILES, pretrained_dir
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -180,8 +181,9 @@ def _read_json(path: Path) -> dict:
 
 def read_lerobot_policy(directory: str | os.PathLike, field: str = "policy.checkpoint", types: tuple[str, ...] | None = None) -> LeRobotPolicyDir:
     """Read a LeRobot policy directory (everything but its weights); ``types``: the policy
-    types the caller implements (others are refused with a ConfigError naming ``field``)."""
-    path = Path(directory).expanduser()
+    types the caller implements (others are refused with a ConfigError naming ``field``).
+    ``directory`` may be a hub id (``org/name[@revision]``, :func:`mmrl.hub.pretrained_dir`)."""
+    path = pretrained_dir(directory, field)
     if not (path / CONFIG_FILE).is_file():
         raise ConfigError(field, str(directory), f"not a LeRobot policy directory: no {CONFIG_FILE} (save_pretrained of a LeRobot policy writes it beside {WEIGHTS_FILE})")
     config = _read_json(path / CONFIG_FILE)
@@ -264,44 +266,19 @@ def _without_aliases(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
 
 def resolve_vlm(name: str, vlm_dir: str | None, field: str = "policy.vlm_dir") -> Path:
     """The local directory of the VLM a policy names (its config and tokenizer; the weights
-    are the policy's): ``vlm_dir`` when given, else ``name`` if it is a directory, else the
-    Hugging Face cache's snapshot of the hub id ``name`` (offline: nothing is downloaded)."""
-    looked: list[str] = []
-    candidates: list[Path] = []
+    are the policy's): ``vlm_dir`` when given (a directory or a hub id), else ``name`` if it is
+    a directory, else the hub id ``name``'s config and tokenizer files, from the Hugging Face
+    cache or downloaded (:func:`mmrl.hub.pretrained_dir`; its weights are never fetched)."""
     if vlm_dir is not None:
-        candidates.append(Path(vlm_dir).expanduser())
+        directory = pretrained_dir(vlm_dir, field, only=CONFIG_FILES)
+    elif Path(name).expanduser().is_dir():
+        directory = Path(name).expanduser()
     else:
-        if Path(name).expanduser().is_dir():
-            candidates.append(Path(name).expanduser())
-        cached = _hub_cache_snapshot(name)
-        if cached is not None:
-            candidates.append(cached)
-        else:
-            from huggingface_hub.constants import HF_HUB_CACHE
-
-            looked.append(f"the Hugging Face cache {HF_HUB_CACHE} (no snapshot of {name})")
-    for directory in candidates:
-        missing = [f for f in VLM_FILES if not (directory / f).is_file()]
-        if not missing:
-            return directory
-        looked.append(f"{directory} (missing {', '.join(missing)})")
-    if vlm_dir is not None:
-        raise ConfigError(field, vlm_dir, f"expected the VLM's save_pretrained directory with {', '.join(VLM_FILES)}; looked in {'; '.join(looked)}")
-    raise ConfigError(
-        field, None, f"the checkpoint's VLM {name!r} was not found locally; looked in {'; '.join(looked) or name}. Set {field} to a directory with its {', '.join(VLM_FILES)} (huggingface-cli download {name} on a machine with network)"
-    )
-
-
-def _hub_cache_snapshot(repo_id: str) -> Path | None:
-    """The cached snapshot directory holding ``repo_id``'s config.json, or None."""
-    if "/" not in repo_id or repo_id.count("/") > 1:
-        return None
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
-        return None
-    try:
-        found = try_to_load_from_cache(repo_id, "config.json")
-    except ValueError:  # not a valid repo id
-        return None
-    return Path(found).parent if isinstance(found, str) else None
+        try:
+            directory = pretrained_dir(name, field, only=CONFIG_FILES)
+        except ConfigError as e:
+            raise ConfigError(field, None, f"the checkpoint's VLM {name!r}: {e.allowed}. Set {field} to a directory with its {', '.join(VLM_FILES)}") from None
+    missing = [f for f in VLM_FILES if not (directory / f).is_file()]
+    if missing:
+        raise ConfigError(field, vlm_dir or name, f"expected the VLM's save_pretrained directory with {', '.join(VLM_FILES)}; {directory} is missing {', '.join(missing)}")
+    return directory

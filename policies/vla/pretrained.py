@@ -51,6 +51,7 @@ import torch
 from torch import Tensor, nn
 
 from mmrl.errors import ConfigError, MissingExtraError
+from mmrl.hub import pretrained_dir
 from mmrl.policies.lora import adapters_disabled
 from mmrl.policies.text_lm.model import _allow_missing_tied_aliases, _drop_tied_aliases, _without_dropout
 from mmrl.policies.vla.backbone import VLABackbone, VLABackboneConfig, observation_spec
@@ -109,9 +110,9 @@ class PretrainedVLMBackbone(nn.Module):
         super().__init__()
         tf = _transformers()
         self.cfg = cfg
-        path = Path(cfg.vlm_path).expanduser()
+        self.path = path = pretrained_dir(cfg.vlm_path, _FIELD)
         if not (path / "config.json").is_file():
-            raise ConfigError(_FIELD, cfg.vlm_path, "expected a local save_pretrained directory of a transformers vision-language model (config.json, weights, tokenizer, image processor)")
+            raise ConfigError(_FIELD, cfg.vlm_path, "expected a save_pretrained directory of a transformers vision-language model (config.json, weights, tokenizer, image processor)")
         model_config = tf.AutoConfig.from_pretrained(path, local_files_only=True)
         self.family = model_config.model_type
         if self.family not in SUPPORTED:
@@ -123,7 +124,7 @@ class PretrainedVLMBackbone(nn.Module):
             # tokens are decoded one at a time, so every position must see only its past
             text_config.use_bidirectional_attention = False
         dtype = getattr(torch, cfg.vlm_dtype)
-        # local_files_only: a directory name that looks like a hub id must never start a download
+        # local_files_only: the directory is resolved (mmrl.hub); transformers must not look further
         model = tf.AutoModelForImageTextToText.from_pretrained(path, config=model_config, dtype=dtype, attn_implementation=cfg.attn_implementation, local_files_only=True)
         self.vlm = model
         self.tokenizer = VLMTokenizer(tf.AutoTokenizer.from_pretrained(path, local_files_only=True))
@@ -438,7 +439,7 @@ def export_vlm(policy: nn.Module, out) -> Path:
     backbone.tokenizer.hf.save_pretrained(out)
     image_processor = getattr(backbone, "image_processor", None)
     if image_processor is None:  # built for a state-only env: the source directory's processor
-        image_processor = _transformers().AutoImageProcessor.from_pretrained(Path(backbone.cfg.vlm_path).expanduser(), local_files_only=True)
+        image_processor = _transformers().AutoImageProcessor.from_pretrained(backbone.path, local_files_only=True)
     image_processor.save_pretrained(out)
     return out
 

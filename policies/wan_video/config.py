@@ -47,7 +47,7 @@ class WanVideoConfig(PolicyConfig):
     type: str = option("wan_video", "registered name of this component (see `mmrl list`)")
     model_path: str | None = option(
         None,
-        "local directory laid out as WanPipeline.save_pretrained writes it: transformer/ (WanTransformer3DModel, text-to-video), vae/ (AutoencoderKLWan), text_encoder/ (UMT5EncoderModel) + tokenizer/, scheduler/ (its shift sets the sigmas); null = the random model of `tiny`",
+        "hub id (org/name[@revision]) or directory laid out as WanPipeline.save_pretrained writes it: transformer/ (WanTransformer3DModel, text-to-video), vae/ (AutoencoderKLWan), text_encoder/ (UMT5EncoderModel) + tokenizer/, scheduler/ (its shift sets the sigmas); null = the random model of `tiny`",
     )
     tiny: TinyWanConfig = option(factory=TinyWanConfig, doc="the random tiny model built when model_path is null")
     frames: int = option(81, "frames F of a generated video ((F - 1) a multiple of the VAE's temporal factor, 4; WanPipeline's num_frames)", ge=1)

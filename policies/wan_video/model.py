@@ -55,6 +55,7 @@ from mmrl.denoising import DenoisingPolicy
 from mmrl.denoising.options import DenoisingOptions
 from mmrl.denoising.transitions import FlowTransition
 from mmrl.errors import ConfigError, MissingExtraError
+from mmrl.hub import pipeline_dir
 from mmrl.policies.image_diffusion.model import allow_missing_unsaved, drop_unsaved, PromptCache, with_lora
 from mmrl.policies.lora import adapters_disabled
 from mmrl.policies.text_lm.model import _allow_missing_tied_aliases, _drop_tied_aliases
@@ -130,10 +131,10 @@ def _tiny_parts(config: WanVideoConfig) -> _Parts:
 def _load_parts(config: WanVideoConfig) -> _Parts:
     """transformer/, vae/, text_encoder/ + tokenizer/ and scheduler/ of a WanPipeline directory."""
     diffusers, tf = _diffusers(), _transformers()
-    root, value = Path(config.model_path), config.model_path
+    root, value = pipeline_dir(config.model_path, FIELD), config.model_path
     names = {sub: _class_name(root / sub) for sub in ("transformer", "vae", "text_encoder")}
     if names["transformer"] is None:
-        raise ConfigError(FIELD, value, "expected a local WanPipeline directory (written by save_pretrained): transformer/, vae/, text_encoder/ + tokenizer/, scheduler/")
+        raise ConfigError(FIELD, value, "expected a WanPipeline directory (written by save_pretrained): transformer/, vae/, text_encoder/ + tokenizer/, scheduler/")
     if (root / "transformer_2").is_dir():
         raise ConfigError(FIELD, value, "has transformer_2/ (Wan 2.2's two experts split by boundary_ratio); only single-transformer Wan (2.1, 2.2 TI2V without expand_timesteps) is supported")
     index_file = root / "model_index.json"
@@ -152,7 +153,7 @@ def _load_parts(config: WanVideoConfig) -> _Parts:
     if transformer.config.image_dim is not None or transformer.config.added_kv_proj_dim is not None:
         raise ConfigError(FIELD, value, "the WanTransformer3DModel takes image embeddings (image-to-video); only text-to-video is supported")
     vae = diffusers.AutoencoderKLWan.from_pretrained(str(root / "vae"))
-    # local_files_only: a directory name that looks like a hub id must never start a download
+    # local_files_only: the directory is resolved (mmrl.hub); transformers must not look further
     text_encoder = getattr(tf, names["text_encoder"]).from_pretrained(str(root / "text_encoder"), local_files_only=True)
     tokenizer = tf.AutoTokenizer.from_pretrained(str(root / "tokenizer"), local_files_only=True)
     tokenizer.padding_side = "right"  # _get_t5_prompt_embeds keeps the first seq_len states
