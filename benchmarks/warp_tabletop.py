@@ -30,7 +30,7 @@ import gymnasium  # noqa: E402
 
 import mmrl.envs  # noqa: E402,F401  (registers mmrl/Tabletop-v0)
 from mmrl.envs.tabletop.batched import TabletopBatchedEnv, expert_actions  # noqa: E402
-from mmrl.envs.tabletop.env import MAX_SPEED, PHYSICS_STEPS, TabletopEnv  # noqa: E402
+from mmrl.envs.tabletop.env import PHYSICS_STEPS, TabletopEnv  # noqa: E402
 from mmrl.envs.tabletop.expert import expert_action  # noqa: E402
 
 PART = 1e-3  # metres: states "part" when a block or the pusher is this far apart
@@ -75,6 +75,20 @@ def _pusher_touched(env: TabletopEnv) -> bool:
     return any(sim.pusher_geom in (c.geom1, c.geom2) and {int(c.geom1), int(c.geom2)} & blocks for c in sim.data.contact[: sim.data.ncon])
 
 
+def _watch_the_pusher(env: TabletopEnv, touched: np.ndarray, i: int) -> None:
+    """Make ``env`` (reset) run its MuJoCo steps one by one and set ``touched[i]`` once the
+    pusher touches a block at any of them."""
+    sim = env.unwrapped._sim
+
+    def step(velocity):
+        sim.data.ctrl[:] = velocity
+        for _ in range(PHYSICS_STEPS):
+            sim.mujoco.mj_step(sim.model, sim.data)
+            touched[i] |= _pusher_touched(env)
+
+    sim.step = step
+
+
 def _positions(state: np.ndarray, blocks: int) -> np.ndarray:
     """Pusher and block centres [.., 1 + blocks, 2] from state vectors."""
     pusher = state[..., None, 0:2]
@@ -93,6 +107,8 @@ def equivalence(args) -> None:
         cpu_success, warp_success = np.zeros(n, bool), np.zeros(n, bool)
         cpu_alive, warp_alive = np.ones(n, bool), np.ones(n, bool)
         touched = np.zeros(n, bool)  # the CPU pusher has touched a block so far
+        for i, env in enumerate(cpus):
+            _watch_the_pusher(env, touched, i)
         parted_at, parted_touched = np.full(n, -1), np.zeros(n, bool)
         for step in range(60):
             gap = np.abs(_positions(cpu_obs, blocks) - _positions(warp_obs, blocks)).max(axis=(-1, -2))
@@ -109,7 +125,6 @@ def equivalence(args) -> None:
                     cpu_obs[i] = obs["state"]
                     cpu_success[i] |= info["success"]
                     cpu_alive[i] = not (term or trunc)
-                    touched[i] |= _pusher_touched(env)
         agree = (cpu_success == warp_success).mean()
         parted = parted_at >= 0
         print(
@@ -131,17 +146,13 @@ def _open_loop(family: str, n: int, device: str) -> None:
     warp = TabletopBatchedEnv(n, task=family, autoreset="disabled", terminate_on_success=False, device=device)
     warp.reset(seed=list(range(n)))
     touched = np.zeros(n, bool)
+    for i, env in enumerate(cpus):
+        _watch_the_pusher(env, touched, i)
     blocks = warp.num_blocks
     before, pusher_after, blocks_after = 0.0, 0.0, 0.0
     for _ in range(20):
         actions = np.stack([expert_action(env) for env in cpus])
-        for i, (env, action) in enumerate(zip(cpus, actions)):  # env.step's physics, a contact check after each MuJoCo step
-            sim = env.unwrapped._sim
-            sim.data.ctrl[:] = np.clip(action.astype(np.float64), -1.0, 1.0) * MAX_SPEED
-            for _ in range(PHYSICS_STEPS):
-                sim.mujoco.mj_step(sim.model, sim.data)
-                touched[i] |= _pusher_touched(env)
-        cpu_state = np.stack([env.unwrapped._full_state() for env in cpus])
+        cpu_state = np.stack([env.step(action)[0]["state"] for env, action in zip(cpus, actions)])
         warp_state = warp.step(torch.from_numpy(actions))[0]["state"].cpu().numpy()
         gap = np.abs(warp_state - cpu_state).max(-1)
         before = max(before, float(gap[~touched].max(initial=0.0)))

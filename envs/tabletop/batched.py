@@ -298,9 +298,10 @@ class TabletopWarpEnvConfig(EnvConfig):
 
 @ENVS.register("tabletop_warp", config=TabletopWarpEnvConfig)
 def make_vector_env(cfg: TabletopWarpEnvConfig, seed: int) -> gymnasium.vector.VectorEnv:
-    """The tabletop suite on MuJoCo Warp. Finished worlds keep stepping until the next
-    reset (the env sampler resets each wave itself and reads each episode's final
-    observation at its end)."""
+    """The tabletop suite in one batch of MuJoCo Warp worlds (state observations).
+
+    Finished worlds keep stepping until the next reset: the env sampler resets each wave
+    itself and reads each episode's final observation at its end."""
     cfg.validate("env")
     env = TabletopBatchedEnv(
         cfg.num_envs, task=cfg.task, layout=cfg.layout, layout_noise=cfg.layout_noise, terminate_on_success=cfg.terminate_on_success,
