@@ -121,3 +121,17 @@ def test_a_language_agent_trains_on_a_ray_actor_as_on_the_local_engine(tmp_path)
         runs[name] = load_file(str(tmp_path / name / "checkpoints/step_00000002/model.safetensors"))
     assert runs["local"].keys() == runs["ray"].keys()
     assert all(torch.equal(runs["local"][k], runs["ray"][k]) for k in runs["local"])
+
+
+def test_sac_on_a_ray_actor_trains_as_on_the_local_engine(tmp_path):
+    """An off-policy run (algo.loss: sac): the actor's episodes fill the learner's replay
+    buffer as the local engine's do, and the weights after the updates are the same."""
+    from safetensors.torch import load_file
+
+    from tests.train.test_sac import sac_config
+
+    data = sac_config(total_steps=3, loss={"learning_starts": 100})
+    for name, rollout in (("local", {}), ("ray", {"engine": "ray", "workers": 1})):
+        train(from_dict(TrainConfig, {**data, "rollout": rollout}), tmp_path / name)
+    a, b = (load_file(tmp_path / name / "checkpoints" / "step_00000003" / "model.safetensors") for name in ("local", "ray"))
+    assert all(torch.equal(a[k], b[k]) for k in a)

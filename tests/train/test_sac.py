@@ -261,3 +261,17 @@ def test_a_resumed_sac_run_ends_with_the_buffer_critics_temperature_and_weights_
     sa, sb = a["replay_buffer"], b["replay_buffer"]
     assert (sa["size"], sa["cursor"], sa["added"]) == (sb["size"], sb["cursor"], sb["added"])
     assert all(torch.equal(sa["storage"][k], sb["storage"][k]) for k in sa["storage"]) and torch.equal(sa["generator"], sb["generator"])
+
+
+def test_a_sac_run_with_a_rollout_worker_process_trains_as_the_inline_one(tmp_path):
+    """Sync mode: the worker samples with the weights the learner just published, so the
+    transitions, the buffer and every update are the inline run's."""
+    from safetensors.torch import load_file
+
+    data = sac_config(total_steps=4, loss={"learning_starts": 100})
+    train(from_dict(TrainConfig, data), tmp_path / "inline")
+    train(from_dict(TrainConfig, {**data, "rollout": {"workers": 1}}), tmp_path / "worker")
+    a, b = (load_file(tmp_path / run / "checkpoints" / "step_00000004" / "model.safetensors") for run in ("inline", "worker"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    sa, sb = (torch.load(tmp_path / run / "checkpoints" / "step_00000004" / "state.pt", weights_only=True) for run in ("inline", "worker"))
+    assert all(torch.equal(sa["replay_buffer"]["storage"][k], sb["replay_buffer"]["storage"][k]) for k in sa["replay_buffer"]["storage"])
