@@ -123,6 +123,9 @@ class AlgoConfig:
         from_buffer = LOSSES.entry(self.loss.type, p + "loss.type").traits.get("trains_from_buffer", False)
         if from_buffer and self.filters:
             raise ConfigError(p + "filters", [f.type for f in self.filters], f"algo.loss {self.loss.type} trains from the replay buffer, which keeps every transition: use []")
+        for name, default in (("ppo_epochs", 1), ("num_minibatches", 1), ("target_kl", None)):
+            if from_buffer and getattr(self, name) != default:
+                raise ConfigError(p + name, getattr(self, name), f"algo.loss {self.loss.type} draws every optimizer step's batch from its replay buffer (algo.loss.utd, batch_size): leave it {default}")
         if from_buffer and self.self_imitation.size > 0:
             raise ConfigError(p + "self_imitation.size", self.self_imitation.size, f"algo.loss {self.loss.type} already learns from past transitions (its replay buffer): use 0")
         if self.group_size < needed and not from_buffer:  # declared where the advantage registers (a loss on the replay buffer reads no advantage)

@@ -25,7 +25,7 @@ def sac_config(seed: int = 0, total_steps: int = 3, loss: dict | None = None, **
     options = {"type": "sac", "gamma": 0.9, "batch_size": 128, "learning_starts": 256, "utd": 0.5, "critic_hidden_sizes": [64, 64], "buffer_size": 20_000, **(loss or {})}
     data = point_reach_config(
         name="sac", seed=seed, total_steps=total_steps, env={"type": "gym", "id": "mmrl/PointReach-v0", "num_envs": 8}, policy=dict(SAC_POLICY),
-        rewards=[{"type": "success"}], algo={"group_size": 1, "groups_per_step": 8, "loss": options},
+        rewards=[{"type": "success"}], algo={"group_size": 1, "groups_per_step": 8, "ppo_epochs": 1, "loss": options},
         optim={"lr": 1e-3, "max_grad_norm": None}, eval={"episodes": 64, "at_start": False, "at_end": False},
     )
     for key, value in sections.items():
@@ -181,6 +181,9 @@ def test_a_policy_with_discrete_actions_is_refused_in_one_line(tmp_path):
         ({"loss": {"type": "sac", "num_critics": 2, "target_critics": 3}}, "algo.loss.target_critics", 3),
         ({"filters": [{"type": "zero_variance"}]}, "algo.filters", ["zero_variance"]),
         ({"self_imitation": {"size": 10}}, "algo.self_imitation.size", 10),
+        ({"ppo_epochs": 4}, "algo.ppo_epochs", 4),
+        ({"num_minibatches": 8}, "algo.num_minibatches", 8),
+        ({"target_kl": 0.01}, "algo.target_kl", 0.01),
     ],
 )
 def test_options_that_would_mean_nothing_under_sac_are_refused_at_validation(algo, field, value):

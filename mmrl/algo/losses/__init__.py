@@ -63,6 +63,7 @@ class OffPolicyConfig(LossConfig):
     """The options every loss that trains from the replay buffer has: the buffer and how
     many optimizer steps each new transition buys."""
 
+    gamma: float = option(0.99, "discount per env step of the transitions' rewards and bootstraps (the sampler discounts a chunk's rewards by it too)", gt=0, le=1)
     buffer_size: int = option(1_000_000, "transitions the replay buffer keeps (the oldest are overwritten)", ge=1)
     buffer_device: Literal["learner", "cpu"] = option("learner", "where the replay buffer lives: the learner's device, or the CPU (batches move to the learner)")
     n_step: int = option(1, "n-step returns: a transition's reward sums n decisions' discounted rewards and bootstraps after them", ge=1)

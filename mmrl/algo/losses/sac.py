@@ -49,7 +49,6 @@ _SAC_STREAM = 1 << 43  # group index reserved for the loss's noise and target su
 @dataclass
 class SACConfig(OffPolicyConfig):
     type: str = option("sac", "the loss module (mmrl list losses)")
-    gamma: float = option(0.99, "discount per env step (the sampler discounts a chunk's rewards by it too)", gt=0, le=1)
     num_critics: int = option(2, "N: Q networks in the ensemble (2: SAC's twin Q; 10: REDQ)", ge=1)
     target_critics: int | None = option(None, "M: the target takes the min over a random subset of M critics, drawn per step (REDQ: 2); null = all N", ge=1)
     actor_q: Literal["min", "mean"] = option("min", "what the actor maximises of the ensemble: its min (SAC) or its mean (REDQ)")
