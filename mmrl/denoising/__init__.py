@@ -23,7 +23,7 @@ from mmrl.denoising.chain import ChainSample, chain_kl, chain_log_probs, last_st
 from mmrl.denoising.gaussian import gaussian_entropy, gaussian_log_prob
 from mmrl.denoising.options import DenoisingOptions, make_transition, stochastic_mask
 from mmrl.denoising.policy import ChainDecisions, DenoisingPolicy, provisional_logp_why
-from mmrl.denoising.schedules import alphas_cumprod, ddim_timesteps, ddpm_betas, flow_sigmas, resolution_shift
+from mmrl.denoising.schedules import alphas_cumprod, ddim_timesteps, ddpm_betas, flow_sigmas, resolution_shift, terminal_stretch
 from mmrl.denoising.time_embedding import sinusoidal_embedding
 from mmrl.denoising.transitions import (
     DIFFUSION_TRANSITIONS,
@@ -73,6 +73,7 @@ __all__ = [
     "predicted_x0",
     "random_step",
     "resolution_shift",
+    "terminal_stretch",
     "run_chain",
     "sde_window",
     "sinusoidal_embedding",

@@ -105,6 +105,18 @@ def resolution_shift(
     return shift
 
 
+def terminal_stretch(sigmas: Tensor, terminal: float) -> Tensor:
+    """σ_0 … σ_K = 0 (a :func:`flow_sigmas` grid) stretched so that the last step before 0
+    lands at ``terminal``, as diffusers' ``FlowMatchEulerDiscreteScheduler`` with
+    ``shift_terminal``: 1 − σ_k scaled by (1 − terminal) / (1 − σ_{K−1}) for k < K; σ_0 = 1
+    and σ_K = 0 stay."""
+    if not 0 < terminal < 1:
+        raise ValueError(f"terminal must lie in (0, 1), got {terminal}")
+    head = sigmas[:-1]
+    scale = (1 - head[-1]) / (1 - terminal)
+    return torch.cat([1 - (1 - head) / scale, sigmas[-1:]])
+
+
 def lcm_timesteps(num_train_timesteps: int, num_steps: int, original_steps: int = 50) -> Tensor:
     """The K = ``num_steps`` timesteps of a multistep latent-consistency sampler (LCM), noisiest
     first: the distillation schedule t_j = (j + 1)·(T // original_steps) − 1 (j < original_steps),

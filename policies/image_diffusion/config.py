@@ -132,12 +132,12 @@ class ImageDiffusionConfig(PolicyConfig):
         "detached", "with guidance, whether the gradient flows through the conditional branch only (detached: the unconditional pass runs without grad) or through both"
     )
     condition_dropout: float = option(0.1, "sft_loss: probability of training a sample on the null condition (null class / empty prompt), which guidance needs", ge=0, le=1)
-    max_prompt_tokens: int | None = option(None, "text: prompts are padded / truncated to this many tokens (at most the text encoder's positions); null = the tokenizer's model_max_length (77 for CLIP)", ge=1)
+    max_prompt_tokens: int | None = option(None, "text: prompts are padded / truncated to this many tokens (at most the text encoder's positions); null = the tokenizer's model_max_length (77 for CLIP); Qwen-Image: the states kept after its chat template, QwenImagePipeline's max_sequence_length (null = 512, at most 1024)", ge=1)
     train_text_encoder: bool = option(False, "text: also train the text encoder(s) (default: frozen, only the denoiser learns)")
     max_t5_tokens: int = option(256, "SD3 with a T5 encoder (text_encoder_3/), FLUX (text_encoder_2/): prompts are padded / truncated to this many T5 tokens (StableDiffusion3Pipeline's and FluxPipeline's max_sequence_length: 256 for SD3 and FLUX.1-schnell, 512 (the most) for FLUX.1-dev)", ge=1)
     resolution: list[int] | None = option(
         None,
-        "FLUX: [height, width] of the generated images in pixels, each a multiple of twice the VAE's downsampling (16 for FLUX.1: 8x VAE, 2x2 latent packing); null = FluxPipeline's default, 128 x the VAE's downsampling a side (1024 x 1024 for FLUX.1). Other denoisers generate at their sample_size and take null",
+        "FLUX and Qwen-Image: [height, width] of the generated images in pixels, each a multiple of twice the VAE's downsampling (16 for FLUX.1: 8x VAE, 2x2 latent packing); null = the pipeline's default, 128 x the VAE's downsampling a side (1024 x 1024 for FLUX.1). Other denoisers generate at their sample_size and take null",
     )
     flux_guidance: float | None = option(
         None,

@@ -8,7 +8,9 @@ predicts. The denoiser is a UNet (``UNet2DModel`` class-conditional or unconditi
 conditions), an ``SD3Transformer2DModel`` (CLIP / T5 text encoders, pooled projections), a
 ``FluxTransformer2DModel`` (FLUX.1: CLIP pooled + T5 states, 2×2-packed latents, the guidance
 embedding of guidance-distilled models, a resolution-dependent time shift; as
-``FluxPipeline``) or a ``DiTTransformer2DModel`` (class-conditional).
+``FluxPipeline``), a ``QwenImageTransformer2DModel`` (Qwen-Image: Qwen2.5-VL's states under a
+chat template, 2×2-packed latents of its own VAE, true CFG rescaled to the conditional norm;
+as ``QwenImagePipeline``) or a ``DiTTransformer2DModel`` (class-conditional).
 ``sample`` takes the prompt sampler's inputs — a LongTensor of condition ids or a list of
 prompt strings — and returns the chains in the replay layout beside the conditioning:
 
@@ -51,7 +53,7 @@ from torch import Tensor, nn
 
 from mmrl.core.policy import Sample
 from mmrl.data.prompts import require_text_prompts
-from mmrl.denoising import DenoisingOptions, DenoisingPolicy, alphas_cumprod, ddpm_betas, provisional_logp_why, resolution_shift
+from mmrl.denoising import DenoisingOptions, DenoisingPolicy, FlowTransition, alphas_cumprod, ddpm_betas, flow_sigmas, provisional_logp_why, resolution_shift, terminal_stretch
 from mmrl.errors import ConfigError, MissingExtraError
 from mmrl.hub import pipeline_dir
 from mmrl.policies.image_diffusion.config import ImageDiffusionConfig
@@ -124,15 +126,22 @@ def uint8_to_pixels(images: Tensor) -> Tensor:
 # ------------------------------------------------------------------ building the parts
 
 UNET_CLASSES = ("UNet2DModel", "UNet2DConditionModel")
-TRANSFORMER_CLASSES = ("SD3Transformer2DModel", "FluxTransformer2DModel", "DiTTransformer2DModel")
-VAE_CLASSES = ("AutoencoderKL",)
+TRANSFORMER_CLASSES = ("SD3Transformer2DModel", "FluxTransformer2DModel", "QwenImageTransformer2DModel", "DiTTransformer2DModel")
+VAE_CLASSES = ("AutoencoderKL", "AutoencoderKLQwenImage")
+# QwenImagePipeline's prompt: its chat template, whose first 34 tokens' states are dropped, and
+# its default max_sequence_length (at most 1024)
+QWEN_TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial relationships of the objects and background:<|im_end|>\n"
+    "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+)
+QWEN_DROP, QWEN_TOKENS, QWEN_MAX_TOKENS = 34, 512, 1024
 TEXT_ENCODER_CLASSES = ("CLIPTextModel", "CLIPTextModelWithProjection", "T5EncoderModel")
 
 
 @dataclass
 class _Parts:
     denoiser: nn.Module
-    kind: str  # unet | sd3 | flux | dit
+    kind: str  # unet | sd3 | flux | qwen | dit
     conditioning: str  # class | text | none
     text_encoders: list = field(default_factory=list)  # up to three: CLIP, CLIP (SD3) or T5 (FLUX), T5 (SD3)
     tokenizers: list = field(default_factory=list)
@@ -143,7 +152,8 @@ class _Parts:
 
 
 def _kind(denoiser: nn.Module) -> str:
-    return {"SD3Transformer2DModel": "sd3", "FluxTransformer2DModel": "flux", "DiTTransformer2DModel": "dit"}.get(type(denoiser).__name__, "unet")
+    kinds = {"SD3Transformer2DModel": "sd3", "FluxTransformer2DModel": "flux", "QwenImageTransformer2DModel": "qwen", "DiTTransformer2DModel": "dit"}
+    return kinds.get(type(denoiser).__name__, "unet")
 
 
 def tiny_text_encoder(
@@ -291,7 +301,8 @@ def _load_text_encoders(root: Path, kind: str, sdxl: bool = False) -> tuple[list
     text_encoder_2/ + tokenizer_2/ (its CLIPTextModelWithProjection, required), and for SD3
     text_encoder_2/ + tokenizer_2/ (the second CLIP) and text_encoder_3/ + tokenizer_3/ (T5),
     each None when absent; for FLUX text_encoder/ (CLIPTextModel, its pooled output) and
-    text_encoder_2/ (T5EncoderModel), both required, as FluxPipeline."""
+    text_encoder_2/ (T5EncoderModel), both required, as FluxPipeline; for Qwen-Image
+    text_encoder/ (Qwen2_5_VLForConditionalGeneration, its last states), required."""
     tf = _transformers()
     field_name, value = "policy.model_path", str(root)
     encoders, tokenizers = [], []
@@ -299,7 +310,7 @@ def _load_text_encoders(root: Path, kind: str, sdxl: bool = False) -> tuple[list
         encoder_dir, tokenizer_dir = root / f"text_encoder{suffix}", root / f"tokenizer{suffix}"
         if not encoder_dir.is_dir():
             if suffix == "" or sdxl or kind == "flux":
-                denoiser = {"sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel"}.get(kind, "SDXL-style UNet2DConditionModel" if sdxl else "UNet2DConditionModel")
+                denoiser = {"sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel", "qwen": "QwenImageTransformer2DModel"}.get(kind, "SDXL-style UNet2DConditionModel" if sdxl else "UNet2DConditionModel")
                 raise ConfigError(field_name, value, f"a text-conditioned {denoiser} needs text_encoder{suffix}/ and tokenizer{suffix}/ beside it")
             encoders.append(None)
             tokenizers.append(None)
@@ -311,6 +322,8 @@ def _load_text_encoders(root: Path, kind: str, sdxl: bool = False) -> tuple[list
             allowed = ("T5EncoderModel",)
         elif kind == "sd3" or (sdxl and suffix == "_2"):
             allowed = ("CLIPTextModelWithProjection",)
+        elif kind == "qwen":
+            allowed = ("Qwen2_5_VLForConditionalGeneration",)
         else:
             allowed = ("CLIPTextModel",)
         if class_name not in allowed:
@@ -352,8 +365,10 @@ def _load_parts(config: ImageDiffusionConfig) -> _Parts:
     if vae_name is not None:
         if vae_name not in VAE_CLASSES:
             raise ConfigError(field_name, config.model_path, f"vae/ holds a {vae_name}; supported: {list(VAE_CLASSES)}")
-        vae = diffusers.AutoencoderKL.from_pretrained(str(root / "vae"))
-    channels = vae.config.latent_channels if vae is not None else 3
+        vae = getattr(diffusers, vae_name).from_pretrained(str(root / "vae"))
+    if (vae_name == "AutoencoderKLQwenImage") != (kind == "qwen"):
+        raise ConfigError(field_name, config.model_path, f"the {class_name} takes {'an AutoencoderKLQwenImage' if kind == 'qwen' else 'an AutoencoderKL'} in vae/, not a {vae_name}")
+    channels = (vae.config.z_dim if kind == "qwen" else vae.config.latent_channels) if vae is not None else 3
     in_channels = denoiser.config.in_channels
     out_channels = denoiser.config.out_channels or in_channels
     if kind == "flux":
@@ -361,6 +376,12 @@ def _load_parts(config: ImageDiffusionConfig) -> _Parts:
         if vae is None or in_channels != 4 * channels or out_channels != in_channels:
             where = f"4 x the VAE's {channels} latent channels (2 x 2 packed latents)" if vae is not None else "packed VAE latents, and vae/ beside it"
             raise ConfigError(field_name, config.model_path, f"the FluxTransformer2DModel has {in_channels} input and {out_channels} output channels; it must take {where}")
+    elif kind == "qwen":
+        # QwenImagePipeline packs 2 x 2 patches too; the transformer's out_channels are the VAE's, unpacked
+        if vae is None or in_channels != 4 * channels or out_channels != channels:
+            raise ConfigError(field_name, config.model_path, f"the QwenImageTransformer2DModel has {in_channels} input and {out_channels} output channels; it must take 4 x the VAE's {channels} latent channels and return {channels}")
+        if denoiser.config.guidance_embeds or getattr(denoiser.config, "zero_cond_t", False) or getattr(denoiser.config, "use_additional_t_cond", False):
+            raise ConfigError(field_name, config.model_path, "the QwenImageTransformer2DModel takes a guidance embedding or extra time conditions (guidance_embeds, zero_cond_t, use_additional_t_cond); supported: QwenImagePipeline's text-to-image transformer")
     elif in_channels != channels or out_channels not in (channels, 2 * channels):
         where = f"the VAE's {channels} latent channels" if vae is not None else "RGB pixels (3 channels; a latent-space model needs vae/ beside it)"
         raise ConfigError(field_name, config.model_path, f"the {class_name} has {in_channels} input and {out_channels} output channels; it must denoise {where}")
@@ -392,8 +413,8 @@ def _check_scheduler(config: ImageDiffusionConfig, scheduler: dict, kind: str = 
         kind_name = "a flow-matching" if is_flow else "a diffusion"
         allowed = "flow_sde, flow_cps or flow_ode" if is_flow else "ddim or ddpm"
         raise ConfigError(path + "transition", options.transition, f"the pipeline's scheduler ({scheduler.get('_class_name')}) is {kind_name} schedule; use {allowed}")
-    if is_flow and kind == "flux":
-        unsupported = [k for k in ("shift_terminal", "use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "invert_sigmas", "stochastic_sampling") if scheduler.get(k)]
+    if is_flow and kind in ("flux", "qwen"):
+        unsupported = [k for k in ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "invert_sigmas", "stochastic_sampling") if scheduler.get(k)]
         if unsupported:
             raise ConfigError("policy.model_path", config.model_path, f"the scheduler sets {unsupported}; the flow transitions take FluxPipeline's plain shifted Euler sigmas")
         if scheduler.get("time_shift_type", "exponential") not in ("exponential", "linear"):
@@ -471,6 +492,9 @@ class _AdapterDisabledReference(DenoisingPolicy):
     @property
     def denoising(self) -> DenoisingOptions:
         return self.policy.denoising
+
+    def transition(self, options: DenoisingOptions, deterministic: bool = False, device=None):
+        return self.policy.transition(options, deterministic, device)
 
     def chain_denoiser(self, replay: dict):
         inner = self.policy.chain_denoiser(replay)
@@ -625,10 +649,10 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         if parts.scheduler is not None:
             _check_scheduler(config, parts.scheduler, parts.kind)
         self.kind = parts.kind
-        if self.kind != "flux":
-            for name in ("resolution", "flux_guidance"):
-                if getattr(config, name) is not None:
-                    raise ConfigError(f"policy.{name}", getattr(config, name), "only a FLUX transformer takes it (the other denoisers generate at their sample_size, and guide with guidance_scale)")
+        for name in ("resolution", "flux_guidance"):
+            if getattr(config, name) is not None and self.kind not in (("flux", "qwen") if name == "resolution" else ("flux",)):
+                takers = "a FLUX or Qwen-Image transformer" if name == "resolution" else "a FLUX transformer"
+                raise ConfigError(f"policy.{name}", getattr(config, name), f"only {takers} takes it (the other denoisers generate at their sample_size, and guide with guidance_scale)")
         self.sdxl, self.zero_null_prompt = parts.sdxl, parts.zero_null_prompt
         # the UNet keeps its attribute (and state-dict prefix) ``unet``; transformers are ``transformer``
         if self.kind == "unet":
@@ -646,9 +670,15 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         if self.vae is not None:
             self.vae.requires_grad_(False)
             vae_config = self.vae.config
-            self.vae_scale = float(vae_config.scaling_factor)
-            self.vae_shift = float(vae_config.shift_factor or 0.0)
-            self.vae_factor = 2 ** (len(vae_config.block_out_channels) - 1)
+            if self.kind == "qwen":  # per-channel statistics: z = latent * std + mean, over a frame axis of 1
+                self.vae_scale, self.vae_shift = 1.0, 0.0
+                self.vae_factor = 2 ** len(vae_config.temperal_downsample)
+                self.register_buffer("qwen_latents_mean", torch.tensor(vae_config.latents_mean, dtype=torch.float32).view(1, -1, 1, 1, 1), persistent=False)
+                self.register_buffer("qwen_latents_std", torch.tensor(vae_config.latents_std, dtype=torch.float32).view(1, -1, 1, 1, 1), persistent=False)
+            else:
+                self.vae_scale = float(vae_config.scaling_factor)
+                self.vae_shift = float(vae_config.shift_factor or 0.0)
+                self.vae_factor = 2 ** (len(vae_config.block_out_channels) - 1)
             if config.is_diffusion and config.denoising.clip_denoised is not None:
                 raise ConfigError("policy.denoising.clip_denoised", config.denoising.clip_denoised, "clips the predicted clean sample to pixel range, but the chain runs over VAE latents, which are not in [-1, 1]; set null")
         self.prompt_lengths = []  # tokens of each encoder's prompts (None: no such encoder)
@@ -666,6 +696,8 @@ class ImageDiffusionPolicy(DenoisingPolicy):
             self._check_sdxl_widths()
         if self.kind == "flux":
             self._check_flux_widths()
+        if self.kind == "qwen" and self.text_encoder.config.text_config.hidden_size != self.transformer.config.joint_attention_dim:
+            raise ConfigError("policy.model_path", config.model_path, f"the text encoder is {self.text_encoder.config.text_config.hidden_size} wide; the QwenImageTransformer2DModel's joint_attention_dim is {self.transformer.config.joint_attention_dim}")
         self.prediction_type = config.prediction_type or self._default_prediction(parts.scheduler)
         if self.prediction_type not in config.allowed_predictions:
             raise ConfigError("policy.prediction_type", self.prediction_type, f"the pipeline's scheduler predicts it, but transition {config.denoising.transition} takes one of {list(config.allowed_predictions)}")
@@ -683,10 +715,11 @@ class ImageDiffusionPolicy(DenoisingPolicy):
             if isinstance(num_prompts, int) and num_prompts > self.null_class:
                 raise ConfigError("policy.model_path", config.model_path, f"the denoiser has {self.null_class} classes besides the null class (the last); the sampler has {num_prompts} conditions")
         self.flow_shift = None  # FLUX's resolution-dependent time shift (denoising.time_shift otherwise)
+        self.shift_terminal = None  # the scheduler's shift_terminal: the last sigma before 0 (Qwen-Image: 0.02)
         # where the pipeline's DDIMScheduler ends the last step: alpha_bar 1, or alpha_bar_0 (set_alpha_to_one false)
         scheduler_alpha_to_one = (parts.scheduler or {}).get("set_alpha_to_one")
         self.alpha_to_one = bool(scheduler_alpha_to_one) if config.is_diffusion and config.denoising.set_alpha_to_one is None and scheduler_alpha_to_one is not None else None
-        if self.kind == "flux":
+        if self.kind in ("flux", "qwen"):
             self._setup_flux(parts.scheduler)
         else:
             sample_size = model_config.sample_size
@@ -728,6 +761,11 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         return self
 
     def _prompt_length(self, slot: int, encoder: nn.Module, tokenizer) -> int:
+        if self.kind == "qwen":  # the template's tokens, then the prompt's states (max_sequence_length)
+            tokens = self.config.max_prompt_tokens or QWEN_TOKENS
+            if tokens > QWEN_MAX_TOKENS:
+                raise ConfigError("policy.max_prompt_tokens", tokens, f"QwenImagePipeline's max_sequence_length is at most {QWEN_MAX_TOKENS}")
+            return QWEN_DROP + tokens
         if slot == 2 or (self.kind == "flux" and slot == 1):  # T5: relative positions, no limit of its own
             if self.kind == "flux" and self.config.max_t5_tokens > 512:
                 raise ConfigError("policy.max_t5_tokens", self.config.max_t5_tokens, "FluxPipeline's max_sequence_length is at most 512")
@@ -794,12 +832,15 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         ids[..., 1] += torch.arange(tokens_h)[:, None]
         ids[..., 2] += torch.arange(tokens_w)[None, :]
         self.register_buffer("flux_image_ids", ids.reshape(tokens_h * tokens_w, 3), persistent=False)
-        self.register_buffer("flux_text_ids", torch.zeros(self.prompt_lengths[1], 3), persistent=False)
-        distilled = bool(self.transformer.config.guidance_embeds)
+        if self.kind == "flux":
+            self.register_buffer("flux_text_ids", torch.zeros(self.prompt_lengths[1], 3), persistent=False)
+        distilled = self.kind == "flux" and bool(self.transformer.config.guidance_embeds)
         if config.flux_guidance is not None and not distilled:
             raise ConfigError("policy.flux_guidance", config.flux_guidance, "the FLUX transformer has no guidance embedding (guidance_embeds false); guide it with guidance_scale (true CFG) instead")
         self.flux_guidance = (3.5 if config.flux_guidance is None else float(config.flux_guidance)) if distilled else None
         scheduler = scheduler or {}
+        if scheduler.get("shift_terminal"):
+            self.shift_terminal = float(scheduler["shift_terminal"])
         if scheduler.get("use_dynamic_shifting"):
             seq_lens = scheduler.get("base_image_seq_len", 256), scheduler.get("max_image_seq_len", 4096)
             shifts = scheduler.get("base_shift", 0.5), scheduler.get("max_shift", 1.15)
@@ -811,6 +852,15 @@ class ImageDiffusionPolicy(DenoisingPolicy):
                     f"{tokens_h * tokens_w} image tokens give no time shift under the scheduler's dynamic shifting (image_seq_len {list(seq_lens)}, shift {list(shifts)}): {e}; "
                     f"choose a resolution nearer {default} x {default} (FluxPipeline's default for this VAE)",
                 ) from None
+
+    def transition(self, options: DenoisingOptions, deterministic: bool = False, device=None):
+        """mmrl's transition, on sigmas stretched to the scheduler's ``shift_terminal`` where it
+        sets one (:func:`~mmrl.denoising.terminal_stretch`, as FlowMatchEulerDiscreteScheduler)."""
+        transition = super().transition(options, deterministic, device)
+        if self.shift_terminal is None:
+            return transition
+        sigmas = terminal_stretch(flow_sigmas(options.num_inference_steps, options.time_shift), self.shift_terminal)
+        return FlowTransition(sigmas.to(device), transition.name, options.noise_level, options.sde_diffusion)
 
     @property
     def denoising(self) -> DenoisingOptions:
@@ -896,7 +946,8 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         out = {}
         for key in self._prompt_keys:
             tokenizer, length = tokenizers[key]
-            out[key] = tokenizer(prompts, padding="max_length", max_length=length, truncation=True, return_tensors="pt").input_ids.to(self.device)
+            texts = [QWEN_TEMPLATE.format(p) for p in prompts] if self.kind == "qwen" else prompts
+            out[key] = tokenizer(texts, padding="max_length", max_length=length, truncation=True, return_tensors="pt").input_ids.to(self.device)
         return out
 
     def _encode(self, ids: dict[str, Tensor]):
@@ -932,6 +983,8 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         def run(encoder, key, **kwargs):
             return encoder(ids[key].to(next(encoder.parameters()).device), **kwargs)
 
+        if self.kind == "qwen":
+            return self._qwen_states(ids["prompt_ids"])
         if self.kind == "flux":  # FluxPipeline.encode_prompt: the T5's last states, the CLIP's pooled output
             pooled = run(self.text_encoder, "prompt_ids", output_hidden_states=False).pooler_output
             states = run(self.text_encoder_2, "prompt_ids_2", output_hidden_states=False)[0]
@@ -957,6 +1010,22 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         if self.text_encoder_3 is not None:
             clip = torch.cat([clip, run(self.text_encoder_3, "prompt_ids_3").last_hidden_state.to(clip.device)], dim=-2)
         return clip, torch.cat(pooled, dim=-1)
+
+    def _qwen_states(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """QwenImagePipeline's ``encode_prompt`` of templated token ids [N, 34 + T]: each row's
+        tokens up to its padding through Qwen2.5-VL, its last states without the template's
+        first 34, zero-padded to T (always T, so a prompt's conditioning never depends on its
+        batch), and the mask of the real ones [N, T]."""
+        device = next(self.text_encoder.parameters()).device
+        tokens = ids.shape[1] - QWEN_DROP
+        states, masks = [], []
+        for row in ids.to(device):
+            length = int((row != self.tokenizer.pad_token_id).sum())
+            hidden = self.text_encoder(input_ids=row[None, :length], attention_mask=torch.ones(1, length, dtype=torch.long, device=device), output_hidden_states=True).hidden_states[-1]
+            kept = hidden[:, QWEN_DROP:]
+            states.append(nn.functional.pad(kept, (0, 0, 0, tokens - kept.shape[1])))
+            masks.append((torch.arange(tokens, device=device) < kept.shape[1]).to(kept.dtype)[None])
+        return torch.cat(states), torch.cat(masks)
 
     # -------------------------------------------------------------- the prompt cache
 
@@ -1060,6 +1129,8 @@ class ImageDiffusionPolicy(DenoisingPolicy):
             return self.transformer(x, encoder_hidden_states=states, pooled_projections=pooled, timestep=timestep.expand(x.shape[0])).sample
         if self.kind == "flux":
             return self._flux(x, timestep, condition)
+        if self.kind == "qwen":
+            return self._qwen(x, timestep, condition)
         if self.kind == "dit":
             out = self.transformer(x, timestep=timestep.expand(x.shape[0]), class_labels=condition).sample
         elif self.conditioning == "class":
@@ -1089,6 +1160,19 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         ).sample
         return out.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
 
+    def _qwen(self, x: Tensor, timestep: Tensor, condition) -> Tensor:
+        """One QwenImagePipeline transformer call on the latents ``x`` [B, C, H, W]: 2 x 2
+        packed as FLUX's, σ as the timestep, the text states with their mask, the image's
+        token grid as ``img_shapes``; the output unpacked to the velocity."""
+        states, mask = condition
+        b, c, h, w = x.shape
+        packed = x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+        out = self.transformer(
+            hidden_states=packed, timestep=timestep.expand(b) / 1000, encoder_hidden_states=states, encoder_hidden_states_mask=mask.bool(),
+            img_shapes=[(1, h // 2, w // 2)] * b,
+        ).sample
+        return out.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
+
     def step_activation_bytes(self) -> int:
         """The widest feature map of one denoiser evaluation per latent, in bytes: the UNet's
         first level (block_out_channels[0] x height x width), a transformer's patch tokens x
@@ -1098,8 +1182,9 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         height, width = self.resolution
         if self.kind == "unet":
             elements = model.config.block_out_channels[0] * height * width
-        elif self.kind == "flux":  # 2 x 2 packed tokens (and the T5 tokens beside them)
-            elements = ((height // 2) * (width // 2) + self.prompt_lengths[1]) * model.config.num_attention_heads * model.config.attention_head_dim
+        elif self.kind in ("flux", "qwen"):  # 2 x 2 packed tokens (and the text tokens beside them)
+            text = self.prompt_lengths[1] if self.kind == "flux" else self.prompt_lengths[0] - QWEN_DROP
+            elements = ((height // 2) * (width // 2) + text) * model.config.num_attention_heads * model.config.attention_head_dim
         else:
             patch = model.config.patch_size
             elements = (height // patch) * (width // patch) * model.config.num_attention_heads * model.config.attention_head_dim
@@ -1119,7 +1204,11 @@ class ImageDiffusionPolicy(DenoisingPolicy):
             cat = lambda a, b: torch.cat([a, b])  # noqa: E731
             both = self._unet(cat(x, x), cat(timestep.expand(x.shape[0]), timestep.expand(x.shape[0])), _map2(cat, condition, null))
             cond, uncond = both.chunk(2)
-        return uncond + w * (cond - uncond)
+        guided = uncond + w * (cond - uncond)
+        if self.kind == "qwen":  # QwenImagePipeline: rescaled to the conditional output's norm, per 2 x 2 packed token
+            norm = lambda v: v.unflatten(2, (-1, 2)).unflatten(4, (-1, 2)).square().sum((1, 3, 5), keepdim=True).sqrt()  # noqa: E731
+            guided = (guided.unflatten(2, (-1, 2)).unflatten(4, (-1, 2)) * (norm(cond) / norm(guided))).flatten(4).flatten(2, 3)
+        return guided
 
     def _transition_input(self, out: Tensor, x: Tensor, time: Tensor) -> Tensor:
         if not self.config.is_diffusion:
@@ -1161,6 +1250,10 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         posterior (as diffusers' training scripts do); no grad."""
         if self.vae is None:
             return pixels
+        if self.kind == "qwen":  # a video VAE: one frame; z normalized by the per-channel statistics
+            with torch.no_grad():
+                z = self.vae.encode(pixels[:, :, None].to(self.vae.dtype)).latent_dist.sample().float()
+            return ((z - self.qwen_latents_mean) / self.qwen_latents_std)[:, :, 0].to(self.dtype)
         with torch.no_grad():
             z = self.vae.encode(pixels.to(self.vae.dtype)).latent_dist.sample().to(self.dtype)
         return (z - self.vae_shift) * self.vae_scale
@@ -1170,6 +1263,10 @@ class ImageDiffusionPolicy(DenoisingPolicy):
         scaling_factor + shift_factor); no grad, once per sample."""
         if self.vae is None:
             return latents
+        if self.kind == "qwen":  # QwenImagePipeline: z = latent / (1 / std) + mean, one frame
+            with torch.no_grad():
+                z = latents[:, :, None].float() / (1.0 / self.qwen_latents_std) + self.qwen_latents_mean
+                return self.vae.decode(z.to(self.vae.dtype)).sample[:, :, 0].float()
         with torch.no_grad():
             return self.vae.decode((latents / self.vae_scale + self.vae_shift).to(self.vae.dtype)).sample.float()
 

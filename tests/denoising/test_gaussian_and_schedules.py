@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from mmrl.denoising import alphas_cumprod, ddim_timesteps, ddpm_betas, flow_sigmas, gaussian_entropy, gaussian_log_prob, resolution_shift
+from mmrl.denoising import alphas_cumprod, ddim_timesteps, ddpm_betas, flow_sigmas, gaussian_entropy, gaussian_log_prob, resolution_shift, terminal_stretch
 
 
 def test_log_prob_is_summed_or_averaged_over_latent_elements():
@@ -80,3 +80,11 @@ def test_a_shift_outside_the_floats_is_a_value_error_not_a_math_error():
         resolution_shift(1, 4, 64, 0.0, 2.0, "linear")
     with pytest.raises(ValueError, match="finite number > 0"):
         flow_sigmas(4, shift=float("inf"))
+
+
+def test_terminal_stretch_moves_the_last_sigma_before_zero_to_the_terminal():
+    # 1 - sigma scaled by (1 - 0.1) / (1 - 0.25): [1, 0.75, 0.5, 0.25, 0] -> [1, 0.7, 0.4, 0.1, 0]
+    stretched = terminal_stretch(flow_sigmas(4), 0.1)
+    torch.testing.assert_close(stretched, torch.tensor([1.0, 0.7, 0.4, 0.1, 0.0], dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"terminal must lie in \(0, 1\)"):
+        terminal_stretch(flow_sigmas(4), 1.0)
