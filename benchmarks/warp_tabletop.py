@@ -7,7 +7,7 @@
 SyncVectorEnv of N envs against one warp batch of N worlds (``tabletop_warp``), in the same
 run, random actions, finished episodes reset inside both; the ratio is warp / CPU.
 ``equivalence``: per family, episodes seeded 0..E-1 run by the scripted expert closed loop
-on both backends; prints both success rates, how often success agrees, and where the states
+on both backends (``--noise``: with Gaussian action noise, equal draws on both); prints both success rates, how often success agrees, and where the states
 part: the first control step at which a block or the pusher is more than 1 mm apart, and
 whether the pusher had touched a block by then (CPU MuJoCo's contacts). Also the open-loop
 gap: the CPU expert's first 20 actions replayed on the warp worlds, the largest state
@@ -106,6 +106,7 @@ def equivalence(args) -> None:
         warp_obs = warp.reset(seed=list(range(n)))[0]["state"].cpu().numpy()
         cpu_success, warp_success = np.zeros(n, bool), np.zeros(n, bool)
         cpu_alive, warp_alive = np.ones(n, bool), np.ones(n, bool)
+        noise_rngs = [[np.random.default_rng(i) for i in range(n)] for _ in range(2)]  # CPU, warp: equal streams
         touched = np.zeros(n, bool)  # the CPU pusher has touched a block so far
         for i, env in enumerate(cpus):
             _watch_the_pusher(env, touched, i)
@@ -115,26 +116,54 @@ def equivalence(args) -> None:
             newly = (parted_at < 0) & (gap > PART) & cpu_alive & warp_alive
             parted_at[newly], parted_touched[newly] = step, touched[newly]
             actions = expert_actions(warp)
+            if args.noise:  # what expert_action(env, noise, rng) adds, from the same generators
+                noise = torch.from_numpy(np.stack([r.normal(size=2) for r in noise_rngs[1]]) * args.noise)
+                actions = (actions + noise.to(actions)).clamp(-1.0, 1.0)
             warp_out = warp.step(actions)
             warp_obs = warp_out[0]["state"].cpu().numpy()
             warp_success |= warp_out[4]["success"].cpu().numpy() & warp_alive
             warp_alive &= ~(warp_out[2] | warp_out[3]).cpu().numpy()
             for i, env in enumerate(cpus):
                 if cpu_alive[i]:
-                    obs, _, term, trunc, info = env.step(expert_action(env))
+                    obs, _, term, trunc, info = env.step(expert_action(env, args.noise, noise_rngs[0][i]))
                     cpu_obs[i] = obs["state"]
                     cpu_success[i] |= info["success"]
                     cpu_alive[i] = not (term or trunc)
         agree = (cpu_success == warp_success).mean()
         parted = parted_at >= 0
         print(
-            f"{family}: {n} expert episodes; success CPU {cpu_success.mean():.3f}, warp {warp_success.mean():.3f}; agree {agree:.3f} "
+            f"{family}: {n} expert episodes (action noise {args.noise}); success CPU {cpu_success.mean():.3f}, warp {warp_success.mean():.3f}; agree {agree:.3f} "
             f"({(cpu_success & ~warp_success).sum()} only CPU, {(~cpu_success & warp_success).sum()} only warp); "
             f"states part by > {PART * 1000:.0f} mm in {parted.sum()} episodes, at control step {np.median(parted_at[parted]) if parted.any() else float('nan'):.0f} "
             f"(median), {parted_touched[parted].sum()} of them after the pusher had touched a block",
             flush=True,
         )
-        _open_loop(family, min(n, args.open_loop), args.device)
+        if args.open_loop:
+            _open_loop(family, min(n, args.open_loop), args.device)
+        if args.noise:
+            _cpu_against_itself(family, n, args.noise)
+
+
+def _cpu_against_itself(family: str, n: int, noise: float) -> None:
+    """The control: CPU MuJoCo against itself, once from the initial states and once from
+    them rounded to float32 (what the warp worlds start from), with the same noisy expert."""
+    success = np.zeros((2, n), bool)
+    for run in range(2):
+        for i in range(n):
+            env = TabletopEnv(task=family, obs_mode="state")
+            env.reset(seed=i)
+            if run:
+                sim = env._sim
+                sim.data.qpos[:] = sim.data.qpos.astype(np.float32)
+                sim.mujoco.mj_forward(sim.model, sim.data)
+            rng = np.random.default_rng(i)
+            for _ in range(60):  # the time limit (a bare TabletopEnv has no TimeLimit wrapper)
+                _, _, term, _, info = env.step(expert_action(env, noise, rng))
+                success[run, i] |= info["success"]
+                if term:
+                    break
+            env.close()
+    print(f"  control: CPU MuJoCo against itself from float32-rounded initial states: success {success[0].mean():.3f} / {success[1].mean():.3f}, agree {(success[0] == success[1]).mean():.3f}", flush=True)
 
 
 def _open_loop(family: str, n: int, device: str) -> None:
@@ -175,7 +204,8 @@ def main() -> None:
     t.add_argument("--device", default="cpu", help="warp device: cpu or cuda")
     e = sub.add_parser("equivalence")
     e.add_argument("--episodes", type=int, default=256, help="expert episodes per family")
-    e.add_argument("--open-loop", type=int, default=64, help="worlds of the open-loop comparison")
+    e.add_argument("--open-loop", type=int, default=64, help="worlds of the open-loop comparison (0: none)")
+    e.add_argument("--noise", type=float, default=0.0, help="Gaussian action noise of the expert (its std), the same draws on both backends")
     e.add_argument("--families", nargs="+", default=["spatial", "object", "goal"])
     e.add_argument("--device", default="cpu")
     args = parser.parse_args()
