@@ -258,3 +258,15 @@ def test_doctor_reports_mujoco_warp_and_names_the_extra_when_it_is_missing(monke
 
     monkeypatch.setattr(doctor, "_version", lambda dist: None)
     assert doctor.warp_row() == ("mujoco_warp", "missing", "pip install 'mmrl[warp]' (batched MuJoCo worlds: env type tabletop_warp)")
+
+
+def test_a_missing_warp_extra_skips_here_and_fails_under_mmrl_require_warp(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "mujoco_warp", None)  # import mujoco_warp raises ImportError
+    monkeypatch.delenv("MMRL_REQUIRE_WARP", raising=False)
+    with pytest.raises(pytest.skip.Exception, match=r"mmrl\[warp\]"):
+        require_warp()
+    monkeypatch.setenv("MMRL_REQUIRE_WARP", "1")
+    with pytest.raises(pytest.fail.Exception, match="MMRL_REQUIRE_WARP=1"):
+        require_warp()
