@@ -270,3 +270,8 @@ def test_a_missing_warp_extra_skips_here_and_fails_under_mmrl_require_warp(monke
     monkeypatch.setenv("MMRL_REQUIRE_WARP", "1")
     with pytest.raises(pytest.fail.Exception, match="MMRL_REQUIRE_WARP=1"):
         require_warp()
+    from mmrl.envs.batched_mujoco import import_warp
+    from mmrl.errors import MissingExtraError
+
+    with pytest.raises(MissingExtraError, match=r"pip install 'mmrl\[warp\]'"):
+        import_warp()
