@@ -20,6 +20,8 @@ gymnasium's SAME_STEP mode, whose info holds the finished worlds' ``final_obs``;
 ``disabled``, where a finished world keeps stepping until the caller resets it, as the env
 sampler does with its waves). ``reset(options={"reset_mask": mask})`` resets only the
 masked worlds. Observations, rewards and flags are torch tensors on the simulator's device.
+A reset writes state only (``qpos``, ``qvel``, ``mocap_*`` ...): what MuJoCo derives from it
+(body poses, contacts) is refreshed by the next step, so ``observe`` reads the state.
 
 Warp's kernels compile on first use (about 10-40 s on a CPU) into warp's kernel cache
 (``~/.cache/warp``) and load from there afterwards. ``warp-lang`` and ``mujoco-warp`` come
@@ -212,12 +214,6 @@ class BatchedMujocoEnv(gymnasium.vector.VectorEnv):
         self.time[worlds] = 0
         self.elapsed[worlds] = 0
         self.reset_worlds(worlds)
-
-    def forward(self) -> None:
-        """MuJoCo's forward pass on every world (positions, contacts, accelerations), for a
-        task whose observation needs more than ``qpos``/``qvel`` right after a reset."""
-        with self.wp.ScopedDevice(self.warp_device):
-            self.mjw.forward(self.model, self.data)
 
     def _physics(self) -> None:
         wp = self.wp
