@@ -11,9 +11,9 @@ device (:class:`~mmrl.envs.batched_mujoco.BatchedMujocoEnv`). What differs:
   built yet); ``state``, ``privileged``, rewards, flags and costs are torch tensors, the
   instruction a tuple of N strings;
 - float32 physics: before the pusher first touches a block the worlds match the CPU env to
-  float32 rounding; after, MuJoCo Warp's cylinder-box contacts (their points and normal)
-  differ slightly from CPU MuJoCo's, and pushes drift apart by millimetres to centimetres
-  (docs/tabletop.md, "On MuJoCo Warp").
+  float32 rounding; after, MuJoCo Warp puts the pusher's contact points on a block elsewhere
+  than CPU MuJoCo does, and pushes drift apart by millimetres to centimetres; the scripted
+  expert's success agrees (docs/tabletop.md, "On MuJoCo Warp").
 
 World w reset with seed s draws its task and initial state from the generator that
 ``TabletopEnv.reset(seed=s)`` draws from, so equal seeds give the CPU env's task and state.
