@@ -21,6 +21,8 @@ enters the mode for the test process, and puts this folder's ``sitecustomize`` o
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -102,3 +104,34 @@ def enable() -> None:
     if _MODE is None:
         _MODE = ShapeDependentGemm()
         _MODE.__enter__()
+
+
+@contextmanager
+def sampling_layout(policy):
+    """A denoising policy whose ``log_prob`` calls the denoiser once per chain step, as its
+    sampling pass does (``denoising.chunk_steps`` 1). Where every chain is stochastic at the same
+    steps, those calls have the sampling pass's row counts: the same operators on the same
+    shapes, so a recompute equals the sampling pass's log-probs to the bit on every CPU. Without
+    it the recompute runs every step in one call, other row counts (a bound, not equality)."""
+    options = policy.denoising
+    before = options.chunk_steps
+    options.chunk_steps = 1
+    try:
+        yield policy
+    finally:
+        options.chunk_steps = before
+
+
+def check_recompute(policy, sample, atol: float) -> None:
+    """``policy.log_prob(sample.replay)`` against the sampling pass's log-probs: to the bit under
+    :func:`sampling_layout` where every chain is stochastic at the same steps (the sampling pass's
+    row counts); within ``atol`` where a chain's own random steps make the recompute evaluate
+    fewer rows a call, and for the default all-steps-in-one-call recompute."""
+    stochastic = sample.replay["chain"]["stochastic"]
+    with sampling_layout(policy):
+        stepwise = policy.log_prob(sample.replay)
+    if bool((stochastic == stochastic[:1]).all()):
+        assert torch.equal(stepwise, sample.logp), f"recompute at the sampling layout differs by {(stepwise - sample.logp).abs().max():.3g}"
+    else:
+        torch.testing.assert_close(stepwise.detach(), sample.logp, atol=atol, rtol=0)
+    torch.testing.assert_close(policy.log_prob(sample.replay).detach(), sample.logp, atol=atol, rtol=0)

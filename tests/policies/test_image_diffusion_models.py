@@ -339,10 +339,10 @@ def test_lora_trains_only_the_adapters_and_the_reference_is_the_base_model():
     sample = policy.sample(PROMPTS, torch.Generator().manual_seed(0))
     reference = policy.reference()
     assert isinstance(reference, torch.nn.Module) and not list(reference.parameters())  # shares, does not copy
-    with torch.no_grad():
+    with torch.no_grad():  # a peft-wrapped and a plain model: other operators, a few ulps of log-probs near 500
         base_logp = base.log_prob(sample.replay)
-        torch.testing.assert_close(reference.log_prob(sample.replay), base_logp, atol=1e-5, rtol=0)
-        torch.testing.assert_close(policy.log_prob(sample.replay), base_logp, atol=1e-5, rtol=0)  # B = 0 at the start
+        torch.testing.assert_close(reference.log_prob(sample.replay), base_logp, atol=1e-5, rtol=1e-6)
+        torch.testing.assert_close(policy.log_prob(sample.replay), base_logp, atol=1e-5, rtol=1e-6)  # B = 0 at the start
     assert policy.exact_kl(sample.replay, reference).abs().max() < 1e-6
 
     optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
@@ -356,7 +356,7 @@ def test_lora_trains_only_the_adapters_and_the_reference_is_the_base_model():
     with torch.no_grad():
         after = policy.log_prob(sample.replay)
         assert (after - base_logp).abs().max() > 1e-3
-        torch.testing.assert_close(reference.log_prob(sample.replay), base_logp, atol=1e-5, rtol=0)
+        torch.testing.assert_close(reference.log_prob(sample.replay), base_logp, atol=1e-5, rtol=1e-6)
     kl = policy.exact_kl(sample.replay, reference)
     assert (kl > 0).all()
     kl.sum().backward()  # the KL's gradient reaches the adapters only

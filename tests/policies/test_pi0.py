@@ -21,6 +21,7 @@ from mmrl.policies.pi0 import PI0Config, PI0Policy, PI05Config, PI05Policy, lero
 from mmrl.policies.pi0.model import additive_mask, apply_rope, discretize_state, eager_attention, gemma_norm, pi05_prompt, prepare_image, resize_with_pad, rope_cos_sin
 from mmrl.policies.vla.lerobot_format import normalize, read_lerobot_policy, read_lerobot_weights, unnormalize
 from mmrl.registry import REWARDS
+from tests.kernel_emulation import sampling_layout
 
 SPEC = {"action_dim": 2, "action_low": [-1.0, -1.0], "action_high": [1.0, 1.0], "state_dim": 4, "image_shape": [16, 16, 3], "instructions": ["push the block"]}
 CAMERAS = {"image": (3, 16, 16)}
@@ -304,7 +305,7 @@ def test_flow_sde_chunks_recompute_with_ratio_one(dirs, kind):
         sample = policy.sample(env_inputs(3, seed), torch.Generator().manual_seed(seed))
         assert sample.output.shape == (3, 2, 2)  # n_action_steps 2 of chunk 4, the env's 2 action dims
         assert sample.replay["chain"]["latents"].shape == (3, 1, 5, 4, 8)  # K = the checkpoint's 4 steps, [chunk, max_action_dim]
-        with torch.no_grad():
+        with torch.no_grad(), sampling_layout(policy):  # one denoiser call per step, as sampling
             recomputed = policy.log_prob(sample.replay)
         assert torch.equal(recomputed, sample.logp)
     final = sample.replay["chain"]["latents"][:, 0, -1]

@@ -20,6 +20,7 @@ from mmrl.policies.smolvla.model import resize_with_pad
 from mmrl.policies.vla.lerobot_flow import EulerGridTransition
 from mmrl.policies.vla.lerobot_format import normalize, read_lerobot_policy, read_lerobot_weights, resolve_vlm, unnormalize
 from mmrl.registry import REWARDS
+from tests.kernel_emulation import sampling_layout
 
 SPEC = {"action_dim": 2, "action_low": [-1.0, -1.0], "action_high": [1.0, 1.0], "state_dim": 4, "image_shape": [16, 16, 3], "instructions": ["push the block"]}
 CAMERAS = {"image": (3, 16, 16)}
@@ -213,7 +214,7 @@ def test_flow_sde_chunks_recompute_with_ratio_one(dirs):
     sample = policy.sample(env_inputs(), torch.Generator().manual_seed(0))
     assert sample.output.shape == (3, 2, 2)  # n_action_steps 2 of chunk 4, the env's 2 action dims
     assert sample.replay["chain"]["latents"].shape == (3, 1, 5, 4, 8)  # K = the checkpoint's 4 steps, [chunk, max_action_dim]
-    with torch.no_grad():
+    with torch.no_grad(), sampling_layout(policy):  # one denoiser call per step, as sampling
         recomputed = policy.log_prob(sample.replay)
     assert torch.equal(recomputed, sample.logp)
     final = sample.replay["chain"]["latents"][:, 0, -1]
@@ -456,7 +457,7 @@ def test_flow_noise_learns_a_noise_head_recomputes_with_ratio_one_and_exports_wi
     with torch.no_grad():
         assert torch.equal(policy.sample(inputs, deterministic=True).output, plain.sample(inputs, deterministic=True).output)
     sample = policy.sample(inputs, torch.Generator().manual_seed(0))
-    with torch.no_grad():
+    with torch.no_grad(), sampling_layout(policy):  # one denoiser call per step, as sampling
         assert torch.equal(policy.log_prob(sample.replay), sample.logp)
     head = [p.detach().clone() for p in policy.noise_head.parameters()]
     optimizer = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=1e-4)

@@ -94,12 +94,17 @@ def _loss(trainer, rollout, adv: float):
 def test_r_one_half_gives_zero_gradient_at_the_old_weights_and_r_one_does_not(tmp_path):
     trainer, rollout = _batch(tmp_path)
     model = trainer.learner.model
-    _loss(trainer, rollout, 0.0).loss.backward()  # A = 0: r = 1/2
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    assert grads and all(int(torch.count_nonzero(g)) == 0 for g in grads)
-    model.zero_grad(set_to_none=True)
-    _loss(trainer, rollout, 5.0).loss.backward()  # r = 1
-    assert sum(float(p.grad.abs().sum()) for p in model.parameters() if p.grad is not None) > 0
+
+    def gradient(adv: float) -> float:
+        model.zero_grad(set_to_none=True)
+        _loss(trainer, rollout, adv).loss.backward()
+        return sum(float(p.grad.abs().sum()) for p in model.parameters() if p.grad is not None)
+
+    # A = 0: r = 1/2, v⁺ − v⁻ ∝ v_θ − v_old = 0 at the old weights. v_θ (with grad) and v_old (without)
+    # are two passes whose matrix products may fold differently, so zero up to float32 rounding
+    # (exactly 0 here; 1e-9-sized entries under tests/kernel_emulation)
+    assert gradient(0.0) <= 1e-6 * gradient(5.0)  # r = 1
+    assert gradient(5.0) > 0
 
 
 @pytest.mark.parametrize(("adv", "closer"), [(5.0, True), (-5.0, False)])
@@ -133,7 +138,7 @@ def test_a_reference_term_pulls_toward_the_reference(tmp_path):
     trainer, rollout = _batch(tmp_path, ref_coef=1.0)
     assert trainer.learner.reference is not None
     out = _loss(trainer, rollout, 0.0)
-    assert float(out.terms["nft/ref_mse"]) == 0.0
+    assert float(out.terms["nft/ref_mse"]) <= 1e-10  # 0 up to two passes' rounding (1.6e-14 under tests/kernel_emulation)
 
 
 @pytest.mark.parametrize(
