@@ -134,6 +134,7 @@ def test_one_stochastic_step_is_chosen_at_random_per_chunk():
     assert set(chosen.tolist()) == {0, 1, 2, 3}
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("stochastic_steps", ["window", "random"])
 def test_a_window_keeps_the_late_low_noise_steps_deterministic(stochastic_steps):
     policy = make(stochastic_steps=stochastic_steps, window_size=2)
@@ -147,6 +148,7 @@ def test_a_window_keeps_the_late_low_noise_steps_deterministic(stochastic_steps)
     check_recompute(policy, sample, atol=1e-4)
 
 
+@pytest.mark.numerics
 def test_a_window_that_starts_late_stores_only_the_steps_from_its_start():
     policy = make(stochastic_steps="window", window_start=2, logp_granularity="step")
     sample = policy.sample(inputs(SPEC), torch.Generator().manual_seed(0))

@@ -331,6 +331,7 @@ def _lora_policy(**fields):
     return make(spec={}, tiny=SD3, denoising=FLOW, lora=LORA, guidance_scale=2.0, **fields)
 
 
+@pytest.mark.numerics
 def test_lora_trains_only_the_adapters_and_the_reference_is_the_base_model():
     policy = _lora_policy()
     base = make(spec={}, tiny=SD3, denoising=FLOW, guidance_scale=2.0)  # same seed: the same base weights

@@ -145,6 +145,7 @@ def chain_policy(variant: str):
     return make("gaussian_chain", dim=2, denoising={"num_inference_steps": 6, **TRANSITIONS[variant]})
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("variant", TRANSITIONS)
 def test_chain_log_prob_of_replay_equals_sampling_logp_exactly(variant):
     policy = chain_policy(variant)

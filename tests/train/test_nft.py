@@ -91,6 +91,7 @@ def _loss(trainer, rollout, adv: float):
     return trainer.learner.loss(trainer.learner.model, rollout, targets, trainer.learner.normalizers(rollout))
 
 
+@pytest.mark.numerics
 def test_r_one_half_gives_zero_gradient_at_the_old_weights_and_r_one_does_not(tmp_path):
     trainer, rollout = _batch(tmp_path)
     model = trainer.learner.model
@@ -132,6 +133,7 @@ def test_a_positive_advantage_moves_the_velocity_toward_the_sample_and_a_negativ
     assert (error() < before) if closer else (error() > before), (before, error())
 
 
+@pytest.mark.numerics
 def test_a_reference_term_pulls_toward_the_reference(tmp_path):
     """ref_coef > 0: the learner keeps a frozen reference; at θ = θ_ref its term is 0 and
     adds no gradient, and the metric names it."""
