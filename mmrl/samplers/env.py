@@ -350,16 +350,19 @@ class EnvSampler(Sampler):
         no_success = torch.zeros(num_envs, dtype=torch.bool, device=on) if on is not None else np.zeros(num_envs, dtype=bool)
         bounds = (torch.as_tensor(self.action_low, device=on), torch.as_tensor(self.action_high, device=on)) if on is not None and not self.text_actions else None
         carry = None  # a policy that carries_state: its state in this wave's episodes
-        keys: list[list[int]] = []  # per decision, each env's state key (state_keys)
+        keys: list = []  # per decision, each env's state key (state_keys): a list of ints, or a tensor on the simulator's device
         samples, rewards, terminated, truncated, success, chunk_index = [], [], [], [], [], []
         cap = self.config.max_decisions
         frames = VideoFrames(obs, record) if record else None
-        last_obs = {}  # env -> its observation after its episode's last step (final=True)
+        # each env's observation after its episode's last step (final=True): env -> row, or on a
+        # simulator's device one batch updated where episodes end (no per-env Python loop)
+        last_obs: dict | _EndedRows = _EndedRows(num_envs, on) if on is not None else {}
         scores = self.success_source.wave_scores(num_envs, device)
         while alive.any() and (cap is None or len(samples) < cap):
-            chunk_end, scored = {}, alive  # env -> the observation its episode ended at in this chunk
+            # the observation each episode ended at in this chunk (env -> row, or a batch on the device)
+            chunk_end, scored = (_EndedRows(num_envs, on) if on is not None else {}), alive
             if self.state_keys:
-                keys.append([state_key(observation_row(obs, e)) for e in range(num_envs)])
+                keys.append(tensor_state_keys(obs) if on is not None else [state_key(observation_row(obs, e)) for e in range(num_envs)])
             sample = self.sample(policy, obs, device, generator, deterministic, carry=carry, active=alive)
             carry = sample.carry
             actions = self.actions(sample, on, bounds)
@@ -388,8 +391,12 @@ class EnvSampler(Sampler):
                 success.append(self.success_source.flags(info, no_success))
                 chunk_index.append(j)
                 done = term | trunc
-                if (final or scores is not None) and (ended := alive & done).any():
-                    for e in (ended.nonzero().flatten().tolist() if on is not None else np.flatnonzero(ended).tolist()):
+                if on is not None and (final or scores is not None):
+                    ended = alive & done  # no host sync: the rows are kept where they end
+                    last_obs.keep(ended, obs)
+                    chunk_end.keep(ended, obs)
+                elif (final or scores is not None) and (ended := alive & done).any():
+                    for e in np.flatnonzero(ended).tolist():
                         if e < n:
                             last_obs[e] = chunk_end[e] = observation_row(obs, e)
                 alive = alive & ~done
@@ -398,7 +405,10 @@ class EnvSampler(Sampler):
                 if not alive.any():
                     break
             if scores is not None:
-                reached = stack_observation_rows([chunk_end[e] if e in chunk_end else observation_row(obs, e) for e in range(num_envs)])
+                if on is not None:
+                    reached = chunk_end.over(obs)
+                else:
+                    reached = stack_observation_rows([chunk_end[e] if e in chunk_end else observation_row(obs, e) for e in range(num_envs)])
                 fired = scores.score(self.observation(reached, device), scored)
                 if training and scores.source.config.terminates:  # the learned success ends the episode, as a terminating env's would
                     ends = alive & (fired.to(on) if on is not None else fired.cpu().numpy())
@@ -407,13 +417,17 @@ class EnvSampler(Sampler):
         rollout = self._wave_rollout(samples, n, rewards, terminated, truncated, success, chunk_index)
         if keys:  # [n, T·k]: a decision's key on each of its log-prob columns
             per_call = rollout.num_decisions // len(samples)
-            rollout.info["state_keys"] = torch.tensor(keys, dtype=torch.long)[:, :n].T.repeat_interleave(per_call, dim=1).to(rollout.mask.device)
+            table = torch.stack(keys) if on is not None else torch.tensor(keys, dtype=torch.long)
+            rollout.info["state_keys"] = table[:, :n].T.repeat_interleave(per_call, dim=1).to(rollout.mask.device)
         if len(costs) == len(rewards):  # the env reported its costs at every step
             last = (rollout.info["length"].cpu() - 1).clamp(min=0).numpy()
             rollout.info["costs"] = {name: torch.from_numpy(np.array([c[name] for c in costs])[last, np.arange(n)].astype(np.float64)) for name in costs[0]}
         if final:  # episodes still running (cut by max_decisions) end at the last observation
-            rows = [last_obs[e] if e in last_obs else observation_row(obs, e) for e in range(n)]
-            rollout.info["final_replay"] = self.final_replay(policy, stack_observation_rows(rows), device)
+            if on is not None:
+                rows = _first_rows(last_obs.over(obs), n)
+            else:
+                rows = stack_observation_rows([last_obs[e] if e in last_obs else observation_row(obs, e) for e in range(n)])
+            rollout.info["final_replay"] = self.final_replay(policy, rows, device)
         episodes = [kept.episodes(rollout, rewards, success if self.success_source.reported else None)] if kept is not None else []
         # after the kept episodes, which record the env's own success
         self.success_source.resolve(rollout.info, scores, n, training, self.config.success_at)
@@ -589,6 +603,66 @@ def _flatten(obs) -> np.ndarray:
         return np.concatenate([_flatten(v) for v in obs.values()], axis=1)
     obs = as_numpy(obs)
     return obs.reshape(obs.shape[0], -1)
+
+
+class _EndedRows:
+    """The observations a batch of simulator worlds ended at, kept on the simulator's device:
+    ``keep(ended, obs)`` takes the rows of ``obs`` where ``ended`` [N] is set (tensor ops only,
+    no host sync), ``over(obs)`` gives those rows where kept and ``obs``'s elsewhere."""
+
+    def __init__(self, num_envs: int, device):
+        self.rows = None
+        self.kept = torch.zeros(num_envs, dtype=torch.bool, device=device)
+
+    def keep(self, ended: Tensor, obs) -> None:
+        # torch.where writes a new batch: a simulator may overwrite ``obs`` in place at its next step
+        self.rows = _where_rows(ended, obs, obs if self.rows is None else self.rows)
+        self.kept = self.kept | ended
+
+    def over(self, obs):
+        return obs if self.rows is None else _where_rows(self.kept, self.rows, obs)
+
+
+def _where_rows(mask: Tensor, new, old):
+    """Row-wise ``mask ? new : old`` over a batch of observations (a tensor or a dict of them)."""
+    if isinstance(new, dict):
+        return {k: _where_rows(mask, v, old[k]) for k, v in new.items()}
+    if not isinstance(new, Tensor):  # text: rows of a list
+        return [a if m else b for a, b, m in zip(new, old, mask.tolist())]
+    return torch.where(mask.view(-1, *[1] * (new.dim() - 1)), new, old)
+
+
+def _first_rows(obs, n: int):
+    """The first ``n`` rows of a batch of observations."""
+    if isinstance(obs, dict):
+        return {k: _first_rows(v, n) for k, v in obs.items()}
+    return obs[:n]
+
+
+# fixed odd multipliers of tensor_state_keys: a key is the same in every process and run
+_KEY_WEIGHTS: dict[tuple[str, int], Tensor] = {}
+
+
+def tensor_state_keys(obs) -> Tensor:
+    """A 64-bit key [N] of each row of a batch of device observations (a tensor or a dict of
+    them), computed on their device: each row's bytes as 64-bit words, summed with fixed odd
+    multipliers (wrapping), per key name. Equal rows get equal keys (GiGPO's anchor states);
+    the tensor path's counterpart of :func:`~mmrl.samplers.partial.state_key`."""
+    items = sorted(obs.items()) if isinstance(obs, dict) else [("", obs)]
+    total = None
+    for name, value in items:
+        words = value.detach().contiguous().reshape(value.shape[0], -1).view(torch.uint8)
+        pad = (-words.shape[1]) % 8
+        if pad:
+            words = torch.nn.functional.pad(words, (0, pad))
+        words = words.view(torch.int64)
+        key = (name, words.shape[1])
+        if key not in _KEY_WEIGHTS:
+            g = torch.Generator().manual_seed(int.from_bytes(name.encode()[:8].ljust(8, b"\0"), "little") ^ words.shape[1])
+            _KEY_WEIGHTS[key] = torch.randint(-(2**62), 2**62, (words.shape[1],), generator=g, dtype=torch.int64) * 2 + 1
+        part = (words * _KEY_WEIGHTS[key].to(words.device)).sum(1)
+        total = part if total is None else total * 1000003 + part
+    return total
 
 
 def _tensor_device(obs) -> torch.device | None:

@@ -106,3 +106,64 @@ def test_the_tabletop_through_tensors_collects_what_it_collects_through_numpy():
     assert set(numpy_actions) == {np.ndarray} and set(torch_actions) == {torch.Tensor}
     _same_rollouts(numpy_rollout, torch_rollout)
     assert isinstance(torch_rollout.info["success"], torch.Tensor)
+
+
+def _partition(keys: torch.Tensor) -> list[list[int]]:
+    """Which (sample, decision) cells share a key: the grouping GiGPO reads, whatever the key values."""
+    flat = keys.flatten().tolist()
+    first = {}
+    return sorted(sorted(i for i, k in enumerate(flat) if k == key) for key in {k: first.setdefault(k, i) for i, k in enumerate(flat)})
+
+
+def test_the_tensor_path_keeps_final_observations_and_state_keys_without_a_per_env_loop(monkeypatch):
+    """At thousands of worlds the step path must not loop over envs in Python: on a simulator's
+    tensors, the final observations (a critic's bootstrap), the observations episodes ended at
+    and the state keys are batch operations. The NumPy path's per-env rows are the reference."""
+    pytest.importorskip("mujoco")
+    import mmrl.samplers.env as env_module
+
+    cfg = from_dict(TrainConfig, {
+        "env": {"type": "gym", "id": "mmrl/PointReach-v0", "num_envs": 4, "max_episode_steps": 5},
+        "policy": {"type": "gaussian_mlp", "hidden_sizes": [16]},
+        "sampler": {"type": "env", "max_decisions": 8},
+        "rewards": [{"type": "return"}],
+        "algo": {"group_size": 2, "groups_per_step": 2},
+    })
+    out = {}
+    for kind in ("numpy", "torch"):
+        sampler = EnvSampler(cfg.sampler, sampler_context(cfg))
+        try:
+            torch.manual_seed(0)
+            policy = build_policy(cfg.policy, sampler.policy_spec())
+            sampler.env = Converted(sampler.env, kind, "numpy")
+            sampler.state_keys = True
+            if kind == "torch":
+                def no_rows(obs, e):
+                    raise AssertionError("a per-env row was taken on the tensor path")
+
+                monkeypatch.setattr(env_module, "observation_row", no_rows)
+            _, rollout = sampler._run_wave(policy, [11, 12, 13, 14], torch.Generator().manual_seed(1), deterministic=False, final=True)
+            out[kind] = rollout
+        finally:
+            monkeypatch.undo()
+            sampler.close()
+    a, b = out["numpy"], out["torch"]
+    _same_rollouts(a, b)
+    assert a.info["length"].max() == 5  # the time limit ended episodes inside the wave
+    for x, y in zip(a.info["final_replay"].values() if isinstance(a.info["final_replay"], dict) else [a.info["final_replay"]],
+                    b.info["final_replay"].values() if isinstance(b.info["final_replay"], dict) else [b.info["final_replay"]]):
+        assert torch.equal(torch.as_tensor(x).cpu(), torch.as_tensor(y).cpu())
+    assert b.info["state_keys"].shape == a.info["state_keys"].shape
+    assert _partition(b.info["state_keys"]) == _partition(a.info["state_keys"])
+
+
+def test_tensor_state_keys_are_equal_for_equal_rows_only():
+    from mmrl.samplers.env import tensor_state_keys
+
+    obs = {"state": torch.tensor([[0.5, 1.0], [0.5, 1.0], [0.5, -1.0]]), "image": torch.zeros(3, 2, 2, 3, dtype=torch.uint8)}
+    keys = tensor_state_keys(obs)
+    assert keys.dtype == torch.int64 and keys.shape == (3,)
+    assert keys[0] == keys[1] and keys[0] != keys[2]
+    obs["image"][1, 0, 0, 0] = 1  # one byte of one camera differs
+    assert tensor_state_keys(obs)[0] != tensor_state_keys(obs)[1]
+    assert torch.equal(tensor_state_keys(obs), tensor_state_keys({k: v.clone() for k, v in obs.items()}))  # the same in every call
