@@ -378,8 +378,9 @@ class EnvSampler(Sampler):
                     reward = reward * ~ended_by_policy
                     term = term & ~ended_by_policy
                     trunc = trunc | ended_by_policy
-                if "costs" in info:
-                    costs.append({name: as_numpy(value) for name, value in info["costs"].items() if not name.startswith("_")})
+                if "costs" in info:  # kept on the simulator's device until the wave ends (no host sync a step)
+                    convert = (lambda v: torch.as_tensor(v, device=on)) if on is not None else as_numpy
+                    costs.append({name: convert(value) for name, value in info["costs"].items() if not name.startswith("_")})
                 if on is not None:
                     term, trunc = (torch.as_tensor(x, device=on).bool() for x in (term, trunc))
                     rewards.append(torch.as_tensor(reward, device=on))
@@ -420,8 +421,12 @@ class EnvSampler(Sampler):
             table = torch.stack(keys) if on is not None else torch.tensor(keys, dtype=torch.long)
             rollout.info["state_keys"] = table[:, :n].T.repeat_interleave(per_call, dim=1).to(rollout.mask.device)
         if len(costs) == len(rewards):  # the env reported its costs at every step
-            last = (rollout.info["length"].cpu() - 1).clamp(min=0).numpy()
-            rollout.info["costs"] = {name: torch.from_numpy(np.array([c[name] for c in costs])[last, np.arange(n)].astype(np.float64)) for name in costs[0]}
+            if on is not None:
+                last = (rollout.info["length"].to(on) - 1).clamp(min=0)
+                rollout.info["costs"] = {name: torch.stack([c[name] for c in costs])[last, torch.arange(n, device=on)].double().cpu() for name in costs[0]}
+            else:
+                last = (rollout.info["length"].cpu() - 1).clamp(min=0).numpy()
+                rollout.info["costs"] = {name: torch.from_numpy(np.array([c[name] for c in costs])[last, np.arange(n)].astype(np.float64)) for name in costs[0]}
         if final:  # episodes still running (cut by max_decisions) end at the last observation
             if on is not None:
                 rows = _first_rows(last_obs.over(obs), n)

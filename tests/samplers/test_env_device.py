@@ -49,6 +49,9 @@ def _same_rollouts(a, b):
         assert torch.equal(getattr(a, name).cpu(), getattr(b, name).cpu()), name
     for key in ("success", "return", "length", "truncated"):
         assert torch.equal(a.info[key].cpu(), b.info[key].cpu()), key
+    assert set(a.info.get("costs", {})) == set(b.info.get("costs", {}))
+    for name, value in a.info.get("costs", {}).items():
+        assert value.dtype == b.info["costs"][name].dtype == torch.float64 and torch.equal(value, b.info["costs"][name]), name
     flat = lambda r: [v for v in r.values()] if isinstance(r, dict) else [r]  # noqa: E731
     for x, y in zip(flat(a.replay), flat(b.replay)):
         if isinstance(x, dict):
@@ -105,7 +108,7 @@ def test_the_tabletop_through_tensors_collects_what_it_collects_through_numpy():
     (numpy_rollout, numpy_actions, _), (torch_rollout, torch_actions, _) = out["numpy"], out["torch"]
     assert set(numpy_actions) == {np.ndarray} and set(torch_actions) == {torch.Tensor}
     _same_rollouts(numpy_rollout, torch_rollout)
-    assert isinstance(torch_rollout.info["success"], torch.Tensor)
+    assert isinstance(torch_rollout.info["success"], torch.Tensor) and torch_rollout.info["costs"]  # the tabletop reports costs
 
 
 def _partition(keys: torch.Tensor) -> list[list[int]]:
