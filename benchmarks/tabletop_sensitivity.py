@@ -6,7 +6,7 @@ repeating the last action), after a perturbation: binning to ``--bins`` bin cent
 token VLA can emit) or Gaussian noise of each ``--noise`` std (in action units, 1 = 0.4 m/s).
 Success of the replays says how much precision a policy needs: a family whose replays
 survive small perturbations leaves room for an imitation policy's small errors, one whose
-replays fail needs closed-loop correction from the images (benchmarks/RESULTS.md).
+replays fail needs closed-loop correction from the images (benchmarks/results/robots_tabletop.md).
 With ``--policy RUN`` a trained policy is also rolled out, deterministically, from the same
 initial states (those of ``mmrl collect --seed 0``: its own training states when it was
 trained on the first ``--episodes`` demonstrations per task).

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # demos -> pretraining of mmrl's own tiny VLM -> export -> few-shot SFT -> RL with a value
-# baseline, on the tabletop spatial family (docs/vla.md, benchmarks/RESULTS.md). SEED picks
+# baseline, on the tabletop spatial family (docs/vla.md, benchmarks/results/robots_tabletop.md). SEED picks
 # the RL seed; the pretraining and SFT stages are shared by the seeds.
 set -euo pipefail
 cd "$(dirname "$0")/.."

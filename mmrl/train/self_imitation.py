@@ -11,7 +11,8 @@ groups that also failed). Replayed experience of this kind is also the idea of E
 Why it helps where one batch is mostly noise: a policy-gradient step uses each sample
 once, so the noise of every batch stays in the weights as a random walk; the imitation
 term is a regression onto a growing set of good samples, whose fit averages their noise
-out instead of accumulating it (``benchmarks/RESULTS.md``, tabletop section).
+out instead of accumulating it (``benchmarks/results/robots_tabletop.md``, "Why these updates do
+not move success").
 
 The memory keeps up to ``size`` samples (first in, first out) with their per-decision
 advantages ``[N, T]`` (sequence advantages are broadcast over the sample's decisions) and

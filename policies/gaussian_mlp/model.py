@@ -136,7 +136,7 @@ class GaussianMLPPolicy(PolicyModule):
         pretrained policy keeps its loaded ones under ``auto``: its network was fitted to
         them, and statistics that drift with the new run's states change what it computes
         (fine-tuning a behaviour-cloned policy, they cut its success from 0.25 to 0.06 within
-        20 updates, benchmarks/RESULTS.md)."""
+        20 updates, benchmarks/results/robots_tabletop.md)."""
         mode = self.config.obs_norm_update
         return self.config.obs_norm and (mode == "always" or (mode == "auto" and not self.config.pretrained))
 

@@ -105,7 +105,7 @@ def test_the_conditional_discriminator_learns_which_prompt_an_image_shows():
 def test_the_shipped_encoder_loads_and_reads_held_out_scenes():
     """assets/shapes_encoder: f(x) is [B, 64] for any image size, and its heads count the
     colours and place the objects of renders of held-out scenes (combinations it never
-    saw). Its shape counts are near the majority guess (benchmarks/RESULTS.md), so they are
+    saw). Its shape counts are near the majority guess (benchmarks/results/images.md), so they are
     not asserted."""
     from mmrl.tasks.shapes.encoder import attribute_accuracy, load_shapes_encoder, render_dataset
     from mmrl.tasks.shapes.world import split_scenes

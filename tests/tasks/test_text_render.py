@@ -186,7 +186,7 @@ def test_the_shipped_generator_spells_held_out_prompts_that_a_random_one_cannot(
     """assets/text_render_flow_sft (configs/image_text_render_sft.yaml, 7,000 steps) draws, for
     one deterministic sample of each of the 40 held-out prompts ((word, colour) pairs never
     rendered in pretraining), images PP-OCRv4 reads as the asked word: 0.525 mean OCR score
-    and 13 of 40 exact where it was made (benchmarks/RESULTS.md, "Text rendering"); the
+    and 13 of 40 exact where it was made (benchmarks/results/images.md, "Text rendering"); the
     same network with random weights draws nothing the reader reads."""
     pytest.importorskip("rapidocr_onnxruntime")
 

@@ -18,7 +18,7 @@ def _last_eval(run_dir) -> dict:
 @pytest.mark.slow
 @pytest.mark.learning
 def test_sft_then_grpo_raises_held_out_accuracy(tmp_path, learning_seed, learned):
-    # Measured over 5 seeds x 3 kernel sets (benchmarks/RESULTS.md, "The text arithmetic demo's
+    # Measured over 5 seeds x 3 kernel sets (benchmarks/results/text.md, "The text arithmetic demo's
     # RL gain over seeds and CPU kernels"): with the plain stage-2 config 5 of the 10 avx2/default
     # runs gain < 0.15 in 20 updates; with dynamic sampling at temperature 0.7 (this config) 2 of
     # 15 do, and seed 0 gains 0.38-0.48 on all three kernel sets.

@@ -25,7 +25,7 @@ Training (:func:`train_encoder`): scenes of every category from the shapes world
 split (:func:`~mmrl.tasks.shapes.world.split_scenes`, held-out fraction 0.2, seed 0), each
 rendered several times with seeded layouts; loss = mean cross-entropy of the 9 count heads
 + mean binary cross-entropy of the 9 grid cells; Adam with a cosine schedule. Held-out figures (in the saved
-``config.yaml`` and benchmarks/RESULTS.md) are measured on renders of the held-out split,
+``config.yaml`` and benchmarks/results/images.md) are measured on renders of the held-out split,
 whose (colour, shape, count) combinations the encoder never saw:
 ``python -m mmrl.tasks.shapes.encoder --out assets/shapes_encoder --seed 0`` reproduces the
 shipped weights. :func:`load_shapes_encoder` loads them (frozen, eval mode).

@@ -20,7 +20,7 @@ template), and the train set is the other 120 combinations in every template (36
 Every word and every colour is seen in training; no held-out word is new. A tiny generator
 that sees each word only as one token of a word-level vocabulary cannot spell a word it has
 never been shown, so the held-out prompts test the combination, not the spelling
-(benchmarks/RESULTS.md, "Text rendering").
+(benchmarks/results/images.md, "Text rendering").
 
 Rendering (:func:`render_word`, needs the ``image`` extra: OpenCV) draws an RGB uint8 square of
 any size: a light background (each channel 185–250, a random tint), the word in one of
