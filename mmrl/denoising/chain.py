@@ -117,25 +117,32 @@ def run_chain(
     both give the same log-probs and the same gradient, without a second forward.
     """
     n, k_steps = x_init.shape[0], transition.num_steps
-    stochastic = stochastic.to(device=x_init.device, dtype=torch.bool)
     if stochastic.shape != (n, k_steps):
         raise ValueError(f"stochastic must be [N, K] = [{n}, {k_steps}], got {list(stochastic.shape)}")
+    # No host sync inside the chain: which steps are stochastic is read from the host copy of the
+    # mask (free when it is built on the CPU), the noise of every stochastic step is drawn before
+    # the chain in the order the steps take it and moved to the device at once, and a zero std
+    # is checked once after the last step.
+    host = stochastic.to(dtype=torch.bool).cpu()
+    stochastic = stochastic.to(device=x_init.device, dtype=torch.bool)
+    any_rows, all_rows = host.any(0).tolist(), host.all(0).tolist()
+    drawn = [torch.randn(x_init.shape, generator=generator, dtype=x_init.dtype) for k in range(k_steps) if any_rows[k]]
+    noises = iter(torch.stack(drawn).to(x_init.device).unbind(0)) if drawn else iter(())
     rows = torch.arange(n, device=x_init.device)
     x = x_init.detach()
     latents = [x]
-    log_probs, entropies = [], []
+    log_probs, entropies, zero_std = [], [], []
     for k in range(k_steps):
         step = torch.full((n,), k, dtype=torch.long, device=x.device)
         is_stochastic = stochastic[:, k]
-        any_stochastic = bool(is_stochastic.any())
+        any_stochastic, all_stochastic = any_rows[k], all_rows[k]
         with torch.set_grad_enabled(keep_graph and any_stochastic):
             out = denoiser(x, transition.model_time(step), rows)
-            mean, std = transition.mean_std(step, x, out, is_stochastic)
-            if bool(is_stochastic.all()):  # the usual case: no masking needed
+            mean, std = transition.mean_std(step, x, out, is_stochastic, all_stochastic=all_stochastic, any_stochastic=any_stochastic)
+            if all_stochastic:  # the usual case: no masking needed
                 std = _floor(std, min_std)
-                if bool((std <= 0).any()):
-                    raise ValueError(f"denoising step {k} is stochastic but its std is 0; set a minimum std (min_std > 0) or make the step deterministic")
-                noise = torch.randn(x.shape, generator=generator, dtype=x.dtype).to(x.device)
+                zero_std.append((k, (std <= 0).any()))
+                noise = next(noises)
                 # the drawn latent is data, not a function of the parameters (module docstring)
                 x = (mean + std * noise).detach()
                 log_probs.append(gaussian_log_prob(x, mean, std, reduce, clamp=clamp))
@@ -143,9 +150,8 @@ def run_chain(
             elif any_stochastic:
                 std = _floor(std, min_std)
                 noisy = is_stochastic.view(n, *([1] * (x.ndim - 1))).expand_as(x)
-                if bool((std <= 0)[noisy].any()):
-                    raise ValueError(f"denoising step {k} is stochastic but its std is 0; set a minimum std (min_std > 0) or make the step deterministic")
-                noise = torch.randn(x.shape, generator=generator, dtype=x.dtype).to(x.device)
+                zero_std.append((k, ((std <= 0) & noisy).any()))
+                noise = next(noises)
                 x = torch.where(noisy, mean + std * noise, mean).detach()
                 safe_std = torch.where(noisy, std, torch.ones_like(std))
                 lp = gaussian_log_prob(x, mean, safe_std, reduce, clamp=clamp)
@@ -157,6 +163,11 @@ def run_chain(
                 log_probs.append(x.new_zeros(n))
                 entropies.append(x.new_zeros(n))
         latents.append(x)
+    if zero_std:
+        flags = torch.stack([flag for _, flag in zero_std]).tolist()  # the chain's one host sync
+        if any(flags):
+            k = zero_std[flags.index(True)][0]
+            raise ValueError(f"denoising step {k} is stochastic but its std is 0; set a minimum std (min_std > 0) or make the step deterministic")
     with torch.set_grad_enabled(keep_graph):
         log_probs = torch.stack(log_probs, 1)
     return ChainSample(torch.stack(latents, 1), log_probs, stochastic, torch.stack(entropies, 1))

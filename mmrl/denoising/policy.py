@@ -127,7 +127,8 @@ class DenoisingPolicy(PolicyModule):
         if final_only:
             options = self.denoising.deterministic_options() if deterministic else self.denoising
             n, device = x_init.shape[0], x_init.device
-            stochastic = torch.zeros(n, options.num_inference_steps, dtype=torch.bool, device=device) if deterministic else stochastic_mask(options, n, generator, device)
+            # the mask on the CPU: run_chain reads it there and moves it (no host sync in the chain)
+            stochastic = torch.zeros(n, options.num_inference_steps, dtype=torch.bool) if deterministic else stochastic_mask(options, n, generator)
             chain = run_chain(denoiser, self.transition(options, deterministic, device), x_init, stochastic, generator, **options.log_prob_options)
             stored = {
                 "latents": chain.final.detach().unsqueeze(1),
@@ -139,10 +140,10 @@ class DenoisingPolicy(PolicyModule):
         options = self.denoising.deterministic_options() if deterministic else self.denoising
         n, device = x_init.shape[0], x_init.device
         transition = self.transition(options, deterministic, device)
-        if deterministic:
-            stochastic = torch.zeros(n, options.num_inference_steps, dtype=torch.bool, device=device)
+        if deterministic:  # the mask on the CPU: run_chain reads it there and moves it (no host sync in the chain)
+            stochastic = torch.zeros(n, options.num_inference_steps, dtype=torch.bool)
         else:
-            stochastic = stochastic_mask(options, n, generator, device)
+            stochastic = stochastic_mask(options, n, generator)
         chain = run_chain(denoiser, transition, x_init, stochastic, generator, **options.log_prob_options, keep_graph=keep_graph)
         first = options.window[0]
         stored = chain.replay(first)

@@ -171,9 +171,11 @@ class Transition(Protocol):
         """Time fed to the denoiser for step indices ``step`` (long [B]) → float [B]."""
         ...
 
-    def mean_std(self, step: Tensor, x: Tensor, model_output, stochastic: Tensor) -> tuple[Tensor, Tensor]:
+    def mean_std(self, step: Tensor, x: Tensor, model_output, stochastic: Tensor, all_stochastic: bool | None = None, any_stochastic: bool | None = None) -> tuple[Tensor, Tensor]:
         """(mean, std) of x_next for steps ``step`` [B] from latents ``x`` [B, …]; rows with
-        ``stochastic`` [B] false take the deterministic update (std 0)."""
+        ``stochastic`` [B] false take the deterministic update (std 0). ``all_stochastic`` /
+        ``any_stochastic``: what the caller knows on the host of the mask (None: read it from the
+        mask, a device sync where the mask is on a GPU)."""
         ...
 
 
@@ -248,7 +250,7 @@ class DiffusionTransition:
     def model_time(self, step: Tensor) -> Tensor:
         return self.timesteps.to(step.device)[step].float()
 
-    def mean_std(self, step: Tensor, x: Tensor, model_output: Tensor, stochastic: Tensor) -> tuple[Tensor, Tensor]:
+    def mean_std(self, step: Tensor, x: Tensor, model_output: Tensor, stochastic: Tensor, all_stochastic: bool | None = None, any_stochastic: bool | None = None) -> tuple[Tensor, Tensor]:
         ab = _per_sample(self.alpha_bar.to(x.device)[step], x)
         ab_prev = _per_sample(self.alpha_bar_prev.to(x.device)[step], x)
         if self.name == "lcm":
@@ -265,7 +267,7 @@ class DiffusionTransition:
             mean, std = ddim_step(x, model_output, ab, ab_prev, self.eta, self.clip_denoised)
         else:
             mean, std = ddpm_step(x, model_output, ab, ab_prev, self.clip_denoised)
-        if bool(stochastic.all()):  # no row takes the deterministic update: skip computing it
+        if _all(stochastic, all_stochastic):  # no row takes the deterministic update: skip computing it
             return mean, std
         det_mean, _ = ddim_step(x, model_output, ab, ab_prev, 0.0, self.clip_denoised)
         keep = _per_sample(stochastic, x)
@@ -291,20 +293,25 @@ class FlowTransition:
         self.name, self.noise_level, self.diffusion = name, float(noise_level), diffusion
         self.sigmas = sigmas.float()
         self.num_steps = int(sigmas.shape[0]) - 1
-        # Flow-GRPO's stand-in for σ = 1 in σ/(1 − σ): the largest σ below 1.
-        below_one = self.sigmas[self.sigmas < 1]
+        # Flow-GRPO's stand-in for σ = 1 in σ/(1 − σ): the largest σ below 1 (read on the CPU:
+        # building a transition for a chain on a GPU costs no host sync)
+        host = self.sigmas.detach().cpu()
+        below_one = host[host < 1]
         self.sigma_max = float(below_one.max()) if below_one.numel() else 0.0
 
     @classmethod
     def from_config(
         cls, num_steps: int, name: str = "flow_sde", noise_level: float = 0.7, shift: float = 1.0, device=None, diffusion: str = "flow_grpo"
     ) -> "FlowTransition":
-        return cls(flow_sigmas(num_steps, shift).to(device), name, noise_level, diffusion)
+        sigmas = flow_sigmas(num_steps, shift)
+        transition = cls(sigmas, name, noise_level, diffusion)  # σ_max read from the CPU copy
+        transition.sigmas = transition.sigmas.to(device)
+        return transition
 
     def model_time(self, step: Tensor) -> Tensor:
         return self.sigmas.to(step.device)[step]
 
-    def mean_std(self, step: Tensor, x: Tensor, model_output, stochastic: Tensor) -> tuple[Tensor, Tensor]:
+    def mean_std(self, step: Tensor, x: Tensor, model_output, stochastic: Tensor, all_stochastic: bool | None = None, any_stochastic: bool | None = None) -> tuple[Tensor, Tensor]:
         v, learned_std = model_output if isinstance(model_output, tuple) else (model_output, None)
         sigmas = self.sigmas.to(x.device)
         sigma, sigma_next = _per_sample(sigmas[step], x), _per_sample(sigmas[step + 1], x)
@@ -318,7 +325,7 @@ class FlowTransition:
             if learned_std is None:
                 raise ValueError("flow_noise needs a denoiser that returns (v, std) from a learned noise head")
             mean, std = flow_noise_step(x, v, sigma, sigma_next, learned_std)
-        if bool(stochastic.all()):  # no row takes the ODE step: skip computing it
+        if _all(stochastic, all_stochastic):  # no row takes the ODE step: skip computing it
             return mean, std
         det_mean, zero = flow_ode_step(x, v, sigma, sigma_next)
         keep = _per_sample(stochastic, x)
@@ -326,6 +333,12 @@ class FlowTransition:
 
 
 # ------------------------------------------------------------------ helpers
+
+
+def _all(stochastic: Tensor, hint: bool | None) -> bool:
+    """Whether every row is stochastic: the caller's host-side ``hint`` where it gives one (no
+    device sync), else read from the mask."""
+    return bool(stochastic.all()) if hint is None else hint
 
 
 def _per_sample(values: Tensor, x: Tensor) -> Tensor:

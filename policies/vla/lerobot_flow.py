@@ -14,10 +14,13 @@ all of them:
 - replays of uint8 frames, the raw state and the prompt's tokens; the prefix computed once per
   chunk (``conditioning``); LeRobot's flow-matching SFT loss; a value head on the pooled prefix;
 - LoRA on the expert and/or the VLM with the adapter-free policy as the KL reference.
+- pieces of the models themselves: the prefix-LM attention mask and the sine-cosine time
+  features.
 """
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -37,6 +40,29 @@ STATE_KEY = "observation.state"
 ACTION_KEY = "action"
 
 
+# ------------------------------------------------------------------ pieces of the LeRobot models
+
+
+def attention_mask_2d(pad: Tensor, blocks: Tensor) -> Tensor:
+    """[B, L, L] bool: token i attends token j iff both are real (``pad``) and j's block
+    index (the cumulative sum of ``blocks``, 1 where a new causal block starts) is ≤ i's
+    (big_vision's prefix-LM masks)."""
+    block = torch.cumsum(blocks, dim=1)
+    return (block[:, None, :] <= block[:, :, None]) & (pad[:, None, :] & pad[:, :, None])
+
+
+def time_features(t: Tensor, dim: int, min_period: float, max_period: float) -> Tensor:
+    """Sine-cosine features [B, dim] of times t [B] with periods from ``min_period`` to
+    ``max_period`` (geometric), computed in float64."""
+    fraction = torch.linspace(0.0, 1.0, dim // 2, dtype=torch.float64, device=t.device)
+    period = min_period * (max_period / min_period) ** fraction
+    angles = (1.0 / period * 2 * math.pi)[None, :] * t[:, None]
+    return torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
+
+
+# ------------------------------------------------------------------ the chain and the policy
+
+
 class EulerGridTransition(FlowTransition):
     """LeRobot's K-step Euler grid: t_k = 1 + k·dt (float32 of the double), dt = −1/K,
     deterministic update x + dt·v; stochastic steps are the flow transition's on that grid."""
@@ -44,14 +70,17 @@ class EulerGridTransition(FlowTransition):
     def __init__(self, num_steps: int, name: str, noise_level: float, diffusion: str, device=None):
         self.dt = -1.0 / num_steps
         times = [1.0 + k * self.dt for k in range(num_steps)] + [0.0]
-        super().__init__(torch.tensor(times, dtype=torch.float32, device=device), name, noise_level, diffusion)
+        super().__init__(torch.tensor(times, dtype=torch.float32), name, noise_level, diffusion)  # σ_max read on the CPU
+        self.sigmas = self.sigmas.to(device)
 
-    def mean_std(self, step: Tensor, x: Tensor, model_output, stochastic: Tensor) -> tuple[Tensor, Tensor]:
+    def mean_std(self, step: Tensor, x: Tensor, model_output, stochastic: Tensor, all_stochastic: bool | None = None, any_stochastic: bool | None = None) -> tuple[Tensor, Tensor]:
         v = model_output[0] if isinstance(model_output, tuple) else model_output
         euler = x + self.dt * v
-        if self.name == "flow_ode" or not bool(stochastic.any()):
+        if self.name == "flow_ode" or not (bool(stochastic.any()) if any_stochastic is None else any_stochastic):
             return euler, torch.zeros_like(x)
-        mean, std = super().mean_std(step, x, model_output, torch.ones_like(stochastic))
+        mean, std = super().mean_std(step, x, model_output, torch.ones_like(stochastic), all_stochastic=True)
+        if all_stochastic:
+            return mean, std
         keep = stochastic.view(-1, *([1] * (x.ndim - 1)))
         return torch.where(keep, mean, euler), torch.where(keep, std, torch.zeros_like(std))
 
