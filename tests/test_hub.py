@@ -104,7 +104,7 @@ def test_a_local_directory_of_that_name_wins(cache, tmp_path, monkeypatch):
 def _save_lm(directory, seed: int):
     import transformers
 
-    from mmrl.policies.text_lm.tokenizer import byte_tokenizer
+    from mmrl.policies.tiny_tokenizers import byte_tokenizer
 
     tokenizer = byte_tokenizer()
     config = transformers.AutoConfig.for_model(

@@ -10,12 +10,7 @@ from mmrl.core.component_config import PolicyConfig
 from mmrl.denoising.options import DenoisingOptions
 from mmrl.denoising.transitions import DIFFUSION_TRANSITIONS
 from mmrl.errors import ConfigError
-
-# What each family of transitions takes from the denoiser: an ε-prediction diffusion step
-# converts epsilon / v_prediction / sample outputs to ε; a flow step takes the velocity.
-DIFFUSION_PREDICTIONS = ("epsilon", "v_prediction", "sample")
-FLOW_PREDICTIONS = ("velocity",)
-
+from mmrl.policies.diffusers_common import DIFFUSION_PREDICTIONS, FLOW_PREDICTIONS, ImageLoraOptions
 
 @dataclass
 class TinyDenoiserConfig:
@@ -91,23 +86,6 @@ class TinyDenoiserConfig:
     def latent_resolution(self) -> int:
         """Height and width of what the denoiser denoises: the images, or the VAE's latents."""
         return self.resolution // 2 ** (len(self.vae_block_out_channels) - 1) if self.vae else self.resolution
-
-
-@dataclass
-class ImageLoraOptions:
-    """The ``lora:`` section: low-rank adapters (``peft``) on the denoiser instead of training every weight."""
-
-    r: int = option(0, "rank of the adapters; 0 = no adapters (every weight of the denoiser trains)", ge=0)
-    alpha: float = option(16.0, "scale of the adapters' update: W + (alpha / r) B A", gt=0)
-    dropout: float = option(0.0, "dropout on the adapters' input (nonzero makes two passes of the same weights differ: ratio != 1)", ge=0, lt=1)
-    target_modules: list[str] = option(
-        factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"],
-        doc="names (or name suffixes) of the denoiser's layers that get adapters: diffusers' attention projections by default; linear and conv layers are allowed",
-    )
-
-    def validate(self, path: str) -> None:
-        if self.r and not self.target_modules:
-            raise ConfigError(f"{path}.target_modules" if path else "target_modules", self.target_modules, "name at least one module (e.g. to_q, to_v)")
 
 
 @dataclass

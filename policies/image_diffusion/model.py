@@ -43,7 +43,6 @@ import dataclasses
 import json
 import os
 import shutil
-from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,9 +55,19 @@ from mmrl.data.prompts import require_text_prompts
 from mmrl.denoising import DenoisingOptions, DenoisingPolicy, FlowTransition, alphas_cumprod, ddpm_betas, flow_sigmas, provisional_logp_why, resolution_shift, terminal_stretch
 from mmrl.errors import ConfigError, MissingExtraError
 from mmrl.hub import pipeline_dir
+from mmrl.policies.diffusers_common import (
+    PromptCache,
+    diffusion_target,
+    epsilon_from_prediction,
+    leave_frozen_weights_unsaved,
+    pixels_to_uint8,
+    tiny_text_encoder,
+    uint8_to_pixels,
+    with_lora,
+)
+from mmrl.policies.hf import require_transformers, save_tied_weights_once
 from mmrl.policies.image_diffusion.config import ImageDiffusionConfig
 from mmrl.policies.lora import adapters_disabled
-from mmrl.policies.text_lm.model import _allow_missing_tied_aliases, _drop_tied_aliases
 from mmrl.registry import POLICIES
 
 
@@ -74,53 +83,7 @@ def _diffusers():
 
 
 def _transformers():
-    try:
-        import transformers
-    except ImportError:
-        raise MissingExtraError("transformers", "text", "text prompts of the image_diffusion policy (a CLIP text encoder)") from None
-    return transformers
-
-
-# ------------------------------------------------------------------ pure conversions
-
-
-def epsilon_from_prediction(output: Tensor, x: Tensor, alpha_bar: Tensor, prediction_type: str) -> Tensor:
-    """ε̂ from a diffusion UNet's output at x_t = sqrt(ᾱ)·x0 + sqrt(1 − ᾱ)·ε:
-
-        epsilon:       ε̂ = output
-        v_prediction:  ε̂ = sqrt(ᾱ)·v̂ + sqrt(1 − ᾱ)·x_t      (v = sqrt(ᾱ)·ε − sqrt(1 − ᾱ)·x0; Salimans & Ho 2022)
-        sample:        ε̂ = (x_t − sqrt(ᾱ)·x̂0) / sqrt(1 − ᾱ)
-
-    ``alpha_bar`` broadcasts against ``x`` ([B, 1, 1, 1])."""
-    if prediction_type == "epsilon":
-        return output
-    if prediction_type == "v_prediction":
-        return alpha_bar.sqrt() * output + (1 - alpha_bar).sqrt() * x
-    if prediction_type == "sample":
-        return (x - alpha_bar.sqrt() * output) / (1 - alpha_bar).sqrt()
-    raise ValueError(f"prediction_type must be epsilon, v_prediction or sample, got {prediction_type!r}")
-
-
-def diffusion_target(x0: Tensor, noise: Tensor, alpha_bar: Tensor, prediction_type: str) -> Tensor:
-    """The regression target of the denoising loss at x_t = sqrt(ᾱ)·x0 + sqrt(1 − ᾱ)·ε
-    (Ho et al. 2020 for ε): ε, v = sqrt(ᾱ)·ε − sqrt(1 − ᾱ)·x0, or x0."""
-    if prediction_type == "epsilon":
-        return noise
-    if prediction_type == "v_prediction":
-        return alpha_bar.sqrt() * noise - (1 - alpha_bar).sqrt() * x0
-    if prediction_type == "sample":
-        return x0
-    raise ValueError(f"prediction_type must be epsilon, v_prediction or sample, got {prediction_type!r}")
-
-
-def pixels_to_uint8(x: Tensor) -> Tensor:
-    """Images [N, 3, H, W] in [-1, 1] → uint8 [N, H, W, 3]: round((x + 1)·127.5), clipped."""
-    return ((x.detach().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
-
-
-def uint8_to_pixels(images: Tensor) -> Tensor:
-    """uint8 [N, H, W, 3] → float [N, 3, H, W] in [-1, 1]: x = u / 127.5 − 1."""
-    return images.permute(0, 3, 1, 2).float() / 127.5 - 1
+    return require_transformers("text", "text prompts of the image_diffusion policy (a CLIP text encoder)")
 
 
 # ------------------------------------------------------------------ building the parts
@@ -154,37 +117,6 @@ class _Parts:
 def _kind(denoiser: nn.Module) -> str:
     kinds = {"SD3Transformer2DModel": "sd3", "FluxTransformer2DModel": "flux", "QwenImageTransformer2DModel": "qwen", "DiTTransformer2DModel": "dit"}
     return kinds.get(type(denoiser).__name__, "unet")
-
-
-def tiny_text_encoder(
-    width: int, layers: int, heads: int, max_tokens: int, with_projection: bool = False, user: str = "image_diffusion", vocabulary: list[str] | None = None
-):
-    """A small random CLIP text encoder over mmrl's byte-level tokenizer, or over a word-level
-    one when ``vocabulary`` lists the words (right padding, at most ``max_tokens``), and the
-    tokenizer: the text conditioning of the tiny image and video denoisers."""
-    try:
-        import transformers as tf
-    except ImportError:
-        raise MissingExtraError("transformers", "text", f"text prompts of the {user} policy (a CLIP text encoder)") from None
-    from mmrl.policies.text_lm.tokenizer import byte_tokenizer, word_tokenizer
-
-    tokenizer = word_tokenizer(vocabulary) if vocabulary else byte_tokenizer()
-    tokenizer.padding_side = "right"
-    tokenizer.model_max_length = max_tokens
-    text_config = tf.CLIPTextConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=width,
-        intermediate_size=2 * width,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        max_position_embeddings=max_tokens,
-        projection_dim=width,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.pad_token_id,
-    )
-    model = tf.CLIPTextModelWithProjection(text_config) if with_projection else tf.CLIPTextModel(text_config)
-    return model, tokenizer
 
 
 def _tiny_text(tiny, with_projection: bool):
@@ -458,22 +390,6 @@ def _map2(fn, a, b):
     return tuple(fn(x, y) for x, y in zip(a, b)) if isinstance(a, tuple) else fn(a, b)
 
 
-def with_lora(denoiser: nn.Module, lora) -> None:
-    """Inject ``peft`` LoRA layers into the denoiser in place (any diffusers model, with or
-    without diffusers' own adapter mixin) and leave only them trainable."""
-    try:
-        import peft
-    except ImportError:
-        raise MissingExtraError("peft", "text", "LoRA adapters on the image denoiser (policy.lora.r > 0)") from None
-    adapter = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules), bias="none")
-    try:
-        peft.inject_adapter_in_model(adapter, denoiser)
-    except ValueError as e:  # peft's message lists the modules it could not find
-        raise ConfigError("policy.lora.target_modules", lora.target_modules, f"must name linear or conv layers of the denoiser: {e}") from None
-    for name, param in denoiser.named_parameters():
-        param.requires_grad_("lora_" in name)
-
-
 class _AdapterDisabledReference(DenoisingPolicy):
     """The KL reference of a LoRA policy: the policy's own denoiser with its adapters disabled.
 
@@ -511,39 +427,6 @@ class _AdapterDisabledReference(DenoisingPolicy):
 
     def forward(self, replay: dict) -> Tensor:
         return self.log_prob(replay)
-
-
-class PromptCache:
-    """An LRU cache of text conditionings (the embeddings of one prompt: a tensor, or a tuple
-    for SD3 / SDXL), keyed by the bytes of the prompt's token ids of every tokenizer, held in
-    CPU memory. A plain attribute of the policy: not a parameter or buffer, so it never
-    reaches ``state_dict`` or a checkpoint; a deep copy of the policy (the trainer's frozen
-    reference) shares it, as the frozen text encoders it caches are the same."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self.entries: OrderedDict[bytes, object] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self.entries
-
-    def __deepcopy__(self, memo):
-        return self
-
-    def get(self, key: bytes):
-        entry = self.entries.get(key)
-        if entry is not None:
-            self.entries.move_to_end(key)
-        return entry
-
-    def put(self, key: bytes, entry) -> None:
-        self.entries[key] = entry
-        self.entries.move_to_end(key)
-        while len(self.entries) > self.size:
-            self.entries.popitem(last=False)
 
 
 # the pipeline class whose save_lora_weights / load_lora_weights a denoiser's adapters follow
@@ -605,15 +488,6 @@ def _read_prompt_files(paths: list[str]) -> list[str]:
         records = read_records(PromptDataConfig(train=path, answer_field=None, image_field=None), "train", f"policy.prompt_files[{i}]")
         prompts.extend(str(r.prompt) for r in records)
     return prompts
-
-
-def drop_unsaved(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
-    for name in module._unsaved:
-        state_dict.pop(prefix + name, None)
-
-
-def allow_missing_unsaved(module: nn.Module, incompatible_keys) -> None:
-    incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys if k not in module._unsaved]
 
 
 # ------------------------------------------------------------------ the policy
@@ -743,13 +617,9 @@ class ImageDiffusionPolicy(DenoisingPolicy):
             with_lora(self.denoiser_model, config.lora)
         self.train()
         # T5's input embedding is tied to its shared embedding: safetensors takes one name per tensor
-        self.register_state_dict_post_hook(_drop_tied_aliases)
-        self.register_load_state_dict_post_hook(_allow_missing_tied_aliases)
+        save_tied_weights_once(self)
         # the frozen weights read from model_path, left out of saved weights on request
-        self._unsaved = set() if config.save_frozen_weights else {n for n, p in self.named_parameters() if not p.requires_grad}
-        if self._unsaved:
-            self.register_state_dict_post_hook(drop_unsaved)
-            self.register_load_state_dict_post_hook(allow_missing_unsaved)
+        leave_frozen_weights_unsaved(self, config.save_frozen_weights)
 
     def train(self, mode: bool = True) -> "ImageDiffusionPolicy":
         """Train mode for the denoiser only: the text encoders and the VAE stay in eval mode

@@ -44,6 +44,7 @@ from torch import Tensor, nn
 
 from mmrl.core.policy import PolicyModule, Sample
 from mmrl.errors import ConfigError, MissingExtraError
+from mmrl.policies.hf import require_transformers
 from mmrl.policies.lora import adapters_disabled
 from mmrl.policies.openvla.checkpoint import OpenVLACheckpoint, action_statistics, read_checkpoint, write_checkpoint
 from mmrl.policies.openvla.config import OpenVLAConfig
@@ -68,11 +69,7 @@ CONTRACT = {
 
 
 def _transformers():
-    try:
-        import transformers
-    except ImportError:
-        raise MissingExtraError("transformers", "vla", "an OpenVLA checkpoint") from None
-    return transformers
+    return require_transformers("vla", "an OpenVLA checkpoint")
 
 
 def unnormalize(normalized: Tensor, q01: Tensor, q99: Tensor, mask: Tensor) -> Tensor:

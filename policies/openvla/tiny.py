@@ -60,7 +60,9 @@ def tiny_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<PAD>", padding_side="right")
 
 
-def _randomize(module: torch.nn.Module, generator: torch.Generator, scale: float) -> None:
+def randomize(module: torch.nn.Module, generator: torch.Generator, scale: float) -> None:
+    """Overwrite ``module``'s weights from ``generator``: layer scales in [0.5, 1], norm weights
+    near 1, the rest normal with standard deviation ``scale``."""
     with torch.no_grad():
         for name, p in module.named_parameters():
             if name.endswith("scale_factor"):
@@ -92,7 +94,7 @@ def write_tiny_openvla(out, seed: int = 0, image_size: int = 28, patch_size: int
     siglip = PrismaticViT(TIMM_VITS[siglip_id], ViTSize(vision_dim, vision_depth, 3 * vision_dim // 2, patch_size, grid, 3 * vision_dim // 2), layer_scale=False)
     projector = PrismaticProjector(True, 2 * vision_dim, hidden_size)
     for module in (dino, siglip, projector):
-        _randomize(module, g, 0.1)
+        randomize(module, g, 0.1)
     text_config = {
         "model_type": "llama", "hidden_size": hidden_size, "intermediate_size": 2 * hidden_size, "num_hidden_layers": num_layers,
         "num_attention_heads": num_heads, "num_key_value_heads": num_heads, "max_position_embeddings": 512,

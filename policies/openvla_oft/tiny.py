@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from mmrl.policies.openvla.tiny import STATISTICS_DATA, _randomize, write_tiny_openvla
+from mmrl.policies.openvla.tiny import STATISTICS_DATA, randomize, write_tiny_openvla
 from mmrl.policies.openvla_oft.checkpoint import ADAPTER_CONFIG, ADAPTER_DIR, ADAPTER_WEIGHTS, DDP_PREFIX
 from mmrl.policies.openvla_oft.heads import L1RegressionActionHead, ProprioProjector
 
@@ -44,12 +44,12 @@ def write_tiny_openvla_oft(out, seed: int = 0, unnorm_key: str = "tabletop", sta
     g = torch.Generator().manual_seed(seed + 1)
     if action_head:
         head = L1RegressionActionHead(hidden * action_dim, hidden, action_dim)
-        _randomize(head, g, 0.2)
+        randomize(head, g, 0.2)
         state = {DDP_PREFIX + k: v.detach().to(torch.bfloat16) for k, v in head.state_dict().items()}
         torch.save(state, out / f"action_head--{step}_checkpoint.pt")
     if proprio:
         projector = ProprioProjector(hidden, len(statistics[unnorm_key]["proprio"]["q01"]))
-        _randomize(projector, g, 0.3)
+        randomize(projector, g, 0.3)
         torch.save({DDP_PREFIX + k: v.detach().clone() for k, v in projector.state_dict().items()}, out / f"proprio_projector--{step}_checkpoint.pt")
     if lora_adapter:
         _write_adapter(out, g, lora_rank)

@@ -48,11 +48,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mmrl.denoising import provisional_logp_why
-from mmrl.errors import ConfigError, MissingExtraError
+from mmrl.errors import ConfigError
+from mmrl.policies.hf import require_transformers
 from mmrl.policies.pi0.config import PI0Config, PI05Config
-from mmrl.policies.smolvla.model import attention_mask_2d, time_features
 from mmrl.policies.vla.backbone import observation_spec
-from mmrl.policies.vla.lerobot_flow import ACTION_KEY, STATE_KEY, LeRobotFlowPolicy
+from mmrl.policies.vla.lerobot_flow import ACTION_KEY, STATE_KEY, LeRobotFlowPolicy, attention_mask_2d, time_features
 from mmrl.policies.vla.lerobot_format import LeRobotPolicyDir, read_lerobot_policy, read_lerobot_weights, resolve_vlm
 from mmrl.registry import POLICIES
 
@@ -62,11 +62,7 @@ TOKENIZER = "google/paligemma-3b-pt-224"  # the tokenizer LeRobot's π0 / π0.5 
 
 
 def _transformers():
-    try:
-        import transformers
-    except ImportError:
-        raise MissingExtraError("transformers", "vla", "π0 / π0.5 policies") from None
-    return transformers
+    return require_transformers("vla", "π0 / π0.5 policies")
 
 
 # ------------------------------------------------------------------ sizes

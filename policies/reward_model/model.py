@@ -322,7 +322,7 @@ class BTTextModel(RewardModel):
         try:
             import transformers
 
-            from mmrl.policies.text_lm.tokenizer import byte_tokenizer
+            from mmrl.policies.tiny_tokenizers import byte_tokenizer
         except ImportError:
             raise MissingExtraError("transformers", "text", "the text reward model") from None
         self.tokenizer = byte_tokenizer()

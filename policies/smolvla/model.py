@@ -44,11 +44,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mmrl.denoising import provisional_logp_why
-from mmrl.errors import ConfigError, MissingExtraError
+from mmrl.errors import ConfigError
+from mmrl.policies.hf import require_transformers, save_tied_weights_once
 from mmrl.policies.smolvla.config import SmolVLAConfig
-from mmrl.policies.text_lm.model import _allow_missing_tied_aliases, _drop_tied_aliases
 from mmrl.policies.vla.backbone import observation_spec
-from mmrl.policies.vla.lerobot_flow import ACTION_KEY, STATE_KEY, LeRobotFlowPolicy
+from mmrl.policies.vla.lerobot_flow import ACTION_KEY, STATE_KEY, LeRobotFlowPolicy, attention_mask_2d, time_features
 from mmrl.policies.vla.lerobot_format import LeRobotPolicyDir, read_lerobot_policy, read_lerobot_weights, resolve_vlm
 from mmrl.registry import POLICIES
 
@@ -59,11 +59,7 @@ ATTENTION_MODES = ("cross_attn", "self_attn")
 
 
 def _transformers():
-    try:
-        import transformers
-    except ImportError:
-        raise MissingExtraError("transformers", "vla", "SmolVLA policies") from None
-    return transformers
+    return require_transformers("vla", "SmolVLA policies")
 
 
 # ------------------------------------------------------------------ the math, as pure functions
@@ -77,14 +73,6 @@ def resize_with_pad(images: Tensor, width: int, height: int, pad_value: float = 
     new_h, new_w = int(h / ratio), int(w / ratio)
     resized = F.interpolate(images, size=(new_h, new_w), mode="bilinear", align_corners=False)
     return F.pad(resized, (max(0, int(width - new_w)), 0, max(0, int(height - new_h)), 0), value=pad_value)
-
-
-def attention_mask_2d(pad: Tensor, blocks: Tensor) -> Tensor:
-    """[B, L, L] bool: token i attends token j iff both are real (``pad``) and j's block
-    index (the cumulative sum of ``blocks``, 1 where a new causal block starts) is ≤ i's
-    (big_vision's prefix-LM masks)."""
-    block = torch.cumsum(blocks, dim=1)
-    return (block[:, None, :] <= block[:, :, None]) & (pad[:, None, :] & pad[:, :, None])
 
 
 def rotary(x: Tensor, positions: Tensor, base: float = 10_000) -> Tensor:
@@ -114,15 +102,6 @@ def grouped_attention(mask: Tensor, q: Tensor, k: Tensor, v: Tensor, heads: int,
     probs = F.softmax(scores, dim=-1).to(v.dtype)
     out = torch.matmul(probs, v.permute(0, 2, 1, 3))
     return out.permute(0, 2, 1, 3).reshape(b, -1, heads * head_dim)
-
-
-def time_features(t: Tensor, dim: int, min_period: float, max_period: float) -> Tensor:
-    """Sine-cosine features [B, dim] of times t [B] with periods from ``min_period`` to
-    ``max_period`` (geometric), computed in float64."""
-    fraction = torch.linspace(0.0, 1.0, dim // 2, dtype=torch.float64, device=t.device)
-    period = min_period * (max_period / min_period) ** fraction
-    angles = (1.0 / period * 2 * math.pi)[None, :] * t[:, None]
-    return torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
 
 
 def expert_intermediate_size(width: int, multiplier: int = 4, multiple_of: int = 256) -> int:
@@ -519,8 +498,7 @@ class SmolVLAPolicy(LeRobotFlowPolicy):
         self.model = SmolVLAModel(vlm_config, arch, where)
         # a head tied to the word embeddings is one tensor under two names: mmrl's checkpoints
         # keep one, LeRobot's file the other (safetensors' choice); both load
-        self.register_state_dict_post_hook(_drop_tied_aliases)
-        self.register_load_state_dict_post_hook(_allow_missing_tied_aliases)
+        save_tied_weights_once(self)
         stored = read_lerobot_weights(files.path)
         self._load_lerobot_weights(stored)
         self._add_noise_head()

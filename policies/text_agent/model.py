@@ -60,8 +60,9 @@ from torch import Tensor, nn
 
 from mmrl.core.policy import Sample
 from mmrl.errors import ConfigError
+from mmrl.policies.conversation import glue_texts
 from mmrl.policies.text_agent.config import TextAgentConfig
-from mmrl.policies.text_lm.model import _TEXT_REPLAY, TextLMPolicy, _left_aligned
+from mmrl.policies.text_lm.model import TEXT_REPLAY, TextLMPolicy, left_aligned
 from mmrl.registry import POLICIES
 
 CONTRACT = {
@@ -77,10 +78,6 @@ CONTRACT = {
         "loop's, which sums each token's float32 logits in another order than log_prob's one teacher-forced pass (as text_lm's, docs/text.md)"
     ),
 }
-
-# stand-ins for the contents of a rendered conversation, found again in the rendering
-_USER, _REPLY, _OBSERVATION = "MMRL_FIRST_MESSAGE", "MMRL_AGENT_REPLY", "MMRL_NEXT_OBSERVATION"
-
 
 @POLICIES.register("text_agent", config=TextAgentConfig, contract=CONTRACT)
 class TextAgentPolicy(TextLMPolicy):
@@ -131,19 +128,11 @@ class TextAgentPolicy(TextLMPolicy):
         if not generation.chat_template:
             self._glue = ("", "", self.config.turn_separator, "")
             return self._glue
-        system = [{"role": "system", "content": generation.system_prompt}] if generation.system_prompt is not None else []
-        talk = [*system, {"role": "user", "content": _USER}, {"role": "assistant", "content": _REPLY}]
-        base = self.tokenizer.apply_chat_template(talk, tokenize=False)
-        full = self.tokenizer.apply_chat_template([*talk, {"role": "user", "content": _OBSERVATION}], tokenize=False, add_generation_prompt=True)
-        if not full.startswith(base) or _REPLY not in base or full[len(base):].count(_OBSERVATION) != 1:
-            raise ConfigError(
-                "policy.generation.chat_template", True,
-                "the tokenizer's chat template does not render a conversation by appending turns (it rewrites earlier ones), which token-in/token-out turns need: set it false",
-            )
-        suffix = base[base.rindex(_REPLY) + len(_REPLY):]  # what the template closes a reply with
-        eos = self.tokenizer.decode([self.sampling.eos_token_ids[0]])
-        before, after = full[len(base):].split(_OBSERVATION)
-        self._glue = (suffix[len(eos):] if suffix.startswith(eos) else suffix, suffix, before, after)
+        self._glue = glue_texts(
+            lambda messages, generation_prompt: self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt),
+            lambda role, text: {"role": role, "content": text},
+            generation.system_prompt, self.tokenizer.decode([self.sampling.eos_token_ids[0]]), "tokenizer",
+        )
         return self._glue
 
     def first_ids(self, observation: str) -> list[int]:
@@ -269,13 +258,13 @@ class TextAgentPolicy(TextLMPolicy):
         """log q'(token) (and the entropy of q') [B, T·K] of every turn token of a [B, T]
         replay; the turns without tokens (ended episodes, padding) run in no pass."""
         b, t, k = replay["completion_ids"].shape
-        flat = {key: replay[key].flatten(0, 1) for key in _TEXT_REPLAY}
+        flat = {key: replay[key].flatten(0, 1) for key in TEXT_REPLAY}
         rows = (flat["completion_mask"].sum(1) > 0).nonzero().flatten()
         device = self.device
         logp = torch.zeros(b * t, k, device=device)
         entropy = torch.zeros(b * t, k, device=device) if with_entropy else None
         if rows.numel():
-            scored, scored_entropy = self._scores({key: value[rows] for key, value in flat.items()}, with_entropy)
+            scored, scored_entropy = self.completion_scores({key: value[rows] for key, value in flat.items()}, with_entropy)
             logp = logp.index_put((rows.to(device),), scored)
             if with_entropy:
                 entropy = entropy.index_put((rows.to(device),), scored_entropy)
@@ -297,14 +286,14 @@ class TextAgentPolicy(TextLMPolicy):
         models reads a value), with its gradient: a value head on it shares the LM. 0 on the
         turns without tokens. GAE runs over these token columns (mmrl.algo.value.TokenLayout)."""
         b, t, k = replay["completion_ids"].shape
-        flat = {key: replay[key].flatten(0, 1) for key in _TEXT_REPLAY}
+        flat = {key: replay[key].flatten(0, 1) for key in TEXT_REPLAY}
         rows = (flat["completion_mask"].sum(1) > 0).nonzero().flatten()
         device = self.device
         width = self.value_feature_dim
         if not rows.numel():
             return torch.zeros(b, t * k, width, device=device)
         part = {key: value[rows].to(device) for key, value in flat.items()}
-        prompt, prompt_mask = _left_aligned(part["prompt_ids"], part["prompt_mask"], self.tokenizer.pad_token_id)
+        prompt, prompt_mask = left_aligned(part["prompt_ids"], part["prompt_mask"], self.tokenizer.pad_token_id)
         ids = torch.cat([prompt, part["completion_ids"]], dim=1)
         mask = torch.cat([prompt_mask, part["completion_mask"].to(prompt_mask.dtype)], dim=1)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)

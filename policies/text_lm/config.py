@@ -8,18 +8,16 @@ from typing import Literal
 from mmrl.config import option
 from mmrl.core.component_config import PolicyConfig
 from mmrl.errors import ConfigError
+from mmrl.policies.hf import DECODER_ARCHS
 from mmrl.policies.lora import LoraOptions
 
-
-# transformers decoder families the tiny models are built from (a random config of each)
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma")
 
 @dataclass
 class TinyLMConfig:
     """The ``tiny:`` section: a small causal LM with random weights, built from a
     ``transformers`` config, with mmrl's byte-level tokenizer (tests, demos; nothing downloaded)."""
 
-    arch: str = option("llama", "transformers decoder family", choices=ARCHS)
+    arch: str = option("llama", "transformers decoder family", choices=DECODER_ARCHS)
     hidden_size: int = option(64, "width of the decoder", ge=1)
     num_layers: int = option(2, "decoder layers", ge=1)
     num_heads: int = option(4, "attention heads (hidden_size / num_heads must be an even integer)", ge=1)

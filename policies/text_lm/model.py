@@ -14,7 +14,7 @@ of different calls to one width; ``log_prob`` moves that padding back to the lef
 
 Weights: ``model_path`` loads a local ``save_pretrained`` directory (or a GGUF file in it);
 otherwise a tiny model is built from a ``transformers`` config with random weights and the
-byte-level tokenizer of :mod:`mmrl.policies.text_lm.tokenizer`. ``lora.r > 0`` wraps the model
+byte-level tokenizer of :mod:`mmrl.policies.tiny_tokenizers`. ``lora.r > 0`` wraps the model
 with ``peft`` adapters; then only the adapters train and ``reference()`` is the same model
 with its adapters disabled.
 """
@@ -34,6 +34,7 @@ from mmrl.core.policy import PolicyModule, Sample
 from mmrl.data.prompts import require_text_prompts
 from mmrl.errors import ConfigError, MissingExtraError
 from mmrl.hub import pretrained_dir
+from mmrl.policies.hf import require_transformers, save_tied_weights_once, without_dropout
 from mmrl.policies.text_lm.config import TextLMConfig
 from mmrl.policies.text_lm.generation import (
     FINISH_REASONS,
@@ -45,27 +46,12 @@ from mmrl.policies.text_lm.generation import (
     left_pad,
     token_log_probs,
 )
-from mmrl.policies.text_lm.tokenizer import byte_tokenizer
+from mmrl.policies.tiny_tokenizers import byte_tokenizer
 from mmrl.registry import POLICIES
 
 
 def _transformers():
-    try:
-        import transformers
-    except ImportError:
-        raise MissingExtraError("transformers", "text", "the text policy") from None
-    return transformers
-
-
-def _without_dropout(model_config) -> None:
-    """Zero every dropout probability (``*dropout*``, ``*pdrop``) of a transformers config and
-    of its sub-configs (a vision-language model's vision tower and decoder)."""
-    base = _transformers().PretrainedConfig
-    for name, value in list(vars(model_config).items()):
-        if isinstance(value, base):
-            _without_dropout(value)
-        elif ("dropout" in name or name.endswith("pdrop")) and isinstance(value, float):
-            setattr(model_config, name, 0.0)
+    return require_transformers("text", "the text policy")
 
 
 def resolve_model_path(model_path: str, files: list[str] | None = None) -> Path:
@@ -114,7 +100,7 @@ def _load_model(config: TextLMConfig):
         tokenizer = byte_tokenizer()
         model_config = tiny_decoder_config(config.tiny, tokenizer)
         if config.disable_dropout:
-            _without_dropout(model_config)
+            without_dropout(model_config)
         model = tf.AutoModelForCausalLM.from_config(model_config, attn_implementation=config.attn_implementation, dtype=dtype)
         return tokenizer, model
 
@@ -128,7 +114,7 @@ def _load_model(config: TextLMConfig):
     tokenizer = tf.AutoTokenizer.from_pretrained(path, local_files_only=True, **gguf)
     model_config = tf.AutoConfig.from_pretrained(path, local_files_only=True, **gguf)
     if config.disable_dropout:
-        _without_dropout(model_config)
+        without_dropout(model_config)
     model = tf.AutoModelForCausalLM.from_pretrained(
         path, config=model_config, dtype=dtype, attn_implementation=config.attn_implementation, local_files_only=True, **gguf
     )
@@ -208,10 +194,10 @@ def _backend(spec: str, policy) -> GenerationBackend:
     return backend
 
 
-_TEXT_REPLAY = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+TEXT_REPLAY = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
 
 
-def _left_aligned(ids: Tensor, mask: Tensor, pad_token_id: int) -> tuple[Tensor, Tensor]:
+def left_aligned(ids: Tensor, mask: Tensor, pad_token_id: int) -> tuple[Tensor, Tensor]:
     """Prompts padded on either side (``Rollout.cat`` right-pads prompts of different calls)
     → padded on the left only, so the last column is every prompt's last token."""
     width = mask.shape[1]
@@ -286,8 +272,7 @@ class TextLMPolicy(PolicyModule):
             stop_strings=tuple(generation.stop_strings),
         )
         self.backend = _backend(generation.backend, self)
-        self.register_state_dict_post_hook(_drop_tied_aliases)
-        self.register_load_state_dict_post_hook(_allow_missing_tied_aliases)
+        save_tied_weights_once(self)
 
     # ------------------------------------------------------------------ model access
 
@@ -371,25 +356,25 @@ class TextLMPolicy(PolicyModule):
     def _completion_logits(self, replay: dict) -> Tensor:
         """Teacher-forced logits [B, T, V] predicting each completion token."""
         device = self.device
-        prompt, prompt_mask = _left_aligned(replay["prompt_ids"].to(device), replay["prompt_mask"].to(device), self.tokenizer.pad_token_id)
+        prompt, prompt_mask = left_aligned(replay["prompt_ids"].to(device), replay["prompt_mask"].to(device), self.tokenizer.pad_token_id)
         completion = replay["completion_ids"].to(device)
         ids = torch.cat([prompt, completion], dim=1)
         mask = torch.cat([prompt_mask, replay["completion_mask"].to(device, prompt_mask.dtype)], dim=1)
-        model_inputs = {k: v.to(device) for k, v in replay.items() if k not in _TEXT_REPLAY}
+        model_inputs = {k: v.to(device) for k, v in replay.items() if k not in TEXT_REPLAY}
         # position P-1+t predicts completion token t; the last position predicts nothing
         return self.forward_logits(ids, mask, logits_to_keep=completion.shape[1] + 1, **model_inputs)[:, :-1]
 
-    def _scores(self, replay: dict, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    def completion_scores(self, replay: dict, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
         """log q'(token) and, if asked, the entropy of q' [B, T] of every completion token of
         ``replay``. The rows run in a few passes of rows of similar lengths (:func:`length_buckets`),
         each cut to its own longest prompt and completion, so little compute goes to padding;
         a row's numbers do not depend on the other rows of its pass (up to float rounding)."""
         generation = self.config.generation
         device = self.device
-        prompt, prompt_mask = _left_aligned(replay["prompt_ids"].to(device), replay["prompt_mask"].to(device), self.tokenizer.pad_token_id)
+        prompt, prompt_mask = left_aligned(replay["prompt_ids"].to(device), replay["prompt_mask"].to(device), self.tokenizer.pad_token_id)
         completion = replay["completion_ids"].to(device)
         completion_mask = replay["completion_mask"].to(device)
-        model_inputs = {k: v.to(device) for k, v in replay.items() if k not in _TEXT_REPLAY}
+        model_inputs = {k: v.to(device) for k, v in replay.items() if k not in TEXT_REPLAY}
         width = completion.shape[1]
         prompt_lengths, completion_lengths = prompt_mask.sum(1).tolist(), completion_mask.sum(1).tolist()
         buckets = length_buckets(prompt_lengths, completion_lengths)
@@ -439,7 +424,7 @@ class TextLMPolicy(PolicyModule):
         mask = replay["completion_mask"].float()
         source = self.config.generation.old_logp
         if source == "recompute":
-            logp, entropy = self._scores(replay, with_entropy=True)
+            logp, entropy = self.completion_scores(replay, with_entropy=True)
         else:  # the backend's own numbers, without the extra pass (deferred: the trainer's pass replaces them)
             logp = _rows(generated.logp, mask)
             entropy = _rows(generated.entropy, mask) if generated.entropy is not None else None
@@ -531,7 +516,7 @@ class TextLMPolicy(PolicyModule):
     def log_prob(self, replay: dict) -> Tensor:
         """log q'(token) [B, T] of every replayed completion token under the current
         parameters (the sampling distribution, nucleus widened to hold the token; 0 on padding)."""
-        return self._scores(replay)[0]
+        return self.completion_scores(replay)[0]
 
     def sft_loss(self, batch: dict) -> Tensor:
         """Supervised fine-tuning: the mean cross-entropy of the completion tokens (each
@@ -585,24 +570,3 @@ def _rows(values: list[list[float]], like: Tensor) -> Tensor:
     for row, v in enumerate(values):
         out[row, : len(v)] = torch.tensor(v, dtype=out.dtype)
     return out
-
-
-def _tied_aliases(module: nn.Module) -> list[str]:
-    """Names of parameters that are another parameter under a second name (a tied output head)."""
-    seen, aliases = set(), []
-    for name, param in module.named_parameters(remove_duplicate=False):
-        if id(param) in seen:
-            aliases.append(name)
-        seen.add(id(param))
-    return aliases
-
-
-def _drop_tied_aliases(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
-    # safetensors refuses two names for one tensor; the tie restores the second on load
-    for name in _tied_aliases(module):
-        state_dict.pop(prefix + name, None)
-
-
-def _allow_missing_tied_aliases(module: nn.Module, incompatible_keys) -> None:
-    aliases = _tied_aliases(module)
-    incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys if not any(k == a or k.endswith("." + a) for a in aliases)]

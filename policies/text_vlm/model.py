@@ -38,9 +38,10 @@ from torch import Tensor
 
 from mmrl.data.prompts import ImagePrompt
 from mmrl.errors import ConfigError
-from mmrl.policies.text_lm.model import TextLMPolicy, _transformers, _without_dropout, resolve_model_path, tiny_decoder_config
-from mmrl.policies.text_lm.tokenizer import TURN_END, TURN_START, byte_tokenizer
+from mmrl.policies.hf import require_transformers, without_dropout
+from mmrl.policies.text_lm.model import TextLMPolicy, resolve_model_path, tiny_decoder_config
 from mmrl.policies.text_vlm.config import TextVLMConfig
+from mmrl.policies.tiny_tokenizers import TURN_END, TURN_START, byte_tokenizer
 from mmrl.registry import POLICIES
 
 IMAGE_TOKEN = "<image>"
@@ -59,10 +60,10 @@ CHAT_TEMPLATE = (
 )
 
 # outputs of a processor that are token-level, not per image
-_TOKEN_OUTPUTS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
+TOKEN_OUTPUTS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
 
 
-def _per_image(encoded, num_images: int) -> dict:
+def per_image(encoded, num_images: int) -> dict:
     """The processor's outputs with one entry per image: Qwen2-VL's processor gives the
     patches of all images as one [Σ patches, D] tensor beside ``image_grid_thw`` [images, 3];
     they are split per image (t·h·w patches each) and zero-padded to the longest."""
@@ -79,7 +80,7 @@ def _per_image(encoded, num_images: int) -> dict:
 
 def _tiny_model(config: TextVLMConfig, dtype: torch.dtype):
     """(processor, random tiny LLaVA): CLIP vision tower + projector + the ``tiny`` decoder."""
-    tf = _transformers()
+    tf = require_transformers("text", "the text policy")
     vision = config.vision
     tokenizer = byte_tokenizer((IMAGE_TOKEN,))
     # transformers 5 names the Pillow (no torchvision) variant apart
@@ -113,21 +114,21 @@ def _tiny_model(config: TextVLMConfig, dtype: torch.dtype):
         tie_word_embeddings=config.tiny.tie_word_embeddings,
     )
     if config.disable_dropout:
-        _without_dropout(model_config)
+        without_dropout(model_config)
     model = tf.LlavaForConditionalGeneration._from_config(model_config, attn_implementation=config.attn_implementation, dtype=dtype)
     return processor, model
 
 
 def _pretrained_model(config: TextVLMConfig, dtype: torch.dtype):
     """(processor, model) from the ``save_pretrained`` directory ``model_path``."""
-    tf = _transformers()
+    tf = require_transformers("text", "the text policy")
     path = resolve_model_path(config.model_path)
     if not path.is_dir():
         raise ConfigError("policy.model_path", config.model_path, "expected a directory holding a transformers vision-language model and its processor (save_pretrained)")
     # local_files_only: the directory is resolved (mmrl.hub); transformers must not look further
     model_config = tf.AutoConfig.from_pretrained(path, local_files_only=True)
     if config.disable_dropout:
-        _without_dropout(model_config)
+        without_dropout(model_config)
     model = tf.AutoModelForImageTextToText.from_pretrained(path, config=model_config, dtype=dtype, attn_implementation=config.attn_implementation, local_files_only=True)
     try:
         processor = tf.AutoProcessor.from_pretrained(path, local_files_only=True)
@@ -299,9 +300,9 @@ class TextVLMPolicy(TextLMPolicy):
         starts = (counts.cumsum(0) - counts).tolist()
         width = int(counts.max())
         model_inputs = {"image_count": counts}
-        encoded = _per_image(encoded, len(images))
+        encoded = per_image(encoded, len(images))
         for name, value in encoded.items():
-            if name in _TOKEN_OUTPUTS:
+            if name in TOKEN_OUTPUTS:
                 continue
             if not isinstance(value, Tensor) or value.shape[0] != len(images):
                 raise ValueError(f"the processor's output {name!r} is not one entry per image ({len(images)} images); text_vlm takes processors that make per-image tensors (LLaVA family)")
@@ -316,8 +317,8 @@ class TextVLMPolicy(TextLMPolicy):
         (found once, on a blank image)."""
         if self._image_output_shapes is None:
             blank = np.zeros((64, 64, 3), dtype=np.uint8)
-            encoded = _per_image(self.processor(text=[self._image_placeholder()], images=[blank], return_tensors="pt"), 1)
-            self._image_output_shapes = {name: (tuple(v.shape[1:]), v.dtype) for name, v in encoded.items() if name not in _TOKEN_OUTPUTS}
+            encoded = per_image(self.processor(text=[self._image_placeholder()], images=[blank], return_tensors="pt"), 1)
+            self._image_output_shapes = {name: (tuple(v.shape[1:]), v.dtype) for name, v in encoded.items() if name not in TOKEN_OUTPUTS}
         return self._image_output_shapes
 
     def forward_logits(self, ids: Tensor, mask: Tensor, cache=None, logits_to_keep: int = 0, image_count: Tensor | None = None, **image_inputs) -> Tensor:

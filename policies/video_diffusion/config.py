@@ -10,7 +10,7 @@ from mmrl.core.component_config import PolicyConfig
 from mmrl.denoising.options import DenoisingOptions
 from mmrl.denoising.transitions import DIFFUSION_TRANSITIONS
 from mmrl.errors import ConfigError
-from mmrl.policies.image_diffusion.config import DIFFUSION_PREDICTIONS, FLOW_PREDICTIONS
+from mmrl.policies.diffusers_common import DIFFUSION_PREDICTIONS, FLOW_PREDICTIONS
 
 
 @dataclass

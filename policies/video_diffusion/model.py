@@ -31,7 +31,7 @@ from mmrl.core.rollout import Rollout
 from mmrl.data.prompts import require_text_prompts
 from mmrl.denoising import DenoisingPolicy, alphas_cumprod, ddpm_betas
 from mmrl.errors import ConfigError, MissingExtraError
-from mmrl.policies.image_diffusion.model import diffusion_target, epsilon_from_prediction, pixels_to_uint8, tiny_text_encoder, uint8_to_pixels
+from mmrl.policies.diffusers_common import diffusion_target, epsilon_from_prediction, tiny_text_encoder, uint8_to_pixels, videos_to_uint8
 from mmrl.policies.video_diffusion.config import VideoDiffusionConfig
 from mmrl.registry import POLICIES
 
@@ -42,12 +42,6 @@ def _diffusers():
     except ImportError:
         raise MissingExtraError("diffusers", "image", "the video_diffusion policy") from None
     return diffusers
-
-
-def videos_to_uint8(x: Tensor) -> Tensor:
-    """Videos [N, 3, F, H, W] in [-1, 1] → uint8 [N, F, H, W, 3] (each frame as :func:`pixels_to_uint8`)."""
-    n, _, f, h, w = x.shape
-    return pixels_to_uint8(x.transpose(1, 2).flatten(0, 1)).view(n, f, h, w, 3)
 
 
 def uint8_to_videos(videos: Tensor) -> Tensor:

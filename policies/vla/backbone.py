@@ -45,9 +45,9 @@ import torch
 from torch import Tensor, nn
 
 from mmrl.config import option
-from mmrl.errors import ConfigError, MissingExtraError
+from mmrl.errors import ConfigError
+from mmrl.policies.hf import DECODER_ARCHS, require_transformers
 from mmrl.policies.lora import LoraOptions
-from mmrl.policies.text_lm.config import ARCHS
 
 
 
@@ -67,7 +67,7 @@ class VLABackboneConfig:
     keypoints: int = option(0, "also give K keypoint tokens per camera: the expected (x, y) of K learned feature maps under a spatial softmax (Levine et al. 2016), precise object positions that pooled patches blur; 0 = none", ge=0)
     patch_grid: int | None = option(8, "average-pool the CNN feature map to at most this many cells per side (fewer patch tokens, a faster decoder); null keeps every cell", ge=1)
     max_instruction_tokens: int = option(16, "instruction tokens kept ([BOS] included); longer instructions are truncated", ge=1)
-    arch: str = option("llama", "transformers decoder family, built from a config with random weights", choices=ARCHS)
+    arch: str = option("llama", "transformers decoder family, built from a config with random weights", choices=DECODER_ARCHS)
     attn_implementation: str = option("sdpa", "transformers attention kernel", choices=("sdpa", "eager"))
     vlm_path: str | None = option(
         None,
@@ -97,11 +97,7 @@ class VLABackboneConfig:
 
 
 def _transformers():
-    try:
-        import transformers
-    except ImportError:
-        raise MissingExtraError("transformers", "vla", "the VLA backbone") from None
-    return transformers
+    return require_transformers("vla", "the VLA backbone")
 
 
 def observation_spec(spec: dict) -> tuple[int, tuple[int, ...] | None, int]:

@@ -52,8 +52,8 @@ from torch import Tensor, nn
 
 from mmrl.errors import ConfigError, MissingExtraError
 from mmrl.hub import pretrained_dir
+from mmrl.policies.hf import require_transformers, save_tied_weights_once, without_dropout
 from mmrl.policies.lora import adapters_disabled
-from mmrl.policies.text_lm.model import _allow_missing_tied_aliases, _drop_tied_aliases, _without_dropout
 from mmrl.policies.vla.backbone import VLABackbone, VLABackboneConfig, observation_spec
 from mmrl.policies.vla.tokenizer import InstructionTokenizer
 
@@ -65,11 +65,7 @@ _FIELD = "policy.backbone.vlm_path"
 
 
 def _transformers():
-    try:
-        import transformers
-    except ImportError:
-        raise MissingExtraError("transformers", "vla", "a pretrained VLA backbone") from None
-    return transformers
+    return require_transformers("vla", "a pretrained VLA backbone")
 
 
 def _first_attribute(module: nn.Module, names: tuple[str, ...]) -> nn.Module:
@@ -117,7 +113,7 @@ class PretrainedVLMBackbone(nn.Module):
         self.family = model_config.model_type
         if self.family not in SUPPORTED:
             raise ConfigError(_FIELD, cfg.vlm_path, f"holds a {self.family!r} model; supported: {', '.join(SUPPORTED)}")
-        _without_dropout(model_config)
+        without_dropout(model_config)
         text_config = getattr(model_config, "text_config", None)
         if getattr(text_config, "use_bidirectional_attention", False):
             # PaliGemma's language model attends both ways (its prefix-LM); the VLA's action
@@ -129,8 +125,7 @@ class PretrainedVLMBackbone(nn.Module):
         self.vlm = model
         self.tokenizer = VLMTokenizer(tf.AutoTokenizer.from_pretrained(path, local_files_only=True))
         # a head tied to the input embeddings is one tensor under two names: saved once, restored by the tie
-        self.register_state_dict_post_hook(_drop_tied_aliases)
-        self.register_load_state_dict_post_hook(_allow_missing_tied_aliases)
+        save_tied_weights_once(self)
         # aliases into self.vlm, kept out of the module tree (a second name would save every weight twice)
         object.__setattr__(self, "language_model", _first_attribute(model.model, ("language_model", "text_model")))
         object.__setattr__(self, "vision_tower", _first_attribute(model.model, ("vision_tower", "vision_model", "visual")))

@@ -25,8 +25,9 @@ from pathlib import Path
 
 import torch
 
-from mmrl.errors import ConfigError, MissingExtraError
-from mmrl.policies.text_lm.tokenizer import byte_tokenizer
+from mmrl.errors import ConfigError
+from mmrl.policies.hf import require_transformers
+from mmrl.policies.tiny_tokenizers import byte_tokenizer
 
 FAMILY_TOKENS = {
     "llava": ("<image>",),
@@ -53,11 +54,7 @@ class TinyVLMSize:
 
 
 def _transformers():
-    try:
-        import transformers
-    except ImportError:
-        raise MissingExtraError("transformers", "vla", "tiny vision-language models") from None
-    return transformers
+    return require_transformers("vla", "tiny vision-language models")
 
 
 def build_tiny_vlm(family: str, size: TinyVLMSize | None = None, seed: int = 0):

@@ -58,9 +58,10 @@ from torch import Tensor, nn
 
 from mmrl.core.policy import Sample
 from mmrl.errors import ConfigError
-from mmrl.policies.text_agent.model import _OBSERVATION, _REPLY, _USER, TextAgentPolicy
-from mmrl.policies.text_lm.model import _TEXT_REPLAY, TextLMPolicy
-from mmrl.policies.text_vlm.model import _TOKEN_OUTPUTS, TextVLMPolicy, _per_image
+from mmrl.policies.conversation import glue_texts
+from mmrl.policies.text_agent.model import TextAgentPolicy
+from mmrl.policies.text_lm.model import TEXT_REPLAY, TextLMPolicy
+from mmrl.policies.text_vlm.model import TOKEN_OUTPUTS, TextVLMPolicy, per_image
 from mmrl.policies.vlm_agent.config import VLMAgentConfig
 from mmrl.registry import POLICIES
 
@@ -118,19 +119,11 @@ class VLMAgentPolicy(TextAgentPolicy, TextVLMPolicy):
         if not generation.chat_template:
             glue = ("", "", self.config.turn_separator + self._image_placeholder() * num_images, "")
         else:
-            system = [self._message("system", generation.system_prompt)] if generation.system_prompt is not None else []
-            talk = [*system, self._message("user", _USER, num_images), self._message("assistant", _REPLY)]
-            base = self.processor.apply_chat_template(talk, tokenize=False)
-            full = self.processor.apply_chat_template([*talk, self._message("user", _OBSERVATION, num_images)], tokenize=False, add_generation_prompt=True)
-            if not full.startswith(base) or _REPLY not in base or full[len(base):].count(_OBSERVATION) != 1:
-                raise ConfigError(
-                    "policy.generation.chat_template", True,
-                    "the processor's chat template does not render a conversation by appending turns (it rewrites earlier ones), which token-in/token-out turns need: set it false",
-                )
-            suffix = base[base.rindex(_REPLY) + len(_REPLY):]
-            eos = self.tokenizer.decode([self.sampling.eos_token_ids[0]])
-            before, after = full[len(base):].split(_OBSERVATION)
-            glue = (suffix[len(eos):] if suffix.startswith(eos) else suffix, suffix, before, after)
+            glue = glue_texts(
+                lambda messages, generation_prompt: self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt),
+                lambda role, text: self._message(role, text, num_images if role == "user" else 0),
+                generation.system_prompt, self.tokenizer.decode([self.sampling.eos_token_ids[0]]), "processor",
+            )
         self._glues[num_images] = glue
         return glue
 
@@ -159,12 +152,12 @@ class VLMAgentPolicy(TextAgentPolicy, TextVLMPolicy):
                 text=texts, images=images or None, padding=True, return_tensors="pt",
                 add_special_tokens=first and not self.config.generation.chat_template,
             )
-            per_image = _per_image(encoded, len(images)) if images else {}
+            image_tensors = per_image(encoded, len(images)) if images else {}
             start = 0
             for row, i in enumerate(rows):
                 count = len(observations[i][1])
                 ids = encoded["input_ids"][row][encoded["attention_mask"][row].bool()].tolist()
-                entries = [{name: value[start + j] for name, value in per_image.items() if name not in _TOKEN_OUTPUTS} for j in range(count)]
+                entries = [{name: value[start + j] for name, value in image_tensors.items() if name not in TOKEN_OUTPUTS} for j in range(count)]
                 out[i] = (ids, entries)
                 start += count
         return out
@@ -183,8 +176,8 @@ class VLMAgentPolicy(TextAgentPolicy, TextVLMPolicy):
         if self._slots is None:
             blank = np.zeros((64, 64, 3), dtype=np.uint8)
             ids = self.processor(text=[self._image_placeholder()], images=[blank], return_tensors="pt")["input_ids"][0]
-            per_image = max(1, int(torch.isin(ids, self._placeholder_ids).sum()))
-            fit = max(1, (self.config.max_context_tokens - self.sampling.max_new_tokens) // per_image)
+            tokens_per_image = max(1, int(torch.isin(ids, self._placeholder_ids).sum()))
+            fit = max(1, (self.config.max_context_tokens - self.sampling.max_new_tokens) // tokens_per_image)
             self._slots = min(self.config.max_images or fit, fit)
         return self._slots
 
@@ -264,7 +257,7 @@ class VLMAgentPolicy(TextAgentPolicy, TextVLMPolicy):
         with tokens, flattened to rows, go through text_lm's teacher-forced passes, which hand
         each row's valid images to the model."""
         b, t, k = replay["completion_ids"].shape
-        keys = (*_TEXT_REPLAY, "image_count", *(name for name in replay if name in self._image_outputs()))
+        keys = (*TEXT_REPLAY, "image_count", *(name for name in replay if name in self._image_outputs()))
         flat = {key: replay[key].flatten(0, 1) for key in keys}
         rows = (flat["completion_mask"].sum(1) > 0).nonzero().flatten()
         device = self.device
@@ -274,7 +267,7 @@ class VLMAgentPolicy(TextAgentPolicy, TextVLMPolicy):
             picked = {key: value[rows.to(value.device)] for key, value in flat.items()}
             most = max(1, int(picked["image_count"].max()))  # the rows' images, not all M slots
             picked.update({key: value[:, :most] for key, value in picked.items() if key in self._image_outputs()})
-            scored, scored_entropy = TextLMPolicy._scores(self, picked, with_entropy)
+            scored, scored_entropy = TextLMPolicy.completion_scores(self, picked, with_entropy)
             logp = logp.index_put((rows.to(device),), scored)
             if with_entropy:
                 entropy = entropy.index_put((rows.to(device),), scored_entropy)

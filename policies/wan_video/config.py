@@ -9,7 +9,7 @@ from mmrl.core.component_config import PolicyConfig
 from mmrl.denoising.options import DenoisingOptions
 from mmrl.denoising.transitions import FLOW_TRANSITIONS
 from mmrl.errors import ConfigError
-from mmrl.policies.image_diffusion.config import ImageLoraOptions
+from mmrl.policies.diffusers_common import ImageLoraOptions
 
 # what a Wan transformer's velocity can drive: flow_noise needs a learned noise head it has not
 WAN_TRANSITIONS = tuple(t for t in FLOW_TRANSITIONS if t != "flow_noise")

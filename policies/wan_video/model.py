@@ -56,10 +56,9 @@ from mmrl.denoising.options import DenoisingOptions
 from mmrl.denoising.transitions import FlowTransition
 from mmrl.errors import ConfigError, MissingExtraError
 from mmrl.hub import pipeline_dir
-from mmrl.policies.image_diffusion.model import allow_missing_unsaved, drop_unsaved, PromptCache, with_lora
+from mmrl.policies.diffusers_common import PromptCache, leave_frozen_weights_unsaved, videos_to_uint8, with_lora
+from mmrl.policies.hf import require_transformers, save_tied_weights_once
 from mmrl.policies.lora import adapters_disabled
-from mmrl.policies.text_lm.model import _allow_missing_tied_aliases, _drop_tied_aliases
-from mmrl.policies.video_diffusion.model import videos_to_uint8
 from mmrl.policies.wan_video.config import WanVideoConfig
 from mmrl.registry import POLICIES
 
@@ -76,11 +75,7 @@ def _diffusers():
 
 
 def _transformers():
-    try:
-        import transformers
-    except ImportError:
-        raise MissingExtraError("transformers", "text", "the wan_video policy's UMT5 text encoder") from None
-    return transformers
+    return require_transformers("text", "the wan_video policy's UMT5 text encoder")
 
 
 # ------------------------------------------------------------------ building the parts
@@ -107,7 +102,7 @@ def _tiny_parts(config: WanVideoConfig) -> _Parts:
     """A random Wan transformer, Wan VAE (dim_mult [1, 1, 1, 1]: 8x spatial; temporal
     downsampling in its last two levels: 4x) and UMT5 over mmrl's byte-level tokenizer."""
     diffusers, tf = _diffusers(), _transformers()
-    from mmrl.policies.text_lm.tokenizer import byte_tokenizer
+    from mmrl.policies.tiny_tokenizers import byte_tokenizer
 
     tiny = config.tiny
     tokenizer = byte_tokenizer()
@@ -340,12 +335,8 @@ class WanVideoPolicy(_SchedulerChain):
             with_lora(self.transformer, config.lora)
         self.train()
         # T5's input embedding is tied to its shared embedding: safetensors takes one name per tensor
-        self.register_state_dict_post_hook(_drop_tied_aliases)
-        self.register_load_state_dict_post_hook(_allow_missing_tied_aliases)
-        self._unsaved = set() if config.save_frozen_weights else {n for n, p in self.named_parameters() if not p.requires_grad}
-        if self._unsaved:
-            self.register_state_dict_post_hook(drop_unsaved)
-            self.register_load_state_dict_post_hook(allow_missing_unsaved)
+        save_tied_weights_once(self)
+        leave_frozen_weights_unsaved(self, config.save_frozen_weights)
 
     def train(self, mode: bool = True) -> "WanVideoPolicy":
         """Train mode for the transformer only: UMT5 and the VAE stay in eval mode."""

@@ -11,8 +11,8 @@ from mmrl.config import from_dict  # noqa: E402
 from mmrl.core.weights import build_policy, load_pretrained, save_pretrained  # noqa: E402
 from mmrl.denoising import flow_sigmas  # noqa: E402
 from mmrl.errors import ConfigError  # noqa: E402
+from mmrl.policies.diffusers_common import diffusion_target, epsilon_from_prediction  # noqa: E402
 from mmrl.policies.image_diffusion import ImageDiffusionConfig, ImageDiffusionPolicy  # noqa: E402
-from mmrl.policies.image_diffusion.model import diffusion_target, epsilon_from_prediction  # noqa: E402
 from tests.conftest import assert_kept_sampling_graph_matches_recompute  # noqa: E402
 
 CONDITIONS = torch.tensor([0, 1, 2, 0])
@@ -107,7 +107,7 @@ def test_pooled_text_conditioning_reads_the_prompt_without_attention_blocks(tmp_
 
 
 def test_a_word_level_tokenizer_gives_one_token_per_word_and_unknown_words_one_token():
-    from mmrl.policies.text_lm.tokenizer import word_tokenizer
+    from mmrl.policies.tiny_tokenizers import word_tokenizer
 
     tokenizer = word_tokenizer(["a", "two", "red", "circle", "circles"])
     ids = tokenizer(["A red circle", "two red circles", "two mauve circles!"], padding="max_length", max_length=5).input_ids
@@ -285,7 +285,7 @@ def _text_pipeline_dir(root):
     """A tiny text-to-image pipeline directory, as diffusers lays one out."""
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    from mmrl.policies.text_lm.tokenizer import byte_tokenizer
+    from mmrl.policies.tiny_tokenizers import byte_tokenizer
 
     torch.manual_seed(0)
     tokenizer = byte_tokenizer()

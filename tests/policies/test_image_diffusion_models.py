@@ -18,9 +18,9 @@ from mmrl.config import from_dict  # noqa: E402
 from mmrl.core.weights import build_policy, load_pretrained, save_pretrained  # noqa: E402
 from mmrl.denoising import flow_sigmas  # noqa: E402
 from mmrl.errors import ConfigError  # noqa: E402
+from mmrl.policies.diffusers_common import pixels_to_uint8  # noqa: E402
 from mmrl.policies.image_diffusion import ImageDiffusionConfig, ImageDiffusionPolicy  # noqa: E402
-from mmrl.policies.image_diffusion.model import pixels_to_uint8  # noqa: E402
-from mmrl.policies.text_lm.tokenizer import byte_tokenizer  # noqa: E402
+from mmrl.policies.tiny_tokenizers import byte_tokenizer  # noqa: E402
 
 CONDITIONS = torch.tensor([0, 1, 2, 0])
 PROMPTS = ["a red circle", "two blue squares", "", "a red circle"]

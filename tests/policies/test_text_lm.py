@@ -16,7 +16,7 @@ from mmrl.core.weights import build_policy, load_pretrained, save_pretrained  # 
 from mmrl.errors import ConfigError  # noqa: E402
 from mmrl.policies.text_lm import Generation, TextLMConfig, TextLMPolicy  # noqa: E402
 from mmrl.policies.text_lm.generation import nucleus_mask, token_log_probs  # noqa: E402
-from mmrl.policies.text_lm.tokenizer import byte_tokenizer  # noqa: E402
+from mmrl.policies.tiny_tokenizers import byte_tokenizer  # noqa: E402
 from mmrl.registry import POLICIES, REWARDS  # noqa: E402
 
 TINY = {"hidden_size": 32, "num_heads": 2, "intermediate_size": 64}
@@ -589,7 +589,7 @@ def test_log_prob_and_its_gradient_in_length_buckets_equal_one_padded_pass(monke
 
     def scores():
         policy.zero_grad()
-        logp, entropy = policy._scores(replay, with_entropy=True)
+        logp, entropy = policy.completion_scores(replay, with_entropy=True)
         (logp * torch.linspace(-1, 1, logp.shape[1])).sum().backward()
         return logp.detach(), entropy.detach(), [p.grad.clone() for p in policy.parameters() if p.grad is not None]
 

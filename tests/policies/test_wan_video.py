@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 from mmrl.config import from_dict  # noqa: E402
 from mmrl.core.weights import build_policy, save_pretrained  # noqa: E402
 from mmrl.errors import ConfigError  # noqa: E402
-from mmrl.policies.text_lm.tokenizer import byte_tokenizer  # noqa: E402
+from mmrl.policies.tiny_tokenizers import byte_tokenizer  # noqa: E402
 from mmrl.policies.wan_video import WanVideoConfig, WanVideoPolicy  # noqa: E402
 
 PROMPTS = ["a red circle moving right", "two blue squares", "a red circle moving right"]

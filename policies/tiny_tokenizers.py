@@ -1,8 +1,11 @@
-"""The byte-level tokenizer of the tiny text models, built in-process (nothing downloaded).
+"""The tokenizers of the tiny models of every family, built in-process (nothing downloaded):
+a byte-level one for text models, VLMs and text encoders, a word-level one for closed
+vocabularies.
 
-Every UTF-8 byte is one token (256 ids, in the order of the ``tokenizers`` byte-level
-alphabet), so any text encodes and decodes losslessly. Three special tokens follow, named
-as in Qwen2 chat models so that prompts and chat templates look like a real model's:
+The byte-level tokenizer: every UTF-8 byte is one token (256 ids, in the order of the
+``tokenizers`` byte-level alphabet), so any text encodes and decodes losslessly. Three
+special tokens follow, named as in Qwen2 chat models so that prompts and chat templates
+look like a real model's:
 ``<|endoftext|>`` (padding), ``<|im_start|>`` (start of a chat turn) and ``<|im_end|>``
 (end of a turn, the EOS). The chat template is ChatML.
 """
