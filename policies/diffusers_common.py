@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from mmrl.config import option
 from mmrl.errors import ConfigError, MissingExtraError
+from mmrl.policies.hf import require_transformers
 from mmrl.policies.tiny_tokenizers import byte_tokenizer, word_tokenizer
 
 # What each family of transitions takes from the denoiser: an ε-prediction diffusion step
@@ -78,11 +79,7 @@ def tiny_text_encoder(
     """A small random CLIP text encoder over mmrl's byte-level tokenizer, or over a word-level
     one when ``vocabulary`` lists the words (right padding, at most ``max_tokens``), and the
     tokenizer: the text conditioning of the tiny image and video denoisers."""
-    try:
-        import transformers as tf
-    except ImportError:
-        raise MissingExtraError("transformers", "text", f"text prompts of the {user} policy (a CLIP text encoder)") from None
-
+    tf = require_transformers("text", f"text prompts of the {user} policy (a CLIP text encoder)")
     tokenizer = word_tokenizer(vocabulary) if vocabulary else byte_tokenizer()
     tokenizer.padding_side = "right"
     tokenizer.model_max_length = max_tokens
