@@ -10,9 +10,9 @@ One update, on the samples of all processes:
     update(rollout, targets)                   # epochs x minibatches: loss(piece) -> optimizer step
     self_imitation()                           # optional: the self_imitation loss on remembered samples
 
-A loss that trains from the replay buffer (``sac``) takes ``learn_from_buffer`` instead:
-the step's transitions join the buffer, and ``utd`` optimizer steps per new transition each
-draw a batch from it (``mmrl/train/replay_buffer.py``).
+A loss that trains from the replay buffer (``sac``) takes ``mmrl/train/off_policy.py``'s
+update instead: the step's transitions join the buffer, and ``utd`` optimizer steps per new
+transition each draw a batch from it.
 
 The loss turns a piece into its scalar and metrics (``mmrl/algo/losses/``); the optimizer
 and the schedule live in ``mmrl/train/optimization.py``; the speed-ups, each exact, in
@@ -40,11 +40,11 @@ from mmrl.train.advantages import Advantages
 from mmrl.train.distributed import local_rows, normalizers
 from mmrl.train.metrics import MinibatchMetrics
 from mmrl.train.optimization import frozen_reference, lr_factor, optimizer_step, trained_module
-from mmrl.train.replay_buffer import ReplayBuffer, transitions
+from mmrl.train.off_policy import BufferUpdates
 from mmrl.train.run_config import TrainConfig
 
-# group indices reserved for the seeds of a step's minibatch order, self-imitation draws and replay buffer draws
-_UPDATE_STREAM, _SELF_IMITATION_STREAM, _BUFFER_STREAM = 1 << 40, 1 << 41, 1 << 44
+# group indices reserved for the seeds of a step's minibatch order and self-imitation draws
+_UPDATE_STREAM, _SELF_IMITATION_STREAM = 1 << 40, 1 << 41
 
 
 class Learner:
@@ -74,13 +74,11 @@ class Learner:
         for group in self.loss.parameter_groups():  # the loss's own networks (an off-policy loss's critics) train in the same optimizer
             inner = self.optimizer.optimizer if hasattr(self.optimizer, "optimizer") else self.optimizer
             inner.add_param_group({**group, "base_lr": group.get("base_lr") or cfg.optim.lr})
-        self.buffer = None  # the replay buffer of a loss that trains from it (mmrl/train/replay_buffer.py)
+        self.off_policy = None  # the replay buffer and its updates, for a loss that trains from it
         if self.loss.trains_from_buffer:
             if self.world > 1:
                 raise ConfigError("algo.loss.type", algo.loss.type, f"trains from a replay buffer in one learner process for now ({self.world} processes): launch one")
-            o = algo.loss
-            self.buffer = ReplayBuffer(o.buffer_size, accelerator.device if o.buffer_device == "learner" else "cpu", group_seed(cfg.seed, 0, _BUFFER_STREAM))
-            self.owed_updates = 0.0  # utd x new transitions not yet spent on optimizer steps
+            self.off_policy = BufferUpdates(cfg, accelerator.device)
         self.kl_fn = getattr(self.loss, "kl_fn", None)  # the rollout workers' KL estimator (kl.in_reward)
         self.critic_only = False  # set during a critic warm-up update (learn)
         self.sft = registry.LOSSES.get("sft")(algo, None, policy) if data is not None else None
@@ -100,16 +98,15 @@ class Learner:
         """What a checkpoint keeps beyond the policy and the optimizer: the critic's weights
         and the loss module's own state."""
         critic, loss = self.critic, self.loss.state_dict()
-        buffer = {"replay_buffer": self.buffer.state_dict(), "owed_updates": self.owed_updates} if self.buffer is not None else {}
+        buffer = self.off_policy.state_dict() if self.off_policy is not None else {}
         return {**({"critic": {k: v.detach().cpu() for k, v in critic.state_dict().items()}} if critic is not None else {}), **({"loss": loss} if loss else {}), **buffer}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         critic = self.critic
         if "loss" in state:
             self.loss.load_state_dict(state["loss"])
-        if self.buffer is not None:
-            self.buffer.load_state_dict(state["replay_buffer"])
-            self.owed_updates = float(state["owed_updates"])
+        if self.off_policy is not None:
+            self.off_policy.load_state_dict(state)
         if critic is not None:
             if "critic" not in state:
                 raise ConfigError("critic.type", self.cfg.critic.type, "the checkpoint holds no critic (it was written without one): resume without it, or start a new run")
@@ -141,8 +138,10 @@ class Learner:
         """One RL update on ``rollout`` (this process's kept samples): advantages, masks, the
         update, the self-imitation memory and its steps. Returns the rollout with its training
         mask, the advantages and the update's metrics."""
-        if self.buffer is not None:
-            return self.learn_from_buffer(rollout, step)
+        if self.off_policy is not None:
+            out = self.off_policy.learn(self, rollout, step)
+            self.publish()
+            return out
         rollout = speedups.old_logp_roles(rollout, self.version, getattr(self.loss, "correction_fn", None) is not None)
         if rollout.old.deferred and self.cfg.algo.kl.in_reward_penalty:
             rollout = speedups.exact_old_logp(self.model, rollout)  # the KL penalty in the reward reads them now
@@ -165,41 +164,6 @@ class Learner:
                 stats.update(self.self_imitation(step, spare))
         self.publish()
         return rollout, targets.adv, stats
-
-    def learn_from_buffer(self, rollout: Rollout, step: int) -> tuple[Rollout, torch.Tensor, dict[str, float]]:
-        """The update of a loss that trains from the replay buffer: the rollout's transitions
-        join the buffer, and once it holds ``learning_starts`` each new transition buys
-        ``utd`` optimizer steps, each on ``batch_size`` transitions drawn from it. Returns the
-        rollout, zero advantages (none are computed) and the steps' mean metrics."""
-        o, device = self.cfg.algo.loss, self.accelerator.device
-        added = self.buffer.add(transitions(rollout, o.gamma, o.n_step))
-        steps = 0
-        if len(self.buffer) >= o.learning_starts:
-            self.owed_updates += o.utd * added
-            steps = int(self.owed_updates)
-            self.owed_updates -= steps
-        self.loss.begin_update(step)
-        sums: dict[str, float] = {}
-        counts: dict[str, int] = {}  # a term some steps leave out (the actor's, between actor steps) averages over those that have it
-        for _ in range(steps):
-            batch = self.buffer.sample(o.batch_size, device)
-            terms = {}
-
-            def loss_of(piece):
-                out = self.loss(self.model, piece)
-                terms.update(out.terms)
-                return out.loss
-
-            grad_norm = optimizer_step(self.accelerator, self.model, self.optimizer, [batch], loss_of, f"loss ({o.type})", step, self.cfg.optim.max_grad_norm)
-            self.loss.after_optimizer_step()
-            if grad_norm is not None:
-                terms["grad_norm"] = grad_norm
-            for k, v in terms.items():
-                sums[k], counts[k] = sums.get(k, 0.0) + float(v), counts.get(k, 0) + 1
-        stats = {k: v / counts[k] for k, v in sums.items()}
-        stats = {**stats, **self.loss.end_update(step), "buffer/size": float(len(self.buffer)), "buffer/added": float(added), "update/steps": float(steps)}
-        self.publish()
-        return rollout, torch.zeros(rollout.batch_size, 1), stats
 
     def update(self, rollout: Rollout, targets: Targets, spare: Rollout, step: int) -> dict[str, float]:
         """``ppo_epochs`` passes of ``num_minibatches`` optimizer steps, each minibatch a slice

@@ -72,7 +72,7 @@ def test_each_term_trains_only_its_own_parameters(tmp_path):
     trainer = _filled(tmp_path)
     learner = trainer.learner
     loss, policy = learner.loss, learner.policy
-    batch = learner.buffer.sample(64)
+    batch = learner.off_policy.buffer.sample(64)
     n, d = 64, loss.action_dim
     torch.manual_seed(0)
     noise = torch.randn(n, 1, d), torch.randn(n, 1, d)
@@ -108,7 +108,7 @@ def test_the_actor_and_temperature_update_every_actor_every_critic_updates(tmp_p
     loss, learner = trainer.learner.loss, trainer.learner
     seen = []
     for _ in range(6):
-        seen.append("loss/actor" in loss(learner.model, learner.buffer.sample(16)).terms)
+        seen.append("loss/actor" in loss(learner.model, learner.off_policy.buffer.sample(16)).terms)
         loss.after_optimizer_step()
     assert seen == [True, False, False, True, False, False]
 
@@ -125,7 +125,7 @@ def test_a_redq_target_reads_a_random_subset_of_the_ensemble(tmp_path):
 
     loss.targets.forward = spy
     for _ in range(6):
-        out = loss(learner.model, learner.buffer.sample(8))
+        out = loss(learner.model, learner.off_policy.buffer.sample(8))
     assert all(len(m) == 2 and len(set(m)) == 2 and set(m) <= set(range(5)) for m in chosen)
     assert len({tuple(m) for m in chosen}) > 1  # drawn afresh
     assert out.terms["sac/q_mean"].shape == ()
@@ -137,7 +137,7 @@ def test_the_update_to_data_ratio_sets_the_optimizer_steps_per_new_transition(tm
     trainer = Trainer(from_dict(TrainConfig, data), tmp_path / "run")
     metrics = trainer.rl_step(0)
     added = metrics["buffer/added"]
-    assert metrics["update/steps"] == int(0.25 * added) and trainer.learner.owed_updates == pytest.approx(0.25 * added - int(0.25 * added))
+    assert metrics["update/steps"] == int(0.25 * added) and trainer.learner.off_policy.owed_updates == pytest.approx(0.25 * added - int(0.25 * added))
     trainer = Trainer(from_dict(TrainConfig, sac_config(total_steps=1, loss={"learning_starts": 10**6})), tmp_path / "waits")
     assert trainer.rl_step(0)["update/steps"] == 0  # below learning_starts: no step
 
