@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from mmrl.config import option
 from mmrl.errors import ConfigError, MissingExtraError
 from mmrl.policies.hf import require_transformers
+from mmrl.policies.lora import LoraOptions
 from mmrl.policies.tiny_tokenizers import byte_tokenizer, word_tokenizer
 
 # What each family of transitions takes from the denoiser: an ε-prediction diffusion step
@@ -100,20 +101,15 @@ def tiny_text_encoder(
 
 
 @dataclass
-class ImageLoraOptions:
-    """The ``lora:`` section: low-rank adapters (``peft``) on the denoiser instead of training every weight."""
+class ImageLoraOptions(LoraOptions):
+    """The ``lora:`` section of a diffusers denoiser: :class:`~mmrl.policies.lora.LoraOptions`
+    with diffusers' attention projections as the default targets."""
 
     r: int = option(0, "rank of the adapters; 0 = no adapters (every weight of the denoiser trains)", ge=0)
-    alpha: float = option(16.0, "scale of the adapters' update: W + (alpha / r) B A", gt=0)
-    dropout: float = option(0.0, "dropout on the adapters' input (nonzero makes two passes of the same weights differ: ratio != 1)", ge=0, lt=1)
     target_modules: list[str] = option(
         factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"],
         doc="names (or name suffixes) of the denoiser's layers that get adapters: diffusers' attention projections by default; linear and conv layers are allowed",
     )
-
-    def validate(self, path: str) -> None:
-        if self.r and not self.target_modules:
-            raise ConfigError(f"{path}.target_modules" if path else "target_modules", self.target_modules, "name at least one module (e.g. to_q, to_v)")
 
 
 def with_lora(denoiser: nn.Module, lora) -> None:

@@ -26,7 +26,8 @@ class LoraOptions:
 
     def validate(self, path: str) -> None:
         if self.r and not self.target_modules:
-            raise ConfigError(f"{path}.target_modules" if path else "target_modules", self.target_modules, "name at least one module (e.g. q_proj, v_proj)")
+            example = ", ".join(type(self)().target_modules[:2])  # the defaults of this section's class
+            raise ConfigError(f"{path}.target_modules" if path else "target_modules", self.target_modules, f"name at least one module (e.g. {example})")
 
 
 def adapter_layers(module: nn.Module) -> list[nn.Module]:
