@@ -105,13 +105,17 @@ def test_the_deterministic_chain_equals_diffusers_qwen_image_pipeline_and_decode
     assert (ours.info["images"].permute(0, 3, 1, 2).float() - images * 255).abs().max() <= 1.0
 
 
-def test_qwen_image_recomputes_its_log_probs_exactly(qwen_dir):
+@pytest.mark.numerics
+def test_qwen_image_recomputes_its_log_probs_to_a_few_ulps(qwen_dir):
     policy = qwen_policy(qwen_dir, guidance_scale=2.0)
     sample = policy.sample(["a red circle", "two blue squares", "", "a red circle"], torch.Generator().manual_seed(1))
     assert sample.logp.shape == (4, 4) and torch.isfinite(sample.logp).all() and sample.output.shape == (4, 4, 8, 8)
     assert set(sample.replay) == {"chain", "prompt_ids"} and sample.replay["prompt_ids"].shape == (4, 34 + TOKENS)
+    # the old log-probs are deferred, so these are the sampling pass's provisional numbers: there the
+    # prompts are encoded and guided in other batches, a few ulps of log-probs near 700 apart
+    # (1 ulp, 6.1e-5, under tests/kernel_emulation; 0 on this AMD EPYC)
     with torch.no_grad():
-        assert torch.equal(policy.log_prob(sample.replay), sample.logp)  # ratio exactly 1
+        torch.testing.assert_close(policy.log_prob(sample.replay), sample.logp, atol=0, rtol=1e-6)
     policy.log_prob(sample.replay).sum().backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.transformer.parameters())
     assert all(p.grad is None for p in policy.parameters() if not p.requires_grad)  # frozen VAE and text encoder
