@@ -142,10 +142,7 @@ def check_dir(path: str, field: str, what: str, only: list[str] | None = None) -
     ``only`` the files it fetches), or a one-line config error naming ``field``."""
     if not path:
         raise ConfigError(field, path, f"required: {what}")
-    p = Path(path).expanduser()
-    if p.is_dir():
-        return p
-    if split_hub_id(path) is None:
+    if not Path(path).expanduser().is_dir() and split_hub_id(path) is None:
         raise ConfigError(field, path, f"no such directory, nor a hub id (org/name[@revision]); expected {what}")
     return pretrained_dir(path, field, only=only)
 
