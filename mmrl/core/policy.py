@@ -115,6 +115,14 @@ class PolicyModule(nn.Module):
         one-line ``ConfigError`` naming the option), or None."""
         return None
 
+    def demo_replay(self, inputs: Any, actions: Tensor | None) -> dict[str, Any]:
+        """The replay [N, 1, ...] a decision on observations ``inputs`` (a batch as ``sample``
+        takes it) that executed ``actions`` (env units [N, C, A]) would have written, so
+        that demonstrations join an off-policy loss's buffer (``algo.loss.demos``); with
+        ``actions`` None, the observation's part alone (a bootstrap observation). Touches no
+        parameter."""
+        raise NotImplementedError(f"{type(self).__name__} cannot write demonstrations as its replay (demo_replay)")
+
     def value_features(self, replay: dict[str, Any]) -> Tensor:
         raise NotImplementedError
 

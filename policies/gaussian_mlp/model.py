@@ -268,6 +268,21 @@ class GaussianMLPPolicy(PolicyModule):
         action = replay["action"]
         return self._squash(action.reshape(*action.shape[:2], -1))
 
+    def demo_replay(self, inputs, actions: Tensor | None) -> dict:
+        """{"obs": [N, 1, obs_dim] normalized, "action": [N, 1, C, A]}: the demonstrated env
+        actions clipped to the bounds and normalized, pre-squash (atanh, within 1e-4 of the
+        edge) with ``squash: tanh``; "action" left out when ``actions`` is None."""
+        if isinstance(inputs, dict):
+            inputs = inputs["state"]
+        obs = inputs.to(self.action_center.device, torch.float32).reshape(inputs.shape[0], -1)
+        replay = {"obs": self._normalize(obs).unsqueeze(1)}
+        if actions is not None:
+            action_n = ((actions.to(obs) - self.action_center) / self.action_half_range).clamp(-1, 1)
+            if self.config.squash == "tanh":
+                action_n = torch.atanh(action_n.clamp(-1 + _SQUASH_EDGE, 1 - _SQUASH_EDGE))
+            replay["action"] = action_n.reshape(obs.shape[0], 1, self.chunk, self.action_dim)
+        return replay
+
     def rsample_refusal(self) -> Exception | None:
         cfg = self.config
         if cfg.squash != "tanh":
