@@ -1,4 +1,6 @@
-"""Advantages: per-sample rewards in, per-sample policy-gradient weights out.
+"""Advantage estimators: per-sample rewards in, per-sample policy-gradient weights out, as
+pure functions of one batch (the learner's stage that applies the run's estimator over all
+processes' samples is ``mmrl/train/advantage_stage.py``).
 
 Every registered advantage has the signature ::
 

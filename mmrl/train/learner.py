@@ -5,7 +5,7 @@ carries (``Rollout.policy_version``).
 
 One update, on the samples of all processes:
 
-    targets, keep = advantages(rollout)        # mmrl/train/advantages.py: group-relative or GAE
+    targets, keep = advantages(rollout)        # mmrl/train/advantage_stage.py: group-relative or GAE
     rollout.mask = train_mask(rollout, keep)   # truncation, top-entropy, pivots
     update(rollout, targets)                   # epochs x minibatches: loss(piece) -> optimizer step
     self_imitation()                           # optional: the self_imitation loss on remembered samples
@@ -36,7 +36,7 @@ from mmrl.core.statistics import commit_statistics
 from mmrl.errors import ConfigError
 from mmrl.train import self_imitation as sil
 from mmrl.train import speedups
-from mmrl.train.advantages import Advantages
+from mmrl.train.advantage_stage import AdvantageStage
 from mmrl.train.distributed import local_rows, normalizers
 from mmrl.train.metrics import MinibatchMetrics
 from mmrl.train.optimization import frozen_reference, lr_factor, optimizer_step, trained_module
@@ -68,7 +68,7 @@ class Learner:
         trained, optimizer = trained_module(cfg, policy, self.critic_cfg)
         self.model, self.optimizer = accelerator.prepare(trained, optimizer)
         self.reference = self.reference.to(accelerator.device) if self.reference is not None else None
-        self.advantage_stage = Advantages(cfg, dist, self.critic_cfg)
+        self.advantage_stage = AdvantageStage(cfg, dist, self.critic_cfg)
         self.reuse_graph = speedups.reuses_sampling_graph(cfg, loss_cls, policy, sampler_keeps_graph)
         self.loss: Loss = loss_cls(algo, algo.loss, policy, reference=self.reference, critic=self.critic_cfg, sampling_graph=self.reuse_graph, seed=cfg.seed, device=accelerator.device)
         for group in self.loss.parameter_groups():  # the loss's own networks (an off-policy loss's critics) train in the same optimizer
@@ -127,7 +127,7 @@ class Learner:
         return self.version
 
     def advantages(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
-        """The advantages of this process's rows and the keep mask (:class:`Advantages`)."""
+        """The advantages of this process's rows and the keep mask (:class:`AdvantageStage`)."""
         targets, keep = self.advantage_stage(rollout, self.model)
         return targets.adv, keep
 

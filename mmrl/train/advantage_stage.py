@@ -1,6 +1,7 @@
 """The learner's first stage: the advantages of an update (group-relative over the samples
 of all processes, step-level, or GAE from a critic's values) as :class:`Targets`, and the
-training mask."""
+training mask. It applies the run's estimator over all processes' samples; the estimators
+themselves, pure functions of one batch, are :mod:`mmrl.algo.advantage`'s."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from mmrl.core.rollout import Rollout
 from mmrl.errors import ConfigError
 
 
-class Advantages:
+class AdvantageStage:
     """``cfg`` is the run config, ``dist`` the collectives, ``critic_cfg`` the critic's section
     when a critic trains (its values come from ``model(..., mode="value")``). Advantages are
     computed from each sample's combined reward (``Rollout.reward``, set once where the
