@@ -91,3 +91,19 @@ class RolloutConfig:
                         p + name, getattr(self, name),
                         f"sets up worker processes, and with workers: {self.workers if self.workers is not None else 'null (0 in sync mode)'} the learner's process samples and scores on its own device and threads: leave it {'null' if default is None else default}, or use workers: 1 or more",
                     )
+
+
+def check_refill_rounds(rollout: RolloutConfig, resample_rounds: int, learner_processes: int = 1) -> None:
+    """Refill rounds (``algo.resample_rounds``, DAPO dynamic sampling) decide over all of a
+    step's groups at once and score while they sample: worker processes can run them only
+    as one worker that scores, beside one learner process. The run config checks this when
+    it is validated (one learner process), the process engine again with the processes
+    launched."""
+    if not resample_rounds or rollout.num_workers == 0:
+        return
+    if rollout.num_workers > 1:
+        raise ConfigError("rollout.workers", rollout.num_workers, f"refill rounds (algo.resample_rounds: {resample_rounds}) decide over one worker's groups: use 1 worker, or no refill rounds")
+    if learner_processes > 1:
+        raise ConfigError("rollout.workers", rollout.num_workers, f"refill rounds (algo.resample_rounds) decide over all {learner_processes} learner processes' groups, which worker processes cannot; use workers: 0")
+    if rollout.score_on == "learner":
+        raise ConfigError("rollout.score_on", "learner", "refill rounds (algo.resample_rounds) score while they sample: use score_on: worker, or no refill rounds")

@@ -48,6 +48,7 @@ from mmrl.core.statistics import take_pending
 from mmrl.core.weights import build_policy
 from mmrl.errors import ConfigError, RolloutWorkerError, UserCodeError, fault_context, run_source
 from mmrl.registry import ENGINES, KL_ESTIMATORS
+from mmrl.rollout.config import check_refill_rounds
 from mmrl.rollout.worker import Collected, OneProcess, RolloutWorker
 
 _POLL_S = 0.05
@@ -168,8 +169,7 @@ class ProcessEngine:
             why = "rollout.score_on: learner scores them in another process than the worker's sampler" if scorer is not None else (
                 f"with {self.m} worker processes" + (f" per learner process ({dist.world})" if dist.world > 1 else "") + " each sees only its share")
             raise ConfigError("sampler.budget.type", getattr(getattr(cfg.sampler, "budget", None), "type", None), f"shares each step's samples by the rewards of every earlier sample, and {why}; use one worker process with score_on: worker, or workers: 0")
-        if cfg.algo.resample_rounds and dist.world > 1:
-            raise ConfigError("rollout.workers", self.m, f"refill rounds (algo.resample_rounds) decide over all {dist.world} learner processes' groups, which worker processes cannot; use workers: 0")
+        check_refill_rounds(ro, cfg.algo.resample_rounds, dist.world)
         base = dist.rank * local
         self.groups = [(base + j * local // self.m, (j + 1) * local // self.m - j * local // self.m) for j in range(self.m)]
         self.free = ro.mode == "async" and ro.schedule == "free"

@@ -19,7 +19,7 @@ from mmrl.data.sources import DataSourceConfig, DemonstrationsConfig
 from mmrl.errors import ConfigError
 from mmrl.registry import ADVANTAGES, ENGINES, LOSSES
 from mmrl.core.critic import CriticConfig
-from mmrl.rollout.config import RolloutConfig
+from mmrl.rollout.config import RolloutConfig, check_refill_rounds
 
 
 @dataclass
@@ -242,10 +242,7 @@ class TrainConfig:
             raise ConfigError("rollout.mode", "async", "algo.type sft samples nothing; use mode: sync")
         if ro.num_workers and algo.reuse_sampling_graph is True:
             raise ConfigError("algo.reuse_sampling_graph", True, f"the sampling graph cannot leave a worker process (rollout.workers: {ro.num_workers}); use auto or false")
-        if ro.num_workers > 1 and algo.resample_rounds:
-            raise ConfigError("rollout.workers", ro.num_workers, f"refill rounds (algo.resample_rounds: {algo.resample_rounds}) decide over one worker's groups: use 1 worker, or no refill rounds")
-        if ro.num_workers and ro.score_on == "learner" and algo.resample_rounds:
-            raise ConfigError("rollout.score_on", "learner", "refill rounds (algo.resample_rounds) score while they sample: use score_on: worker, or no refill rounds")
+        check_refill_rounds(ro, algo.resample_rounds)
         if ro.mode == "async" and ro.schedule == "free" and ro.stale == "correct" and algo.correction.type == "none" and algo.objective.type != "decoupled_ppo":
             raise ConfigError("rollout.stale", "correct", "keeps stale samples for a correction to weight: set algo.correction (tis, mis) or algo.objective decoupled_ppo, or use stale: drop")
         if ro.over_provision > 1:

@@ -214,6 +214,7 @@ def test_free_running_with_a_correction_keeps_stale_samples_and_weights_them(tmp
         ({"engine": "nowhere"}, {}, "rollout.engine"),
         ({"workers": 1, "worker_device": "gpu0"}, {}, "rollout.worker_device"),
         ({"workers": 2}, {"resample_rounds": 1, "filters": [{"type": "zero_variance"}]}, "rollout.workers"),
+        ({"workers": 1, "score_on": "learner"}, {"resample_rounds": 1, "filters": [{"type": "zero_variance"}]}, "rollout.score_on"),
         ({"workers": 1}, {"reuse_sampling_graph": True}, "algo.reuse_sampling_graph"),
     ],
 )
