@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, Callable, ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -214,6 +214,24 @@ class PolicyModule(nn.Module):
         """Write this policy in format ``fmt`` (a key of :meth:`export_formats`) into the
         directory ``out``, which does not exist yet (``mmrl export`` renames it into place)."""
         raise NotImplementedError(f"{type(self).__name__} lists no export format")
+
+    # the shape of one decision's initial noise that ``sample_from_noise`` starts from, and
+    # the width of the observation features it hands a function choosing that noise; None:
+    # the policy cannot act from a given noise
+    noise_shape: tuple[int, ...] | None = None
+    noise_feature_dim: int | None = None
+
+    def sample_from_noise(self, inputs: Any, noise: Tensor | Callable[[Tensor], Tensor]) -> Sample:
+        """The decision on observations ``inputs`` (a batch as ``sample`` takes it) whose
+        sampling starts from the given initial noise [N, *noise_shape] instead of a draw, with
+        every later step deterministic: the same noise gives the same output. ``noise`` may
+        instead be a function of the observations' features [N, noise_feature_dim] (a
+        fixed-width summary of each observation as this policy sees it) that returns the noise,
+        so that a policy steering this one (DSRL, ``policy.type: dsrl``) reads them in the same
+        pass. Returns ``Sample.output`` (env actions [N, C, A]), zero log-probs [N, 1], the
+        replay of a deterministic sample, and ``info["features"]`` and ``info["noise"]``. A
+        policy is capable of it when it overrides this method."""
+        raise NotImplementedError(f"{type(self).__name__} cannot act from a given initial noise (sample_from_noise)")
 
 
 def overrides(policy, method: str) -> bool:

@@ -194,6 +194,15 @@ class DiffusionPolicy(ActionChunkPolicy):
         """The observations' encoding [N, hidden] that conditions the denoiser."""
         return self.encoder(obs.get("image"), obs.get("state"))
 
+    @property
+    def noise_feature_dim(self) -> int:
+        return self.config.hidden_size
+
+    def noise_conditioning(self, obs: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """The observations' encoding [N, hidden], which is both the denoiser's conditioning and the features."""
+        cond = self.conditioning(obs)
+        return cond, cond
+
     def _denoiser(self, cond: Tensor):
         scale = 1.0 / self.denoising.num_train_timesteps
 

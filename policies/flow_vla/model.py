@@ -236,6 +236,15 @@ class FlowVLAPolicy(ActionChunkPolicy):
         """The action expert is conditioned on the prefix (:meth:`prefix_memory`)."""
         return self.prefix_memory(obs)
 
+    @property
+    def noise_feature_dim(self) -> int:
+        return self.backbone.hidden_size
+
+    def noise_conditioning(self, obs: dict[str, Tensor]) -> tuple[dict, Tensor]:
+        """:meth:`conditioning` and the backbone's pooled prefix state [N, hidden] of the same pass."""
+        states, mask = self._prefix_states(obs)
+        return self.expert.memory(states, mask), pooled_prefix_state(states, mask).to(torch.float32)
+
     def _denoiser(self, memory: dict):
         def denoise(x: Tensor, sigma: Tensor, rows: Tensor):
             v, std = self.expert(x, sigma, memory, rows)

@@ -118,6 +118,35 @@ class ActionChunkPolicy(DenoisingPolicy):
         replay["chain"] = {key: value.unsqueeze(1) for key, value in out.chain.items()}
         return Sample(output=self.env_actions(out.final), logp=out.logp, replay=replay, mask=out.mask, entropy=out.entropy, logp_deferred=out.deferred)
 
+    # ------------------------------------------------------------------ acting from a given noise (DSRL)
+
+    @property
+    def noise_shape(self) -> tuple[int, ...]:
+        """The initial noise of one chunk's chain: its latent's shape."""
+        return tuple(self.latent_shape)
+
+    def noise_conditioning(self, obs: dict[str, Tensor]) -> tuple[Any, Tensor]:
+        """:meth:`conditioning` of ``obs`` and, from the same pass, the observations' features
+        [N, noise_feature_dim] that ``sample_from_noise`` hands a noise-choosing function."""
+        raise NotImplementedError(f"{type(self).__name__} gives no observation features (noise_conditioning)")
+
+    @torch.no_grad()
+    def sample_from_noise(self, inputs, noise) -> Sample:
+        """The chunk the deterministic chain (the ODE of a flow, DDIM with η = 0) denoises from
+        the given initial noise [N, *noise_shape] (or ``noise(features)``), in env units; the
+        replay of ``final_only`` sampling (:meth:`PolicyModule.sample_from_noise`)."""
+        obs = self.observation(inputs)
+        cond, features = self.noise_conditioning(obs)
+        x_init = (noise(features) if callable(noise) else noise).to(self.action_center.device, torch.float32)
+        n = x_init.shape[0]
+        if tuple(x_init.shape[1:]) != self.noise_shape:
+            raise ValueError(f"expected initial noise [N, {', '.join(map(str, self.noise_shape))}], got {list(x_init.shape)}")
+        out = self.sample_chain(self._denoiser(cond), x_init, deterministic=True, final_only=True)
+        replay = {key: value.unsqueeze(1) for key, value in obs.items()}
+        replay["chain"] = {key: value.unsqueeze(1) for key, value in out.chain.items()}
+        zeros = torch.zeros(n, 1, device=x_init.device)
+        return Sample(output=self.env_actions(out.final), logp=zeros, replay=replay, entropy=zeros.clone(), info={"features": features, "noise": x_init})
+
     def sft_loss(self, batch: dict) -> Tensor:
         """Behaviour cloning on expert chunks ``batch["actions"]`` [B, C, A] (env units;
         :meth:`actions_to_latents`): :meth:`sft_errors` averaged over the valid

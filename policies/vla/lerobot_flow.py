@@ -222,6 +222,15 @@ class LeRobotFlowPolicy(ActionChunkPolicy):
         images = {key: frames[:, k].permute(0, 3, 1, 2).to(torch.float32) / 255 for k, key in enumerate(self.cameras)}
         return self.lerobot_prefix(images, obs["state"].to(torch.float32), obs["instruction_ids"], obs["instruction_mask"].to(torch.bool))
 
+    @property
+    def noise_feature_dim(self) -> int:
+        return int(self.prefix_width)
+
+    def noise_conditioning(self, obs: dict[str, Tensor]) -> tuple[dict, Tensor]:
+        """:meth:`conditioning` and the VLM's pooled prefix state [N, width] (float32) of the same pass."""
+        cond = self.conditioning(obs)
+        return cond, pooled_prefix_state(cond["hidden"].to(torch.float32), cond["pad"])
+
     # ------------------------------------------------------------------ actions
 
     def actions_to_latents(self, actions: Tensor) -> Tensor:
