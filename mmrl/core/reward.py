@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from mmrl.core.component_config import RewardConfig
+from mmrl.core.reward_aggregation import aggregate_rewards
 from mmrl.core.rollout import Rollout
 
 
@@ -131,7 +132,7 @@ def reward_names(types: list[str]) -> list[str]:
 class RewardSet:
     """The run's reward components, built once: ``score`` gives the [B, K] columns of a
     rollout, ``combine`` the one reward per sample that advantages and filters see
-    (:func:`mmrl.algo.reward_aggregation.aggregate_rewards`)."""
+    (:func:`mmrl.core.reward_aggregation.aggregate_rewards`)."""
 
     def __init__(self, cfgs: list[RewardConfig], aggregation: str, context: RewardContext, log_tamed_threshold: str = "mean"):
         self.configs = list(cfgs)
@@ -190,8 +191,6 @@ class RewardSet:
         ``gather_rows`` (the collectives' row gather; every process calls it together) gives
         the batch statistics that ``log_tamed`` reads from all processes' rows; the other
         aggregations are per sample or per group and gather nothing."""
-        from mmrl.algo.reward_aggregation import aggregate_rewards
-
         population = gather_rows(rewards) if gather_rows is not None and self.aggregation == "log_tamed" else None
         return aggregate_rewards(rewards, group_id, self.weights, self.aggregation, threshold=self.log_tamed_threshold, population=population)
 

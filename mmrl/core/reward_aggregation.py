@@ -1,4 +1,6 @@
-"""Multi-reward aggregation: K reward components per sample in, one reward per sample out.
+"""Multi-reward aggregation: K reward components per sample in, one reward per sample out
+(``algo.reward_aggregation``; :class:`~mmrl.core.reward.RewardSet` combines a run's columns
+with it).
 
 The advantage (:mod:`~mmrl.algo.advantage`) and the group filters then see this one
 reward. With a single component every method returns that component times its weight,

@@ -136,3 +136,14 @@ def test_no_role_imports_the_loop_and_the_rollout_workers_import_nothing_of_trai
     assert "mmrl.train.trainer" not in graph["mmrl.train.learner"]
     rollout = {name: targets for name, targets in graph.items() if name.startswith("mmrl.rollout")}
     assert rollout and not any(t.startswith("mmrl.train") for targets in rollout.values() for t in targets)
+
+
+def test_the_core_imports_nothing_that_builds_on_it_not_even_inside_a_function():
+    """mmrl/core stands above algo, data, samplers, rollout and train: it imports none of them."""
+    above = ("mmrl.algo", "mmrl.data", "mmrl.samplers", "mmrl.rollout", "mmrl.train")
+    offenders = {
+        name: sorted(t for t in targets if t.startswith(above))
+        for name, targets in _import_graph().items()
+        if name.startswith("mmrl.core") and any(t.startswith(above) for t in targets)
+    }
+    assert offenders == {}

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from mmrl.algo.reward_aggregation import aggregate_rewards
+from mmrl.core.reward_aggregation import aggregate_rewards
 
 REWARDS = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0]])
 ONE_GROUP = torch.zeros(4, dtype=torch.long)

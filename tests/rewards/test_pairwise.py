@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from mmrl.algo.reward_aggregation import aggregate_rewards
+from mmrl.core.reward_aggregation import aggregate_rewards
 from mmrl.config import from_dict
 from mmrl.core.component_config import RewardConfig
 from mmrl.core.reward import RewardContext, RewardSet, build_reward
