@@ -37,6 +37,13 @@ class KLConfig:
         """The KL is on (coef > 0) as a penalty subtracted from the reward."""
         return self.coef > 0 and self.in_reward
 
+    @property
+    def needs_reference_logp(self) -> bool:
+        """The KL is on (coef > 0) and estimated from sampled log-probs (not exact): whoever
+        scores the samples records the reference's log-probs of their decisions
+        (``Rollout.ref_logp``)."""
+        return self.coef > 0 and self.type != "exact"
+
     def validate(self, path: str) -> None:
         known = [*KL_ESTIMATORS.names(), "exact"]
         if self.type not in known:

@@ -47,7 +47,7 @@ from mmrl.core.sampler import build_sampler
 from mmrl.core.statistics import take_pending
 from mmrl.core.weights import build_policy
 from mmrl.errors import ConfigError, RolloutWorkerError, UserCodeError, fault_context, run_source
-from mmrl.registry import ENGINES, KL_ESTIMATORS
+from mmrl.registry import ENGINES
 from mmrl.rollout.config import check_refill_rounds
 from mmrl.rollout.worker import Collected, OneProcess, RolloutWorker
 
@@ -89,15 +89,15 @@ class InlineEngine:
 
 
 @ENGINES.register("local")
-def local_engine(cfg, *, sampler, policy, rewards, reference, kl_fn, dist, device, keep_graph, run_dir):
+def local_engine(cfg, *, sampler, policy, rewards, reference, dist, device, keep_graph, run_dir):
     """Workers in this process (workers: 0, sync) or in spawned processes sharing weights
     through shared memory."""
     check_partial_rollouts(policy, cfg)
     if cfg.rollout.num_workers == 0:
-        worker = RolloutWorker(sampler, policy, rewards, cfg.algo, dist, reference=reference, kl_fn=kl_fn, device=device, keep_graph=keep_graph)
+        worker = RolloutWorker(sampler, policy, rewards, cfg.algo, dist, reference=reference, device=device, keep_graph=keep_graph)
         return InlineEngine(worker, cfg)
     # rollout.score_on: learner: this process scores, measures and filters what the workers sample
-    scorer = RolloutWorker(sampler, policy, rewards, cfg.algo, dist, reference=reference, kl_fn=kl_fn, device=device) if cfg.rollout.score_on == "learner" else None
+    scorer = RolloutWorker(sampler, policy, rewards, cfg.algo, dist, reference=reference, device=device) if cfg.rollout.score_on == "learner" else None
     return ProcessEngine(cfg, policy=policy, sampler=sampler, rewards=rewards, reference=reference, dist=dist, run_dir=run_dir, scorer=scorer)
 
 
@@ -463,8 +463,7 @@ def build_worker(spec: _WorkerSpec, reference_state):
         reference = policy.reference() or copy.deepcopy(policy)
         reference.load_state_dict(reference_state)
         reference.requires_grad_(False).eval()
-    kl_fn = KL_ESTIMATORS.get(cfg.algo.kl.type) if cfg.algo.kl.coef > 0 and cfg.algo.kl.type != "exact" else None
-    worker = RolloutWorker(sampler, policy, rewards, cfg.algo, OneProcess(), reference=reference, kl_fn=kl_fn, device=torch.device(spec.device), groups=spec.groups)
+    worker = RolloutWorker(sampler, policy, rewards, cfg.algo, OneProcess(), reference=reference, device=torch.device(spec.device), groups=spec.groups)
     return sampler, policy, rewards, worker
 
 

@@ -77,13 +77,13 @@ class RayWorker:
 
 
 @ENGINES.register("ray")
-def ray_engine(cfg, *, sampler, policy, rewards, reference, kl_fn, dist, device, keep_graph, run_dir):
+def ray_engine(cfg, *, sampler, policy, rewards, reference, dist, device, keep_graph, run_dir):
     """Workers as Ray actors (one machine or a cluster), weights through the object store;
     sync and lockstep async."""
     from mmrl.rollout.engine import RolloutWorker, check_partial_rollouts
 
     check_partial_rollouts(policy, cfg)
-    scorer = RolloutWorker(sampler, policy, rewards, cfg.algo, dist, reference=reference, kl_fn=kl_fn, device=device) if cfg.rollout.score_on == "learner" else None
+    scorer = RolloutWorker(sampler, policy, rewards, cfg.algo, dist, reference=reference, device=device) if cfg.rollout.score_on == "learner" else None
     return RayEngine(cfg, policy=policy, sampler=sampler, rewards=rewards, reference=reference, dist=dist, run_dir=run_dir, scorer=scorer)
 
 

@@ -59,15 +59,16 @@ def add_metric(sums: dict[str, torch.Tensor], name: str, values: torch.Tensor) -
 
 class RolloutWorker:
     """Collects this process's whole groups with ``policy`` (at ``version``) and ``sampler``;
-    ``rewards`` score them (with the ``reference``'s log-probs for a sampled-log-prob KL);
+    ``rewards`` score them (with the ``reference``'s log-probs where ``algo.kl`` is estimated
+    from sampled log-probs);
     ``algo`` gives the group size, the groups per step, the filters and their refill rounds;
     ``dist`` the collectives across learner processes (the refill decision is global);
     ``groups`` (first global group index, count) this worker's share of a step's groups (by
     default this learner process's)."""
 
-    def __init__(self, sampler, policy, rewards, algo, dist, *, reference=None, kl_fn=None, device=None, keep_graph: bool = False, groups: tuple[int, int] | None = None):
+    def __init__(self, sampler, policy, rewards, algo, dist, *, reference=None, device=None, keep_graph: bool = False, groups: tuple[int, int] | None = None):
         self.sampler, self.policy, self.rewards, self.algo, self.dist = sampler, policy, rewards, algo, dist
-        self.reference, self.kl_fn = reference, kl_fn
+        self.reference = reference
         self.device = device if device is not None else torch.device("cpu")
         self.reuse_graph = keep_graph
         local = algo.groups_per_step // dist.world
@@ -179,7 +180,7 @@ class RolloutWorker:
             rewards = self.rewards.score(rollout, policy=self.policy, reference=self.reference, step=step)
         combined = self.rewards.combine(rewards, rollout.group_id.cpu(), self.dist.gather_rows)
         rollout = rollout.with_(rewards=rewards, reward_names=list(self.rewards.names), reward=combined)
-        if self.reference is not None and self.kl_fn is not None:
+        if self.reference is not None and self.algo.kl.needs_reference_logp:
             ref_logp = self.reference.log_prob(rollout.to(self.device).replay).detach().cpu()
             rollout = rollout.with_(ref_logp=ref_logp)
         return rollout

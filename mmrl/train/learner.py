@@ -79,7 +79,6 @@ class Learner:
             if self.world > 1:
                 raise ConfigError("algo.loss.type", algo.loss.type, f"trains from a replay buffer in one learner process for now ({self.world} processes): launch one")
             self.off_policy = BufferUpdates(cfg, accelerator.device)
-        self.kl_fn = getattr(self.loss, "kl_fn", None)  # the rollout workers' KL estimator (kl.in_reward)
         self.critic_only = False  # set during a critic warm-up update (learn)
         self.sft = registry.LOSSES.get("sft")(algo, None, policy) if data is not None else None
         self.version = 0

@@ -87,7 +87,7 @@ class Trainer:
         # the rollout workers: in this process with the learner's own policy object (sync,
         # workers: 0), or spawned with copies of it (rollout.engine, mmrl/rollout/engine.py)
         self.engine = registry.ENGINES.get(cfg.rollout.engine, "rollout.engine")(
-            cfg, sampler=self.sampler, policy=self.policy, rewards=self.rewards, reference=self.learner.reference, kl_fn=self.learner.kl_fn,
+            cfg, sampler=self.sampler, policy=self.policy, rewards=self.rewards, reference=self.learner.reference,
             dist=self.dist, device=self.accelerator.device, keep_graph=self.learner.reuse_graph, run_dir=self.run_dir,
         )
         self.start_step = 0

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from mmrl.algo.kl import gaussian_kl, k1, k2, k3, kl_in_reward
+from mmrl.algo.kl import KLConfig, gaussian_kl, k1, k2, k3, kl_in_reward
 from mmrl.errors import ConfigError
 from mmrl.registry import KL_ESTIMATORS
 
@@ -95,3 +95,11 @@ def test_kl_in_reward_subtracts_masked_sum():
     torch.testing.assert_close(kl_in_reward(rewards, logp, ref, mask, coef=0.1, estimator="k3"), torch.tensor([0.917519, 2.0]))
     with pytest.raises(ConfigError, match="k1, k2, k3"):
         kl_in_reward(rewards, logp, ref, mask, coef=0.1, estimator="k4")
+
+
+def test_the_reference_log_probs_are_recorded_for_a_sampled_estimator_that_is_on():
+    """What the rollout workers read from the run config to record ``Rollout.ref_logp``."""
+    assert KLConfig(type="k3", coef=0.04).needs_reference_logp
+    assert KLConfig(type="k1", coef=0.04, in_reward=True).needs_reference_logp
+    assert not KLConfig(type="k3", coef=0.0).needs_reference_logp  # off: no reference
+    assert not KLConfig(type="exact", coef=0.04).needs_reference_logp  # closed form in the loss's own forward
