@@ -23,6 +23,8 @@ SFT_OF["image_shapes_flow_grpo"] = "image_shapes_flow_sft_words"  # the word-lev
 SFT_OF["image_shapes_flow_grpo_adversarial"] = "image_shapes_flow_sft_words"
 SFT_OF["image_shapes_nft"] = "image_shapes_flow_sft_words"  # DiffusionNFT from the same generator
 SFT_OF["image_text_render_nft"] = "image_text_render_sft"  # DiffusionNFT on the OCR reward from the text-rendering generator
+# DSRL configs: the SFT run whose policy they steer frozen (policy.policy.pretrained)
+STEERED_OF = {"tabletop_spatial_flow_dsrl": "tabletop_spatial_flow_vla_sft"}
 # RL configs rewarded by a learned reward model: the reward-model config whose smoke run they score with
 REWARD_MODEL_OF = {"image_shapes_flow_grpo_pairwise": "reward_shapes_single_count_pairwise"}
 # RL configs rewarded by a trajectory reward model (win rate): the reward-model config whose smoke run they score with
@@ -85,7 +87,7 @@ def _vlm(workdir, pretrained: bool):
 def _train(workdir, name: str, run):
     overrides = list(SHORT)
     if name.startswith("tabletop_"):
-        rl = name.endswith("_grpo") or "_gae" in name
+        rl = name.endswith(("_grpo", "_dsrl")) or "_gae" in name
         overrides += ["env.num_envs=8", "algo.groups_per_step=1"] if rl else [f"data.path={_demos(workdir, name)}", "data.batch_size=8"]
     if name.startswith("reward_shapes"):  # pairs written by their documented command, smaller
         pairs = workdir / f"{name}_pairs"
@@ -138,6 +140,8 @@ def _train(workdir, name: str, run):
         overrides += cpu_overrides(name, workdir / "checkpoints" / name)
     if name in SFT_OF:
         overrides.append(f"policy.pretrained={_start(workdir, SFT_OF[name])}")
+    if name in STEERED_OF:
+        overrides.append(f"policy.policy.pretrained={_start(workdir, STEERED_OF[name])}")
     if name in TRAJECTORY_MODEL_OF:
         overrides.append(f"rewards=[{{type: pairwise_preference, model: {_start(workdir, TRAJECTORY_MODEL_OF[name])}, mode: win_rate}}]")
     if name in SUCCESS_MODEL_OF:

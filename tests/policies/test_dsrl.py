@@ -172,3 +172,31 @@ def test_steering_a_frozen_policy_raises_success_on_point_reach(tmp_path, learni
     trainer.train()
     after = trainer.evaluate(20)["success_rate"]
     learned(after - before, 0.2, name="success gain")
+
+
+# ---------------------------------------------------------------- the shipped config
+
+
+def test_the_shipped_config_steers_a_flow_vla_start_for_a_few_steps(tmp_path):
+    """configs/tabletop_spatial_flow_dsrl.yaml with fewer and shorter episodes, from a start of
+    the SFT run's shape (its frozen flow VLA with random weights): SAC updates the noise policy."""
+    from mmrl.config import load_config
+    from mmrl.core.sampler import build_sampler
+
+    path = ROOT / "configs" / "tabletop_spatial_flow_dsrl.yaml"
+    small = ["total_steps=3", "env.num_envs=2", "env.max_episode_steps=8", "algo.groups_per_step=2", "algo.loss.learning_starts=4",
+             "algo.loss.batch_size=8", "algo.loss.buffer_size=1000", "log.progress=false", "log.tensorboard=false", "eval.at_start=false", "eval.at_end=false"]
+    cfg = load_config(TrainConfig, path, [*small, "policy.policy.pretrained=null"])
+    sampler = build_sampler(cfg)
+    try:
+        save_pretrained(build_policy(cfg.policy.policy, sampler.policy_spec()), tmp_path / "start")
+    finally:
+        sampler.close()
+    trainer = Trainer(load_config(TrainConfig, path, [*small, f"policy.policy.pretrained={tmp_path / 'start'}"]), tmp_path / "run")
+    try:
+        frozen = {k: v.clone() for k, v in trainer.policy.base.state_dict().items()}
+        steps = sum(trainer.rl_step(step)["update/steps"] for step in range(3))
+        assert steps > 0 and all(torch.equal(v, trainer.policy.base.state_dict()[k]) for k, v in frozen.items())
+    finally:
+        trainer.engine.close()
+        trainer.sampler.close()
