@@ -93,8 +93,8 @@ class DSRLPolicy(PolicyModule):
             raise ConfigError("policy.policy.type", base.type, f"cannot act from a given initial noise, which DSRL steers; allowed: {', '.join(steerable_policies())}")
         self.base = build_policy(base, spec)
         self.base.requires_grad_(False).eval()
-        self.noise_shape_of_base = tuple(self.base.noise_shape)
-        self.noise_dim = math.prod(self.noise_shape_of_base)
+        self.base_noise_shape = tuple(self.base.noise_shape)
+        self.noise_dim = math.prod(self.base_noise_shape)
 
         self.reads_features = config.inputs in ("features", "features_and_state")
         self.reads_state = config.inputs in ("state", "features_and_state")
@@ -165,7 +165,7 @@ class DSRLPolicy(PolicyModule):
                 eps = torch.randn(mean.shape, generator=generator, device=generator.device if generator is not None else mean.device)
                 u = mean + torch.exp(log_std) * eps.to(mean.device)
             drawn.update(x=x, u=u, mean=mean, log_std=log_std)
-            return (self.config.noise_bound * torch.tanh(u)).view(-1, *self.noise_shape_of_base)
+            return (self.config.noise_bound * torch.tanh(u)).view(-1, *self.base_noise_shape)
 
         decoded = self.base.sample_from_noise(inputs, choose)
         x, u, mean, log_std = drawn["x"], drawn["u"], drawn["mean"], drawn["log_std"]
