@@ -23,8 +23,8 @@ What π_w and Q read (``inputs``): the frozen policy's pooled features of the ob
 the same pass that decodes the chunk, and/or the env's state vector. Because π_dp is
 frozen, its features are a fixed function of the observation: the replay stores them, and
 SAC's updates never run π_dp (on a CPU the decoding pass is what costs; an update of a
-few-hundred-unit MLP on stored features is cheap). The DSRL paper's π0 agent reads π0's
-VLM the same way, through a small head on its features.
+few-hundred-unit MLP on stored features is cheap). An encoder of its own over the images
+(as some DSRL agents have) would have to store the images and run in every update.
 
 The frozen policy is any family that can act from a given noise
 (``PolicyModule.sample_from_noise``); another is refused at build time. Where it loads
