@@ -24,7 +24,7 @@ from mmrl.denoising.gaussian import gaussian_entropy, gaussian_log_prob
 from mmrl.denoising.options import DenoisingOptions, make_transition, stochastic_mask
 from mmrl.denoising.policy import ChainDecisions, DenoisingPolicy, provisional_logp_why
 from mmrl.denoising.schedules import alphas_cumprod, ddim_timesteps, ddpm_betas, flow_sigmas, resolution_shift, terminal_stretch
-from mmrl.denoising.time_embedding import sinusoidal_embedding
+from mmrl.denoising.time_embedding import sinusoidal_embedding, sinusoidal_periods
 from mmrl.denoising.transitions import (
     DIFFUSION_TRANSITIONS,
     FLOW_TRANSITIONS,
@@ -77,5 +77,6 @@ __all__ = [
     "run_chain",
     "sde_window",
     "sinusoidal_embedding",
+    "sinusoidal_periods",
     "stochastic_mask",
 ]

@@ -129,16 +129,25 @@ def run_chain(
     drawn = [torch.randn(x_init.shape, generator=generator, dtype=x_init.dtype) for k in range(k_steps) if any_rows[k]]
     noises = iter(torch.stack(drawn).to(x_init.device).unbind(0)) if drawn else iter(())
     rows = torch.arange(n, device=x_init.device)
+    # A transition with a step table computes the coefficients of all K steps at once, for the
+    # steps that every row takes alike (all stochastic or none): the same values, fewer operators.
+    table = transition.step_table(n, x_init.device) if getattr(transition, "step_table", None) is not None else None
     x = x_init.detach()
     latents = [x]
     log_probs, entropies, zero_std = [], [], []
     for k in range(k_steps):
-        step = torch.full((n,), k, dtype=torch.long, device=x.device)
-        is_stochastic = stochastic[:, k]
         any_stochastic, all_stochastic = any_rows[k], all_rows[k]
+        alike = table is not None and (all_stochastic or not any_stochastic)
+        if not alike:
+            step = torch.full((n,), k, dtype=torch.long, device=x.device)
+            is_stochastic = stochastic[:, k]
         with torch.set_grad_enabled(keep_graph and any_stochastic):
-            out = denoiser(x, transition.model_time(step), rows)
-            mean, std = transition.mean_std(step, x, out, is_stochastic, all_stochastic=all_stochastic, any_stochastic=any_stochastic)
+            if alike:
+                out = denoiser(x, table[k]["time"], rows)
+                mean, std = transition.mean_std_at(table[k], x, out, all_stochastic)
+            else:
+                out = denoiser(x, transition.model_time(step), rows)
+                mean, std = transition.mean_std(step, x, out, is_stochastic, all_stochastic=all_stochastic, any_stochastic=any_stochastic)
             if all_stochastic:  # the usual case: no masking needed
                 std = _floor(std, min_std)
                 zero_std.append((k, (std <= 0).any()))

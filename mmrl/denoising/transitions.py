@@ -311,6 +311,50 @@ class FlowTransition:
     def model_time(self, step: Tensor) -> Tensor:
         return self.sigmas.to(step.device)[step]
 
+    def step_table(self, n: int, device=None) -> list[dict[str, Tensor]]:
+        """What :meth:`mean_std_at` needs of each of the K steps when all N rows take the same
+        step (a sampling chain), computed once for the chain with the operators and float32
+        values :meth:`mean_std` computes per step: ``time`` [N] (the model time), the update's
+        coefficients (0-dim), and ``std`` [N, 1] of a schedule std (None for a learned one)."""
+        sigmas = self.sigmas.to(device)
+        sigma, sigma_next = sigmas[:-1], sigmas[1:]
+        columns: dict[str, Tensor] = {"time": sigma, "dt": sigma_next - sigma}
+        std = None
+        if self.name == "flow_sde":
+            if self.diffusion == "constant":
+                sigma_t = self.noise_level
+            else:
+                sigma_t = self.noise_level * _sqrt(sigma / (1 - _where_one(sigma, self.sigma_max)))
+            columns["drift"] = sigma_t**2 / (2 * sigma)
+            columns["keep"] = 1 - sigma
+            std = sigma_t * _sqrt(-columns["dt"])
+        elif self.name == "flow_cps":
+            std = sigma_next * math.sin(self.noise_level * math.pi / 2)
+            columns.update(sigma=sigma, keep=1 - sigma, clean=1 - sigma_next, noisy=_sqrt(_clamp_min0(sigma_next**2 - std**2)))
+        rows = {"time": columns.pop("time").unsqueeze(1).expand(-1, n).contiguous().unbind(0)}
+        if std is not None:  # [N, 1] rows as mean_std's per-sample std (its layout, so entropies sum alike)
+            rows["std"] = std.to(sigmas.dtype).unsqueeze(1).expand(-1, n).contiguous().unbind(0)
+        scalars = {key: value.unbind(0) for key, value in columns.items()}
+        return [{**{key: value[k] for key, value in rows.items()}, **{key: value[k] for key, value in scalars.items()}} for k in range(self.num_steps)]
+
+    def mean_std_at(self, entry: dict[str, Tensor], x: Tensor, model_output, stochastic: bool) -> tuple[Tensor, Tensor | None]:
+        """:meth:`mean_std` of a step that every row takes (``entry`` from :meth:`step_table`),
+        stochastic for all rows or for none: the same values, the coefficients not recomputed.
+        The std is None on a deterministic step."""
+        v, learned_std = model_output if isinstance(model_output, tuple) else (model_output, None)
+        if not stochastic or self.name == "flow_ode":
+            return x + v * entry["dt"], None
+        per_sample = (x.shape[0], *([1] * (x.ndim - 1)))
+        if self.name == "flow_sde":
+            mean = x + (v + entry["drift"] * (x + entry["keep"] * v)) * entry["dt"]
+        elif self.name == "flow_cps":
+            mean = entry["clean"] * (x - entry["sigma"] * v) + entry["noisy"] * (x + entry["keep"] * v)
+        else:
+            if learned_std is None:
+                raise ValueError("flow_noise needs a denoiser that returns (v, std) from a learned noise head")
+            return x + v * entry["dt"], learned_std.expand_as(x)
+        return mean, entry["std"].view(per_sample).expand_as(x)
+
     def mean_std(self, step: Tensor, x: Tensor, model_output, stochastic: Tensor, all_stochastic: bool | None = None, any_stochastic: bool | None = None) -> tuple[Tensor, Tensor]:
         v, learned_std = model_output if isinstance(model_output, tuple) else (model_output, None)
         sigmas = self.sigmas.to(x.device)

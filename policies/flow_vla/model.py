@@ -55,7 +55,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from mmrl.denoising import learned_noise_std, provisional_logp_why, sinusoidal_embedding
+from mmrl.denoising import learned_noise_std, provisional_logp_why, sinusoidal_embedding, sinusoidal_periods
 from mmrl.errors import ConfigError
 from mmrl.policies.flow_vla.config import FlowVLAConfig
 from mmrl.policies.vla.action_chunk import ActionChunkPolicy
@@ -63,6 +63,17 @@ from mmrl.policies.vla.backbone import encode_observations, pooled_prefix_state
 from mmrl.policies.vla.pretrained import VLM_LAYOUTS, AdapterFreeReference, build_backbone, export_vlm, vlm_export_formats
 from mmrl.policies.vla.tokenizer import InstructionTokenizer
 from mmrl.registry import POLICIES
+
+
+def _linear(layer: nn.Linear, x: Tensor, weight_t: Tensor | None) -> Tensor:
+    """``layer(x)`` with the weight transposed beforehand (``weight_t``, once per chunk, see
+    :meth:`ActionExpert.memory`): on a contiguous input the same matrix product ``F.linear``
+    runs, without transposing the weight on every call of every denoising step."""
+    if weight_t is None or layer.bias is None or not x.is_contiguous():
+        return layer(x)
+    if x.dim() == 2:
+        return torch.addmm(layer.bias, x, weight_t)
+    return torch.addmm(layer.bias, x.view(-1, x.shape[-1]), weight_t).view(*x.shape[:-1], weight_t.shape[1])
 
 
 class ExpertBlock(nn.Module):
@@ -83,27 +94,33 @@ class ExpertBlock(nn.Module):
         self.mlp_norm = nn.LayerNorm(hidden)
         self.mlp = nn.Sequential(nn.Linear(hidden, intermediate), nn.GELU(), nn.Linear(intermediate, hidden))
 
-    def _split(self, x: Tensor) -> Tensor:
-        """[B, S, hidden] → [B, heads, S, hidden / heads]."""
-        b, s, _ = x.shape
-        return x.view(b, s, self.heads, -1).transpose(1, 2)
+    def _split(self, x: Tensor, length: int) -> Tensor:
+        """[B, S, hidden] or rows [B·S, hidden] (S = ``length``) → [B, heads, S, hidden / heads]."""
+        return x.view(-1, length, self.heads, x.shape[-1] // self.heads).transpose(1, 2)
 
     def _merge(self, x: Tensor) -> Tensor:
-        b, _, s, _ = x.shape
-        return x.transpose(1, 2).reshape(b, s, -1)
+        """[B, heads, S, d] → rows [B·S, heads·d]."""
+        return x.transpose(1, 2).reshape(-1, x.shape[1] * x.shape[-1])
 
     def memory_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
         """Keys and values of the (normalized) prefix states [N, P, hidden], each [N, heads, P, d]."""
         k, v = self.cross_kv(memory).chunk(2, dim=-1)
-        return self._split(k), self._split(v)
+        return self._split(k, k.shape[1]), self._split(v, v.shape[1])
 
-    def forward(self, h: Tensor, kv: tuple[Tensor, Tensor], attend: Tensor) -> Tensor:
-        """h [B, C, hidden]; kv from :meth:`memory_kv` (rows matching h); attend [B, 1, 1, P] bool."""
-        q, k, v = self._split(self.self_qkv(self.self_norm(h))).chunk(3, dim=-1)
-        h = h + self.self_out(self._merge(nn.functional.scaled_dot_product_attention(q, k, v)))
-        q = self._split(self.cross_q(self.cross_norm(h)))
-        h = h + self.cross_out(self._merge(nn.functional.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=attend)))
-        return h + self.mlp(self.mlp_norm(h))
+    def forward(self, h: Tensor, kv: tuple[Tensor, Tensor], attend: Tensor, weights: dict | None = None) -> Tensor:
+        """h: the rows [B·C, hidden] of B chunks of C tokens; kv from :meth:`memory_kv` (the B
+        chunks' rows); attend [B, 1, 1, P] (bool, or additive: 0 or −inf); ``weights`` the
+        transposed weights of :meth:`ActionExpert.memory` (None: transposed here). The norms,
+        linear layers and residuals act on each token's row alone, so they run on the rows
+        as they are, and only attention sees the chunks."""
+        t = weights.get if weights is not None else (lambda layer: None)
+        chunk = h.shape[0] // kv[0].shape[0]
+        q, k, v = self._split(_linear(self.self_qkv, self.self_norm(h), t(self.self_qkv)), chunk).chunk(3, dim=-1)
+        h = h + _linear(self.self_out, self._merge(nn.functional.scaled_dot_product_attention(q, k, v)), t(self.self_out))
+        q = self._split(_linear(self.cross_q, self.cross_norm(h), t(self.cross_q)), chunk)
+        h = h + _linear(self.cross_out, self._merge(nn.functional.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=attend)), t(self.cross_out))
+        up, act, down = self.mlp
+        return h + _linear(down, act(_linear(up, self.mlp_norm(h), t(up))), t(down))
 
 
 class ActionExpert(nn.Module):
@@ -128,23 +145,47 @@ class ActionExpert(nn.Module):
 
     def memory(self, prefix: Tensor, prefix_mask: Tensor) -> dict:
         """What every denoising step of a chunk reuses: each block's prefix keys/values and
-        the attention mask, from the prefix states [N, P, hidden] and mask [N, P]."""
+        the attention mask, from the prefix states [N, P, hidden] and mask [N, P]; and what
+        does not depend on the chunk, computed once rather than at every step: the weights
+        of the step's linear layers transposed (for ``addmm``) and the time features' periods."""
         states = self.memory_norm(prefix)
         kv = [block.memory_kv(states) for block in self.blocks]
-        return {"kv": kv, "attend": (prefix_mask > 0.5)[:, None, None, :]}
+        step_linears = [m for name, m in self.named_modules() if isinstance(m, nn.Linear) and not name.endswith("cross_kv")]
+        attend = (prefix_mask > 0.5)[:, None, None, :]
+        return {
+            "kv": kv,
+            # additive (0 or −inf), as attention turns a boolean mask into at every call
+            "attend": torch.zeros(attend.shape, dtype=states.dtype, device=attend.device).masked_fill(~attend, float("-inf")),
+            "weights": {layer: layer.weight.t() for layer in step_linears},
+            "periods": sinusoidal_periods(self.hidden, device=prefix.device),
+        }
+
+    @staticmethod
+    def select(memory: dict, rows: Tensor) -> dict:
+        """``memory`` of the chunks ``rows`` [B] (one row per denoiser row)."""
+        return {**memory, "kv": [(k[rows], v[rows]) for k, v in memory["kv"]], "attend": memory["attend"][rows]}
 
     def forward(self, x: Tensor, sigma: Tensor, memory: dict, rows: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """x [B, C, A], σ [B], ``memory`` from :meth:`memory` for N chunks, ``rows`` [B] the
-        chunk of each row (None: row i is chunk i) → (v [B, C, A], std [B, C, A] or None)."""
-        tokens = self.action_in(x) + self.position
-        time = sinusoidal_embedding(sigma, self.hidden).unsqueeze(1).expand_as(tokens)
-        h = self.time_mix(torch.cat([tokens, time], dim=-1))
-        attend = memory["attend"] if rows is None else memory["attend"][rows]
+        chunk of each row (None: row i is chunk i, or ``memory`` is already :meth:`select`-ed)
+        → (v [B, C, A], std [B, C, A] or None)."""
+        if rows is not None:
+            memory = self.select(memory, rows)
+        t = memory.get("weights", {}).get
+        b, c, _ = x.shape
+        tokens = _linear(self.action_in, x, t(self.action_in)) + self.position
+        time = sinusoidal_embedding(sigma, self.hidden, periods=memory.get("periods")).unsqueeze(1).expand_as(tokens)
+        first, act, second = self.time_mix
+        rows = torch.cat([tokens, time], dim=-1).view(b * c, -1)  # every token a row from here on (ExpertBlock)
+        h = _linear(second, act(_linear(first, rows, t(first))), t(second))
         for block, (k, v) in zip(self.blocks, memory["kv"]):
-            h = block(h, (k, v) if rows is None else (k[rows], v[rows]), attend)
+            h = block(h, (k, v), memory["attend"], memory.get("weights"))
         h = self.norm(h)
-        std = None if self.noise_head is None else learned_noise_std(self.noise_head(h), self.std_range)
-        return self.velocity(h), std
+        std = None
+        if self.noise_head is not None:
+            up, act, down = self.noise_head
+            std = learned_noise_std(_linear(down, act(_linear(up, h, t(up))), t(down)), self.std_range).view(b, c, -1)
+        return _linear(self.velocity, h, t(self.velocity)).view(b, c, -1), std
 
 
 # The tiny example of itself that every policy declares (``contract``): tests/policies/test_contract.py
@@ -246,8 +287,12 @@ class FlowVLAPolicy(ActionChunkPolicy):
         return self.expert.memory(states, mask), pooled_prefix_state(states, mask).to(torch.float32)
 
     def _denoiser(self, memory: dict):
+        picked = {}  # the memory of the last rows seen: sampling hands the same rows to every step
+
         def denoise(x: Tensor, sigma: Tensor, rows: Tensor):
-            v, std = self.expert(x, sigma, memory, rows)
+            if picked.get("rows") is not rows:
+                picked.update(rows=rows, memory=self.expert.select(memory, rows))
+            v, std = self.expert(x, sigma, picked["memory"])
             return v if std is None else (v, std)
 
         return denoise

@@ -21,6 +21,9 @@ class TokenVLAConfig(PolicyConfig):
     action_chunk: int = option(1, "actions emitted per decision (an action chunk of action_chunk x action_dim tokens)", ge=1)
     logp_granularity: Literal["chunk", "token"] = option("chunk", "what one RL decision is: the whole chunk (log-prob = sum over its C x A tokens, one ratio per chunk) or every action token (a ratio per token, clipped separately, as SimpleVLA-RL)")
     temperature: float = option(1.0, "sampling temperature of the action tokens (log-probs are those of the tempered distribution)", gt=0)
+    decode_cache: Literal["static", "dynamic"] = option(
+        "static", "key/value cache of the sampling loop: static = buffers for every slot of the chunk, each step runs only the decoder's layers (Llama-layout decoders; others fall back to dynamic); dynamic = transformers' growing cache and full decoder call per token"
+    )
     old_logp: Literal["deferred", "sampler"] = option(
         "deferred",
         "where the old log-probs of the ratio come from: deferred = the trainer's teacher-forced log_prob at the sampling weights (the first minibatch's own forward, one no-grad pass over the other rows), ratios of exactly 1 before an update; sampler = the cached decoding loop's own numbers (no extra pass; they round differently, by up to ~1e-2 nats a chunk in bf16: the metric old_logp/sampler_gap_max shows it under deferred)",

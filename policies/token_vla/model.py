@@ -25,9 +25,10 @@ softmax(logits / temperature):
     log π(chunk | o) = Σ_{j=1}^{CA} log softmax(z_j / τ)[tok_j],
 
 and its entropy is the sum of the per-token entropies (the entropy of the chunk's
-distribution given the sampled prefix of tokens). Sampling decodes token by token with the
-decoder's key/value cache; ``log_prob`` recomputes all C·A tokens in one teacher-forced pass,
-equal to the sampling log-prob up to float rounding.
+distribution given the sampled prefix of tokens). Sampling decodes token by token with a
+static key/value cache of the chunk's slots (``decode_cache``, ``mmrl.policies.vla.static_decode``);
+``log_prob`` recomputes all C·A tokens in one teacher-forced pass, equal to the sampling
+log-prob up to float rounding.
 """
 
 from __future__ import annotations
@@ -183,25 +184,35 @@ class TokenVLAPolicy(PolicyModule):
         x = (self.action_start + self.action_slot[0]).expand(n, 1, -1)
         mask = torch.cat([mask, mask.new_ones(n, 1)], dim=1)
         hidden = self.backbone(torch.cat([embeds, x], dim=1), mask, cache)[:, -1]
-        tokens, logps, entropies = [], [], []
+        # the prefix's keys/values move into a cache of all the chunk's slots (static_decode.py);
+        # None: this decoder keeps transformers' growing cache
+        decoder = self.backbone.static_decoder(cache, mask, self.num_tokens - 1) if self.config.decode_cache == "static" and self.num_tokens > 1 else None
+        slots = self.action_slot.unbind(0)
+        temperature = self.config.temperature
+        tokens, step_log_probs = [], []
         for j in range(self.num_tokens):
-            log_probs = torch.log_softmax(self._action_logits(hidden) / self.config.temperature, dim=-1)
+            logits = self._action_logits(hidden)
+            log_probs = torch.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)  # x / 1 is x
             if deterministic:
                 token = log_probs.argmax(-1)
             else:
                 device = generator.device if generator is not None else log_probs.device
                 token = torch.multinomial(log_probs.exp().to(device), 1, generator=generator).squeeze(1).to(log_probs.device)
             tokens.append(token)
-            logps.append(log_probs.gather(-1, token[:, None]).squeeze(1))
-            entropies.append(-(log_probs.exp() * log_probs).sum(-1))
+            step_log_probs.append(log_probs)
             if j + 1 < self.num_tokens:
-                x = (self._embed_actions(token) + self.action_slot[j + 1]).unsqueeze(1)
-                mask = torch.cat([mask, mask.new_ones(n, 1)], dim=1)
-                hidden = self.backbone(x, mask, cache)[:, -1]
+                x = self._embed_actions(token) + slots[j + 1]
+                if decoder is not None:
+                    hidden = decoder.step(x)
+                else:
+                    mask = torch.cat([mask, mask.new_ones(n, 1)], dim=1)
+                    hidden = self.backbone(x.unsqueeze(1), mask, cache)[:, -1]
         tokens_t = torch.stack(tokens, dim=1)
         replay = {k: v.unsqueeze(1) for k, v in obs.items()}
         replay["action_tokens"] = tokens_t.unsqueeze(1)
-        logp, entropy = torch.stack(logps, 1), torch.stack(entropies, 1)
+        log_probs = torch.stack(step_log_probs, 1)  # [N, C*A, bins]: the per-token numbers in one pass each
+        logp = log_probs.gather(-1, tokens_t.unsqueeze(-1)).squeeze(-1)
+        entropy = -(log_probs.exp() * log_probs).sum(-1)
         if self.config.logp_granularity == "chunk":
             logp, entropy = logp.sum(1, keepdim=True), entropy.sum(1, keepdim=True)
         deferred = not deterministic and self.config.old_logp == "deferred"  # the trainer's teacher-forced pass replaces logp

@@ -48,6 +48,7 @@ from mmrl.config import option
 from mmrl.errors import ConfigError
 from mmrl.policies.hf import DECODER_ARCHS, require_transformers
 from mmrl.policies.lora import LoraOptions
+from mmrl.policies.vla.static_decode import static_decoder
 
 
 
@@ -275,6 +276,14 @@ class VLABackbone(nn.Module):
     def new_cache(self):
         """An empty key/value cache for incremental decoding with ``forward(..., cache=)``."""
         return _transformers().DynamicCache(config=self.decoder.config)
+
+    def static_decoder(self, cache, mask: Tensor, steps: int):
+        """The next ``steps`` single-token steps after a pass that filled ``cache`` over tokens
+        with attention ``mask`` [N, P] (:func:`~mmrl.policies.vla.static_decode.static_decoder`;
+        None for a decoder it does not serve). Positions continue from P, as the decoder's own."""
+        n, p = mask.shape
+        positions = torch.arange(p, p + steps, device=mask.device).expand(n, steps)
+        return static_decoder(self.decoder, cache, mask, positions)
 
     def forward(self, embeds: Tensor, mask: Tensor, cache=None) -> Tensor:
         """Causal decoder over ``embeds`` [N, S, hidden] → last hidden states [N, S, hidden].

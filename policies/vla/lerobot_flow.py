@@ -67,6 +67,8 @@ class EulerGridTransition(FlowTransition):
     """LeRobot's K-step Euler grid: t_k = 1 + k·dt (float32 of the double), dt = −1/K,
     deterministic update x + dt·v; stochastic steps are the flow transition's on that grid."""
 
+    step_table = None  # its deterministic update is its own: every step goes through mean_std
+
     def __init__(self, num_steps: int, name: str, noise_level: float, diffusion: str, device=None):
         self.dt = -1.0 / num_steps
         times = [1.0 + k * self.dt for k in range(num_steps)] + [0.0]

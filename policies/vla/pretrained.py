@@ -55,6 +55,7 @@ from mmrl.hub import pretrained_dir
 from mmrl.policies.hf import require_transformers, save_tied_weights_once, without_dropout
 from mmrl.policies.lora import adapters_disabled
 from mmrl.policies.vla.backbone import VLABackbone, VLABackboneConfig, observation_spec
+from mmrl.policies.vla.static_decode import static_decoder
 from mmrl.policies.vla.tokenizer import InstructionTokenizer
 
 # model_type → family rule: which special tokens wrap an image's block
@@ -89,11 +90,9 @@ class VLMTokenizer:
     def encode(self, texts: list[str], max_words: int) -> tuple[Tensor, Tensor]:
         """Ids [N, max_words] (right-padded, truncated) and mask [N, max_words] (1 = token)."""
         rows = [self.hf(t, add_special_tokens=False)["input_ids"][:max_words] for t in texts]
-        ids = torch.full((len(rows), max_words), self.pad_id, dtype=torch.long)
-        mask = torch.zeros(len(rows), max_words, dtype=torch.float32)
-        for i, row in enumerate(rows):
-            ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-            mask[i, : len(row)] = 1.0
+        # padded on the host and made tensors at once: two operators for the batch, not two per row
+        ids = torch.tensor([row + [self.pad_id] * (max_words - len(row)) for row in rows], dtype=torch.long).view(len(rows), max_words)
+        mask = torch.tensor([[1.0] * len(row) + [0.0] * (max_words - len(row)) for row in rows], dtype=torch.float32).view(len(rows), max_words)
         return ids, mask
 
 
@@ -262,7 +261,7 @@ class PretrainedVLMBackbone(nn.Module):
         out = self.vlm.model.get_image_features(**inputs)
         features = out.pooler_output if hasattr(out, "pooler_output") else out
         if isinstance(features, (list, tuple)):
-            features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
+            features = torch.cat([f if f.dim() == 2 else f.reshape(-1, f.shape[-1]) for f in features])  # no view per image where it is flat already
         features = features.reshape(images.shape[0], -1, features.shape[-1])
         grid = None
         if "image_grid_thw" in inputs:
@@ -351,6 +350,15 @@ class PretrainedVLMBackbone(nn.Module):
     def new_cache(self):
         """An empty key/value cache for incremental decoding with ``forward(..., cache=)``."""
         return _transformers().DynamicCache(config=self.language_model.config)
+
+    def static_decoder(self, cache, mask: Tensor, steps: int):
+        """The next ``steps`` single-token steps after a pass that filled ``cache`` over tokens
+        with attention ``mask`` [N, P] (:func:`~mmrl.policies.vla.static_decode.static_decoder`;
+        None for a language model it does not serve, multimodal rotary positions included)."""
+        if self.family in _MROPE:
+            return None
+        full = torch.cat([mask, mask.new_ones(mask.shape[0], steps)], dim=1)
+        return static_decoder(self.language_model, cache, mask, self.positions(full, steps))
 
     def forward(self, embeds: Tensor, mask: Tensor, cache=None) -> Tensor:
         """The language model over ``embeds`` [N, S, hidden] → last hidden states [N, S,

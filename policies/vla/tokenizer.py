@@ -71,11 +71,10 @@ class InstructionTokenizer:
         and the float mask [N, max_length] (1 = real token)."""
         if max_length < 1:
             raise ValueError(f"max_length must be >= 1, got {max_length}")
-        ids = torch.full((len(texts), max_length), self.pad_id, dtype=torch.long)
         encodings = self.tokenizer.encode_batch([str(text) for text in texts], add_special_tokens=False)
-        for row, encoding in enumerate(encodings):
-            tokens = [self.bos_id, *encoding.ids][:max_length]
-            ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        # padded on the host and made a tensor at once: one operator for the batch, not one per row
+        rows = [[self.bos_id, *encoding.ids][:max_length] for encoding in encodings]
+        ids = torch.tensor([row + [self.pad_id] * (max_length - len(row)) for row in rows], dtype=torch.long).view(len(rows), max_length)
         return ids, (ids != self.pad_id).float()
 
     def save(self, directory) -> None:
