@@ -281,7 +281,50 @@ def _index_tree(tree, index):
     return tree[index]
 
 
-@ENVS.register("maniskill", config=ManiSkillEnvConfig)
+def _push_cube_action(env, cube_size: float = 0.02) -> "np.ndarray":
+    """PushCube-v1's scripted expert in ``pd_ee_delta_pos`` (normalized: 1 = 0.1 m), for the
+    one env of ``env.unwrapped``: above and behind the cube, down to the cube's height, then
+    a slow push (at most 0.03 m per step, so the cube does not slide past) to the goal's far
+    side, and still once the cube is within 3 cm of the goal's centre."""
+    import numpy as np
+
+    u = env.unwrapped
+    tcp, cube, goal = (np.asarray(x.pose.p[0].cpu(), dtype=np.float64) for x in (u.agent.tcp, u.obj, u.goal_region))
+    if np.linalg.norm(cube[:2] - goal[:2]) < 0.03:
+        move = np.zeros(3)
+    else:
+        aligned = abs(tcp[1] - cube[1]) < 0.01 and tcp[0] < cube[0] - cube_size
+        if aligned and tcp[2] < 2 * cube_size:
+            target, limit = np.array([goal[0] - cube_size, goal[1], cube_size]), 0.3
+        elif aligned:
+            target, limit = np.array([cube[0] - 2.5 * cube_size, cube[1], cube_size]), 1.0
+        else:
+            target, limit = np.array([cube[0] - 2.5 * cube_size, cube[1], 4 * cube_size]), 1.0
+        move = np.clip((target - tcp) / 0.05, -limit, limit)
+    return np.concatenate([move, np.zeros(env.action_space.shape[-1] - 3)]).astype(np.float32)
+
+
+_EXPERTS = {"PushCube-v1": _push_cube_action}
+
+
+def scripted_expert(cfg: "ManiSkillEnvConfig"):
+    """(one CPU env of ``cfg``, its scripted expert ``act(env) -> action``) for ``mmrl
+    collect --config``; tasks with an expert: :data:`_EXPERTS` (``pd_ee_delta_pos``)."""
+    cfg.validate("env")
+    if cfg.id not in _EXPERTS:
+        raise ConfigError("env.id", cfg.id, f"has no scripted expert; tasks with one: {', '.join(_EXPERTS)}")
+    if cfg.control_mode != "pd_ee_delta_pos":
+        raise ConfigError("env.control_mode", cfg.control_mode, f"{cfg.id}'s expert acts in pd_ee_delta_pos")
+    if cfg.sim_backend in _GPU_BACKENDS or cfg.obs_mode != "state":
+        raise ConfigError("env.obs_mode" if cfg.obs_mode != "state" else "env.sim_backend", cfg.obs_mode if cfg.obs_mode != "state" else cfg.sim_backend,
+                          "demonstrations are collected from the state of one CPU env: obs_mode state, sim_backend physx_cpu")
+    kwargs = dict(obs_mode=cfg.obs_mode, control_mode=cfg.control_mode, reward_mode=cfg.reward_mode, sim_backend=cfg.sim_backend,
+                  render_backend="none", **cfg.kwargs)
+    env = _make_cpu_env(cfg.id, cfg.max_episode_steps, cfg.ignore_terminations, kwargs, None, list(cfg.wrappers))
+    return env, _EXPERTS[cfg.id]
+
+
+@ENVS.register("maniskill", config=ManiSkillEnvConfig, scripted_expert=scripted_expert)
 def make_vector_env(cfg: ManiSkillEnvConfig, seed: int) -> gymnasium.vector.VectorEnv:
     """ManiSkill3 task: gymnasium-vectorized CPU envs, or ManiSkill's batched GPU env.
 

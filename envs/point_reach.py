@@ -6,7 +6,8 @@ success rate within a few dozen steps on a CPU.
 - observation: ``[x, y, goal_x - x, goal_y - y]`` (float32)
 - action: a velocity in ``[-1, 1]^2``; the point moves ``step_size * action`` and stays in
   the ``[-1, 1]^2`` square
-- reward: ``-distance`` to the goal after the move (dense)
+- reward: ``-distance`` to the goal after the move (dense), or with ``sparse_reward`` 1 on
+  success and 0 otherwise (an exploration problem: what demonstrations help with)
 - ``info["success"]``: the point is within ``success_radius`` of the goal; the episode
   terminates on success and is truncated after ``max_steps`` steps
 """
@@ -29,6 +30,7 @@ class PointReachEnv(gymnasium.Env):
         min_steps: int | None = None,
         step_size: float = 0.2,
         success_radius: float = 0.15,
+        sparse_reward: bool = False,
     ):
         """``min_steps`` makes episode lengths vary independently of the policy: each
         episode's time limit is drawn uniformly from ``[min_steps, max_steps]`` at reset."""
@@ -39,6 +41,7 @@ class PointReachEnv(gymnasium.Env):
             raise ValueError(f"success_radius must lie in (0, 1), got {success_radius}")
         self.max_steps, self.min_steps = max_steps, min_steps
         self.step_size, self.success_radius = step_size, success_radius
+        self.sparse_reward = sparse_reward
         self.observation_space = spaces.Box(-2.0, 2.0, shape=(4,), dtype=np.float32)
         self.action_space = spaces.Box(-1.0, 1.0, shape=(2,), dtype=np.float32)
         self._pos = np.zeros(2)
@@ -66,7 +69,8 @@ class PointReachEnv(gymnasium.Env):
         distance = float(np.linalg.norm(self._goal - self._pos))
         success = distance < self.success_radius
         truncated = not success and self._t >= self._limit
-        return self._obs(), -distance, success, truncated, {"success": success}
+        reward = float(success) if self.sparse_reward else -distance
+        return self._obs(), reward, success, truncated, {"success": success}
 
 
 gymnasium.register(id="mmrl/PointReach-v0", entry_point=PointReachEnv)

@@ -350,8 +350,21 @@ def _collect_plan(args) -> dict:
 
 
 def cmd_collect(args) -> int:
-    from mmrl.collect import collect
+    from mmrl.collect import collect, collect_from_config
 
+    if args.config is not None:
+        if args.task is not None:
+            raise ConfigError("--task", " ".join(args.task), "names tabletop tasks; with --config the run config's env is collected (leave --task out)")
+        cfg, _ = _config_and_dir(args.config, args.overrides)
+        episodes = args.episodes_per_task or 20
+        summary = collect_from_config(cfg, episodes, args.out, seed=args.seed, noise=args.noise, keep_failures=args.keep_failures,
+                                      report=lambda line: print(line, flush=True))
+        print(f"mmrl: wrote {summary['written']} episodes ({episodes} seeds from {args.seed}, {summary['steps']} env steps; {summary['failed']} failed) to {summary['out']}")
+        return 0
+    if args.task is None:
+        raise ConfigError("--task", None, "name tabletop tasks, families, all or a suite; or pass --config RUN_CONFIG to collect a run config's env")
+    if args.overrides:
+        raise ConfigError("overrides", " ".join(args.overrides), "apply to --config only")
     plan = _collect_plan(args)
     summary = collect(
         plan["tasks"], plan["episodes_per_task"], args.out, seed=args.seed, env_kwargs=plan["env_kwargs"],
@@ -440,11 +453,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="check rendering backends, simulators and extras")
     p.set_defaults(func=cmd_doctor)
 
-    p = sub.add_parser("collect", help="write expert demonstrations of mmrl/Tabletop-v0 tasks", description="Run the scripted experts of mmrl/Tabletop-v0 and write demonstrations (only successful episodes unless --keep-failures).")
-    p.add_argument("--task", nargs="+", required=True, help="task names, families (spatial, object, goal), all, or one suite (tabletop_spatial, ... or a suite YAML)")
+    p = sub.add_parser("collect", help="write scripted-expert demonstrations (tabletop tasks, or a run config's env)", description="Run scripted experts and write demonstrations (only successful episodes unless --keep-failures): of mmrl/Tabletop-v0 tasks (--task), or of a run config's env (--config; e.g. ManiSkill PushCube-v1), for SFT or an off-policy loss's demos.")
+    p.add_argument("--task", nargs="+", default=None, help="task names, families (spatial, object, goal), all, or one suite (tabletop_spatial, ... or a suite YAML)")
+    p.add_argument("--config", default=None, help="a run config: collect its env (env section and overrides) with that env's scripted expert")
+    p.add_argument("overrides", nargs="*", help="with --config: dotted overrides of the run config (env.num_envs=1 ...)")
     p.add_argument("--out", required=True, help="output directory (index.json + one .npz per episode, or a LeRobotDataset v3 layout with --format lerobot)")
     p.add_argument("--format", choices=("mmrl-demos", "lerobot"), default="mmrl-demos", help="mmrl-demos (npz per episode, appendable) or lerobot (LeRobotDataset v3: parquet + lossless mp4 + meta)")
-    p.add_argument("--episodes-per-task", type=_positive_int, default=None, help="episodes per task (default: the suite's, else 50)")
+    p.add_argument("--episodes-per-task", type=_positive_int, default=None, help="episodes per task (default: the suite's, else 50; with --config: episodes, default 20)")
     p.add_argument("--seed", type=_non_negative_int, default=0, help="episode j of each task resets with seed + j (must stay below 2**31, evaluation seeds)")
     p.add_argument("--env-id", default=None, help="env id (default: the suite's, else mmrl/Tabletop-v0, the only one with experts)")
     p.add_argument("--image-size", type=_positive_int, default=None, help="side of the observed images (default: the suite's, else 64)")

@@ -155,4 +155,74 @@ def run_expert_episode(env, expert_action, task: str, seed: int, noise: float = 
         seed=seed,
         costs={name: float(value) for name, value in info.get("costs", {}).items()},
         step_success=np.asarray(flags, dtype=bool),
+        final_state=np.asarray(obs["state"], dtype=np.float32),
+        terminated=bool(terminated),
     )
+
+
+def collect_from_config(cfg, episodes: int, out: str | os.PathLike, *, seed: int = 0, noise: float = 0.0, keep_failures: bool = False,
+                        report: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Collect ``episodes`` episodes of the scripted expert of a run config's env (its env
+    type's ``scripted_expert`` trait: one env built from the config's env section, as the run
+    steps it, and its expert) into ``out``, for an off-policy loss's ``demos``. Episode j
+    resets with seed ``seed + j``; ``noise``: std of Gaussian noise on the normalized actions,
+    clipped to [-1, 1]. Returns the summary of :func:`collect` (``steps``: the env steps the
+    demonstrations took, which count in a run's budget)."""
+    from mmrl import registry
+    from mmrl.config import to_dict
+
+    entry = registry.ENVS.entry(cfg.env.type)
+    make = entry.traits.get("scripted_expert")
+    if make is None:
+        with_one = sorted(name for name in registry.ENVS.names() if registry.ENVS.entry(name).traits.get("scripted_expert"))
+        raise ConfigError("env.type", cfg.env.type, f"has no scripted expert; env types with one: {', '.join(with_one)} (and {TABLETOP_ID} through `mmrl collect --task`)")
+    if not isinstance(episodes, int) or episodes < 1:
+        raise ConfigError("episodes", episodes, "expected a positive integer")
+    if not isinstance(seed, int) or seed < 0 or seed + episodes > DEMO_SEED_LIMIT:
+        raise ConfigError("seed", seed, "demonstration seeds seed .. seed + episodes - 1 must lie in [0, 2**31) (evaluation uses seeds >= 2**31)")
+    if noise < 0:
+        raise ConfigError("noise", noise, "expected a standard deviation >= 0")
+    out = Path(out)
+    if (out / INDEX).exists():
+        raise ConfigError("out", str(out), "already holds demonstrations; choose another directory")
+    env, act = make(cfg.env)
+    summary: dict[str, Any] = {"out": str(out), "written": 0, "failed": 0, "steps": 0, "tasks": {}}
+    kept = []
+    try:
+        for j in range(episodes):
+            rng = np.random.default_rng([seed + j])
+            where = {"reset_seed": seed + j}
+            with fault_context(source=f"env {cfg.env.type!r}"):
+                obs, _ = call_user_code("env.reset", env.reset, where=where, seed=seed + j)
+                states, actions, rewards, flags = [], [], [], []
+                terminated = truncated = False
+                info: dict = {}
+                while not (terminated or truncated):
+                    action = act(env)
+                    if noise:
+                        action = np.clip(action + rng.normal(0.0, noise, action.shape), -1, 1).astype(np.float32)
+                    states.append(np.asarray(obs, dtype=np.float32).reshape(-1))
+                    actions.append(action)
+                    obs, reward, terminated, truncated, info = call_user_code("env.step", env.step, action, where=where)
+                    rewards.append(float(reward))
+                    flags.append(bool(info.get("success", False)))
+            summary["steps"] += len(actions)
+            success = bool(flags[-1])
+            summary["failed"] += not success
+            if success or keep_failures:
+                kept.append(Episode(
+                    image=np.zeros((len(actions), 0), np.uint8), state=np.stack(states), action=np.stack(actions).astype(np.float32),
+                    reward=np.asarray(rewards, np.float32), success=success, instruction="", task=str(getattr(cfg.env, "id", cfg.env.type)),
+                    seed=seed + j, step_success=np.asarray(flags, bool), final_state=np.asarray(obs, np.float32).reshape(-1), terminated=bool(terminated),
+                ))
+    finally:
+        env.close()
+    task = str(getattr(cfg.env, "id", cfg.env.type))
+    summary["tasks"][task] = {"succeeded": episodes - summary["failed"], "failed": summary["failed"]}
+    if not kept:
+        raise ConfigError("out", str(out), "no episode to write: every episode failed (pass keep_failures to write failures)")
+    write_demos(out, kept, metadata={"env": to_dict(cfg.env), "collections": [{"episodes": episodes, "seed": seed, "noise": noise, "keep_failures": keep_failures}]})
+    summary["written"] = len(kept)
+    if report is not None:
+        report(f"{task}: {episodes - summary['failed']}/{episodes} succeeded, {summary['steps']} env steps")
+    return summary

@@ -27,6 +27,9 @@ key            dtype, shape        meaning
                                    files written before costs existed
 ``step_success`` bool [T]          the env's success flag after each action
                                    (optional: episodes recorded by mmrl)
+``final_state`` float32 [D]        the state after the last action (optional)
+``terminated`` bool []             the task ended the episode, not a time limit
+                                   (optional, false when absent)
 =============  ==================  ===========================================
 
 The same episodes can be written in LeRobotDataset v3's layout instead (parquet + mp4 +
@@ -121,6 +124,10 @@ def write_demos(directory: str | os.PathLike, episodes: list[Episode], metadata:
         }
         if episode.step_success is not None:
             arrays["step_success"] = np.asarray(episode.step_success, dtype=bool)
+        if episode.final_state is not None:
+            arrays["final_state"] = episode.final_state
+        if episode.terminated:
+            arrays["terminated"] = np.array(True)
         atomic_write(directory / name, lambda f, arrays=arrays: np.savez_compressed(f, **arrays))
         names.append(name)
     index = {**index, **(metadata or {}), "episodes": index["episodes"] + names}
@@ -152,6 +159,8 @@ def read_demos(directory: str | os.PathLike) -> list[Episode]:
                     seed=int(data["seed"]),
                     costs=json.loads(str(data["costs"])) if "costs" in data else {},
                     step_success=data["step_success"] if "step_success" in data else None,
+                    final_state=data["final_state"] if "final_state" in data else None,
+                    terminated=bool(data["terminated"]) if "terminated" in data else False,
                 )
             )
     return episodes

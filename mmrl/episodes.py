@@ -79,7 +79,10 @@ class Episode:
     """One demonstration: T steps of observations (``image``, ``state``), ``action`` and
     ``reward``, and what the episode was (``instruction``, ``task``, ``seed``, ``success``,
     and the ``costs`` its env reported, e.g. ``path_length``, ``steps``, ``collisions``).
-    ``step_success`` (bool [T], optional): the env's success flag after each action."""
+    ``step_success`` (bool [T], optional): the env's success flag after each action.
+    ``final_state`` (float32 [D], optional): the state observed after the last action, what
+    an off-policy loss bootstraps a cut episode from; ``terminated``: the episode ended by
+    the task (nothing to bootstrap), not by a time limit."""
 
     image: np.ndarray
     state: np.ndarray
@@ -91,6 +94,8 @@ class Episode:
     seed: int
     costs: dict[str, float] = field(default_factory=dict)
     step_success: np.ndarray | None = None
+    final_state: np.ndarray | None = None
+    terminated: bool = False
 
     def __len__(self) -> int:
         return int(self.action.shape[0])
@@ -121,6 +126,9 @@ class Episode:
                 got = f"{self.step_success.dtype} array of shape {self.step_success.shape}" if isinstance(self.step_success, np.ndarray) else type(self.step_success).__name__
                 raise ValueError(f"{where}.step_success: expected a bool array with 1 dimension, got {got}")
             lengths["step_success"] = self.step_success.shape[0]
+        if self.final_state is not None and (not isinstance(self.final_state, np.ndarray) or self.final_state.dtype != np.float32 or self.final_state.shape != self.state.shape[1:]):
+            got = f"{self.final_state.dtype} array of shape {self.final_state.shape}" if isinstance(self.final_state, np.ndarray) else type(self.final_state).__name__
+            raise ValueError(f"{where}.final_state: expected a float32 array of shape {self.state.shape[1:]} (one state), got {got}")
         if len(set(lengths.values())) != 1 or lengths["action"] < 1:
             raise ValueError(f"{where}: every array needs the same number T >= 1 of steps, got {lengths}")
 

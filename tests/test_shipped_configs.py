@@ -136,6 +136,12 @@ def _train(workdir, name: str, run):
             overrides += [f"policy.checkpoint={exported}"]
     if name == "tabletop_vlm_pretrain" or name.startswith("tabletop_spatial_vlm_token_vla_"):  # the VLA on mmrl's own pretrained VLM
         overrides.append(f"policy.backbone.vlm_path={_vlm(workdir, pretrained=name != 'tabletop_vlm_pretrain')}")
+    if name == "maniskill_pushcube_rlpd":  # demonstrations of the config's own env, by its scripted expert (as `make train` collects them)
+        demos = workdir / "demos_pushcube"
+        if not demos.exists():
+            done = run_mmrl("collect", "--config", ROOT / "configs" / f"{name}.yaml", "--episodes-per-task", "2", "--out", demos, timeout=900)
+            assert done.returncode == 0, done.stderr[-2000:]
+        overrides.append(f"algo.loss.demos={demos}")
     if name in CHECKPOINT_OF:  # a released VLA checkpoint's config: a tiny checkpoint of its format, shrunk for a CPU
         overrides += cpu_overrides(name, workdir / "checkpoints" / name)
     if name in SFT_OF:

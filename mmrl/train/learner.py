@@ -78,7 +78,7 @@ class Learner:
         if self.loss.trains_from_buffer:
             if self.world > 1:
                 raise ConfigError("algo.loss.type", algo.loss.type, f"trains from a replay buffer in one learner process for now ({self.world} processes): launch one")
-            self.off_policy = BufferUpdates(cfg, accelerator.device)
+            self.off_policy = BufferUpdates(cfg, accelerator.device, policy)
         self.critic_only = False  # set during a critic warm-up update (learn)
         self.sft = registry.LOSSES.get("sft")(algo, None, policy) if data is not None else None
         self.version = 0

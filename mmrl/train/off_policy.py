@@ -2,7 +2,12 @@
 ``algo.loss: sac``): the step's transitions join the buffer, and once it holds
 ``learning_starts`` each new transition buys ``utd`` optimizer steps, each on ``batch_size``
 transitions drawn from it (fractions carry over to the next step). The buffer, its generator
-and the steps owed are saved with the run (``replay_buffer``, ``owed_updates``)."""
+and the steps owed are saved with the run (``replay_buffer``, ``owed_updates``).
+
+With ``demos`` (RLPD, Ball et al., 2023), the demonstrations' transitions fill a second
+buffer once, at the start, and ``demo_share`` of every batch is drawn from it (symmetric
+sampling at 0.5), the rest from the online buffer; it is saved with the run too
+(``demo_buffer``)."""
 
 from __future__ import annotations
 
@@ -12,27 +17,62 @@ import torch
 
 from mmrl.core.rollout import Rollout
 from mmrl.core.sampler import group_seed
+from mmrl.errors import ConfigError
 from mmrl.train.optimization import optimizer_step
-from mmrl.train.replay_buffer import ReplayBuffer, transitions
+from mmrl.train.replay_buffer import ReplayBuffer, demo_transitions, transitions
 
-# the group index reserved for the seed of the buffer's draws
+# the group indices reserved for the seeds of the buffers' draws
 _BUFFER_STREAM = 1 << 44
+_DEMO_STREAM = (1 << 44) + 1
 
 
 class BufferUpdates:
     """The replay buffer of one learner process and the optimizer steps it feeds."""
 
-    def __init__(self, cfg, device):
+    def __init__(self, cfg, device, policy):
         self.cfg, self.options = cfg, cfg.algo.loss
-        self.buffer = ReplayBuffer(self.options.buffer_size, device if self.options.buffer_device == "learner" else "cpu", group_seed(cfg.seed, 0, _BUFFER_STREAM))
+        where = device if self.options.buffer_device == "learner" else "cpu"
+        self.buffer = ReplayBuffer(self.options.buffer_size, where, group_seed(cfg.seed, 0, _BUFFER_STREAM))
         self.owed_updates = 0.0  # utd x new transitions not yet spent on optimizer steps
+        self.demos = None  # the demonstrations' buffer (RLPD)
+        o = self.options
+        if o.demos is not None:
+            from mmrl.core.policy import overrides
+            from mmrl.demos import read_demos
+
+            if not overrides(policy, "demo_replay"):
+                raise ConfigError("algo.loss.demos", o.demos, f"policy {type(policy).__name__} cannot write demonstrations as its replay (demo_replay); gaussian_mlp can")
+            batch = demo_transitions(read_demos(o.demos), policy, o.gamma, o.n_step)
+            count = batch["reward"].shape[0]
+            self.demos = ReplayBuffer(count, where, group_seed(cfg.seed, 0, _DEMO_STREAM))
+            self.demos.add(batch)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"replay_buffer": self.buffer.state_dict(), "owed_updates": self.owed_updates}
+        state = {"replay_buffer": self.buffer.state_dict(), "owed_updates": self.owed_updates}
+        if self.demos is not None:
+            state["demo_buffer"] = self.demos.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.buffer.load_state_dict(state["replay_buffer"])
         self.owed_updates = float(state["owed_updates"])
+        if self.demos is not None:
+            if "demo_buffer" not in state:
+                raise ConfigError("algo.loss.demos", self.options.demos, "the checkpoint was trained without demonstrations: resume with demos null")
+            self.demos = ReplayBuffer(int(state["demo_buffer"]["capacity"]), self.demos.device, 0)
+            self.demos.load_state_dict(state["demo_buffer"])
+
+    def draw(self, device) -> dict[str, Any]:
+        """One batch: ``demo_share`` of ``batch_size`` from the demonstrations (rounded), the
+        rest from the online buffer, concatenated in that order (online first)."""
+        o = self.options
+        if self.demos is None:
+            return self.buffer.sample(o.batch_size, device)
+        from_demos = round(o.batch_size * o.demo_share)
+        parts = [self.buffer.sample(o.batch_size - from_demos, device)] if from_demos < o.batch_size else []
+        if from_demos:
+            parts.append(self.demos.sample(from_demos, device))
+        return _cat_trees(parts)
 
     def learn(self, learner, rollout: Rollout, step: int) -> tuple[Rollout, torch.Tensor, dict[str, float]]:
         """Add ``rollout``'s transitions, take the optimizer steps they buy with ``learner``'s
@@ -49,7 +89,7 @@ class BufferUpdates:
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}  # a term some steps leave out (the actor's, between actor steps) averages over those that have it
         for _ in range(steps):
-            batch = self.buffer.sample(o.batch_size, learner.accelerator.device)
+            batch = self.draw(learner.accelerator.device)
             terms = {}
 
             def loss_of(piece):
@@ -65,4 +105,11 @@ class BufferUpdates:
                 sums[k], counts[k] = sums.get(k, 0.0) + float(v), counts.get(k, 0) + 1
         stats = {k: v / counts[k] for k, v in sums.items()}
         stats = {**stats, **loss.end_update(step), "buffer/size": float(len(self.buffer)), "buffer/added": float(added), "update/steps": float(steps)}
+        if self.demos is not None:
+            stats["buffer/demo_transitions"] = float(len(self.demos))
         return rollout, torch.zeros(rollout.batch_size, 1), stats
+
+
+def _cat_trees(trees: list[dict]) -> dict:
+    first = trees[0]
+    return {k: _cat_trees([t[k] for t in trees]) if isinstance(v, dict) else torch.cat([t[k] for t in trees]) for k, v in first.items()}

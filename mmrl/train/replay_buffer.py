@@ -43,12 +43,22 @@ def transitions(rollout: Rollout, gamma: float, n_step: int = 1) -> dict[str, An
     decision order): see the module docstring. Needs one log-prob column per decision, the
     sampler's ``step_rewards`` and ``info["decision_steps"]``, and ``info["final_replay"]``
     wherever an episode was truncated."""
-    mask = rollout.mask.bool()
+    return episode_transitions(rollout.mask, rollout.step_rewards, rollout.info["decision_steps"], rollout.info["truncated"],
+                               rollout.replay, rollout.info.get("final_replay"), gamma, n_step)
+
+
+def episode_transitions(mask: Tensor, step_rewards: Tensor, decision_steps: Tensor, truncated: Tensor, replay: dict,
+                        final: dict | None, gamma: float, n_step: int = 1) -> dict[str, Any]:
+    """:func:`transitions` of B episodes given as tensors: ``mask`` [B, T] (a prefix of each
+    row), each decision's chunk reward discounted to its first env step ``step_rewards`` [B, T]
+    and env steps ``decision_steps`` [B, T], ``truncated`` [B], the replay [B, T, ...] and the
+    replay of each truncated episode's final observation ``final`` [B, 1, ...] (or None)."""
+    mask = mask.bool()
     b, t = mask.shape
     device = mask.device
     lengths = mask.sum(1)  # decisions per episode (a prefix of the row)
-    reward = rollout.step_rewards.to(device, torch.float64)
-    steps = rollout.info["decision_steps"].to(device, torch.float64)
+    reward = step_rewards.to(device, torch.float64)
+    steps = decision_steps.to(device, torch.float64)
     elapsed = torch.cat([torch.zeros(b, 1, dtype=torch.float64, device=device), torch.cumsum(steps, 1)], 1)  # [B, T+1] env steps before each decision
     at = torch.arange(t, device=device).expand(b, t)
     last = (at + n_step - 1).minimum(lengths[:, None] - 1).clamp(min=0)  # the last decision each transition's sum takes in
@@ -59,11 +69,10 @@ def transitions(rollout: Rollout, gamma: float, n_step: int = 1) -> dict[str, An
         total += torch.where(take, gamma ** (elapsed.gather(1, i) - elapsed[:, :t]) * reward.gather(1, i), 0.0)
     discount = gamma ** (elapsed.gather(1, last + 1) - elapsed[:, :t])
     ends = last == lengths[:, None] - 1
-    truncated = rollout.info["truncated"].to(device).bool()
+    truncated = truncated.to(device).bool()
     terminated = ends & ~truncated[:, None]
     rows, cols = mask.nonzero(as_tuple=True)
     following = (last + 1)[rows, cols]  # the bootstrap decision, or the episode's end
-    final = rollout.info.get("final_replay")
     if final is None and bool((ends & truncated[:, None])[rows, cols].any()):
         raise ValueError("a truncated episode's transitions bootstrap from its final observation: the sampler kept none (info['final_replay'])")
 
@@ -84,12 +93,84 @@ def transitions(rollout: Rollout, gamma: float, n_step: int = 1) -> dict[str, An
         return out
 
     return {
-        "replay": _map_tree(rollout.replay, lambda v: v[rows, cols].unsqueeze(1)),
-        "next": next_tree(rollout.replay, final),
+        "replay": _map_tree(replay, lambda v: v[rows, cols].unsqueeze(1)),
+        "next": next_tree(replay, final),
         "reward": total[rows, cols].float(),
         "discount": discount[rows, cols].float(),
         "terminated": terminated[rows, cols],
     }
+
+
+def demo_transitions(episodes: list, policy, gamma: float, n_step: int = 1, source: str = "algo.loss.demos") -> dict[str, Any]:
+    """The transitions of demonstrated episodes (:class:`mmrl.demos.Episode`) as ``policy``
+    would have written them (``demo_replay``): decision j of an episode executes its actions
+    jC .. jC + C − 1 (C·A = ``policy.action_values`` for A-valued env actions), observed at
+    state jC, with the chunk's rewards discounted to its first step. An episode bootstraps
+    from its ``final_state`` unless ``terminated``; a remainder of fewer than C steps is cut
+    off and bootstraps from the state it starts at; without a final state the last decision
+    is dropped (nothing to bootstrap it from). Shapes that do not fit the policy are a
+    :class:`~mmrl.errors.ConfigError` naming ``source``."""
+    from mmrl.errors import ConfigError
+
+    if not episodes:
+        raise ConfigError(source, "[]", "no demonstrated episodes: collect some with `mmrl collect`")
+    values, a = policy.action_values, int(episodes[0].action.shape[1])
+    if not values or values % a:
+        raise ConfigError(source, f"{a}-valued actions", f"the policy's decisions take {values} action values: chunks of C env actions of {values} / C values")
+    c = values // a
+    keep, rows = [], []
+    for e, episode in enumerate(episodes):
+        if episode.action.shape[1] != a:
+            raise ConfigError(source, f"episode {e}: {episode.action.shape[1]}-valued actions", f"every episode's actions have the first episode's {a} values")
+        k = len(episode) // c
+        if k * c == len(episode) and not episode.terminated and episode.final_state is None:
+            k -= 1
+        if k > 0:
+            keep.append(episode)
+            rows.append(k)
+    if not keep:
+        raise ConfigError(source, f"{len(episodes)} episodes", f"none is long enough for one transition of {c}-step chunks")
+    b, t = len(keep), max(rows)
+    obs, actions, rewards, finals, final_rows = [], [], torch.zeros(b, t, dtype=torch.float64), [], []
+    discounts = torch.tensor([gamma**i for i in range(c)], dtype=torch.float64)
+    for i, (episode, k) in enumerate(zip(keep, rows)):
+        obs.append(torch.from_numpy(episode.state[: k * c : c]))
+        actions.append(torch.from_numpy(episode.action[: k * c]).view(k, c, a))
+        rewards[i, :k] = (torch.from_numpy(episode.reward[: k * c]).view(k, c).double() * discounts).sum(1)
+        if k * c < len(episode):
+            finals.append(torch.from_numpy(episode.state[k * c]))
+            final_rows.append(i)
+        elif not episode.terminated:
+            finals.append(torch.from_numpy(episode.final_state))
+            final_rows.append(i)
+    flat = policy.demo_replay({"state": torch.cat(obs)}, torch.cat(actions))
+    width = policy.critic_inputs(flat).shape[-1]
+    if policy.critic_input_dim is not None and width != policy.critic_input_dim:
+        raise ConfigError(source, f"{keep[0].state.shape[1]}-valued states", f"the policy observes {policy.critic_input_dim} values")
+    lengths = torch.tensor(rows)
+    mask = torch.arange(t)[None] < lengths[:, None]
+    at_rows, at_cols = mask.nonzero(as_tuple=True)
+
+    def pad(v: Tensor) -> Tensor:
+        out = torch.zeros(b, t, *v.shape[2:], dtype=v.dtype, device=v.device)
+        out[at_rows, at_cols] = v[:, 0]
+        return out
+
+    replay = _map_tree(flat, pad)
+    final = None
+    if finals:
+        given = policy.demo_replay({"state": torch.stack(finals)}, None)
+        index = torch.tensor(final_rows)
+
+        def place(v: Tensor) -> Tensor:
+            out = torch.zeros(b, *v.shape[1:], dtype=v.dtype, device=v.device)
+            out[index] = v
+            return out
+
+        final = _map_tree(given, place)
+    truncated = torch.zeros(b, dtype=torch.bool)
+    truncated[final_rows] = True
+    return episode_transitions(mask.float(), rewards, torch.full((b, t), float(c)), truncated, replay, final, gamma, n_step)
 
 
 class ReplayBuffer:

@@ -293,3 +293,35 @@ def test_doctor_rows_of_maniskill_when_missing_or_working(monkeypatch):
     monkeypatch.setattr(doctor, "_run", lambda code: (True, ""))
     monkeypatch.setattr(doctor, "_mesa_vulkan_version", lambda: "25.0.7-2~bpo12+1")
     assert doctor.maniskill_row() == ("mani_skill", "ok", "3.0.1; Vulkan device found (mesa-vulkan-drivers 25.0.7-2~bpo12+1)")
+
+
+def test_the_pushcube_expert_solves_every_episode_and_its_demonstrations_bootstrap_from_their_final_state(mani_skill, tmp_path):
+    """`mmrl collect --config` on the shipped RLPD config: 8 scripted episodes, each solved
+    and still solved at its 50-step limit, written with the state after the last action."""
+    from mmrl.collect import collect_from_config
+    from mmrl.config import load_config
+    from mmrl.demos import read_demos
+    from mmrl.train.run_config import TrainConfig
+
+    cfg = load_config(TrainConfig, "configs/maniskill_pushcube_rlpd.yaml", [])
+    summary = collect_from_config(cfg, 8, tmp_path / "demos", seed=3)
+    assert (summary["written"], summary["failed"], summary["steps"]) == (8, 0, 400)
+    episodes = read_demos(tmp_path / "demos")
+    assert [e.seed for e in episodes] == list(range(3, 11))
+    for e in episodes:
+        assert e.state.shape == (50, 35) and e.action.shape == (50, 4) and e.final_state.shape == (35,)
+        assert e.step_success[-1] and not e.terminated  # ignore_terminations: the time limit ends it
+        assert np.abs(e.action).max() <= 1.0
+
+
+def test_collecting_a_config_whose_env_has_no_expert_exits_2_naming_the_field(tmp_path, write_config):
+    import subprocess
+    import sys
+
+    from tests.conftest import point_reach_config
+
+    config = write_config(point_reach_config())
+    done = subprocess.run([sys.executable, "-m", "mmrl", "collect", "--config", str(config), "--out", str(tmp_path / "d")], capture_output=True, text=True)
+    assert done.returncode == 2
+    assert "env.type" in done.stderr and "scripted expert" in done.stderr and "maniskill" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1

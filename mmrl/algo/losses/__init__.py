@@ -70,6 +70,8 @@ class OffPolicyConfig(LossConfig):
     batch_size: int = option(256, "transitions drawn from the buffer per optimizer step", ge=1)
     learning_starts: int = option(5000, "transitions in the buffer before the first optimizer step", ge=0)
     utd: float = option(1.0, "update-to-data ratio: optimizer steps per new transition (fractions carry over)", gt=0)
+    demos: str | None = option(None, "demonstrations beside the online data (RLPD): a directory from `mmrl collect`, saved episodes or a LeRobotDataset v3 folder")
+    demo_share: float = option(0.5, "with demos: the share of each batch drawn from the demonstrations (RLPD: 0.5)", ge=0, le=1)
 
 
 @dataclass(frozen=True)
