@@ -10,7 +10,9 @@ dispatcher runs, views included, the same on any machine for the same code and i
 ``--old`` the same measurements run on that commit too (from a git worktree in a temporary
 directory, this interpreter, that worktree first on the import path), case by case beside the
 checkout's own code, and the table gives the ratios old / new of one run. Timings are medians
-over repeated calls on one thread (``torch.set_num_threads(1)``).
+over repeated calls on one thread (``torch.set_num_threads(1)``); with ``--rounds R`` each case
+is measured R times, old and new taking turns, and the median of the R is shown (on a machine
+that others load, one round's timings scatter by ±20%).
 
 The policies are random, built in-process at the sizes of the tabletop configs
 (``configs/tabletop_{token,flow}_vla_sft.yaml``: 64 px camera, hidden 64, 2 layers, chunk 4)
@@ -131,6 +133,7 @@ def main() -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32, 256], help="observations per sample call")
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--seconds", type=float, default=3.0, help="timed calls per batch size, at least 3 and for about this long")
+    parser.add_argument("--rounds", type=int, default=1, help="measurements per case and commit, old and new taking turns; the table gives the median decisions/s")
     parser.add_argument("--worker", choices=list(CASES), help=argparse.SUPPRESS)
     parser.add_argument("--vlm-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -168,7 +171,11 @@ def main() -> int:
                 print("| policy | B | ops / call | ops / decision | decisions/s |")
                 print("|---|---|---|---|---|")
             for case in args.cases:
-                results = {label: run_tree(tree, case, args.batches, args.seconds, vlm_dir) for label, tree in trees.items()}
+                rounds = [{label: run_tree(tree, case, args.batches, args.seconds, vlm_dir) for label, tree in trees.items()} for _ in range(args.rounds)]
+                results = {
+                    label: [{**row, "decisions_per_s": statistics.median(r[label][i]["decisions_per_s"] for r in rounds)} for i, row in enumerate(rounds[0][label])]
+                    for label in trees
+                }
                 for i, new in enumerate(results["new"]):
                     b = new["batch"]
                     if args.old:
