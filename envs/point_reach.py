@@ -74,3 +74,10 @@ class PointReachEnv(gymnasium.Env):
 
 
 gymnasium.register(id="mmrl/PointReach-v0", entry_point=PointReachEnv)
+
+
+def reach_goal(observations) -> np.ndarray:
+    """The scripted expert: straight at the goal, each axis at full speed until the default
+    ``step_size`` (0.2) would overshoot. ``observations`` [N, 4] → velocities [N, 2] (a
+    scripted intervener's ``expert``, mmrl/interventions.py)."""
+    return np.clip(np.asarray(observations, dtype=np.float32)[:, 2:] / 0.2, -1.0, 1.0)

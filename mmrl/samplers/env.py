@@ -65,6 +65,7 @@ from mmrl.core.rollout import OldLogProbs, Rollout
 from mmrl.core.sampler import Sampler, SamplerContext, group_seed
 from mmrl.core.statistics import wilson_interval
 from mmrl.errors import ConfigError, UserCodeError, call_user_code
+from mmrl.interventions import IntervenerConfig, as_takeover, build_intervener
 from mmrl.registry import ENVS, SAMPLERS
 from mmrl.samplers.partial import EpisodesInFlight, as_numpy, device_of, observation_row, partial_metrics, stack_observation_rows, state_key
 from mmrl.samplers.recording import EpisodeRecorder, TextEpisodeRecorder, VideoFrames, camera_names, check_recording, save_episodes, trajectory_info
@@ -75,6 +76,7 @@ from mmrl.core.component_config import SamplerConfig
 # evaluation episodes never repeat training episodes (2**32 is the largest seed numpy's
 # legacy RandomState, used by some simulators, accepts).
 _TRAIN_SEEDS = 2**31
+_INTERVENER_STREAM = (1 << 44) + 2  # the group index reserved for the seed of an intervener's draws
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +91,7 @@ class EnvSamplerConfig(SamplerConfig):
     eval_deterministic: bool = option(True, "evaluate the policy's mean action (false: sample actions, seeded, as in training)")
     keep_frames: int = option(0, "keep K keyframes of each training episode (observations, segment actions) in info['trajectory'] for a trajectory reward model (bt_trajectory); 0 = none", ge=0)
     save_eval_episodes: str | None = option(None, "write each evaluation's episodes to <this directory>/env_steps_<N> (LeRobotDataset v3 layout, mmrl/episodes.py; a language agent's as episodes.jsonl of turns); null = none")
+    intervener: IntervenerConfig | None = option(None, "who may take over decisions in training (HIL-SERL, mmrl/interventions.py); null = none")
 
     def validate(self, path: str) -> None:
         if self.keep_frames == 1:
@@ -143,9 +146,21 @@ class EnvSampler(Sampler):
             check_recording(sampler_cfg.keep_frames, self.partial is not None, has_images, self.env_name)
             # the env's success flag or a learned one (mmrl/samplers/success.py)
             self.success_source = SuccessSource(ctx.env, ctx.rewards, self.env_name, self.env.single_observation_space, o)
+            self.intervener = self._intervener(sampler_cfg.intervener, o)
         except ConfigError:
             self.env.close()
             raise
+
+    def _intervener(self, cfg: IntervenerConfig | None, over_provision: float):
+        """The intervener of ``sampler.intervener`` (None without one), its draws seeded by
+        the run seed."""
+        if cfg is None:
+            return None
+        if self.text_actions:
+            raise ConfigError("sampler.intervener", cfg.type, f"takes over action chunks of a robot env; {self.env_name} acts in text: use null")
+        if over_provision > 1:
+            raise ConfigError("sampler.intervener", cfg.type, f"intervenes in whole waves of episodes; partial rollouts (rollout.over_provision {over_provision}) carry episodes across steps: use 1")
+        return build_intervener(cfg, group_seed(self.seed, 0, _INTERVENER_STREAM))
 
     def policy_spec(self) -> dict:
         space = self.env.single_observation_space
@@ -245,7 +260,7 @@ class EnvSampler(Sampler):
             first_group, first_copy = divmod(start, group_size)
             generator = torch.Generator().manual_seed(seeds[first_group] + first_copy)
             reset_seeds = [seeds[i // group_size] % _TRAIN_SEEDS for i in members]
-            vector_steps, part, *kept = self._run_wave(policy, reset_seeds, generator, deterministic=False, final=self.bootstrap, keep=bool(self.config.keep_frames), training=True)
+            vector_steps, part, *kept = self._run_wave(policy, reset_seeds, generator, deterministic=False, final=self.bootstrap, keep=bool(self.config.keep_frames), training=True, step=step)
             if kept:
                 part.info.update(trajectory_info(kept[0], self.config.keep_frames))
             self.env_steps += vector_steps * self.num_envs
@@ -325,7 +340,7 @@ class EnvSampler(Sampler):
         return out
 
     @torch.no_grad()
-    def _run_wave(self, policy, seeds: list[int], generator: torch.Generator | None, deterministic: bool, record: int = 0, final: bool = False, keep: bool = False, training: bool = False):
+    def _run_wave(self, policy, seeds: list[int], generator: torch.Generator | None, deterministic: bool, record: int = 0, final: bool = False, keep: bool = False, training: bool = False, step: int = 0):
         """One episode per seed on the first ``len(seeds)`` envs; the other envs (a last,
         partial wave) step along, masked out. Returns (vector env steps taken, rollout), plus
         the frames and instructions of the first ``record`` episodes if ``record`` > 0.
@@ -335,7 +350,8 @@ class EnvSampler(Sampler):
         (last in the returned tuple). ``training``: a training wave, where
         ``env.hide_success`` and ``env.success_model.terminates`` apply; with
         ``env.success_model`` every decision's reached observation is scored
-        (mmrl/samplers/success.py).
+        (mmrl/samplers/success.py), and the ``sampler.intervener`` may take over decisions
+        (:meth:`intervene`; ``step``: the training step, its clock).
 
         The step loop only records what the env returned; who was alive when, returns,
         success and truncation are worked out once per wave from those records."""
@@ -352,6 +368,7 @@ class EnvSampler(Sampler):
         carry = None  # a policy that carries_state: its state in this wave's episodes
         keys: list = []  # per decision, each env's state key (state_keys): a list of ints, or a tensor on the simulator's device
         samples, rewards, terminated, truncated, success, chunk_index = [], [], [], [], [], []
+        intervened: list[Tensor] = []  # per decision, the [N] rows the intervener took over
         cap = self.config.max_decisions
         frames = VideoFrames(obs, record) if record else None
         # each env's observation after its episode's last step (final=True): env -> row, or on a
@@ -365,6 +382,8 @@ class EnvSampler(Sampler):
                 keys.append(tensor_state_keys(obs) if on is not None else [state_key(observation_row(obs, e)) for e in range(num_envs)])
             sample = self.sample(policy, obs, device, generator, deterministic, carry=carry, active=alive)
             carry = sample.carry
+            if training and self.intervener is not None:
+                intervened.append(self.intervene(policy, sample, obs, device, step))
             actions = self.actions(sample, on, bounds)
             samples.append(sample)
             ended_by_policy = self.ended_by_policy(sample, on)
@@ -420,6 +439,9 @@ class EnvSampler(Sampler):
             per_call = rollout.num_decisions // len(samples)
             table = torch.stack(keys) if on is not None else torch.tensor(keys, dtype=torch.long)
             rollout.info["state_keys"] = table[:, :n].T.repeat_interleave(per_call, dim=1).to(rollout.mask.device)
+        if intervened:  # [n, T·k]: a decision's mark on each of its log-prob columns
+            per_call = rollout.num_decisions // len(samples)
+            rollout.info["intervened"] = torch.stack(intervened)[:, :n].T.repeat_interleave(per_call, dim=1).to(rollout.mask.device)
         if len(costs) == len(rewards):  # the env reported its costs at every step
             if on is not None:
                 last = (rollout.info["length"].to(on) - 1).clamp(min=0)
@@ -439,6 +461,27 @@ class EnvSampler(Sampler):
         if frames is None:
             return len(rewards), rollout, *episodes
         return len(rewards), rollout, frames.clips(rollout), frames.instructions, *episodes
+
+    def intervene(self, policy, sample, obs, device, step: int) -> Tensor:
+        """Offer one decision to the intervener (mmrl/interventions.py). In the rows it takes
+        over, its actions replace ``sample.output`` and the replay becomes what the policy
+        writes for the executed action (``demo_replay``); the old log-prob stays the
+        proposal's, which no loss that trains from the buffer reads. Returns those rows, [N]
+        bool on the CPU."""
+        proposed = torch.as_tensor(sample.output)
+
+        def takeover():
+            taken = self.intervener.intervene(obs, proposed, step, self.env)
+            return None if taken is None else as_takeover(taken, proposed)
+
+        taken = call_user_code("sampler.intervener.intervene", takeover)
+        if taken is None:
+            return torch.zeros(proposed.shape[0], dtype=torch.bool)
+        rows, actions = taken
+        if bool(rows.any()):
+            sample.output = torch.where(rows[:, None, None], actions, proposed)
+            sample.replay = _replace_rows(sample.replay, policy.demo_replay(self.observation(obs, device), actions), rows)
+        return rows.cpu()
 
     def actions(self, sample, on=None, bounds=None) -> list:
         """The env actions of one policy call, one batch per env step of its chunk: each
@@ -539,12 +582,18 @@ class EnvSampler(Sampler):
     # ------------------------------------------------------------------ bookkeeping
 
     def state_dict(self) -> dict[str, Any]:
+        if self.intervener is not None and hasattr(self.intervener, "state_dict"):
+            return {"env_steps": self.env_steps, "intervener": self.intervener.state_dict()}
         return {"env_steps": self.env_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.env_steps = int(state.get("env_steps", 0))
+        if "intervener" in state and hasattr(self.intervener, "load_state_dict"):
+            self.intervener.load_state_dict(state["intervener"])
 
     def close(self) -> None:
+        if self.intervener is not None and hasattr(self.intervener, "close"):
+            self.intervener.close()
         self.env.close()
 
 
@@ -581,6 +630,19 @@ def _env_instructions(env) -> list[str]:
         for text in texts or []:
             seen.setdefault(str(text), None)
     return list(seen)
+
+
+def _replace_rows(replay: dict, written: dict, rows: Tensor) -> dict:
+    """``replay`` with the entries ``written`` has taken from it at ``rows`` [N] (the others
+    kept: a policy's own extras, such as a log std cap)."""
+    out = dict(replay)
+    for key, value in written.items():
+        if isinstance(value, dict):
+            out[key] = _replace_rows(replay[key], value, rows)
+        else:
+            old = replay[key]
+            out[key] = torch.where(rows.to(old.device).view(-1, *[1] * (old.dim() - 1)), value.to(old), old)
+    return out
 
 
 def _cat_replay(replays: list[dict], n: int) -> dict:

@@ -7,7 +7,14 @@ and the steps owed are saved with the run (``replay_buffer``, ``owed_updates``).
 With ``demos`` (RLPD, Ball et al., 2023), the demonstrations' transitions fill a second
 buffer once, at the start, and ``demo_share`` of every batch is drawn from it (symmetric
 sampling at 0.5), the rest from the online buffer; it is saved with the run too
-(``demo_buffer``)."""
+(``demo_buffer``).
+
+With an intervener (``sampler.intervener``, HIL-SERL), every transition carries
+``intervened``, and the intervened ones (their action the intervener's) also join the
+demonstrations' buffer, which then exists even without ``demos``: ``buffer_size`` rows of
+a ring after the demonstrations from files, which stay. Until the first intervention every
+batch comes from the online buffer. ``intervention/rate`` is the share of a step's new
+transitions that an intervener took over."""
 
 from __future__ import annotations
 
@@ -34,18 +41,29 @@ class BufferUpdates:
         where = device if self.options.buffer_device == "learner" else "cpu"
         self.buffer = ReplayBuffer(self.options.buffer_size, where, group_seed(cfg.seed, 0, _BUFFER_STREAM))
         self.owed_updates = 0.0  # utd x new transitions not yet spent on optimizer steps
-        self.demos = None  # the demonstrations' buffer (RLPD)
+        self.demos = None  # the demonstrations' buffer (RLPD), and the intervened transitions
         o = self.options
-        if o.demos is not None:
+        intervener = getattr(cfg.sampler, "intervener", None)
+        self.intervening = intervener is not None
+        if o.demos is not None or self.intervening:
             from mmrl.core.policy import overrides
-            from mmrl.demos import read_demos
 
             if not overrides(policy, "demo_replay"):
-                raise ConfigError("algo.loss.demos", o.demos, f"policy {type(policy).__name__} cannot write demonstrations as its replay (demo_replay); gaussian_mlp can")
+                field, value = ("algo.loss.demos", o.demos) if o.demos is not None else ("sampler.intervener", intervener.type)
+                raise ConfigError(field, value, f"policy {type(policy).__name__} cannot write demonstrations as its replay (demo_replay); gaussian_mlp can")
+        if o.demos is not None:
+            from mmrl.demos import read_demos
+
             batch = demo_transitions(read_demos(o.demos), policy, o.gamma, o.n_step)
             count = batch["reward"].shape[0]
-            self.demos = ReplayBuffer(count, where, group_seed(cfg.seed, 0, _DEMO_STREAM))
+            if self.intervening:
+                batch["intervened"] = torch.zeros(count, dtype=torch.bool)
+            self.demos = ReplayBuffer(count + (o.buffer_size if self.intervening else 0), where, group_seed(cfg.seed, 0, _DEMO_STREAM))
             self.demos.add(batch)
+            if self.intervening:
+                self.demos.pin()
+        elif self.intervening:
+            self.demos = ReplayBuffer(o.buffer_size, where, group_seed(cfg.seed, 0, _DEMO_STREAM))
 
     def state_dict(self) -> dict[str, Any]:
         state = {"replay_buffer": self.buffer.state_dict(), "owed_updates": self.owed_updates}
@@ -58,6 +76,8 @@ class BufferUpdates:
         self.owed_updates = float(state["owed_updates"])
         if self.demos is not None:
             if "demo_buffer" not in state:
+                if self.options.demos is None:
+                    raise ConfigError("sampler.intervener", self.cfg.sampler.intervener.type, "the checkpoint was trained without interventions: resume with intervener null")
                 raise ConfigError("algo.loss.demos", self.options.demos, "the checkpoint was trained without demonstrations: resume with demos null")
             self.demos = ReplayBuffer(int(state["demo_buffer"]["capacity"]), self.demos.device, 0)
             self.demos.load_state_dict(state["demo_buffer"])
@@ -66,7 +86,7 @@ class BufferUpdates:
         """One batch: ``demo_share`` of ``batch_size`` from the demonstrations (rounded), the
         rest from the online buffer, concatenated in that order (online first)."""
         o = self.options
-        if self.demos is None:
+        if self.demos is None or len(self.demos) == 0:  # no demonstrations, or no intervention yet
             return self.buffer.sample(o.batch_size, device)
         from_demos = round(o.batch_size * o.demo_share)
         parts = [self.buffer.sample(o.batch_size - from_demos, device)] if from_demos < o.batch_size else []
@@ -79,7 +99,12 @@ class BufferUpdates:
         loss, model and optimizer. Returns the rollout, zero advantages (none are computed) and
         the steps' mean metrics."""
         o, loss = self.options, learner.loss
-        added = self.buffer.add(transitions(rollout, o.gamma, o.n_step))
+        new = transitions(rollout, o.gamma, o.n_step)
+        if self.intervening:  # one mark per transition, in their order (valid decisions, row-major)
+            new["intervened"] = taken = rollout.info["intervened"][rollout.mask.bool()].to(new["reward"].device)
+            if bool(taken.any()):
+                self.demos.add(_take(new, taken))
+        added = self.buffer.add(new)
         steps = 0
         if len(self.buffer) >= o.learning_starts:
             self.owed_updates += o.utd * added
@@ -107,7 +132,13 @@ class BufferUpdates:
         stats = {**stats, **loss.end_update(step), "buffer/size": float(len(self.buffer)), "buffer/added": float(added), "update/steps": float(steps)}
         if self.demos is not None:
             stats["buffer/demo_transitions"] = float(len(self.demos))
+        if self.intervening:
+            stats["intervention/rate"] = float(new["intervened"].float().mean()) if added else 0.0
         return rollout, torch.zeros(rollout.batch_size, 1), stats
+
+
+def _take(tree: dict, rows: torch.Tensor) -> dict:
+    return {k: _take(v, rows) if isinstance(v, dict) else v[rows.to(v.device)] for k, v in tree.items()}
 
 
 def _cat_trees(trees: list[dict]) -> dict:

@@ -17,9 +17,9 @@ A transition is one decision of an episode (an action chunk: the env executed al
   from the final observation, which the env sampler keeps (``info["final_replay"]``).
 
 Storage is preallocated at the first ``add`` (``capacity`` rows per entry, on the learner's
-device or the CPU) and written as a ring. Draws are uniform with replacement from a
-``torch.Generator`` of the buffer's own, whose state is saved with the contents: a resumed
-run draws what the unbroken one would have.
+device or the CPU) and written as a ring, after the rows :meth:`ReplayBuffer.pin` keeps.
+Draws are uniform with replacement from a ``torch.Generator`` of the buffer's own, whose
+state is saved with the contents: a resumed run draws what the unbroken one would have.
 
 Why not TorchRL's replay buffers: mmrl's transitions come whole-episode from the env
 sampler, with chunk discounts and n-step sums worked out once per episode here; TorchRL's
@@ -182,6 +182,7 @@ class ReplayBuffer:
         self.size = 0
         self.cursor = 0  # the row the next transition goes to
         self.added = 0  # transitions ever added
+        self.pinned = 0  # the first rows, never overwritten (pin)
         self.generator = torch.Generator().manual_seed(seed)
 
     def __len__(self) -> int:
@@ -196,14 +197,22 @@ class ReplayBuffer:
             self.storage = {k: torch.zeros(self.capacity, *v.shape[1:], dtype=v.dtype, device=self.device) for k, v in flat.items()}
         elif set(flat) != set(self.storage):
             raise ValueError(f"transitions with entries {sorted(flat)} cannot join a buffer of {sorted(self.storage)}")
-        keep = min(n, self.capacity)  # more than the capacity at once: the last ones stay
-        rows = (self.cursor + torch.arange(keep)) % self.capacity
+        span = self.capacity - self.pinned  # the ring's rows
+        keep = min(n, span)  # more than the ring at once: the last ones stay
+        rows = self.pinned + (self.cursor - self.pinned + torch.arange(keep)) % span
         for k, v in flat.items():
             self.storage[k][rows.to(self.device)] = v[n - keep :].to(self.device, self.storage[k].dtype)
-        self.cursor = (self.cursor + keep) % self.capacity
+        self.cursor = self.pinned + (self.cursor - self.pinned + keep) % span
         self.size = min(self.size + keep, self.capacity)
         self.added += n
         return n
+
+    def pin(self) -> None:
+        """Keep the transitions held now for good: later ones ring over the rows after them
+        (demonstrations from files beside intervened transitions)."""
+        if self.size >= self.capacity:
+            raise ValueError(f"a full buffer of {self.capacity} transitions leaves no room after the ones it keeps")
+        self.pinned = self.size
 
     def sample(self, batch_size: int, device: torch.device | str | None = None) -> dict[str, Any]:
         """``batch_size`` transitions drawn uniformly with replacement, on ``device`` (the
@@ -218,7 +227,7 @@ class ReplayBuffer:
         """The contents (the filled rows, on the CPU), the ring's position and the generator."""
         return {
             "storage": {k: v[: self.size].cpu() for k, v in self.storage.items()},
-            "size": self.size, "cursor": self.cursor, "added": self.added, "capacity": self.capacity,
+            "size": self.size, "cursor": self.cursor, "added": self.added, "capacity": self.capacity, "pinned": self.pinned,
             "generator": self.generator.get_state(),
         }
 
@@ -226,6 +235,7 @@ class ReplayBuffer:
         if int(state["capacity"]) != self.capacity:
             raise ValueError(f"the checkpoint's replay buffer holds {state['capacity']} transitions, this run's {self.capacity}: resume with the same buffer_size")
         self.size, self.cursor, self.added = int(state["size"]), int(state["cursor"]), int(state["added"])
+        self.pinned = int(state.get("pinned", 0))
         self.storage = {}
         for k, v in state["storage"].items():
             self.storage[k] = torch.zeros(self.capacity, *v.shape[1:], dtype=v.dtype, device=self.device)

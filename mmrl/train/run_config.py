@@ -230,6 +230,9 @@ class TrainConfig:
         if self.algo.type == "rl":
             loss = self.algo.loss.type
             check_requirements(loss, LOSSES.get(loss, "algo.loss.type").requires, self)
+        intervener = getattr(self.sampler, "intervener", None)
+        if intervener is not None and (self.algo.type != "rl" or not LOSSES.entry(self.algo.loss.type, "algo.loss.type").traits.get("trains_from_buffer", False)):
+            raise ConfigError("sampler.intervener", intervener.type, f"an intervener's actions carry no log-prob for algo.loss {self.algo.loss.type!r} to learn from: use a loss that trains from the replay buffer (sac), or null")
         self._validate_rollout()
         self._validate_critic()
         if self.device not in ("auto", "cpu", "mps") and not self.device.startswith("cuda"):
