@@ -23,6 +23,9 @@ class DSRLConfig(PolicyConfig):
         "features_and_state",
         "what the noise policy and its critic read: the frozen policy's pooled features of the observation (computed in its decoding pass), the env's state vector, or both",
     )
+    critic_privileged: bool = option(
+        False, "the critic also reads the env's privileged observation (the simulator's state: mmrl/Tabletop-v0's env.kwargs.privileged_state), which the noise policy never sees (asymmetric actor-critic)"
+    )
     hidden_sizes: list[int] = option(factory=lambda: [256, 256], doc="widths of the noise policy's hidden layers (ReLU)")
     noise_bound: float = option(1.5, "the chosen noise is noise_bound * tanh(u), u ~ N(mu(o), sigma(o)^2): within this many standard deviations of the base's N(0, I) (DSRL's action_magnitude)", gt=0)
     init_log_std: float = option(0.0, "initial log std of u (the head's bias): at 0 the first noises spread much as the base's own draws")

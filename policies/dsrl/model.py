@@ -24,7 +24,10 @@ the same pass that decodes the chunk, and/or the env's state vector. Because π_
 frozen, its features are a fixed function of the observation: the replay stores them, and
 SAC's updates never run π_dp (on a CPU the decoding pass is what costs; an update of a
 few-hundred-unit MLP on stored features is cheap). An encoder of its own over the images
-(as some DSRL agents have) would have to store the images and run in every update.
+(as some DSRL agents have) would have to store the images and run in every update. With
+``critic_privileged`` the critic also reads the env's privileged observation (a
+simulator's state), which the noise policy never sees: SAC's actor learns through Q, so an
+asymmetric critic (Pinto et al. 2017) needs nothing at acting time.
 
 The frozen policy is any family that can act from a given noise
 (``PolicyModule.sample_from_noise``); another is refused at build time. Where it loads
@@ -40,6 +43,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from mmrl.core.critic import PRIVILEGED
 from mmrl.core.policy import PolicyModule, Sample
 from mmrl.core.weights import build_policy
 from mmrl.errors import ConfigError
@@ -102,6 +106,9 @@ class DSRLPolicy(PolicyModule):
         if self.reads_state and not self.state_dim:
             raise ConfigError("policy.inputs", config.inputs, "this env gives no state vector: use features")
         self.input_dim = (int(self.base.noise_feature_dim) if self.reads_features else 0) + self.state_dim
+        self.privileged_dim = int(spec.get("privileged_dim") or 0) if config.critic_privileged else 0
+        if config.critic_privileged and not self.privileged_dim:
+            raise ConfigError("policy.critic_privileged", True, "this env gives no privileged observation (mmrl/Tabletop-v0: env.kwargs.privileged_state: true)")
 
         layers: list[nn.Module] = []
         width = self.input_dim
@@ -183,11 +190,14 @@ class DSRLPolicy(PolicyModule):
 
     @property
     def critic_input_dim(self) -> int:
-        return self.input_dim
+        return self.input_dim + self.privileged_dim
 
     def critic_inputs(self, replay: dict) -> Tensor:
-        """The replayed inputs [B, T, input_dim] (features and/or state): Q(o, w) reads them."""
-        return replay["obs"]
+        """What Q(o, w) reads [B, T, critic_input_dim]: the replayed inputs (features and/or
+        state), and with ``critic_privileged`` the env's privileged observation after them."""
+        if not self.privileged_dim:
+            return replay["obs"]
+        return torch.cat([replay["obs"], replay[PRIVILEGED].to(replay["obs"])], -1)
 
     @property
     def action_values(self) -> int:

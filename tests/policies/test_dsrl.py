@@ -200,3 +200,28 @@ def test_the_shipped_config_steers_a_flow_vla_start_for_a_few_steps(tmp_path):
     finally:
         trainer.engine.close()
         trainer.sampler.close()
+
+
+def test_an_asymmetric_critic_reads_the_privileged_state_that_the_noise_policy_never_sees(tmp_path):
+    from mmrl.config import load_config
+
+    path = ROOT / "configs" / "tabletop_spatial_flow_dsrl.yaml"
+    small = ["total_steps=2", "env.num_envs=2", "env.max_episode_steps=8", "algo.groups_per_step=2", "algo.loss.learning_starts=4", "algo.loss.batch_size=8",
+             "algo.loss.buffer_size=1000", "log.progress=false", "log.tensorboard=false", "eval.at_start=false", "eval.at_end=false",
+             "policy.policy.pretrained=null", "env.kwargs.privileged_state=true", "policy.critic_privileged=true"]
+    trainer = Trainer(load_config(TrainConfig, path, small), tmp_path / "run")
+    try:
+        policy = trainer.policy
+        assert policy.critic_input_dim == policy.input_dim + policy.spec["privileged_dim"] and policy.privileged_dim > 0
+        assert sum(trainer.rl_step(step)["update/steps"] for step in range(2)) > 0
+        batch = trainer.learner.off_policy.buffer.sample(4)
+        inputs = policy.critic_inputs(batch["replay"])
+        assert inputs.shape[-1] == policy.critic_input_dim and torch.equal(inputs[..., policy.input_dim :], batch["replay"]["privileged"])
+        assert policy.critic_inputs(batch["next"]).shape == inputs.shape
+        assert policy.net[0].in_features == policy.input_dim  # the noise policy reads no privileged entry
+    finally:
+        trainer.engine.close()
+        trainer.sampler.close()
+    with pytest.raises(ConfigError) as e:
+        build({"policy": BASE, "critic_privileged": True})
+    assert e.value.field == "policy.critic_privileged" and "\n" not in str(e.value)
