@@ -108,7 +108,9 @@ class StaticDecoder:
             layer["slots"][0][j].copy_(k * cos + k.roll(half, -1) * sin)
             layer["slots"][1][j].copy_(layer["v"](x).view(n, kv_heads, 1, d))
             keys, values = layer["cache"]
-            out = nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=layer["scale"], enable_gqa=heads != kv_heads)
+            if heads != kv_heads:  # grouped key/value heads: a group's queries are the rows of its one head (transformers' pack_gqa)
+                q = q.view(n, kv_heads, heads // kv_heads, d)
+            out = nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=layer["scale"])
             h = h + layer["o"](out.reshape(n, heads * d))
             x = post_norm(h)
             mlp = layer["mlp"]
