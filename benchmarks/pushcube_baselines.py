@@ -1,9 +1,18 @@
-"""ManiSkill3 PushCube-v1 from state: the group baseline (GRPO) against the learned value
-baseline (GAE and a critic), each over the same training seeds, in one benchmark run.
+"""ManiSkill3 PushCube-v1 from state: shipped recipes side by side over the same training
+seeds, in one benchmark run: the group baseline (GRPO) against the learned value baseline
+(GAE and a critic) by default, or RLPD (SAC on a replay buffer with scripted demonstrations)
+against GAE, on one or both kernel sets.
 
-    python benchmarks/pushcube_baselines.py                          # seeds 0 1 2, two runs at a time
+    python benchmarks/pushcube_baselines.py                          # GRPO vs GAE, seeds 0 1 2, two runs at a time
     python benchmarks/pushcube_baselines.py --seeds 0 --jobs 1       # one seed of each
+    python benchmarks/pushcube_baselines.py --baselines rlpd gae --seeds 0   # the main job against PPO, one seed each
+    python benchmarks/pushcube_baselines.py --baselines rlpd --seeds 0 1 2 3 4 --kernels default avx2  # the 10-run check
     python benchmarks/pushcube_baselines.py --report-only            # read the run directories again
+
+A baseline whose config trains with demonstrations (``algo.loss.demos``) gets them collected
+once, by `mmrl collect --config` into OUT/demos (as `make train` does), and the env steps they
+took are printed beside its curve. ``--kernels`` runs each (baseline, seed) under each
+``ATEN_CPU_CAPABILITY`` named (run directories NAME_KERNEL_sS).
 
 Each (config, seed) is ``mmrl train CONFIG seed=S --run-dir OUT/NAME_sS`` in its own process
 with one intra-op thread; ``--jobs`` of them run at once, the two baselines interleaved in the
@@ -42,25 +51,47 @@ ROOT = Path(__file__).resolve().parents[1]
 BASELINES = {  # name -> shipped config
     "grpo": "configs/maniskill_pushcube_grpo.yaml",
     "gae": "configs/maniskill_pushcube_gae.yaml",
+    "rlpd": "configs/maniskill_pushcube_rlpd.yaml",
+    "sac": "configs/maniskill_pushcube_sac.yaml",
 }
+WITH_DEMOS = {"rlpd"}  # baselines whose config reads algo.loss.demos
 PACKAGES = ("mani_skill", "sapien", "torch", "gymnasium", "numpy")
 
 
-def run_one(name: str, seed: int, out: Path, overrides: list[str], stop_at: float | None = None) -> float:
+def run_name(name: str, seed: int, kernel: str | None) -> str:
+    return f"{name}_{kernel}_s{seed}" if kernel else f"{name}_s{seed}"
+
+
+def collect_demos(out: Path, name: str, overrides: list[str]) -> tuple[Path, int]:
+    """The demonstrations of ``name``'s config, collected once into OUT/demos; their env steps."""
+    demos = out / "demos"
+    if not (demos / "index.json").is_file():
+        cmd = [sys.executable, "-m", "mmrl", "collect", "--config", BASELINES[name], "--out", str(demos), *overrides]
+        subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    import json
+
+    index = json.loads((demos / "index.json").read_text())
+    import numpy as np
+
+    steps = sum(int(np.load(demos / e)["action"].shape[0]) for e in index["episodes"])
+    return demos, steps
+
+
+def run_one(name: str, seed: int, out: Path, overrides: list[str], stop_at: float | None = None, kernel: str | None = None) -> float:
     """Train one baseline at one seed; returns its wall-clock seconds. Output goes to
     ``OUT/NAME_sS.log``; a run that finished before (its ``.wall`` file is there) is not run
     again, and one that was cut off (checkpoints, no ``.wall``) resumes from its last
     checkpoint (its metrics after that checkpoint are redone). ``stop_at``: stop the run (SIGTERM: it
     writes its checkpoint and exits 143) once an evaluation reaches this success."""
-    run_dir = out / f"{name}_s{seed}"
-    log, wall_file = out / f"{name}_s{seed}.log", out / f"{name}_s{seed}.wall"
+    run_dir = out / run_name(name, seed, kernel)
+    log, wall_file = out / f"{run_dir.name}.log", out / f"{run_dir.name}.wall"
     if wall_file.exists():
         return float(wall_file.read_text().split()[0])
     resumed = (run_dir / "checkpoints").is_dir()
     cmd = [sys.executable, "-m", "mmrl", "train", BASELINES[name], f"seed={seed}", "--run-dir", str(run_dir), "log.progress=false", *overrides]
     if resumed:
         cmd.append("--resume")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **({"ATEN_CPU_CAPABILITY": kernel} if kernel else {})}
     t0 = time.time()
     with open(log, "a" if resumed else "w") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
@@ -111,39 +142,57 @@ def versions() -> str:
     return ", ".join(found)
 
 
-def report(out: Path, seeds: list[int], target: float) -> None:
-    runs = {(name, s): read_run(out / f"{name}_s{s}", target) for name in BASELINES for s in seeds if (out / f"{name}_s{s}" / "metrics.jsonl").exists()}
+def report(out: Path, seeds: list[int], target: float, baselines: list[str] | None = None, kernels: list[str | None] | None = None, hold: float = 0.85) -> None:
+    baselines, kernels = baselines or ["grpo", "gae"], kernels or [None]
+    runs = {(name, k, s): read_run(out / run_name(name, s, k), target) for name in baselines for k in kernels for s in seeds
+            if (out / run_name(name, s, k) / "metrics.jsonl").exists()}
     if not runs:
         raise SystemExit(f"no runs under {out}")
-    print(f"# PushCube-v1: group baseline (GRPO) vs value baseline (GAE), target {target} mean-action success (100 episodes)")
-    print(f"# {versions()}; one intra-op thread per run\n")
-    for (name, seed), run in runs.items():
-        points = " ".join(f"{steps // 1000}k:{success:.2f}" for steps, success in run["curve"])
-        print(f"{name} seed {seed}: {points}")
+    print(f"# PushCube-v1: {' vs '.join(baselines)}, target {target} mean-action success (100 episodes)")
+    print(f"# {versions()}; one intra-op thread per run")
+    if any(name in WITH_DEMOS for name in baselines) and (out / "demos" / "index.json").is_file():
+        _, steps = collect_demos(out, next(n for n in baselines if n in WITH_DEMOS), [])
+        print(f"# demonstrations: {steps:,} env steps, not counted in the curves' env steps")
     print()
-    print("| baseline | seed | first >= target (env steps) | training wall-clock to it (s) | whole run (s) | final eval |")
-    print("|---|---|---|---|---|---|")
-    for (name, seed), run in runs.items():
+    for (name, k, seed), run in runs.items():
+        points = " ".join(f"{steps // 1000}k:{success:.2f}" for steps, success in run["curve"])
+        print(f"{run_name(name, seed, k)}: {points}")
+    print()
+    print(f"| baseline | kernels | seed | first >= target (env steps) | lowest after it | training wall-clock to it (s) | training (s) | whole run (s) | final eval |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    kept = 0
+    for (name, k, seed), run in runs.items():
         first = run["first"]
         reached = f"{first['env_steps']:,}" if first else "not reached"
+        after = [success for steps, success in run["curve"] if first and steps >= first["env_steps"]]
+        lowest = f"{min(after):.2f}" if after else "—"
+        kept += bool(after) and min(after) >= hold - 1e-6
         to_target = f"{first['train_s']:.0f}" if first else "—"
         wall = f"{run['wall_s']:.0f}" if run["wall_s"] is not None else "—"
         final = f"{run['final']:.2f}" + (" (stopped at the target)" if "stopped-at-target" in run["note"] else "")
-        print(f"| {name} | {seed} | {reached} | {to_target} | {wall} | {final} |")
+        print(f"| {name} | {k or 'native'} | {seed} | {reached} | {lowest} | {to_target} | {run['train_s']:.0f} | {wall} | {final} |")
     print()
-    both = [s for s in seeds if all((n, s) in runs and runs[(n, s)]["first"] for n in BASELINES)]
-    for name in BASELINES:
-        firsts = [runs[(name, s)]["first"] for s in seeds if (name, s) in runs and runs[(name, s)]["first"]]
-        done = sum(1 for s in seeds if (name, s) in runs)
+    for name in baselines:
+        mine = [r for (n, _, _), r in runs.items() if n == name]
+        firsts = [r["first"] for r in mine if r["first"]]
+        held = sum(1 for r in mine if r["first"] and min(v for st, v in r["curve"] if st >= r["first"]["env_steps"]) >= hold - 1e-6)
         if firsts:
-            print(f"{name}: reached {target} in {len(firsts)} of {done} seeds; mean {statistics.mean(f['env_steps'] for f in firsts):,.0f} env steps, "
-                  f"{statistics.mean(f['train_s'] for f in firsts):.0f} s of training")
+            print(f"{name}: reached {target} in {len(firsts)} of {len(mine)} runs, holding >= {hold} after it in {held}; mean {statistics.mean(f['env_steps'] for f in firsts):,.0f} env steps, "
+                  f"{statistics.mean(f['train_s'] for f in firsts):.0f} s of training; training s per 1,000 env steps "
+                  f"{statistics.mean(r['train_s'] / max(r['curve'][-1][0], 1) * 1000 for r in mine if r['curve']):.1f}")
         else:
-            print(f"{name}: reached {target} in 0 of {done} seeds")
-    if both:
-        steps = statistics.mean(runs[("grpo", s)]["first"]["env_steps"] / max(runs[("gae", s)]["first"]["env_steps"], 1) for s in both)
-        secs = statistics.mean(runs[("grpo", s)]["first"]["train_s"] / max(runs[("gae", s)]["first"]["train_s"], 1e-9) for s in both)
-        print(f"ratio GRPO / GAE over seeds {both} (per-seed ratios, mean): env steps to {target} {steps:.2f}x, training wall-clock to it {secs:.2f}x")
+            print(f"{name}: reached {target} in 0 of {len(mine)} runs")
+    if len(baselines) >= 2:
+        a, b = baselines[0], baselines[-1]
+        both = [(k, s) for k in kernels for s in seeds if all((n, k, s) in runs and runs[(n, k, s)]["first"] for n in (a, b))]
+        if both:
+            steps = statistics.mean(runs[(a, k, s)]["first"]["env_steps"] / max(runs[(b, k, s)]["first"]["env_steps"], 1) for k, s in both)
+            secs = statistics.mean(runs[(a, k, s)]["first"]["train_s"] / max(runs[(b, k, s)]["first"]["train_s"], 1e-9) for k, s in both)
+            print(f"ratio {a} / {b} over {len(both)} runs (per-run ratios, mean): env steps to {target} {steps:.2f}x, training wall-clock to it {secs:.2f}x")
+        same = [(k, s) for k in kernels for s in seeds if all((n, k, s) in runs and runs[(n, k, s)]["curve"] for n in (a, b))]
+        if same:
+            per = statistics.mean((runs[(a, k, s)]["train_s"] / runs[(a, k, s)]["curve"][-1][0]) / (runs[(b, k, s)]["train_s"] / runs[(b, k, s)]["curve"][-1][0]) for k, s in same)
+            print(f"ratio {a} / {b}: training wall-clock per env step {per:.2f}x")
 
 
 def main() -> None:
@@ -153,18 +202,25 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2, help="runs at once (each on one thread)")
     parser.add_argument("--target", type=float, default=0.9)
     parser.add_argument("--report-only", action="store_true", help="read the run directories, train nothing")
+    parser.add_argument("--baselines", nargs="+", default=["grpo", "gae"], choices=sorted(BASELINES), help="shipped recipes to run side by side (ratios: first / last)")
+    parser.add_argument("--kernels", nargs="+", default=[None], choices=["default", "avx2", "avx512"], help="ATEN_CPU_CAPABILITY of each run (default: the machine's own)")
     parser.add_argument("--stop-at-target", nargs="*", default=[], choices=sorted(BASELINES), metavar="BASELINE",
                         help="stop these baselines' runs at their first evaluation >= target (their curves end there)")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides given to both configs")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides given to every config")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
-        queue = [(name, seed) for seed in args.seeds for name in BASELINES]
+        extra = {name: list(args.overrides) for name in args.baselines}
+        for name in args.baselines:
+            if name in WITH_DEMOS:
+                demos, _ = collect_demos(args.out, name, [])
+                extra[name].append(f"algo.loss.demos={demos}")
+        queue = [(name, kernel, seed) for seed in args.seeds for kernel in args.kernels for name in args.baselines]
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            stop = {name: args.target if name in args.stop_at_target else None for name in BASELINES}
-            for future in [pool.submit(run_one, name, seed, args.out, args.overrides, stop[name]) for name, seed in queue]:
+            stop = {name: args.target if name in args.stop_at_target else None for name in args.baselines}
+            for future in [pool.submit(run_one, name, seed, args.out, extra[name], stop[name], kernel) for name, kernel, seed in queue]:
                 future.result()
-    report(args.out, args.seeds, args.target)
+    report(args.out, args.seeds, args.target, args.baselines, args.kernels)
 
 
 if __name__ == "__main__":
