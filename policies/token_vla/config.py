@@ -22,7 +22,7 @@ class TokenVLAConfig(PolicyConfig):
     logp_granularity: Literal["chunk", "token"] = option("chunk", "what one RL decision is: the whole chunk (log-prob = sum over its C x A tokens, one ratio per chunk) or every action token (a ratio per token, clipped separately, as SimpleVLA-RL)")
     temperature: float = option(1.0, "sampling temperature of the action tokens (log-probs are those of the tempered distribution)", gt=0)
     decode_cache: Literal["static", "dynamic"] = option(
-        "static", "key/value cache of the sampling loop: static = buffers for every slot of the chunk, each step runs only the decoder's layers (Llama-layout decoders; others fall back to dynamic); dynamic = transformers' growing cache and full decoder call per token"
+        "static", "key/value cache of the sampling loop: static = buffers for the chunk's slots, each step runs only the decoder's layers (Llama-layout decoders; others stay dynamic); dynamic = transformers' growing cache"
     )
     old_logp: Literal["deferred", "sampler"] = option(
         "deferred",
