@@ -315,7 +315,7 @@ class FlowTransition:
         """What :meth:`mean_std_at` needs of each of the K steps when all N rows take the same
         step (a sampling chain), computed once for the chain with the operators and float32
         values :meth:`mean_std` computes per step: ``time`` [N] (the model time), the update's
-        coefficients (0-dim), and ``std`` [N, 1] of a schedule std (None for a learned one)."""
+        coefficients (0-dim) and, for flow_sde and flow_cps, ``std`` [N] (the schedule's std)."""
         sigmas = self.sigmas.to(device)
         sigma, sigma_next = sigmas[:-1], sigmas[1:]
         columns: dict[str, Tensor] = {"time": sigma, "dt": sigma_next - sigma}
