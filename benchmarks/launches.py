@@ -3,7 +3,7 @@
 call and per decision, and the decisions per second on this CPU, for the token VLA (mmrl's
 miniature, and on a tiny SmolVLM) and the flow VLA at B = 1, 32 and 256.
 
-    python benchmarks/launches.py [--old <commit>] [--batches 1 32 256]
+    python benchmarks/launches.py [--old <commit>] [--batches 1 32 256] [--rounds 3] [--device cuda]
 
 The count is that of a ``TorchDispatchMode`` around one ``sample`` call: every operator the
 dispatcher runs, views included, the same on any machine for the same code and inputs. With
@@ -93,12 +93,13 @@ def count_operators(policy, inputs) -> int:
     return counter.calls
 
 
-def measure(case: str, batches: list[int], seconds: float, vlm_dir: str | None) -> list[dict]:
+def measure(case: str, batches: list[int], seconds: float, vlm_dir: str | None, device: str = "cpu") -> list[dict]:
     """Per batch size: operators per ``sample`` call and the median decisions per second."""
     import torch
 
     torch.set_num_threads(1)
-    policy = _policy(case, vlm_dir)
+    policy = _policy(case, vlm_dir).to(device)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)  # a call's time includes its kernels
     rows = []
     for batch in batches:
         inputs = _inputs(batch)
@@ -106,8 +107,10 @@ def measure(case: str, batches: list[int], seconds: float, vlm_dir: str | None) 
         ops = count_operators(policy, inputs)
         times, start = [], time.perf_counter()
         while len(times) < 3 or (time.perf_counter() - start < seconds and len(times) < 50):
+            sync()
             t0 = time.perf_counter()
             policy.sample(inputs, torch.Generator().manual_seed(len(times)))
+            sync()
             times.append(time.perf_counter() - t0)
         rows.append({"batch": batch, "ops": ops, "decisions_per_s": batch / statistics.median(times)})
     return rows
@@ -116,8 +119,8 @@ def measure(case: str, batches: list[int], seconds: float, vlm_dir: str | None) 
 # ------------------------------------------------------------------ the comparison
 
 
-def run_tree(tree: Path, case: str, batches: list[int], seconds: float, vlm_dir: str | None) -> list[dict]:
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", case, "--batches", *map(str, batches), "--seconds", str(seconds)]
+def run_tree(tree: Path, case: str, batches: list[int], seconds: float, vlm_dir: str | None, device: str) -> list[dict]:
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", case, "--batches", *map(str, batches), "--seconds", str(seconds), "--device", device]
     if vlm_dir:
         command += ["--vlm-dir", vlm_dir]
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
@@ -134,11 +137,12 @@ def main() -> int:
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--seconds", type=float, default=3.0, help="timed calls per batch size, at least 3 and for about this long")
     parser.add_argument("--rounds", type=int, default=1, help="measurements per case and commit, old and new taking turns; the table gives the median decisions/s")
+    parser.add_argument("--device", default="cpu", help="where the policies run (cuda: the timings wait for the kernels); the counts do not depend on the machine, and on a GPU add the copies of the inputs to it")
     parser.add_argument("--worker", choices=list(CASES), help=argparse.SUPPRESS)
     parser.add_argument("--vlm-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(measure(args.worker, args.batches, args.seconds, args.vlm_dir)))
+        print(json.dumps(measure(args.worker, args.batches, args.seconds, args.vlm_dir, args.device)))
         return 0
 
     import platform
@@ -162,7 +166,8 @@ def main() -> int:
                 cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name"))
             except (OSError, StopIteration):
                 pass
-            print(f"torch {torch.__version__}, {cpu}, 1 thread; aten operators per sample call of B observations, per decision (/ B), decisions/s")
+            where = f"{cpu}, 1 thread" if args.device == "cpu" else f"{args.device} ({torch.cuda.get_device_name(args.device) if torch.cuda.is_available() else 'unavailable'}), {cpu}"
+            print(f"torch {torch.__version__}, {where}; aten operators per sample call of B observations, per decision (/ B), decisions/s")
             if args.old:
                 print(f"old = {args.old}, new = this checkout")
                 print("| policy | B | ops / call old | new | old / new | ops / decision new | decisions/s old | new | new / old |")
@@ -171,7 +176,7 @@ def main() -> int:
                 print("| policy | B | ops / call | ops / decision | decisions/s |")
                 print("|---|---|---|---|---|")
             for case in args.cases:
-                rounds = [{label: run_tree(tree, case, args.batches, args.seconds, vlm_dir) for label, tree in trees.items()} for _ in range(args.rounds)]
+                rounds = [{label: run_tree(tree, case, args.batches, args.seconds, vlm_dir, args.device) for label, tree in trees.items()} for _ in range(args.rounds)]
                 results = {
                     label: [{**row, "decisions_per_s": statistics.median(r[label][i]["decisions_per_s"] for r in rounds)} for i, row in enumerate(rounds[0][label])]
                     for label in trees
