@@ -28,7 +28,7 @@ def layouts() -> dict[str, dict[str, str]]:
 
     found: dict[str, dict[str, str]] = {}
     for entry in POLICIES.entries():
-        for name, doc in getattr(entry.obj, "export_layouts", {}).items():
+        for name, doc in entry.obj.export_layouts.items():
             found.setdefault(name, {})[entry.name] = doc
     return dict(sorted(found.items()))
 

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from mmrl.config import option
 from mmrl.core.component_config import RewardConfig
+from mmrl.core.policy import overrides
 from mmrl.core.reward import Reward, RewardContext
 from mmrl.core.rollout import Rollout
 from mmrl.errors import ConfigError
@@ -121,7 +122,7 @@ class GrpoCare(Reward):
 
     @torch.no_grad()
     def _update_reference(self, policy) -> None:
-        if not hasattr(policy, "continuation_log_prob"):
+        if not overrides(policy, "continuation_log_prob"):
             raise ConfigError("rewards", "grpo_care", f"scores answers given reasoning with a text policy (policy.type: text_lm), not {type(policy).__name__}")
         if self.reference is None:
             self.reference = copy.deepcopy(policy).eval().requires_grad_(False)

@@ -111,12 +111,12 @@ def build_critic(cfg: CriticConfig, policy) -> nn.Module:
             raise ConfigError("critic.inputs", "privileged", f"the env gives no {PRIVILEGED!r} observation (a Dict entry the env sampler keeps for the critic; on mmrl/Tabletop-v0 set env.kwargs.privileged_state: true)")
         return MLPCritic(int(dim), cfg)
     if cfg.type == "mlp":
-        dim = getattr(policy, "critic_input_dim", None)
+        dim = policy.critic_input_dim
         if dim is None:
             raise ConfigError("critic.type", "mlp", f"policy {policy.config.type!r} gives no critic inputs (critic_inputs, critic_input_dim); use value_head if it has value_features")
         return MLPCritic(int(dim), cfg)
     if cfg.type == "value_head":
-        dim = getattr(policy, "value_feature_dim", None)
+        dim = policy.value_feature_dim
         if dim is None:
             raise ConfigError("critic.type", "value_head", f"policy {policy.config.type!r} exposes no features for a value head (value_features, value_feature_dim); use mlp")
         return ValueHead(int(dim))

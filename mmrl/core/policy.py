@@ -65,6 +65,16 @@ class PolicyModule(nn.Module):
     # conditioning need (a denoising chain's last latent), with zero log-probs: for a loss
     # that reads no log-probs (``needs_log_probs=False``, DiffusionNFT); the samplers ask for it
     samples_final_only: bool = False
+    # a copy of it can be rebuilt in a rollout worker process (``rollout.workers`` > 0); a policy
+    # that cannot says False and is refused there with a one-line error
+    runs_in_worker: bool = True
+    # a pairwise reward model's items (``image``, ``image_set``, ``text``, ``trajectory``, or a
+    # success detector's ``observation``): what a ``preferences`` data source must hold; None or
+    # "": the model scores nothing of the kind
+    input_kind: ClassVar[str | None] = None
+    # the (H, W), or the side, of the images it generates, which an image data source renders
+    # its images at; None: it generates no images of a fixed size
+    resolution: Any = None
 
     def renew_carry(self, carry: list) -> list:
         """``carry`` (one entry per env row, None where no episode runs) of episodes that go on
@@ -83,6 +93,29 @@ class PolicyModule(nn.Module):
 
     def log_prob(self, replay: dict[str, Any]) -> Tensor:
         raise NotImplementedError
+
+    def sample_partial(self, inputs: Any, states: list[dict | None], generator: torch.Generator | None, stop) -> list[dict]:
+        """Partial rollouts (``rollout.over_provision``): continue each input's sample from its
+        state (None: from the start) until ``stop(rows that have ended)`` says enough rows
+        have, and return each row's state; finished rows become a sample with
+        :meth:`sample_of_states`. A policy pauses samples when it overrides this method."""
+        raise NotImplementedError(f"{type(self).__name__} cannot pause a sample and continue it (sample_partial)")
+
+    def sample_of_states(self, inputs: Any, states: list[dict]) -> Sample:
+        """The sample of finished :meth:`sample_partial` states, as :meth:`sample` returns it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot pause a sample and continue it (sample_of_states)")
+
+    @classmethod
+    def check_partial_rollouts(cls, config: Any, policy: "PolicyModule | None" = None) -> None:
+        """A one-line ``ConfigError`` where partial rollouts need what this configuration (or the
+        built ``policy``, once there is one) lacks; called at validation and again before
+        anything is sampled. Default: nothing to refuse."""
+
+    def continuation_log_prob(self, prompts: list[str], prefixes: list[str], continuations: list[str], reduce: str = "mean") -> Tensor:
+        """[B] log-likelihood of each continuation after its prompt and prefix under the
+        model's own distribution, summed over its tokens or their mean (``reduce``): what a
+        reward that scores answers given their reasoning reads (``grpo_care``)."""
+        raise NotImplementedError(f"{type(self).__name__} gives no log-likelihood of a text continuation (continuation_log_prob)")
 
     # a critic (mmrl/core/critic.py) reads ``critic_inputs(replay)`` [B, T, critic_input_dim]
     # (critic.type mlp) or ``value_features(replay)`` [B, T, value_feature_dim] with their
@@ -162,6 +195,11 @@ class PolicyModule(nn.Module):
         samples ``rows`` [M] are: what a loss on final samples trains (``algo.loss: nft``)."""
         raise NotImplementedError(f"{type(self).__name__} has no flow velocity (velocity)")
 
+    def flow_sigmas(self) -> Tensor:
+        """σ_0 = 1 … σ_K = 0 [K + 1] of a flow policy's sampling steps (a loss on final
+        samples draws its noise levels from them)."""
+        raise NotImplementedError(f"{type(self).__name__} has no flow sampling steps (flow_sigmas)")
+
     def final_samples(self, replay: dict[str, Any]) -> Tensor:
         """The final samples x0 [N, ...] (latents) of the replay's samples."""
         raise NotImplementedError(f"{type(self).__name__} keeps no final samples in its replay (final_samples)")
@@ -235,6 +273,42 @@ class PolicyModule(nn.Module):
 
 
 def overrides(policy, method: str) -> bool:
-    """Whether the policy implements an optional hook of :class:`PolicyModule`."""
-    impl = getattr(type(policy), method, None)
+    """Whether the policy (an instance or a class) implements an optional hook of
+    :class:`PolicyModule`."""
+    impl = getattr(policy if isinstance(policy, type) else type(policy), method, None)
     return impl is not None and impl is not getattr(PolicyModule, method, None)
+
+
+# Every optional capability a run can ask of a policy, named by the hook or flag of
+# :class:`PolicyModule` that declares it, and what asks for it. A policy has one when its
+# class overrides the hook (a flag: sets it true) and the hook's ``<name>_refusal()``, where
+# there is one, finds nothing in its configuration to refuse. The policy contract test
+# (tests/policies/test_contract.py) runs each one's own checks on every registered policy
+# that has it.
+CAPABILITIES: dict[str, str] = {
+    "rsample": "a reparameterised continuous action (rsample, replayed_action, action_values): off-policy actor-critic losses (algo.loss: sac)",
+    "demo_replay": "demonstrations written as its replay: an off-policy loss's buffer seeded with them (algo.loss.demos)",
+    "sample_from_noise": "a decision from a given initial noise (noise_shape, noise_feature_dim): a policy that steers it (policy.type: dsrl)",
+    "imitation_batch": "its replay as a sft_loss batch: self-imitation with its supervised loss (algo.self_imitation.loss: sft)",
+    "exact_kl": "the closed-form KL to its reference (algo.kl.type: exact)",
+    "critic_inputs": "a separate critic's inputs (critic.type: mlp, critic_input_dim)",
+    "value_features": "features for a value head (critic.type: value_head, value_feature_dim)",
+    "activation_bytes": "an activation estimate per sample: the gradient-accumulation pieces (algo.micro_batches: null)",
+    "keeps_sampling_graph": "sampling log-probs that keep their autograd graph (algo.reuse_sampling_graph)",
+    "samples_final_only": "a replay of final samples alone, for a loss that reads no log-probs (algo.loss: nft)",
+    "sample_partial": "samples paused and continued across steps (rollout.over_provision)",
+    "continuation_log_prob": "the log-likelihood of a text continuation (rewards: grpo_care)",
+}
+
+
+def capabilities(policy) -> set[str]:
+    """The names in :data:`CAPABILITIES` that ``policy`` (an instance, as configured) has."""
+    have = set()
+    for name in CAPABILITIES:
+        declared = getattr(PolicyModule, name)
+        if not (overrides(policy, name) if callable(declared) else getattr(policy, name)):
+            continue
+        if hasattr(PolicyModule, f"{name}_refusal") and getattr(policy, f"{name}_refusal")() is not None:
+            continue
+        have.add(name)
+    return have

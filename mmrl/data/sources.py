@@ -228,7 +228,7 @@ class Preferences(DataSource):
 
         super().__init__(cfg, seed, world, rank)
         kind = read_info(cfg.path)["kind"]
-        wanted = getattr(policy, "input_kind", None)
+        wanted = policy.input_kind
         if wanted != kind:
             what = f"scores {wanted} items" if wanted else "is not a pairwise reward model (bt_image, bt_image_set, bt_text, bt_trajectory)"
             raise ConfigError("data.path", cfg.path, f"holds {kind} pairs, but policy {policy.config.type!r} {what}")
@@ -285,7 +285,7 @@ class Preferences(DataSource):
 
 def policy_resolution(policy, field: str, value) -> tuple[int, int] | None:
     """The (H, W) of the images ``policy`` generates, or None for a policy without a resolution."""
-    res = getattr(policy, "resolution", None)
+    res = policy.resolution
     if res is None:
         return None
     res = tuple(int(r) for r in res) if isinstance(res, (list, tuple)) else (int(res), int(res))

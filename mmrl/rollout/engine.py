@@ -104,18 +104,17 @@ def local_engine(cfg, *, sampler, policy, rewards, reference, dist, device, keep
 def check_partial_rollouts(policy, cfg) -> None:
     """Partial rollouts (``rollout.over_provision``): what they need of the built policy
     that its config could not tell at validation (a text policy's generation backend that a
-    factory function builds), a one-line error before anything is sampled. A policy class
-    declares it as ``check_partial_rollouts(config, policy=None)``."""
-    check = getattr(type(policy), "check_partial_rollouts", None)
-    if cfg.rollout.over_provision > 1 and check is not None:
-        check(cfg.policy, policy)
+    factory function builds), a one-line error before anything is sampled: the policy class's
+    ``check_partial_rollouts(config, policy=None)`` (declared on :class:`PolicyModule`)."""
+    if cfg.rollout.over_provision > 1:
+        type(policy).check_partial_rollouts(cfg.policy, policy)
 
 
 def check_runs_in_worker(sampler, policy, rewards, cfg) -> None:
     """A one-line error where a component cannot be rebuilt in a worker process."""
     if not getattr(sampler, "runs_in_worker", True):
         raise ConfigError("sampler.type", cfg.sampler.type or None, f"cannot sample in a rollout worker process (rollout.workers: {cfg.rollout.num_workers}); use rollout.mode: sync with workers: 0")
-    if not getattr(policy, "runs_in_worker", True):
+    if not policy.runs_in_worker:
         raise ConfigError("policy.type", cfg.policy.type, f"cannot be copied into a rollout worker process (rollout.workers: {cfg.rollout.num_workers}); use rollout.mode: sync with workers: 0")
     for i, component in enumerate(rewards.components if rewards is not None else []):
         if component.learns:

@@ -107,7 +107,7 @@ class EpisodesInFlight:
                 self.reset_seeds[e] = seed
                 self.episodes[e] = {"decisions": [], "versions": [], "keys": [], "reward": [], "term": [], "trunc": [], "success": [], "chunk": [], "alive": True}
             self.groups.append({"born": step, "envs": envs})
-        carries = getattr(policy, "carries_state", False)
+        carries = policy.carries_state
         if carries:
             # the episodes that go on were carried under the weights before the last update
             self.carry = [None] * s.num_envs if self.carry is None else policy.renew_carry(list(self.carry))

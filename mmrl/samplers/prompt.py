@@ -147,7 +147,7 @@ class PromptSampler(Sampler):
                                   f"must leave algo.group_size ({ctx.group_size}), what a prompt without a pass rate gets, between min_size and max_size")
         if sampler_cfg.shared_noise:
             policy_cls = POLICIES.get(ctx.policy_type, "policy.type")
-            if not getattr(policy_cls, "shares_initial_noise", False):
+            if not policy_cls.shares_initial_noise:
                 raise ConfigError("sampler.shared_noise", True, f"policy {ctx.policy_type!r} starts no denoising chain from a noise it could share; policies that do: image_diffusion, video_diffusion")
         self.data = PromptData.load(sampler_cfg.data, "sampler.data")
         key = sampler_cfg.cluster_key
@@ -213,7 +213,7 @@ class PromptSampler(Sampler):
         options = {"keep_graph": True} if keep_graph else {}
         if self.config.shared_noise:
             options["noise_group_size"] = group_size
-        if not self.log_probs and getattr(policy, "samples_final_only", False):
+        if not self.log_probs and policy.samples_final_only:
             options["final_only"] = True  # the loss reads final samples: no chain is stored
         parts = []
         for first, end in _call_ranges(group_offset, group_offset + num_groups, self.config.batch_groups):

@@ -274,6 +274,7 @@ class TrainConfig:
                 )
 
     def _validate_partial_rollouts(self) -> None:
+        from mmrl.core.policy import overrides
         from mmrl.registry import POLICIES, SAMPLERS
 
         ro, algo, o = self.rollout, self.algo, self.rollout.over_provision
@@ -282,11 +283,10 @@ class TrainConfig:
             raise ConfigError("rollout.over_provision", o, f"sampler.type {self.sampler.type or '(none)'!r} cannot carry unfinished samples to the next step; partial rollouts need a sampler that can (prompt, env), or 1")
         policy = POLICIES.get(self.policy.type, "policy.type") if self.policy.type else None
         need = getattr(sampler, "partial_rollouts_need", None)
-        if need is not None and (policy is None or not hasattr(policy, need)):
+        if need is not None and (policy is None or not overrides(policy, need)):
             raise ConfigError("rollout.over_provision", o, f"policy.type {self.policy.type!r} cannot pause a sample and continue it; partial rollouts need a policy with sample_partial (text_lm, text_vlm), or 1")
-        check = getattr(policy, "check_partial_rollouts", None)  # what of the policy's options pausing needs (a text policy's generation backend)
-        if need is not None and check is not None:
-            check(self.policy)
+        if need is not None:
+            policy.check_partial_rollouts(self.policy)  # what of the policy's options pausing needs (a text policy's generation backend)
         if algo.resample_rounds:
             raise ConfigError("rollout.over_provision", o, f"refill rounds (algo.resample_rounds: {algo.resample_rounds}) and partial rollouts both decide which groups a step trains on: use one of them")
         if algo.reuse_sampling_graph is True:

@@ -39,7 +39,7 @@ def reuses_sampling_graph(cfg, loss, policy, sampler_keeps_graph: bool) -> bool:
     algo = cfg.algo
     if algo.reuse_sampling_graph is False or algo.type != "rl":
         return False
-    capable = getattr(policy, "keeps_sampling_graph", False) and sampler_keeps_graph
+    capable = policy.keeps_sampling_graph and sampler_keeps_graph
     if algo.reuse_sampling_graph is True:  # the single pass and micro-batches are checked by AlgoConfig.validate
         if not loss.reads_sampling_graph:
             raise ConfigError("algo.reuse_sampling_graph", True, f"loss {algo.loss.type!r} does not read the sampling pass's log-probs; use auto or false")

@@ -51,6 +51,7 @@ from torch import Tensor
 from mmrl import registry
 from mmrl.algo.losses import Loss, LossConfig, LossOutput, Requirement, Targets
 from mmrl.config import option
+from mmrl.core.policy import overrides
 from mmrl.core.sampler import group_seed
 from mmrl.errors import ConfigError
 
@@ -107,7 +108,7 @@ class NFT(Loss):
 
     def __init__(self, algo, options: NFTConfig, policy, *, reference=None, seed: int = 0, **_):
         denoising = getattr(getattr(policy, "config", None), "denoising", None)
-        if not hasattr(policy, "flow_sigmas") or denoising is None:
+        if not overrides(policy, "flow_sigmas") or denoising is None:
             raise ConfigError("algo.loss.type", "nft", f"needs a flow policy with a denoising chain (image_diffusion, video_diffusion); {type(policy).__name__} has none")
         self.options, self.policy, self.reference, self.seed = options, policy, reference, seed
         sigmas = policy.flow_sigmas()

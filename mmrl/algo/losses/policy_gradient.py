@@ -39,7 +39,7 @@ class PolicyGradient(Loss):
         policy; ``sampling_graph`` whether the batch's log-probs are the sampling pass's own
         (``batch.old.graph``, the learner's reuse of the sampling graph)."""
         self.algo, self.reference, self.critic, self.sampling_graph = algo, reference, critic, sampling_graph
-        refusal = policy.likelihood_refusal() if hasattr(policy, "likelihood_refusal") else None
+        refusal = policy.likelihood_refusal()
         if refusal is not None:
             raise refusal
         if algo.kl.coef > 0 and algo.kl.type == "exact" and not overrides(policy, "exact_kl"):
