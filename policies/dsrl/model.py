@@ -44,7 +44,7 @@ import torch
 from torch import Tensor, nn
 
 from mmrl.core.critic import PRIVILEGED
-from mmrl.core.policy import PolicyModule, Sample
+from mmrl.core.policy import PolicyModule, Sample, overrides
 from mmrl.core.weights import build_policy
 from mmrl.errors import ConfigError
 from mmrl.policies.dsrl.config import DSRLConfig
@@ -54,14 +54,9 @@ _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 _BASE = "base."  # the frozen policy's prefix in this policy's state dict
 
 
-def acts_from_noise(policy_class: type) -> bool:
-    """Whether a policy class can act from a given initial noise (overrides ``sample_from_noise``)."""
-    return getattr(policy_class, "sample_from_noise", None) not in (None, PolicyModule.sample_from_noise)
-
-
 def steerable_policies() -> list[str]:
-    """The registered policy families DSRL can steer."""
-    return [entry.name for entry in POLICIES.entries() if acts_from_noise(entry.obj)]
+    """The registered policy families DSRL can steer: those that act from a given initial noise."""
+    return [entry.name for entry in POLICIES.entries() if overrides(entry.obj, "sample_from_noise")]
 
 
 # The tiny example of itself that every policy declares (``contract``): tests/policies/test_contract.py
@@ -93,7 +88,7 @@ class DSRLPolicy(PolicyModule):
         config.validate("policy")
         self.config, self.spec = config, dict(spec)
         base = config.policy
-        if not acts_from_noise(POLICIES.get(base.type, "policy.policy.type")):
+        if not overrides(POLICIES.get(base.type, "policy.policy.type"), "sample_from_noise"):
             raise ConfigError("policy.policy.type", base.type, f"cannot act from a given initial noise, which DSRL steers; allowed: {', '.join(steerable_policies())}")
         self.base = build_policy(base, spec)
         self.base.requires_grad_(False).eval()
