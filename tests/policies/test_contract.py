@@ -25,11 +25,19 @@ A sampling contract may add ``"prepare": "package.module:function"``: a function
 ``(directory) -> overrides`` that writes what the example needs (a checkpoint directory a
 policy loads) under a temporary ``directory`` and returns the sections to merge into
 ``train`` (e.g. ``{"policy": {"checkpoint": ...}}``).
+
+Optional capabilities (``CAPABILITIES`` in mmrl/core/policy.py: a hook of ``PolicyModule``
+that the class overrides, or a flag it sets) are checked where the example has them, as
+configured (``capabilities(policy)``): each has its own check in :data:`CHECKS`, run on the
+example's rollout, on the inputs of its first ``sample`` call and on what that call
+returned. A capability added to the table without a check here fails
+``test_every_capability_has_its_check``.
 """
 
 from __future__ import annotations
 
 import importlib
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +47,7 @@ import torch
 
 from mmrl import registry
 from mmrl.config import from_dict, to_dict
-from mmrl.core.policy import PolicyModule
+from mmrl.core.policy import CAPABILITIES, PolicyModule, capabilities
 from mmrl.core.weights import _plain, build_policy, load_pretrained, save_pretrained
 from mmrl.errors import ConfigError
 from tests.conftest import ROOT
@@ -110,6 +118,8 @@ class Built:
     rollout: Any = None
     model: Any = None
     batch: Any = None  # supervised: the contract's batch
+    inputs: Any = None  # sampling: the inputs of the collection's first sample call and its Sample
+    sample: Any = None
 
     @property
     def valid(self) -> torch.Tensor:
@@ -134,8 +144,19 @@ def _build(name: str, directory) -> Built:
             module, _, function = contract["prepare"].partition(":")
             train = _merge(train, getattr(importlib.import_module(module), function)(directory / "prepared"))
         trainer = Trainer(from_dict(TrainConfig, _merge(RUN, train)), directory / "run")
-        rollout = trainer.engine.collect(0, trainer.learner.version).rollout
-        return Built(trainer.policy, trainer, rollout, trainer.learner.model)
+        policy, calls = trainer.policy, []
+
+        def recorded(inputs, *args, **kwargs):
+            out = sample(inputs, *args, **kwargs)
+            calls.append((inputs, out))
+            return out
+
+        sample, policy.sample = policy.sample, recorded
+        try:
+            rollout = trainer.engine.collect(0, trainer.learner.version).rollout
+        finally:
+            del policy.sample
+        return Built(policy, trainer, rollout, trainer.learner.model, inputs=calls[0][0], sample=calls[0][1])
     entry = registry.POLICIES.entry(name)
     torch.manual_seed(0)
     policy = build_policy(from_dict(entry.config, contract["policy"], "policy"), contract.get("spec") or {})
@@ -295,3 +316,165 @@ def test_a_model_that_samples_nothing_says_so_in_one_line(name, built):
     with pytest.raises(ConfigError) as e:
         built(name).policy.sample(None)
     assert "\n" not in str(e.value) and name in str(e.value)
+
+
+# ------------------------------------------------------------------ optional capabilities
+
+
+def _finite(x: torch.Tensor, valid: torch.Tensor | None = None) -> bool:
+    return bool(torch.isfinite(x if valid is None else x[valid]).all())
+
+
+def _check_rsample(b: Built) -> None:
+    """A fresh action per replayed decision, in [-1, 1], differentiable in the parameters,
+    with a finite log-prob; the same noise gives the same action; the replayed actions are in
+    the same space."""
+    policy, replay, valid = b.policy, b.rollout.replay, b.valid
+    shape = (*b.rollout.mask.shape, policy.action_values)
+    action, logp = policy.rsample(replay, generator=torch.Generator().manual_seed(0))
+    assert action.shape == shape and logp.shape == b.rollout.mask.shape
+    assert action.abs().max() <= 1 and _finite(logp, valid)
+    grads = torch.autograd.grad(action.sum(), [p for p in policy.parameters() if p.requires_grad], allow_unused=True)
+    assert any(g is not None and bool((g != 0).any()) for g in grads), "rsample's action does not depend on the parameters"
+    again, _ = policy.rsample(replay, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(action.detach(), again.detach())
+    executed = policy.replayed_action(replay)
+    assert executed.shape == shape and executed.abs().max() <= 1
+
+
+def _check_demo_replay(b: Built) -> None:
+    """The policy's own actions written as a demonstration replay give back the actions it
+    replayed, clipped to the bounds; actions far outside them give back the bounds."""
+    policy, inputs, sample = b.policy, b.inputs, b.sample
+    with torch.no_grad():
+        executed = policy.replayed_action(sample.replay)[:, :1].clamp(-1, 1)
+        back = policy.replayed_action(policy.demo_replay(inputs, sample.output))
+        assert back.shape == executed.shape and torch.allclose(back, executed, atol=1e-3)
+        far = torch.where(sample.output >= 0, 1e6, -1e6).to(sample.output)
+        edge = policy.replayed_action(policy.demo_replay(inputs, far))
+        assert torch.allclose(edge, torch.where(far >= 0, 1.0, -1.0).reshape(edge.shape).to(edge), atol=1e-3)
+        assert set(policy.demo_replay(inputs, None)) <= set(policy.demo_replay(inputs, sample.output))
+
+
+def _check_sample_from_noise(b: Built) -> None:
+    """The same initial noise gives the same chunk, given as a tensor or by a function of the
+    observations' features; the log-probs are zero."""
+    policy, inputs, sample = b.policy, b.inputs, b.sample
+    n = sample.output.shape[0]
+    noise = torch.randn(n, *policy.noise_shape, generator=torch.Generator().manual_seed(0))
+    first, again = policy.sample_from_noise(inputs, noise), policy.sample_from_noise(inputs, noise.clone())
+    assert first.output.shape == sample.output.shape and torch.equal(first.output, again.output)
+    assert first.info["features"].shape == (n, policy.noise_feature_dim)
+    assert torch.equal(policy.sample_from_noise(inputs, lambda features: noise).output, first.output)
+    assert not first.logp.any()
+
+
+def _check_imitation_batch(b: Built) -> None:
+    """The rollout's replay as a supervised batch gives a finite loss."""
+    with torch.no_grad():
+        loss = b.policy.sft_loss(b.policy.imitation_batch(b.rollout.replay))
+    assert loss.dim() == 0 and torch.isfinite(loss)
+
+
+def _check_exact_kl(b: Built) -> None:
+    """The closed-form KL of each decision to the policy itself is zero."""
+    with torch.no_grad():
+        kl = b.policy.exact_kl(b.rollout.replay, b.policy)
+    assert kl.shape == b.rollout.mask.shape and kl[b.valid].abs().max() <= 1e-6
+
+
+def _check_critic_inputs(b: Built) -> None:
+    with torch.no_grad():
+        x = b.policy.critic_inputs(b.rollout.replay)
+    assert x.shape == (*b.rollout.mask.shape, b.policy.critic_input_dim) and _finite(x, b.valid)
+
+
+def _check_value_features(b: Built) -> None:
+    with torch.no_grad():
+        x = b.policy.value_features(b.rollout.replay)
+    assert x.shape == (*b.rollout.mask.shape, b.policy.value_feature_dim) and _finite(x, b.valid)
+
+
+def _check_activation_bytes(b: Built) -> None:
+    """An estimate of bytes per sample: a positive number, or None where there is none."""
+    estimate = b.policy.activation_bytes(b.rollout.replay)
+    assert estimate is None or (math.isfinite(estimate) and estimate > 0)
+
+
+def _check_keeps_sampling_graph(b: Built) -> None:
+    """``sample(..., keep_graph=True)``'s log-probs carry the parameters' graph, with the
+    values the contract's ``ratio_atol`` allows of log_prob(replay) at those weights."""
+    s = b.policy.sample(b.inputs, torch.Generator().manual_seed(0), keep_graph=True)
+    valid = s.mask > 0 if s.mask is not None else torch.ones_like(s.logp, dtype=torch.bool)
+    assert s.logp.requires_grad and _finite(s.logp.detach(), valid)
+    with torch.no_grad():
+        exact = b.policy.log_prob(s.replay)
+    assert (exact - s.logp.detach())[valid].abs().max() <= contract_of(b.policy.config.type).get("ratio_atol", 0.0)
+
+
+def _check_samples_final_only(b: Built) -> None:
+    """``sample(..., final_only=True)``: zero log-probs and a replay whose final samples read back."""
+    with torch.no_grad():
+        s = b.policy.sample(b.inputs, torch.Generator().manual_seed(0), final_only=True)
+        final = b.policy.final_samples(s.replay)
+    assert not s.logp.any() and final.shape[0] == b.sample.logp.shape[0] and _finite(final)
+
+
+def _check_sample_partial(b: Built) -> None:
+    """Samples run to their end through ``sample_partial`` become a sample with finite log-probs.
+    Partial rollouts are the prompt sampler's: an example that samples env observations (a
+    language agent) is given text prompts."""
+    inputs = b.inputs if isinstance(b.inputs, list) else ["What is 1 + 1?", "Name a colour."]
+    n = len(inputs)
+    states = b.policy.sample_partial(inputs, [None] * n, torch.Generator().manual_seed(0), lambda ended: len(ended) >= n)
+    assert len(states) == n
+    sample = b.policy.sample_of_states(inputs, states)
+    valid = sample.mask > 0 if sample.mask is not None else torch.ones_like(sample.logp, dtype=torch.bool)
+    assert sample.logp.shape[0] == n and _finite(sample.logp, valid)
+
+
+def _check_continuation_log_prob(b: Built) -> None:
+    """A finite, non-positive log-likelihood per continuation, its mean over tokens no lower than its sum."""
+    args = (["What is 1 + 1?", "Name a colour."], ["<think>1 + 1 = 2</think><answer>", ""], ["2", "red"])
+    total = b.policy.continuation_log_prob(*args, reduce="sum")
+    mean = b.policy.continuation_log_prob(*args, reduce="mean")
+    assert total.shape == mean.shape == (2,) and _finite(total) and bool((total <= 0).all()) and bool((mean >= total - 1e-6).all())
+
+
+# every capability's own checks, given the built example (its rollout, its first sample call)
+CHECKS = {
+    "rsample": _check_rsample,
+    "demo_replay": _check_demo_replay,
+    "sample_from_noise": _check_sample_from_noise,
+    "imitation_batch": _check_imitation_batch,
+    "exact_kl": _check_exact_kl,
+    "critic_inputs": _check_critic_inputs,
+    "value_features": _check_value_features,
+    "activation_bytes": _check_activation_bytes,
+    "keeps_sampling_graph": _check_keeps_sampling_graph,
+    "samples_final_only": _check_samples_final_only,
+    "sample_partial": _check_sample_partial,
+    "continuation_log_prob": _check_continuation_log_prob,
+}
+
+
+def test_every_capability_has_its_check():
+    assert set(CAPABILITIES) <= set(vars(PolicyModule)), f"capabilities not declared on PolicyModule: {sorted(set(CAPABILITIES) - set(vars(PolicyModule)))}"
+    missing = set(CAPABILITIES) - set(CHECKS)
+    assert not missing, f"capabilities without a check: {sorted(missing)}; add one to CHECKS in tests/policies/test_contract.py"
+    assert not set(CHECKS) - set(CAPABILITIES), f"checks of capabilities mmrl does not declare: {sorted(set(CHECKS) - set(CAPABILITIES))}"
+
+
+@pytest.mark.parametrize("name", SAMPLING + SUPERVISED)
+def test_each_capability_it_has_passes_its_checks(name, built):
+    b = built(name)
+    for capability in sorted(capabilities(b.policy)):
+        assert b.rollout is not None, f"{name}: has {capability!r}, whose checks read a rollout; its contract samples none"
+        training = b.policy.training
+        try:
+            CHECKS[capability](b)
+        except AssertionError as e:
+            raise AssertionError(f"{name}: capability {capability!r}: {e}") from e
+        finally:
+            b.policy.zero_grad(set_to_none=True)
+            b.policy.train(training)
