@@ -226,7 +226,7 @@ class ReplayBuffer:
     def state_dict(self) -> dict[str, Any]:
         """The contents (the filled rows, on the CPU), the ring's position and the generator."""
         return {
-            "storage": {k: v[: self.size].cpu() for k, v in self.storage.items()},
+            "storage": {k: v[: self.size].cpu().clone() for k, v in self.storage.items()},
             "size": self.size, "cursor": self.cursor, "added": self.added, "capacity": self.capacity, "pinned": self.pinned,
             "generator": self.generator.get_state(),
         }

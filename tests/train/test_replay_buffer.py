@@ -102,3 +102,12 @@ def test_transitions_of_another_kind_cannot_join_the_buffer():
     buffer.add(_batch(0, 2))
     with pytest.raises(ValueError, match="cannot join"):
         buffer.add({**_batch(0, 2), "extra": torch.zeros(2)})
+
+
+def test_the_saved_state_holds_the_filled_rows_alone_not_the_whole_ring(tmp_path):
+    """A checkpoint's size follows the transitions held, not the capacity: the saved rows are
+    a copy, not a view that would save the preallocated storage behind it."""
+    buffer = ReplayBuffer(100_000, "cpu", seed=0)
+    buffer.add(_batch(0, 10))
+    torch.save(buffer.state_dict(), tmp_path / "state.pt")
+    assert (tmp_path / "state.pt").stat().st_size < 50_000

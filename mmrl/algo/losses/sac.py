@@ -121,7 +121,7 @@ class SAC(Loss):
 
     def __init__(self, algo, options: SACConfig, policy, *, seed: int = 0, device=None, **_):
         if not overrides(policy, "rsample") or not policy.action_values or policy.critic_input_dim is None:
-            raise ConfigError("algo.loss.type", "sac", f"trains a reparameterised continuous action against a critic of the observation: policy {type(policy).__name__} gives none (gaussian_mlp with squash: tanh does)")
+            raise ConfigError("algo.loss.type", "sac", f"trains a reparameterised continuous action against a critic of the observation: policy {type(policy).__name__} gives none (gaussian_mlp with squash: tanh does; dsrl steers a flow or diffusion policy through its noise)")
         refusal = policy.rsample_refusal()
         if refusal is not None:
             raise refusal
