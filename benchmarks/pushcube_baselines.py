@@ -169,7 +169,7 @@ def report(out: Path, seeds: list[int], target: float, baselines: list[str] | No
         kept += bool(after) and min(after) >= hold - 1e-6
         to_target = f"{first['train_s']:.0f}" if first else "—"
         wall = f"{run['wall_s']:.0f}" if run["wall_s"] is not None else "—"
-        final = f"{run['final']:.2f}" + (" (stopped at the target)" if "stopped-at-target" in run["note"] else "")
+        final = ("—" if run["final"] is None else f"{run['final']:.2f}") + (" (stopped at the target)" if "stopped-at-target" in run["note"] else "")
         print(f"| {name} | {k or 'native'} | {seed} | {reached} | {lowest} | {to_target} | {run['train_s']:.0f} | {wall} | {final} |")
     print()
     for name in baselines:
