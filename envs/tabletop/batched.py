@@ -5,8 +5,12 @@ The same scenes (MJCF), tasks, instructions, initial states, success predicates,
 (:mod:`mmrl.envs.tabletop.env`), computed over tensors of all worlds on the simulator's
 device (:class:`~mmrl.envs.batched_mujoco.BatchedMujocoEnv`). What differs:
 
-- one family per env: a batch holds one scene (MJCF model), so ``task`` names one family
-  or tasks of one family;
+- one MJCF model per batch: a task list across families runs every world in the scene of
+  its families with the most blocks (and a zone, if one needs it: ``object`` for any list with
+  an object task, else ``spatial`` for spatial and goal tasks mixed); a world whose family
+  has fewer blocks parks the extra ones off the table (:data:`PARK_X`), held at rest there
+  and zero in its state vector, as the CPU env pads them, and a world without a zone parks
+  the zone's (visual-only) mocap body beside them;
 - observations ``state`` only (``rgb`` through MuJoCo Warp's ray-traced renderer is not
   built yet); ``state``, ``privileged``, rewards, flags and costs are torch tensors, the
   instruction a tuple of N strings;
@@ -46,11 +50,14 @@ _ZONE, _CORNER, _NEXT_TO = 0, 1, 2
 # contact at the first step and every block drops for 5 ms and lands (twisting some by ~3 mrad).
 # Rounded down, the blocks rest on the table from the start, as in the CPU env.
 _BLOCK_Z = float(np.nextafter(np.float32(BLOCK_Z), np.float32(0))) if float(np.float32(BLOCK_Z)) > BLOCK_Z else BLOCK_Z
+# Blocks a world's family lacks wait here, at x = PARK_X + 0.1 * i, y = 0, 0.3 m beyond the
+# walls (which end at 0.29 m): nothing is near enough for a contact.
+PARK_X = 0.6
 OBS_MODES = ("state",)
 
 
 class TabletopBatchedEnv(BatchedMujocoEnv):
-    """N tabletop worlds of one family on MuJoCo Warp; see the module docstring."""
+    """N tabletop worlds on MuJoCo Warp, of one family or several; see the module docstring."""
 
     def __init__(
         self,
@@ -72,9 +79,7 @@ class TabletopBatchedEnv(BatchedMujocoEnv):
         ``device`` (:class:`~mmrl.envs.batched_mujoco.BatchedMujocoEnv`); ``field`` prefixes
         the names in config errors."""
         self.task_names = resolve_tasks(task, f"{field}.task")
-        families = list(dict.fromkeys(TASKS[name].family for name in self.task_names))
-        if len(families) > 1:
-            raise ConfigError(f"{field}.task", task, f"spans the families {', '.join(families)}; a warp batch holds one family's scene: name one family or tasks of one")
+        families = [FAMILIES[f] for f in dict.fromkeys(TASKS[name].family for name in self.task_names)]
         if layout not in LAYOUTS:
             raise ConfigError(f"{field}.layout", layout, f"expected one of {', '.join(LAYOUTS)}")
         if isinstance(layout_noise, bool) or not isinstance(layout_noise, (int, float)) or not 0.0 <= layout_noise <= 0.05:
@@ -86,18 +91,21 @@ class TabletopBatchedEnv(BatchedMujocoEnv):
         for name, value in (("terminate_on_success", terminate_on_success), ("privileged_state", privileged_state)):
             if not isinstance(value, bool):
                 raise ConfigError(f"{field}.{name}", value, "expected true or false")
-        self.family = FAMILIES[families[0]]
+        # The scenes differ only in their blocks (count, colour) and whether they have the zone,
+        # so the one with the most blocks, and the zone where a tie allows, holds every world.
+        self.scene_family = max(families, key=lambda f: (len(f.colours), f.zone))
         self.layout, self.layout_noise, self.reward_mode = layout, float(layout_noise), reward_mode
         self.privileged_state, self.obs_mode = privileged_state, obs_mode
         self.instructions = list(dict.fromkeys(TASKS[name].instruction for name in self.task_names))
-        self.num_blocks = self.max_blocks = len(self.family.colours)
+        self.num_blocks = self.max_blocks = len(self.scene_family.colours)
+        self.parks_blocks = any(len(f.colours) < self.num_blocks for f in families)
         text = spaces.Text(MAX_INSTRUCTION_LENGTH, charset=INSTRUCTION_CHARSET)
         full = spaces.Box(-np.inf, np.inf, (len(self.state_layout()),), np.float32)
         observed = {"state": full, "instruction": text}
         if privileged_state:
             observed["privileged"] = full
         _, mujoco, _ = import_warp()
-        model = mujoco.MjModel.from_xml_path(str(scene_path(self.family.name)))
+        model = mujoco.MjModel.from_xml_path(str(scene_path(self.scene_family.name)))
         # 16 block-table contacts, a few more per push or block-block touch; 3 rows each (elliptic cones)
         super().__init__(
             model, num_envs, spaces.Dict(observed), spaces.Box(-1.0, 1.0, (2,), np.float32), physics_steps=PHYSICS_STEPS,
@@ -107,7 +115,11 @@ class TabletopBatchedEnv(BatchedMujocoEnv):
         self.block_qpos = torch.tensor([m.joint(f"block_{i}").qposadr[0] for i in range(self.num_blocks)], device=self.device)
         self.pusher_qpos = torch.tensor([m.joint(n).qposadr[0] for n in ("pusher_x", "pusher_y")], device=self.device)
         self.pusher_qvel = torch.tensor([m.joint(n).dofadr[0] for n in ("pusher_x", "pusher_y")], device=self.device)
-        self.zone_mocap = int(m.body("zone").mocapid[0]) if self.family.zone else None
+        self.block_qvel = torch.tensor([m.joint(f"block_{i}").dofadr[0] for i in range(self.num_blocks)], device=self.device)
+        self.zone_mocap = int(m.body("zone").mocapid[0]) if self.scene_family.zone else None
+        park = np.zeros((self.num_blocks, 7))
+        park[:, 0], park[:, 2], park[:, 3] = PARK_X + 0.1 * np.arange(self.num_blocks), _BLOCK_Z, 1.0
+        self.park_qpos = torch.as_tensor(park, dtype=self.qpos.dtype, device=self.device)  # [n, 7]: x, y, z, quaternion
         # each geom's block index (-1 for other geoms), and which geoms are walls or the pusher
         block_of = np.full(m.ngeom, -1)
         block_of[[m.geom(f"block_{i}").id for i in range(self.num_blocks)]] = np.arange(self.num_blocks)
@@ -127,6 +139,7 @@ class TabletopBatchedEnv(BatchedMujocoEnv):
         self.other = torch.zeros(n, dtype=torch.long, device=dev)
         self.costs = {"path_length": torch.zeros(n, device=dev), "steps": torch.zeros(n, dtype=torch.long, device=dev), "collisions": torch.zeros(n, dtype=torch.long, device=dev)}
         self.world_tasks = [self.task_names[0]] * n
+        self.block_present = torch.ones(n, self.num_blocks, dtype=torch.bool, device=dev)  # False: parked (the world's family lacks it)
         self._potential = torch.zeros(n, device=dev)
         self._pusher_before = torch.zeros(n, 2, device=dev)
 
@@ -140,23 +153,27 @@ class TabletopBatchedEnv(BatchedMujocoEnv):
         return names + ["zone_x", "zone_y"] + [f"task_{name}" for name in self.task_names]
 
     def reset_worlds(self, worlds: Tensor) -> None:
-        """Seed → task → initial state per world, as ``TabletopEnv.reset`` draws them, then
-        written into all reset worlds at once."""
+        """Seed → task → initial state per world, as ``TabletopEnv.reset`` draws them (each
+        from its task's family's distribution), then written into all reset worlds at once;
+        blocks the family lacks are parked, and so is the zone of a family without one."""
         ids = worlds.tolist()
         k, nb = len(ids), self.num_blocks
-        qpos = np.zeros((k, 2 + 7 * nb))
+        blocks = self.park_qpos.cpu().numpy()[None].repeat(k, 0)  # [k, nb, 7]
+        pusher, present, zone_mocap = np.zeros((k, 2)), np.zeros((k, nb), bool), np.zeros((k, 2))
         zone, task_index, target, kind, sign, other = np.zeros((k, 2)), np.zeros(k, int), np.zeros(k, int), np.zeros(k, int), np.zeros((k, 2)), np.zeros(k, int)
         for j, w in enumerate(ids):
             rng = self.world_rngs[w]
             t = int(rng.integers(len(self.task_names))) if len(self.task_names) > 1 else 0
             task = TASKS[self.task_names[t]]
-            scene = sample_scene(self.family, task, rng, layout=self.layout, noise=self.layout_noise)
-            half = scene.yaw / 2
-            qpos[j, :2] = scene.pusher
-            qpos[j, 2:] = np.concatenate([scene.blocks, np.full((nb, 1), _BLOCK_Z), np.cos(half)[:, None], np.zeros((nb, 2)), np.sin(half)[:, None]], 1).reshape(-1)
+            scene = sample_scene(FAMILIES[task.family], task, rng, layout=self.layout, noise=self.layout_noise)
+            half, count = scene.yaw / 2, len(scene.blocks)
+            pusher[j], present[j, :count] = scene.pusher, True
+            blocks[j, :count] = np.concatenate([scene.blocks, np.full((count, 1), _BLOCK_Z), np.cos(half)[:, None], np.zeros((count, 2)), np.sin(half)[:, None]], 1)
             task_index[j], target[j] = t, task.target_of(scene.blocks)
             if scene.zone is not None:
-                zone[j] = scene.zone
+                zone[j] = zone_mocap[j] = scene.zone
+            else:
+                zone_mocap[j] = (PARK_X + 0.1 * nb, 0.0)
             goal = task.goal
             if isinstance(goal, Zone):
                 kind[j] = _ZONE
@@ -169,9 +186,10 @@ class TabletopBatchedEnv(BatchedMujocoEnv):
             self.world_tasks[w] = task.name
         tensor = lambda x, dtype=torch.float32: torch.as_tensor(x, dtype=dtype, device=self.device)  # noqa: E731
         columns = torch.cat([self.pusher_qpos, (self.block_qpos[:, None] + torch.arange(7, device=self.device)).reshape(-1)])
-        self.qpos[worlds[:, None], columns] = tensor(qpos, self.qpos.dtype)
+        self.qpos[worlds[:, None], columns] = tensor(np.concatenate([pusher, blocks.reshape(k, -1)], 1), self.qpos.dtype)
         if self.zone_mocap is not None:
-            self.mocap_pos[worlds, self.zone_mocap, :2] = tensor(zone, self.mocap_pos.dtype)
+            self.mocap_pos[worlds, self.zone_mocap, :2] = tensor(zone_mocap, self.mocap_pos.dtype)
+        self.block_present[worlds] = tensor(present, torch.bool)
         self.zone[worlds], self.task_index[worlds], self.target[worlds] = tensor(zone), tensor(task_index, torch.long), tensor(target, torch.long)
         self.goal_kind[worlds], self.corner_sign[worlds], self.other[worlds] = tensor(kind, torch.long), tensor(sign), tensor(other, torch.long)
         for cost in self.costs.values():
@@ -184,6 +202,7 @@ class TabletopBatchedEnv(BatchedMujocoEnv):
         self.ctrl[:] = action.to(self.ctrl.dtype).clamp(-1.0, 1.0) * MAX_SPEED
 
     def evaluate(self) -> tuple[Tensor, Tensor]:
+        self._park()
         pusher = self.pusher_position()
         self.costs["path_length"] += torch.linalg.vector_norm(pusher - self._pusher_before, dim=-1)
         self.costs["steps"] = self.elapsed.clone()
@@ -201,6 +220,17 @@ class TabletopBatchedEnv(BatchedMujocoEnv):
         obs, _ = super().reset(seed=seed, options=options)
         return obs, {"success": torch.zeros(self.num_envs, dtype=torch.bool, device=self.device), **self.step_info()}
 
+    def _park(self) -> None:
+        """Put parked blocks back at rest at their place after a control step's physics:
+        there is no floor under them, and they fall 5 cm in a control step."""
+        if not self.parks_blocks:
+            return
+        parked = ~self.block_present[..., None]
+        q = self.block_qpos[:, None] + torch.arange(7, device=self.device)  # [n, 7]
+        v = self.block_qvel[:, None] + torch.arange(6, device=self.device)
+        self.qpos[:, q] = torch.where(parked, self.park_qpos, self.qpos[:, q])
+        self.qvel[:, v] = torch.where(parked, 0.0, self.qvel[:, v])
+
     # ------------------------------------------------------------------ tensors of all worlds
 
     def pusher_position(self) -> Tensor:
@@ -210,7 +240,8 @@ class TabletopBatchedEnv(BatchedMujocoEnv):
         return self.qvel[:, self.pusher_qvel]
 
     def block_positions(self) -> Tensor:
-        """Block centres [N, n, 2]."""
+        """Block centres [N, n, 2] (``n`` blocks of the batch's scene; where
+        ``block_present`` is False, the parking place)."""
         return self.qpos[:, self.block_qpos[:, None] + torch.arange(2, device=self.device)]
 
     def _target_block(self, blocks: Tensor) -> Tensor:
@@ -260,7 +291,8 @@ class TabletopBatchedEnv(BatchedMujocoEnv):
         """The ``state`` observation [N, D] float32 (``TabletopEnv._full_state``)."""
         q = self.qpos[:, self.block_qpos[:, None] + torch.tensor([0, 1, 3, 6], device=self.device)]  # x, y, qw, qz
         yaw = 2.0 * torch.atan2(q[..., 3], q[..., 2])
-        blocks = torch.stack([q[..., 0], q[..., 1], torch.cos(4 * yaw), torch.sin(4 * yaw)], -1).reshape(self.num_envs, -1)
+        blocks = torch.stack([q[..., 0], q[..., 1], torch.cos(4 * yaw), torch.sin(4 * yaw)], -1)
+        blocks = torch.where(self.block_present[..., None], blocks, 0.0).reshape(self.num_envs, -1)  # parked: zero, as the CPU env pads
         task = torch.nn.functional.one_hot(self.task_index, len(self.task_names)).to(torch.float32)
         return torch.cat([self.pusher_position(), self.pusher_velocity(), blocks, self.zone, task], 1).to(torch.float32)
 
@@ -278,7 +310,7 @@ class TabletopWarpEnvConfig(EnvConfig):
 
     type: str = option("tabletop_warp", "registered name of this component (see `mmrl list`)")
     num_envs: int = option(64, "worlds in the batch", ge=1)
-    task: str | list[str] = option("object", "a task, a family (spatial, object, goal) or tasks of one family")
+    task: str | list[str] = option("object", "a task, a family (spatial, object, goal), all, or a list of these")
     layout: str = option("random", "initial-state distribution", choices=LAYOUTS)
     layout_noise: float = option(0.03, "nominal layout: metres of jitter per coordinate", ge=0.0, le=0.05)
     reward_mode: str = option("sparse", "sparse (1 at success) or dense (plus potential-based shaping)", choices=REWARD_MODES)
@@ -324,7 +356,7 @@ class _World:
         return self._state["pusher"][self._w]
 
     def block_positions(self) -> np.ndarray:
-        return self._state["blocks"][self._w]
+        return self._state["blocks"][self._w][self._state["present"][self._w]]  # parked blocks are no obstacles
 
     def goal_point(self) -> np.ndarray:
         return self._state["goal"][self._w]
@@ -338,6 +370,7 @@ def expert_actions(env: TabletopBatchedEnv) -> Tensor:
     state = {
         "pusher": env.pusher_position().double().cpu().numpy(), "blocks": env.block_positions().double().cpu().numpy(),
         "goal": env.goal_point().double().cpu().numpy(), "target": env.target.cpu().numpy(),
+        "present": env.block_present.cpu().numpy(),
     }
     actions = np.stack([expert_action(_World(state, w)) for w in range(env.num_envs)])
     return torch.from_numpy(actions).to(env.device)

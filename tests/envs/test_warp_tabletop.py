@@ -19,6 +19,7 @@ from mmrl.envs.tabletop.expert import expert_action
 from mmrl.errors import ConfigError
 
 WORLDS = 16
+MIXED = ["spatial", "object", "goal"]  # every task of every family, drawn by the seed
 STEPS = 20
 # Every state entry is at most ~1 in size (metres, m/s, cos and sin) and each MuJoCo step rounds
 # it to float32 once (relative error <= eps32 = 1.19e-7); added up in the worst case over the
@@ -43,6 +44,18 @@ def batch():
     from mmrl.envs.tabletop.batched import TabletopBatchedEnv
 
     env = TabletopBatchedEnv(WORLDS, task="object", autoreset="disabled", device="cpu")
+    yield env
+    env.close()
+
+
+@pytest.fixture(scope="module")
+def mixed():
+    """WORLDS worlds of tasks of all three families: the object scene, as ``batch``, so the
+    kernels ``batch`` compiled serve it too."""
+    require_warp()
+    from mmrl.envs.tabletop.batched import TabletopBatchedEnv
+
+    env = TabletopBatchedEnv(WORLDS, task=MIXED, autoreset="disabled", device="cpu")
     yield env
     env.close()
 
@@ -89,15 +102,19 @@ def test_a_world_reset_with_a_seed_gets_the_task_and_initial_state_of_the_cpu_en
     assert (same["state"] == same["state"][0]).all()
 
 
-def test_states_rewards_and_costs_match_the_cpu_env_to_float32_rounding_until_the_pusher_touches_a_block(batch):
+def _compare_until_the_first_touch(batch, task) -> float:
+    """Step ``batch`` and CPU envs of ``task`` from seeds 0..WORLDS-1 with the CPU expert's
+    actions (dense reward) for STEPS control steps; assert states, rewards, costs and flags
+    agree to TOLERANCE in every world whose pusher has not touched a block yet; return the
+    largest state gap seen there."""
     batch.reward_mode = "dense"
     try:
         batch.reset(seed=list(range(WORLDS)))
-        cpus = _cpu_envs(WORLDS, reward_mode="dense")
+        cpus = _cpu_envs(WORLDS, task, reward_mode="dense")
         for i, cpu in enumerate(cpus):
             cpu.reset(seed=i)
         watched = [_watch_the_pusher(cpu) for cpu in cpus]
-        untouched_steps = 0
+        untouched_steps, largest = 0, 0.0
         for _ in range(STEPS):
             actions = np.stack([expert_action(cpu) for cpu in cpus])
             expected = [cpu.step(action) for cpu, action in zip(cpus, actions)]
@@ -105,22 +122,27 @@ def test_states_rewards_and_costs_match_the_cpu_env_to_float32_rounding_until_th
             free = ~np.array([w[0] for w in watched]) & ~np.array([e[2] for e in expected])
             untouched_steps += int(free.sum())
             state = np.stack([e[0]["state"] for e in expected])
-            assert np.abs(obs["state"].numpy() - state)[free].max(initial=0.0) <= TOLERANCE
+            gap = np.abs(obs["state"].numpy() - state)[free].max(initial=0.0)
+            largest = max(largest, float(gap))
+            assert gap <= TOLERANCE
             assert np.abs(reward.numpy() - np.array([e[1] for e in expected]))[free].max(initial=0.0) <= 10 * TOLERANCE
             path = np.array([e[4]["costs"]["path_length"] for e in expected])
             assert np.abs(info["costs"]["path_length"].numpy() - path)[free].max(initial=0.0) <= TOLERANCE
             assert (info["costs"]["steps"].numpy() == np.array([e[4]["costs"]["steps"] for e in expected])).all()
             assert (terminated.numpy() == np.array([e[2] for e in expected]))[free].all()
         assert untouched_steps >= WORLDS * 3  # the comparison covers the approach to the block
+        return largest
     finally:
         batch.reward_mode = "sparse"
 
 
-def test_the_scripted_expert_succeeds_where_it_succeeds_on_the_cpu_env(batch):
+def _expert_success(batch, task) -> tuple[np.ndarray, np.ndarray]:
+    """The scripted expert's success ``(cpu, warp)`` [WORLDS] bool over one episode from
+    seeds 0..WORLDS-1, on CPU envs of ``task`` and on ``batch`` (60 steps, the time limit)."""
     from mmrl.envs.tabletop.batched import expert_actions
 
     batch.reset(seed=list(range(WORLDS)))
-    cpus = _cpu_envs(WORLDS)
+    cpus = _cpu_envs(WORLDS, task)
     cpu_success, warp_success = np.zeros(WORLDS, bool), np.zeros(WORLDS, bool)
     cpu_alive, warp_alive = np.ones(WORLDS, bool), np.ones(WORLDS, bool)
     for i, cpu in enumerate(cpus):
@@ -135,6 +157,46 @@ def test_the_scripted_expert_succeeds_where_it_succeeds_on_the_cpu_env(batch):
                 cpu_success[i] |= step_info["success"]
                 cpu_alive[i] = not (term or trunc)
     assert not warp_alive.any() and not cpu_alive.any()  # the time limit ends them all
+    return cpu_success, warp_success
+
+
+def test_states_rewards_and_costs_match_the_cpu_env_to_float32_rounding_until_the_pusher_touches_a_block(batch):
+    _compare_until_the_first_touch(batch, "object")
+
+
+def test_the_scripted_expert_succeeds_where_it_succeeds_on_the_cpu_env(batch):
+    cpu_success, warp_success = _expert_success(batch, "object")
+    assert cpu_success.mean() >= 0.9
+    assert (cpu_success == warp_success).sum() >= WORLDS - 1
+
+
+def test_a_mixed_task_list_gives_each_world_the_cpu_envs_task_and_initial_state_and_parks_the_blocks_its_family_lacks(mixed):
+    from mmrl.envs.tabletop.batched import PARK_X
+    from mmrl.envs.tabletop.tasks import TASKS
+
+    obs, info = mixed.reset(seed=list(range(WORLDS)))
+    cpus = _cpu_envs(WORLDS, MIXED)
+    expected = [cpu.reset(seed=i) for i, cpu in enumerate(cpus)]
+    assert mixed.state_layout() == cpus[0].state_layout()
+    assert info["task"] == [i["task"] for _, i in expected]
+    families = [TASKS[t].family for t in info["task"]]
+    assert set(families) == {"spatial", "object", "goal"}  # the seeds draw worlds of every family
+    assert list(obs["instruction"]) == [o["instruction"] for o, _ in expected]
+    np.testing.assert_allclose(obs["state"].numpy(), np.stack([o["state"] for o, _ in expected]), atol=1e-6)
+    assert mixed.target.tolist() == [cpu.target for cpu in cpus]
+    # three-block worlds park the object scene's fourth block off the table, and keep it there
+    assert mixed.block_present.sum(1).tolist() == [4 if f == "object" else 3 for f in families]
+    mixed.step(torch.ones(WORLDS, 2))
+    parked = ~mixed.block_present
+    np.testing.assert_allclose(mixed.block_positions()[parked].numpy(), np.tile([PARK_X + 0.3, 0.0], (int(parked.sum()), 1)), atol=1e-6)
+
+
+def test_a_mixed_task_list_matches_the_cpu_env_to_float32_rounding_until_the_pusher_touches_a_block(mixed):
+    _compare_until_the_first_touch(mixed, MIXED)
+
+
+def test_in_a_mixed_task_list_the_scripted_expert_succeeds_where_it_succeeds_on_the_cpu_env(mixed):
+    cpu_success, warp_success = _expert_success(mixed, MIXED)
     assert cpu_success.mean() >= 0.9
     assert (cpu_success == warp_success).sum() >= WORLDS - 1
 
@@ -222,8 +284,9 @@ def test_the_env_sampler_collects_tensors_from_the_warp_tabletop(batch):
     ("kwargs", "field"),
     [
         ({"obs_mode": "rgb"}, "env.obs_mode"),
-        ({"task": "all"}, "env.task"),
+        ({"task": []}, "env.task"),
         ({"task": "push everything"}, "env.task"),
+        ({"task": ["spatial", "object_red", "push everything"]}, "env.task"),
         ({"layout": "grid"}, "env.layout"),
         ({"reward_mode": "shaped"}, "env.reward_mode"),
         ({"device": "tpu"}, "device"),
