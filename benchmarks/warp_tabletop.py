@@ -6,7 +6,7 @@
 ``throughput``: env steps/s of ``mmrl/Tabletop-v0`` (state observations) in a gymnasium
 SyncVectorEnv of N envs against one warp batch of N worlds (``tabletop_warp``), in the same
 run, random actions, finished episodes reset inside both; the ratio is warp / CPU.
-``equivalence``: per family, episodes seeded 0..E-1 run by the scripted expert closed loop
+``equivalence``: per family (or ``all``, one batch of every family's tasks), episodes seeded 0..E-1 run by the scripted expert closed loop
 on both backends (``--noise``: with Gaussian action noise, equal draws on both); prints both success rates, how often success agrees, and where the states
 part: the first control step at which a block or the pusher is more than 1 mm apart, and
 whether the pusher had touched a block by then (CPU MuJoCo's contacts). Also the open-loop
@@ -206,7 +206,7 @@ def main() -> None:
     e.add_argument("--episodes", type=int, default=256, help="expert episodes per family")
     e.add_argument("--open-loop", type=int, default=64, help="worlds of the open-loop comparison (0: none)")
     e.add_argument("--noise", type=float, default=0.0, help="Gaussian action noise of the expert (its std), the same draws on both backends")
-    e.add_argument("--families", nargs="+", default=["spatial", "object", "goal"])
+    e.add_argument("--families", nargs="+", default=["spatial", "object", "goal"], help="each its own run; all: one batch of every family's tasks mixed")
     e.add_argument("--device", default="cpu")
     args = parser.parse_args()
     torch.set_num_threads(1)

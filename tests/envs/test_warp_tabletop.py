@@ -1,7 +1,8 @@
 """The tabletop suite on MuJoCo Warp (env type tabletop_warp) against mmrl/Tabletop-v0: the
 same tasks and initial states from the same seeds, states equal to float32 rounding until the
-pusher touches a block, the scripted expert's success, masked and same-step resets, costs,
-config errors, and the env sampler on it.
+pusher touches a block, the scripted expert's success (for one family and for a task list
+mixing all three), masked and same-step resets, costs, config errors, and the env sampler
+on it.
 
 MuJoCo Warp's kernels compile on first use (10-40 s on a CPU, then cached in warp's kernel
 cache); the tests that step share one compiled batch (``batch``). They need the warp extra:
