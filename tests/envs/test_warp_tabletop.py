@@ -192,6 +192,27 @@ def test_a_mixed_task_list_gives_each_world_the_cpu_envs_task_and_initial_state_
     np.testing.assert_allclose(mixed.block_positions()[parked].numpy(), np.tile([PARK_X + 0.3, 0.0], (int(parked.sum()), 1)), atol=1e-6)
 
 
+def test_spatial_and_goal_tasks_share_the_spatial_scene_and_a_goal_world_parks_the_zone():
+    require_warp()
+    from mmrl.config import from_dict
+    from mmrl.envs.tabletop.batched import PARK_X, TabletopBatchedEnv, TabletopWarpEnvConfig
+    from mmrl.envs.tabletop.tasks import TASKS
+
+    task = ["spatial", "goal"]
+    from_dict(TabletopWarpEnvConfig, {"task": task}).validate("env")  # a list across families is a valid env section
+    env = TabletopBatchedEnv(WORLDS, task=task, device="cpu")
+    assert env.scene_family.name == "spatial" and env.num_blocks == 3 and not env.parks_blocks
+    obs, info = env.reset(seed=list(range(WORLDS)))
+    cpus = _cpu_envs(WORLDS, task)
+    expected = [cpu.reset(seed=i) for i, cpu in enumerate(cpus)]
+    assert info["task"] == [i["task"] for _, i in expected]
+    np.testing.assert_allclose(obs["state"].numpy(), np.stack([o["state"] for o, _ in expected]), atol=1e-6)
+    goal = torch.tensor([TASKS[t].family == "goal" for t in info["task"]])
+    assert 0 < goal.sum() < WORLDS  # seeds 0-7 all draw goal tasks; 0-15 draw both
+    zone = env.mocap_pos[:, env.zone_mocap, :2]
+    assert (zone[goal, 0] >= PARK_X).all() and torch.equal(zone[~goal], env.zone[~goal].to(zone.dtype))
+
+
 def test_a_mixed_task_list_matches_the_cpu_env_to_float32_rounding_until_the_pusher_touches_a_block(mixed):
     _compare_until_the_first_touch(mixed, MIXED)
 
