@@ -131,7 +131,9 @@ def run_chain(
     rows = torch.arange(n, device=x_init.device)
     # A transition with a step table computes the coefficients of all K steps at once, for the
     # steps that every row takes alike (all stochastic or none): the same values, fewer operators.
-    table = transition.step_table(n, x_init.device) if getattr(transition, "step_table", None) is not None else None
+    # A chain whose graph is kept (reused for the update) takes the per-step path that log_prob's
+    # recompute takes, so that the two give the same gradients.
+    table = transition.step_table(n, x_init.device) if getattr(transition, "step_table", None) is not None and not keep_graph else None
     x = x_init.detach()
     latents = [x]
     log_probs, entropies, zero_std = [], [], []
