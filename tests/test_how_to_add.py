@@ -285,16 +285,19 @@ def test_the_table_names_every_kind_this_file_adds():
 def test_a_loss_is_one_module_and_trains(add, tmp_path, monkeypatch):
     files = add("loss")
     assert len(files) == documented_files()["loss"]
-    import howto_loss  # noqa: F401  (mmrl imports a plugin's module through its mmrl.losses entry point)
+    import howto_loss  # noqa: F401  (in mmrl/algo/losses/ the registry imports it; a plugin names it as an mmrl.losses entry point)
 
     summary = train(tiny_run(algo={"loss": {"type": "howto_reinforce"}}), tmp_path / "run")
     assert summary["step"] == 1
     assert metrics(tmp_path / "run")[-1]["loss/policy"] is not None
-    # the file the table counts as its edit elsewhere: a case in the loss contract test, whose checks it then passes
+    # its edit elsewhere: a case in the loss contract test (a tiny run and what it learns), whose checks it then passes
     from tests.algo import test_loss_contract as contract
 
-    monkeypatch.setitem(contract.CASES, "howto_reinforce", contract.Case(lambda: contract._point_reach("howto_reinforce"), "advantage"))
-    contract.test_the_loss_learns_in_the_direction_it_promises("howto_reinforce", 1.0, tmp_path / "contract")
+    case = contract.Case(lambda: point_reach_config(env={"num_envs": 4}, algo={"group_size": 2, "groups_per_step": 2, "loss": {"type": "howto_reinforce"}}), "advantage")
+    monkeypatch.setitem(contract.CASES, "howto_reinforce", case)
+    contract.test_the_loss_is_a_finite_scalar_with_named_terms_and_its_gradient_reaches_the_policy("howto_reinforce", tmp_path / "finite")
+    for sign in (1.0, -1.0):
+        contract.test_the_loss_learns_in_the_direction_it_promises("howto_reinforce", sign, tmp_path / f"learns{sign}")
 
 
 def test_a_reward_is_one_module_and_scores_a_run(add, tmp_path):
@@ -311,10 +314,10 @@ def test_a_policy_family_is_one_folder_that_passes_the_contract_form_and_trains(
     files = add("policy family")
     assert len(files) == documented_files()["policy family"]
     import howto_policy.model  # noqa: F401  (mmrl walks policies/ and the mmrl.policies entry points)
-    from tests.policies.test_contract import RUN, _merge, contract_of
+    from tests.policies.test_contract import RUN, contract_of
 
     contract = contract_of("howto_gaussian")  # the form every registered policy's example must have
-    summary = train(from_dict(TrainConfig, _merge(RUN, contract["train"])), tmp_path / "run")
+    summary = train(from_dict(TrainConfig, {**RUN, **contract["train"]}), tmp_path / "run")
     assert summary["step"] == 1
     entry = registry.POLICIES.entry("howto_gaussian")
     policy = build_policy(from_dict(entry.config, contract["train"]["policy"], "policy"), {"obs_dim": 4, "action_dim": 2})
