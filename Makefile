@@ -8,10 +8,13 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml scripts/setup.sh
 	VENV=$(VENV) bash scripts/setup.sh
 
-# The main job on its built-in default: ManiSkill3 PushCube from state, 100k env steps, with a
-# learned value baseline (GAE and a critic); the group baseline is configs/maniskill_pushcube_grpo.yaml.
+# The main job: ManiSkill3 PushCube from state with RLPD (SAC on a replay buffer, 20 scripted
+# demonstrations in half of every batch; 1,000 + 60,000 env steps). The demonstrations are
+# collected first, once; the on-policy recipes are configs/maniskill_pushcube_gae.yaml (PPO with
+# a critic) and configs/maniskill_pushcube_grpo.yaml (the group baseline).
 train: setup
-	$(VENV)/bin/mmrl train configs/maniskill_pushcube_gae.yaml
+	test -f runs/demos/pushcube/index.json || $(VENV)/bin/mmrl collect --config configs/maniskill_pushcube_rlpd.yaml --out runs/demos/pushcube
+	$(VENV)/bin/mmrl train configs/maniskill_pushcube_rlpd.yaml
 
 test: setup
 	$(PY) -m pytest -q
