@@ -54,7 +54,11 @@ class BufferUpdates:
         if o.demos is not None:
             from mmrl.demos import read_demos
 
-            batch = demo_transitions(read_demos(o.demos), policy, o.gamma, o.n_step)
+            try:
+                episodes = read_demos(o.demos)
+            except ConfigError as e:  # name the option, and how to write the directory
+                raise ConfigError("algo.loss.demos", o.demos, f"{e.allowed}; `mmrl collect --config <this run config> --out {o.demos}` writes demonstrations of its env") from None
+            batch = demo_transitions(episodes, policy, o.gamma, o.n_step)
             count = batch["reward"].shape[0]
             if self.intervening:
                 batch["intervened"] = torch.zeros(count, dtype=torch.bool)

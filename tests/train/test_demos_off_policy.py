@@ -149,3 +149,9 @@ def test_demonstrations_speed_up_sac_on_sparse_point_reach(tmp_path, learning_se
 
     with_demos = success({"demos": str(point_reach_demos(tmp_path / "demos", **kwargs))}, "demos")
     learned(with_demos - success({}, "plain"), 0.15, name="success gain from demonstrations")
+
+
+def test_a_missing_demonstrations_directory_is_refused_naming_the_option_and_how_to_write_it(tmp_path):
+    with pytest.raises(ConfigError, match="mmrl collect --config") as err:
+        Trainer(from_dict(TrainConfig, sac_config(loss={"demos": str(tmp_path / "none")})), tmp_path / "run")
+    assert err.value.field == "algo.loss.demos"
