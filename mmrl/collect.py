@@ -57,12 +57,7 @@ def collect(
     if env_id != TABLETOP_ID:
         raise ConfigError("env_id", env_id, f"scripted experts exist for {TABLETOP_ID} only")
     tasks = resolve_tasks(tasks, "task")
-    if not isinstance(episodes_per_task, int) or episodes_per_task < 1:
-        raise ConfigError("episodes_per_task", episodes_per_task, "expected a positive integer")
-    if not isinstance(seed, int) or seed < 0 or seed + episodes_per_task > DEMO_SEED_LIMIT:
-        raise ConfigError("seed", seed, "demonstration seeds seed .. seed + episodes_per_task - 1 must lie in [0, 2**31) (evaluation uses seeds >= 2**31)")
-    if noise < 0:
-        raise ConfigError("noise", noise, "expected a standard deviation >= 0")
+    _check_collection("episodes_per_task", episodes_per_task, seed, noise)
     if layout not in ("mmrl-demos", "lerobot"):
         raise ConfigError("format", layout, "mmrl-demos or lerobot")
     if layout == "lerobot":
@@ -125,6 +120,16 @@ def collect(
     return summary
 
 
+def _check_collection(count_field: str, count, seed, noise: float) -> None:
+    """The episode count, seeds and action noise of a collection, refused naming the field."""
+    if not isinstance(count, int) or count < 1:
+        raise ConfigError(count_field, count, "expected a positive integer")
+    if not isinstance(seed, int) or seed < 0 or seed + count > DEMO_SEED_LIMIT:
+        raise ConfigError("seed", seed, f"demonstration seeds seed .. seed + {count_field} - 1 must lie in [0, 2**31) (evaluation uses seeds >= 2**31)")
+    if noise < 0:
+        raise ConfigError("noise", noise, "expected a standard deviation >= 0")
+
+
 def run_expert_episode(env, expert_action, task: str, seed: int, noise: float = 0.0, rng: np.random.Generator | None = None) -> Episode:
     """One episode of ``expert_action`` on ``task`` from reset seed ``seed`` (observations,
     actions, rewards and success as written by ``mmrl collect``). What the env's ``reset`` or
@@ -176,12 +181,7 @@ def collect_from_config(cfg, episodes: int, out: str | os.PathLike, *, seed: int
     if make is None:
         with_one = sorted(name for name in registry.ENVS.names() if registry.ENVS.entry(name).traits.get("scripted_expert"))
         raise ConfigError("env.type", cfg.env.type, f"has no scripted expert; env types with one: {', '.join(with_one)} (and {TABLETOP_ID} through `mmrl collect --task`)")
-    if not isinstance(episodes, int) or episodes < 1:
-        raise ConfigError("episodes", episodes, "expected a positive integer")
-    if not isinstance(seed, int) or seed < 0 or seed + episodes > DEMO_SEED_LIMIT:
-        raise ConfigError("seed", seed, "demonstration seeds seed .. seed + episodes - 1 must lie in [0, 2**31) (evaluation uses seeds >= 2**31)")
-    if noise < 0:
-        raise ConfigError("noise", noise, "expected a standard deviation >= 0")
+    _check_collection("episodes", episodes, seed, noise)
     out = Path(out)
     if (out / INDEX).exists():
         raise ConfigError("out", str(out), "already holds demonstrations; choose another directory")
