@@ -23,7 +23,6 @@ sampler:
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -34,6 +33,7 @@ from torch import Tensor
 
 from mmrl.config import option
 from mmrl.errors import ConfigError
+from mmrl.registry import import_callable
 
 
 @runtime_checkable
@@ -74,7 +74,7 @@ class IntervenerConfig:
         except TypeError as e:
             raise ConfigError(f"{field}.kwargs", self.kwargs, f"{self.type} takes {_parameters(cls)}: {e}") from None
         if cls is ScriptedIntervener:
-            _import(self.kwargs["expert"], f"{field}.kwargs.expert", "function")
+            import_callable(self.kwargs["expert"], f"{field}.kwargs.expert", "function")
 
 
 class ScriptedIntervener:
@@ -92,7 +92,7 @@ class ScriptedIntervener:
             raise ValueError(f"fraction must lie in [0, 1], got {fraction}")
         if decay_steps is not None and decay_steps < 1:
             raise ValueError(f"decay_steps must be >= 1 (or null: no decay), got {decay_steps}")
-        self.expert = _import(expert, "expert", "function")
+        self.expert = import_callable(expert, "expert", "function")
         self.fraction, self.decay_steps = fraction, decay_steps
         self.generator = torch.Generator().manual_seed(seed)
 
@@ -126,7 +126,7 @@ def resolve_intervener(spec: str, field: str) -> type:
         return _BUILT_IN[spec]
     if not isinstance(spec, str) or ":" not in spec:
         raise ConfigError(field, spec, f"expected {', '.join(_BUILT_IN)} or 'package.module:Class' (a class with intervene(observations, proposed, step, env))")
-    cls = _import(spec, field, "class")
+    cls = import_callable(spec, field, "class")
     if not callable(getattr(cls, "intervene", None)):
         raise ConfigError(field, spec, "has no intervene(observations, proposed, step, env) method (mmrl.interventions.Intervener)")
     return cls
@@ -164,18 +164,6 @@ def as_takeover(taken, proposed: Tensor) -> tuple[Tensor, Tensor]:
     if tuple(actions.shape) != (n, c, a):
         raise ValueError(f"the intervener's actions have shape {tuple(actions.shape)}; expected [{n}, {c}, {a}] or [{n}, {a}] (env units)")
     return rows, actions
-
-
-def _import(spec: str, field: str, what: str):
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(field, spec, f"could not import the module {module_name!r}: {e}") from None
-    value = getattr(module, attr, None) if attr else None
-    if value is None or not callable(value):
-        raise ConfigError(field, spec, f"the module {module_name!r} has no {what} {attr!r}; expected 'package.module:Name'")
-    return value
 
 
 def _parameters(cls) -> str:

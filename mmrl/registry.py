@@ -117,3 +117,18 @@ FILTERS = Registry("filters", ("mmrl.algo.filters",), section="filters")
 ENGINES = Registry("engines", ("mmrl.rollout",))  # rollout.engine: where rollout workers run
 CORRECTIONS = Registry("corrections", ("mmrl.algo.correction",), section="correction")
 LOSSES = Registry("losses", ("mmrl.algo.losses",), "mmrl.losses", section="loss")  # algo.loss: what one piece of a minibatch backpropagates
+
+
+def import_callable(spec: str, field: str, what: str = "function"):
+    """The callable a config names as ``package.module:Name`` (a user's function or class);
+    a one-line ConfigError naming ``field`` if the module cannot be imported or has no such
+    callable."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(field, spec, f"could not import the module {module_name!r}: {e}") from None
+    value = getattr(module, attr, None) if attr else None
+    if value is None or not callable(value):
+        raise ConfigError(field, spec, f"the module {module_name!r} has no {what} {attr!r}; expected 'package.module:Name'")
+    return value

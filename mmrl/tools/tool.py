@@ -24,7 +24,6 @@ becomes an error observation (``Error: ...``) and the episode goes on.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import re
 import types
@@ -34,7 +33,7 @@ from functools import partial
 from typing import Any, Callable, Literal
 
 from mmrl.errors import ConfigError
-from mmrl.registry import Registry
+from mmrl.registry import Registry, import_callable
 from mmrl.tools.sandbox import SandboxConfig
 
 TOOLS = Registry("tools", ("mmrl.tools",))
@@ -206,7 +205,7 @@ def make_tools(specs: list[str], sandbox: SandboxConfig | None = None, field: st
     for i, spec in enumerate(specs):
         where = f"{field}[{i}]"
         if ":" in spec:
-            fn = _import_function(spec, where)
+            fn = import_callable(spec, where)
             tool = tool_from_function(fn, where=where)
         else:
             tool = tool_from_function(TOOLS.get(spec, where), name=spec, where=where)
@@ -216,18 +215,6 @@ def make_tools(specs: list[str], sandbox: SandboxConfig | None = None, field: st
             tool.fn = partial(tool.fn, sandbox=sandbox or SandboxConfig())
         tools[tool.name] = tool
     return tools
-
-
-def _import_function(spec: str, where: str) -> Callable:
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(where, spec, f"could not import {module_name!r}: {e}") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ConfigError(where, spec, f"{module_name!r} has no function {attr!r}")
-    return fn
 
 
 def call_tool(tools: dict[str, Tool], call: ToolCall) -> ToolResult:

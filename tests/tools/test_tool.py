@@ -116,7 +116,7 @@ def test_bad_arguments_and_failing_tools_come_back_as_error_observations():
 
 @pytest.mark.parametrize("spec, says", [
     ("abacus", "known tools: calculator, python"),
-    ("no_such_module_xyz:fn", "could not import 'no_such_module_xyz'"),
+    ("no_such_module_xyz:fn", "could not import the module 'no_such_module_xyz'"),
     ("tests.tools.test_tool:missing", "has no function 'missing'"),
     ("tests.tools.test_tool:undocumented", "a tool needs a docstring"),
 ])
