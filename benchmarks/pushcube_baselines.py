@@ -7,6 +7,7 @@ against GAE, on one or both kernel sets.
     python benchmarks/pushcube_baselines.py --seeds 0 --jobs 1       # one seed of each
     python benchmarks/pushcube_baselines.py --baselines rlpd gae --seeds 0   # the main job against PPO, one seed each
     python benchmarks/pushcube_baselines.py --baselines rlpd --seeds 0 1 2 3 4 --kernels default avx2  # the 10-run check
+    python benchmarks/pushcube_baselines.py --baselines interventions online --seeds 0 1 2   # a scripted intervener vs none
     python benchmarks/pushcube_baselines.py --report-only            # read the run directories again
 
 A baseline whose config trains with demonstrations (``algo.loss.demos``) gets them collected
@@ -53,7 +54,10 @@ BASELINES = {  # name -> shipped config
     "gae": "configs/maniskill_pushcube_gae.yaml",
     "rlpd": "configs/maniskill_pushcube_rlpd.yaml",
     "sac": "configs/maniskill_pushcube_sac.yaml",
+    "interventions": "configs/maniskill_pushcube_interventions.yaml",
+    "online": "configs/maniskill_pushcube_interventions.yaml",  # the same SAC, nobody intervening
 }
+OVERRIDES = {"online": ["sampler.intervener=null"]}  # a baseline that is a shipped config with options changed
 WITH_DEMOS = {"rlpd"}  # baselines whose config reads algo.loss.demos
 PACKAGES = ("mani_skill", "sapien", "torch", "gymnasium", "numpy")
 
@@ -88,7 +92,7 @@ def run_one(name: str, seed: int, out: Path, overrides: list[str], stop_at: floa
     if wall_file.exists():
         return float(wall_file.read_text().split()[0])
     resumed = (run_dir / "checkpoints").is_dir()
-    cmd = [sys.executable, "-m", "mmrl", "train", BASELINES[name], f"seed={seed}", "--run-dir", str(run_dir), "log.progress=false", *overrides]
+    cmd = [sys.executable, "-m", "mmrl", "train", BASELINES[name], f"seed={seed}", "--run-dir", str(run_dir), "log.progress=false", *OVERRIDES.get(name, []), *overrides]
     if resumed:
         cmd.append("--resume")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **({"ATEN_CPU_CAPABILITY": kernel} if kernel else {})}

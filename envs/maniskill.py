@@ -281,27 +281,55 @@ def _index_tree(tree, index):
     return tree[index]
 
 
+def _push_cube_moves(tcp: "np.ndarray", cube: "np.ndarray", goal: "np.ndarray", cube_size: float = 0.02) -> "np.ndarray":
+    """PushCube-v1's scripted expert in ``pd_ee_delta_pos`` (normalized: 1 = 0.1 m) for
+    positions [N, 3]: above and behind the cube, down to the cube's height, then a slow push
+    (at most 0.03 m per step, so the cube does not slide past) to the goal's far side, and
+    still once the cube is within 3 cm of the goal's centre. Returns the moves [N, 3]."""
+    import numpy as np
+
+    tcp, cube, goal = (np.asarray(x, dtype=np.float64).reshape(-1, 3) for x in (tcp, cube, goal))
+    aligned = (np.abs(tcp[:, 1] - cube[:, 1]) < 0.01) & (tcp[:, 0] < cube[:, 0] - cube_size)
+    pushing = aligned & (tcp[:, 2] < 2 * cube_size)
+    behind = np.stack([cube[:, 0] - 2.5 * cube_size, cube[:, 1], np.where(aligned, cube_size, 4 * cube_size)], axis=1)
+    target = np.where(pushing[:, None], np.stack([goal[:, 0] - cube_size, goal[:, 1], np.full(len(goal), cube_size)], axis=1), behind)
+    limit = np.where(pushing, 0.3, 1.0)[:, None]
+    move = np.clip((target - tcp) / 0.05, -limit, limit)
+    done = np.linalg.norm(cube[:, :2] - goal[:, :2], axis=1) < 0.03
+    return np.where(done[:, None], 0.0, move)
+
+
 def _push_cube_action(env, cube_size: float = 0.02) -> "np.ndarray":
-    """PushCube-v1's scripted expert in ``pd_ee_delta_pos`` (normalized: 1 = 0.1 m), for the
-    one env of ``env.unwrapped``: above and behind the cube, down to the cube's height, then
-    a slow push (at most 0.03 m per step, so the cube does not slide past) to the goal's far
-    side, and still once the cube is within 3 cm of the goal's centre."""
+    """The expert's action (:func:`_push_cube_moves`) for the one env of ``env.unwrapped``,
+    read from the simulator's poses."""
     import numpy as np
 
     u = env.unwrapped
     tcp, cube, goal = (np.asarray(x.pose.p[0].cpu(), dtype=np.float64) for x in (u.agent.tcp, u.obj, u.goal_region))
-    if np.linalg.norm(cube[:2] - goal[:2]) < 0.03:
-        move = np.zeros(3)
-    else:
-        aligned = abs(tcp[1] - cube[1]) < 0.01 and tcp[0] < cube[0] - cube_size
-        if aligned and tcp[2] < 2 * cube_size:
-            target, limit = np.array([goal[0] - cube_size, goal[1], cube_size]), 0.3
-        elif aligned:
-            target, limit = np.array([cube[0] - 2.5 * cube_size, cube[1], cube_size]), 1.0
-        else:
-            target, limit = np.array([cube[0] - 2.5 * cube_size, cube[1], 4 * cube_size]), 1.0
-        move = np.clip((target - tcp) / 0.05, -limit, limit)
+    move = _push_cube_moves(tcp, cube, goal, cube_size)[0]
     return np.concatenate([move, np.zeros(env.action_space.shape[-1] - 3)]).astype(np.float32)
+
+
+# where PushCube-v1's state observation (35 numbers) holds the positions the expert reads:
+# the Panda's qpos (9) and qvel (9), then tcp_pose (7), goal_pos (3), obj_pose (7)
+_PUSH_CUBE_STATE = {"tcp": slice(18, 21), "goal": slice(25, 28), "cube": slice(28, 31)}
+
+
+def push_cube_expert(observations) -> "np.ndarray":
+    """PushCube-v1's scripted expert (:func:`_push_cube_moves`) from the vector env's state
+    observations [N, 35] (``obs_mode: state``): the actions [N, 4] of ``pd_ee_delta_pos``
+    with the gripper still. The scripted intervener's expert for PushCube::
+
+        sampler: {intervener: {type: scripted, kwargs: {expert: "mmrl.envs.maniskill:push_cube_expert"}}}
+    """
+    import numpy as np
+
+    obs = np.asarray(observations.cpu() if hasattr(observations, "cpu") else observations, dtype=np.float64)
+    if obs.ndim != 2 or obs.shape[1] != 35:
+        raise ValueError(f"push_cube_expert reads PushCube-v1's state observations [N, 35]; got shape {tuple(obs.shape)}")
+    tcp, goal, cube = (obs[:, _PUSH_CUBE_STATE[k]] for k in ("tcp", "goal", "cube"))
+    move = _push_cube_moves(tcp, cube, goal)
+    return np.concatenate([move, np.zeros((len(obs), 1))], axis=1).astype(np.float32)
 
 
 _EXPERTS = {"PushCube-v1": _push_cube_action}

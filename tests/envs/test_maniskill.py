@@ -314,6 +314,31 @@ def test_the_pushcube_expert_solves_every_episode_and_its_demonstrations_bootstr
         assert np.abs(e.action).max() <= 1.0
 
 
+def test_the_pushcube_expert_reads_the_same_positions_from_the_state_observation_as_from_the_simulator(mani_skill):
+    """The intervener's expert (observations [N, 35]) and the collector's (the simulator's
+    poses) act alike along a scripted episode: the observation holds the same float32 poses,
+    so the moves agree to float32 rounding of positions (~1e-7 m) over 0.05 m: 1e-5."""
+    import gymnasium
+
+    from mmrl.envs.maniskill import _push_cube_action, push_cube_expert
+
+    env = gymnasium.make("PushCube-v1", obs_mode="state", control_mode="pd_ee_delta_pos", render_backend="none")
+    try:
+        obs, _ = env.reset(seed=5)
+        moved = 0
+        for _ in range(30):
+            from_sim, from_obs = _push_cube_action(env), push_cube_expert(obs)
+            assert from_obs.shape == (1, 4)
+            np.testing.assert_allclose(from_obs[0], from_sim, atol=1e-5, rtol=0)
+            moved += bool(np.abs(from_sim).max() > 0)
+            obs, *_ = env.step(from_sim[None])
+        assert moved >= 10
+    finally:
+        env.close()
+    with pytest.raises(ValueError, match=r"\[N, 35\]"):
+        push_cube_expert(np.zeros((2, 30)))
+
+
 def test_collecting_a_config_whose_env_has_no_expert_exits_2_naming_the_field(tmp_path, write_config):
     import subprocess
     import sys
