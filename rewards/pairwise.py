@@ -87,56 +87,30 @@ class PairwisePreference(Reward):
     def __init__(self, cfg: PairwisePreferenceConfig, context: RewardContext):
         from mmrl.core.weights import load_pretrained
         from mmrl.policies.reward_model import RewardModel
+        from mmrl.policies.reward_model.inputs import INPUT_KINDS, input_kind, pairwise_models
 
         super().__init__(cfg, context)
         path = Path(cfg.model)
         if not path.is_dir():
             raise ConfigError("rewards", cfg.model, "pairwise_preference.model: no such run or checkpoint directory")
         self.model = load_pretrained(path)
-        pairwise = ("bt_image", "bt_image_set", "bt_text", "bt_trajectory")
-        if not isinstance(self.model, RewardModel) or self.model.config.type not in pairwise:
-            kind = "a success classifier (it is read as env.success_model)" if self.model.config.type == "learned_success" else "not a pairwise reward model"
-            raise ConfigError("rewards", cfg.model, f"pairwise_preference.model holds a {self.model.config.type!r} model, {kind}; expected one of {', '.join(pairwise)}")
+        name = getattr(self.model, "input_kind", None)
+        self.kind = input_kind(name) if name in INPUT_KINDS else None
+        if not isinstance(self.model, RewardModel) or self.kind is None or not self.kind.pairwise:
+            what = self.kind.used_as if self.kind is not None and self.kind.used_as else "not a pairwise reward model"
+            raise ConfigError("rewards", cfg.model, f"pairwise_preference.model holds a {self.model.config.type!r} model, {what}; expected one of {', '.join(pairwise_models())}")
         self.model.to(context.device_for(cfg)).eval().requires_grad_(False)
-
-    def _items(self, rollout: Rollout):
-        if self.model.input_kind == "trajectory":
-            from mmrl.demos import Trajectories
-
-            if "trajectory" not in rollout.info:
-                raise ConfigError("sampler.keep_frames", 0, f"a trajectory reward model reads each episode's keyframes: set sampler.keep_frames: {self.model.config.frames} (the model's frames) with sampler.type: env")
-            store = rollout.info["trajectory"]
-            self.model.check_shapes(store, "rewards.pairwise_preference (the env's episodes)")
-            return Trajectories(store)
-        if self.model.input_kind == "text":
-            if "completions" not in rollout.info:
-                raise ConfigError("rewards", "pairwise_preference", f"a text reward model reads info['completions'] (policy.type: text_lm); the rollout info has {sorted(rollout.info)}")
-            return list(rollout.info["completions"])
-        return torch.from_numpy(rollout_images(rollout, "pairwise_preference"))
 
     @torch.no_grad()
     def scores(self, rollout: Rollout) -> Tensor:
-        """s_i of every sample (see the module docstring), on the CPU."""
-        items = self._items(rollout)
-        key = "instruction" if self.model.input_kind == "trajectory" else "prompt"
+        """s_i of every sample (see the module docstring), on the CPU: the model's input kind
+        says which items and prompts of the rollout it scores, and in which batches."""
+        items = self.kind.rollout_items(self.model, rollout)
+        key = self.kind.prompt_key
         if key not in rollout.info:
             raise ConfigError("rewards", "pairwise_preference", "scores (prompt, sample) pairs and needs info['prompt']: use it with sampler.type: prompt")
         prompts = [str(p) for p in rollout.info[key]]
-        group_id = rollout.group_id.cpu()
-        if self.model.input_kind == "image_set":
-            # pairs live within a group: batch whole groups
-            out = torch.zeros(len(prompts))
-            groups = group_id.unique()
-            per = max(1, self.config.batch_size // max(1, len(prompts) // max(1, len(groups))))
-            for k in range(0, len(groups), per):
-                rows = torch.isin(group_id, groups[k : k + per]).nonzero().flatten()
-                out[rows] = self.model.group_scores([prompts[i] for i in rows], items[rows], group_id[rows]).float().cpu()
-            return out
-        parts = []
-        for start in range(0, len(prompts), self.config.batch_size):
-            rows = slice(start, start + self.config.batch_size)
-            parts.append(self.model.score(prompts[rows], items[rows]).float().cpu())
-        return torch.cat(parts)
+        return self.kind.score_rollout(self.model, prompts, items, rollout.group_id.cpu(), self.config.batch_size)
 
     def __call__(self, rollout: Rollout, *, policy: Any = None, reference: Any = None) -> Tensor:
         s = self.scores(rollout)

@@ -225,23 +225,26 @@ class Preferences(DataSource):
 
     def __init__(self, cfg: PreferencesConfig, policy, seed: int, world: int, rank: int):
         from mmrl.data.preferences import read_info, read_pairs
+        from mmrl.policies.reward_model.inputs import input_kind, pairwise_models
 
         super().__init__(cfg, seed, world, rank)
         kind = read_info(cfg.path)["kind"]
         wanted = policy.input_kind
         if wanted != kind:
-            what = f"scores {wanted} items" if wanted else "is not a pairwise reward model (bt_image, bt_image_set, bt_text, bt_trajectory)"
+            what = f"scores {wanted} items" if wanted else f"is not a pairwise reward model ({', '.join(pairwise_models())})"
             raise ConfigError("data.path", cfg.path, f"holds {kind} pairs, but policy {policy.config.type!r} {what}")
-        frames = getattr(policy.config, "frames", None) if kind == "trajectory" else None
+        frames = getattr(policy.config, "frames", None)  # keyframes per episode, of a model that scores episodes
         self.samples = self._samples(read_pairs(cfg.path, "train", frames=frames))
         self.held_out = read_pairs(cfg.path, "held_out", frames=frames)
-        if kind == "trajectory":  # the episodes must be what the model reads: both shapes named
-            policy.check_shapes(self.samples["chosen"].store, "data.path")
+        input_kind(kind, "data.path").check_items(policy, self.samples["chosen"], "data.path")
         self.info = {"samples": self.num_samples, "held_out": len(self.held_out)}
 
     @staticmethod
     def _samples(pairs) -> dict[str, Any]:
-        as_items = {"text": list, "trajectory": lambda v: v}.get(pairs.kind, torch.from_numpy)
+        """The items ``score`` takes, as the pairs' input kind makes them (mmrl.policies.reward_model.inputs)."""
+        from mmrl.policies.reward_model.inputs import input_kind
+
+        as_items = input_kind(pairs.kind, "data.path").as_items
         return {"prompt": pairs.prompts, "chosen": as_items(pairs.chosen), "rejected": as_items(pairs.rejected)}
 
     @torch.no_grad()

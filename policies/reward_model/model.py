@@ -49,6 +49,7 @@ from torch import Tensor, nn
 from mmrl.core.policy import PolicyModule
 from mmrl.errors import ConfigError, MissingExtraError
 from mmrl.policies.reward_model.config import BTImageConfig, BTImageSetConfig, BTTextConfig, BTTrajectoryConfig, PromptEncoderConfig
+from mmrl.policies.reward_model.inputs import input_kind
 from mmrl.registry import POLICIES
 
 _WORD = re.compile(r"[a-z0-9]+")
@@ -82,8 +83,9 @@ class RewardModel(PolicyModule):
     Bradley–Terry loss of a batch of pairs ``{"prompt", "chosen", "rejected"}``.
 
     ``input_kind`` names the items it scores (``image``: uint8 [N, H, W, 3]; ``image_set``:
-    [N, K, H, W, 3]; ``text``: a list of N completions); the ``preferences`` data source
-    checks its pairs against it."""
+    [N, K, H, W, 3]; ``text``: a list of N completions; ``trajectory``: Trajectories), a kind
+    registered in :mod:`mmrl.policies.reward_model.inputs`, which says how pair files and
+    rollouts become such items; the ``preferences`` data source checks its pairs against it."""
 
     input_kind: ClassVar[str] = ""
 
@@ -125,32 +127,10 @@ class RewardModel(PolicyModule):
 def contract_pairs(model: RewardModel, generator: torch.Generator) -> dict[str, Any]:
     """Two preference pairs of random items of the kind ``model`` scores, as the
     ``preferences`` data source gives them ({"prompt", "chosen", "rejected"}): the supervised
-    batch of the reward models' ``contract`` (tests/policies/test_contract.py)."""
-    prompts, c = ["a red circle left of a square", "push the blue block up"], model.config
-
-    def images(*shape: int) -> Tensor:
-        return torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8)
-
-    if model.input_kind == "text":
-        words = ["seven", "7", "the answer is 12", "no"]
-        return {"prompt": prompts, "chosen": words[:2], "rejected": words[2:]}
-    if model.input_kind == "image":
-        return {"prompt": prompts, "chosen": images(2, c.image_size, c.image_size, 3), "rejected": images(2, c.image_size, c.image_size, 3)}
-    if model.input_kind == "image_set":
-        return {"prompt": prompts, "chosen": images(2, 2, c.image_size, c.image_size, 3), "rejected": images(2, 2, c.image_size, c.image_size, 3)}
-    if model.input_kind == "trajectory":
-        from mmrl.demos import Trajectories
-
-        camera = (c.cameras,) if c.cameras > 1 else ()
-        store = {
-            "image": images(4, c.frames, *camera, c.image_size, c.image_size, 3),
-            "state": torch.randn(4, c.frames, c.state_dim, generator=generator),
-            "action": torch.randn(4, c.frames, c.action_dim + 1, generator=generator),
-            "length": torch.tensor([5, 9, 7, 12]),
-        }
-        episodes = Trajectories(store)
-        return {"prompt": prompts, "chosen": episodes[torch.tensor([0, 1])], "rejected": episodes[torch.tensor([2, 3])]}
-    raise NotImplementedError(f"no contract batch for reward models of {model.input_kind!r} items")
+    batch of the reward models' ``contract`` (tests/policies/test_contract.py); the items are
+    the input kind's (:meth:`~mmrl.policies.reward_model.inputs.InputKind.contract_pair`)."""
+    chosen, rejected = input_kind(model.input_kind, f"{model.config.type}.input_kind").contract_pair(model.config, generator)
+    return {"prompt": ["a red circle left of a square", "push the blue block up"], "chosen": chosen, "rejected": rejected}
 
 
 # ---------------------------------------------------------------- images
