@@ -23,6 +23,15 @@ masked worlds. Observations, rewards and flags are torch tensors on the simulato
 A reset writes state only (``qpos``, ``qvel``, ``mocap_*`` ...): what MuJoCo derives from it
 (body poses, contacts) is refreshed by the next step, so ``observe`` reads the state.
 
+Images: ``cameras=[names]`` (with ``image_width``/``image_height``) builds a MuJoCo Warp
+render context for those cameras of the model, and :meth:`render_images` ray-traces every
+camera in every world in one launch (``mujoco_warp.render``) into uint8 ``[N, K, H, W, 3]`` on
+the simulator's device, for a task's :meth:`observe`. It renders the current state (it runs
+the kinematics first, so a world just reset shows its new state), with the model's lights and
+headlight, no shadows and one sample per pixel, as MuJoCo's OpenGL renderer draws a model
+with ``shadowsize=0`` and ``offsamples=0``. :meth:`per_world` gives a model field one row per
+world (e.g. ``geom_matid``: each world's own materials).
+
 Warp's kernels compile on first use (about 10-40 s on a CPU) into warp's kernel cache
 (``~/.cache/warp``) and load from there afterwards. ``warp-lang`` and ``mujoco-warp`` come
 with ``pip install 'mmrl[warp]'``; examples/batched_cartpole.py is a whole task in a few
@@ -31,6 +40,8 @@ dozen lines.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +107,9 @@ class BatchedMujocoEnv(gymnasium.vector.VectorEnv):
         device: str | None = None,
         nconmax: int | None = None,
         njmax: int | None = None,
+        cameras: Sequence[str] | None = None,
+        image_width: int = 64,
+        image_height: int = 64,
     ):
         """``model``: a ``mujoco.MjModel``, an MJCF path or an MJCF string; ``num_envs``: the
         worlds; ``physics_steps``: MuJoCo steps per control step; ``max_episode_steps``:
@@ -103,7 +117,9 @@ class BatchedMujocoEnv(gymnasium.vector.VectorEnv):
         false runs episodes to the time limit, success or not; ``autoreset``:
         ``same_step`` or ``disabled``; ``device``: warp device (None: CUDA if found, else
         the CPU); ``nconmax``/``njmax``: contacts and constraint rows allocated per world
-        (None: mujoco_warp's defaults)."""
+        (None: mujoco_warp's defaults); ``cameras``: names of the model's cameras that
+        :meth:`render_images` renders (None: no rendering), each ``image_width`` x
+        ``image_height`` pixels."""
         wp, mujoco, mjw = import_warp()
         if not isinstance(num_envs, int) or isinstance(num_envs, bool) or num_envs < 1:
             raise ConfigError("num_envs", num_envs, "expected an integer >= 1 (worlds in the batch)")
@@ -139,6 +155,10 @@ class BatchedMujocoEnv(gymnasium.vector.VectorEnv):
         self.all_worlds = torch.arange(num_envs, device=self.device)
         self._graph = None  # the physics steps as a CUDA graph, captured on the second step
         self._stepped = False
+        self.cameras: tuple[str, ...] = ()
+        self.render_context = None
+        if cameras is not None:
+            self._build_renderer(cameras, image_width, image_height)
 
     # ------------------------------------------------------------------ the task's part
 
@@ -200,7 +220,74 @@ class BatchedMujocoEnv(gymnasium.vector.VectorEnv):
     def close(self, **kwargs):
         self._graph = None
 
+    # ------------------------------------------------------------------ images and per-world model fields
+
+    def render_images(self) -> Tensor:
+        """Every camera of ``cameras`` in every world: uint8 ``[N, K, H, W, 3]`` (K cameras
+        in the order given, rows from the image's top) on the simulator's device, rendered in
+        one batch from the worlds' current state."""
+        if self.render_context is None:
+            raise RuntimeError("this env renders nothing: build it with cameras=[...] to render images")
+        mjw, rc = self.mjw, self.render_context
+        with self._warp_stream():
+            # A reset writes qpos only and a step leaves the poses of its last physics step's
+            # start: the kinematics put every geom, camera and light where qpos says.
+            mjw.kinematics(self.model, self.data)
+            mjw.com_pos(self.model, self.data)
+            mjw.camlight(self.model, self.data)
+            mjw.refit_bvh(self.model, self.data, rc)
+            mjw.render(self.model, self.data, rc)
+        # each pixel a little-endian uint32 0xAARRGGBB: its bytes are b, g, r, a
+        packed = self._rgb_bytes.view(self.num_envs, -1, 4)
+        h, w = self.image_height, self.image_width
+        images = [packed[:, a : a + h * w, :3].flip(-1).reshape(self.num_envs, h, w, 3) for a in self._rgb_adr]
+        return torch.stack(images, 1)
+
+    def per_world(self, field: str) -> Tensor:
+        """A torch view [N, ...] of the model field ``field`` (one whose first dimension
+        MuJoCo Warp batches, e.g. ``geom_matid``, ``geom_rgba``, ``mat_rgba``), first given one
+        row per world, each a copy of the shared one. Writes to it change that world alone."""
+        wp = self.wp
+        array = getattr(self.model, field)
+        if array.shape[0] != self.num_envs:
+            if array.shape[0] != 1:
+                raise ValueError(f"model field {field} has {array.shape[0]} rows, neither 1 nor one per world")
+            rows = np.repeat(array.numpy(), self.num_envs, axis=0)
+            setattr(self.model, field, wp.array(rows, dtype=array.dtype, device=self.warp_device))
+            self._graph = None  # a captured graph holds the old array
+        return wp.to_torch(getattr(self.model, field))
+
     # ------------------------------------------------------------------ internals
+
+    def _build_renderer(self, cameras: Sequence[str], width: int, height: int) -> None:
+        names = [cameras] if isinstance(cameras, str) else list(cameras)
+        known = [self.mj_model.camera(i).name for i in range(self.mj_model.ncam)]
+        if not names or any(name not in known for name in names) or len(set(names)) != len(names):
+            raise ConfigError("cameras", cameras, f"expected a list of distinct camera names of the model ({', '.join(known) or 'it has none'})")
+        for field, value in (("image_width", width), ("image_height", height)):
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 4096:
+                raise ConfigError(field, value, "expected an integer in [1, 4096] (pixels)")
+        self.cameras, self.image_width, self.image_height = tuple(names), width, height
+        with self.wp.ScopedDevice(self.warp_device):
+            self.render_context = self.mjw.create_render_context(
+                self.mj_model, nworld=self.num_envs, cam_res=(width, height), cam_active=[known.index(name) for name in names], render_rgb=True,
+                render_depth=False, render_seg=False, use_shadows=False, samples_per_pixel=1,
+            )
+        self._rgb_adr = [int(a) for a in self.render_context.rgb_adr.numpy()]  # where each camera's pixels start, in the order given
+        self._rgb_bytes = self.wp.to_torch(self.render_context.rgb_data).view(torch.uint8)
+
+    @contextmanager
+    def _warp_stream(self):
+        """Run warp work on the simulator's device, ordered after torch's work before it and
+        before torch's work after it (on CUDA the two have their own streams)."""
+        wp = self.wp
+        with wp.ScopedDevice(self.warp_device):
+            if self.device.type == "cuda":  # torch wrote the actions on its stream: warp's waits for it
+                torch_stream = wp.stream_from_torch(torch.cuda.current_stream(self.device))
+                wp.get_stream().wait_stream(torch_stream)
+            yield
+            if self.device.type == "cuda":
+                torch_stream.wait_stream(wp.get_stream())
 
     def _reset(self, worlds: Tensor) -> None:
         if len(worlds) == 0:
@@ -217,10 +304,7 @@ class BatchedMujocoEnv(gymnasium.vector.VectorEnv):
 
     def _physics(self) -> None:
         wp = self.wp
-        with wp.ScopedDevice(self.warp_device):
-            if self.device.type == "cuda":  # torch wrote the actions on its stream: warp's waits for it
-                torch_stream = wp.stream_from_torch(torch.cuda.current_stream(self.device))
-                wp.get_stream().wait_stream(torch_stream)
+        with self._warp_stream():
             if self._graph is not None:
                 wp.capture_launch(self._graph)
             elif self.device.type == "cuda" and self._stepped:  # the kernels are loaded: capture
@@ -230,8 +314,6 @@ class BatchedMujocoEnv(gymnasium.vector.VectorEnv):
                 wp.capture_launch(self._graph)
             else:
                 self._run_physics()
-            if self.device.type == "cuda":
-                torch_stream.wait_stream(wp.get_stream())
         self._stepped = True
 
     def _run_physics(self) -> None:

@@ -1,7 +1,7 @@
 """The tabletop suite in N worlds at once on MuJoCo Warp: ``env: {type: tabletop_warp}``.
 
 The same scenes (MJCF), tasks, instructions, initial states, success predicates, rewards
-(``sparse``, ``dense``), costs and ``state`` observations as ``mmrl/Tabletop-v0``
+(``sparse``, ``dense``), costs and observations (``state``, ``rgb``) as ``mmrl/Tabletop-v0``
 (:mod:`mmrl.envs.tabletop.env`), computed over tensors of all worlds on the simulator's
 device (:class:`~mmrl.envs.batched_mujoco.BatchedMujocoEnv`). What differs:
 
@@ -11,8 +11,14 @@ device (:class:`~mmrl.envs.batched_mujoco.BatchedMujocoEnv`). What differs:
   has fewer blocks parks the extra ones off the table (:data:`PARK_X`), held at rest there
   and zero in its state vector, as the CPU env pads them, and a world without a zone parks
   the zone's (visual-only) mocap body beside them;
-- observations ``state`` only (``rgb`` through MuJoCo Warp's ray-traced renderer is not
-  built yet); ``state``, ``privileged``, rewards, flags and costs are torch tensors, the
+- ``obs_mode: rgb`` ray-traces every camera of every world in one batch (MuJoCo Warp's
+  renderer, :meth:`~mmrl.envs.batched_mujoco.BatchedMujocoEnv.render_images`) with the
+  scene's lights and headlight and no shadows, as the CPU env's OpenGL frames (which have no
+  shadows or multisampling either); the pixels differ slightly, what a policy sees (each
+  block's colour, place and outline) agrees (tests/envs/test_warp_tabletop.py measures it).
+  Each world's blocks wear its own family's colours (a spatial world's blocks are white in a
+  batch whose scene is the object family's); ``image_every`` is not offered;
+- observations, rewards, flags and costs are torch tensors on the simulator's device, the
   instruction a tuple of N strings;
 - float32 physics: before the pusher first touches a block the worlds match the CPU env to
   float32 rounding; after, MuJoCo Warp puts the pusher's contact points on a block elsewhere
@@ -37,7 +43,7 @@ from mmrl.config import option
 from mmrl.core.component_config import EnvConfig
 from mmrl.envs.batched_mujoco import BatchedMujocoEnv, import_warp
 from mmrl.envs.tabletop.env import (
-    BLOCK_HALF_DIAGONAL, BLOCK_Z, DENSE_SCALE, INSTRUCTION_CHARSET, MAX_INSTRUCTION_LENGTH, MAX_SPEED, PHYSICS_STEPS, REWARD_MODES, scene_path,
+    BLOCK_HALF_DIAGONAL, CAMERAS, BLOCK_Z, DENSE_SCALE, INSTRUCTION_CHARSET, MAX_INSTRUCTION_LENGTH, MAX_SPEED, PHYSICS_STEPS, REWARD_MODES, scene_path,
 )
 from mmrl.envs.tabletop.tasks import (
     CORNER, CORNER_AIM, FAMILIES, LAYOUTS, NEXT_TO, NEXT_TO_AIM, PUSHER_RADIUS, TASKS, ZONE_HALF, Corner, NextTo, Zone, resolve_tasks, sample_scene,
@@ -53,7 +59,7 @@ _BLOCK_Z = float(np.nextafter(np.float32(BLOCK_Z), np.float32(0))) if float(np.f
 # Blocks a world's family lacks wait here, at x = PARK_X + 0.1 * i, y = 0, 0.3 m beyond the
 # walls (which end at 0.29 m): nothing is near enough for a contact.
 PARK_X = 0.6
-OBS_MODES = ("state",)
+OBS_MODES = ("state", "rgb")
 
 
 class TabletopBatchedEnv(BatchedMujocoEnv):
@@ -69,13 +75,15 @@ class TabletopBatchedEnv(BatchedMujocoEnv):
         reward_mode: str = "sparse",
         obs_mode: str = "state",
         privileged_state: bool = False,
+        image_size: int = 64,
+        cameras: str | list[str] = "top",
         max_episode_steps: int | None = 60,
         autoreset: str = "same_step",
         device: str | None = None,
         field: str = "env",
     ):
-        """The options of ``mmrl/Tabletop-v0`` that apply to state observations (see
-        :class:`~mmrl.envs.tabletop.env.TabletopEnv`), plus ``num_envs``, ``autoreset`` and
+        """The options of ``mmrl/Tabletop-v0`` but ``image_every`` and the ``render()``
+        frames (see :class:`~mmrl.envs.tabletop.env.TabletopEnv`), plus ``num_envs``, ``autoreset`` and
         ``device`` (:class:`~mmrl.envs.batched_mujoco.BatchedMujocoEnv`); ``field`` prefixes
         the names in config errors."""
         self.task_names = resolve_tasks(task, f"{field}.task")
@@ -87,7 +95,12 @@ class TabletopBatchedEnv(BatchedMujocoEnv):
         if reward_mode not in REWARD_MODES:
             raise ConfigError(f"{field}.reward_mode", reward_mode, f"expected one of {', '.join(REWARD_MODES)}")
         if obs_mode not in OBS_MODES:
-            raise ConfigError(f"{field}.obs_mode", obs_mode, f"expected one of {', '.join(OBS_MODES)} (rgb runs on the CPU env mmrl/Tabletop-v0)")
+            raise ConfigError(f"{field}.obs_mode", obs_mode, f"expected one of {', '.join(OBS_MODES)}")
+        camera_names = [cameras] if isinstance(cameras, str) else list(cameras) if isinstance(cameras, (list, tuple)) else None
+        if not camera_names or any(c not in CAMERAS for c in camera_names) or len(set(camera_names)) != len(camera_names):
+            raise ConfigError(f"{field}.cameras", cameras, f"expected one or a list of {', '.join(CAMERAS)}")
+        if not isinstance(image_size, int) or isinstance(image_size, bool) or not 8 <= image_size <= 2048:
+            raise ConfigError(f"{field}.image_size", image_size, "expected an integer in [8, 2048]")
         for name, value in (("terminate_on_success", terminate_on_success), ("privileged_state", privileged_state)):
             if not isinstance(value, bool):
                 raise ConfigError(f"{field}.{name}", value, "expected true or false")
@@ -101,7 +114,11 @@ class TabletopBatchedEnv(BatchedMujocoEnv):
         self.parks_blocks = any(len(f.colours) < self.num_blocks for f in families)
         text = spaces.Text(MAX_INSTRUCTION_LENGTH, charset=INSTRUCTION_CHARSET)
         full = spaces.Box(-np.inf, np.inf, (len(self.state_layout()),), np.float32)
-        observed = {"state": full, "instruction": text}
+        if obs_mode == "state":
+            observed = {"state": full, "instruction": text}
+        else:
+            shape = (image_size, image_size, 3) if len(camera_names) == 1 else (len(camera_names), image_size, image_size, 3)
+            observed = {"image": spaces.Box(0, 255, shape, np.uint8), "state": spaces.Box(-np.inf, np.inf, (4,), np.float32), "instruction": text}
         if privileged_state:
             observed["privileged"] = full
         _, mujoco, _ = import_warp()
@@ -110,6 +127,7 @@ class TabletopBatchedEnv(BatchedMujocoEnv):
         super().__init__(
             model, num_envs, spaces.Dict(observed), spaces.Box(-1.0, 1.0, (2,), np.float32), physics_steps=PHYSICS_STEPS,
             max_episode_steps=max_episode_steps, terminate_on_success=terminate_on_success, autoreset=autoreset, device=device, nconmax=48, njmax=160,
+            cameras=camera_names if obs_mode == "rgb" else None, image_width=image_size, image_height=image_size,
         )
         m = self.mj_model
         self.block_qpos = torch.tensor([m.joint(f"block_{i}").qposadr[0] for i in range(self.num_blocks)], device=self.device)
@@ -128,6 +146,7 @@ class TabletopBatchedEnv(BatchedMujocoEnv):
         wall[[m.geom(f"wall_{side}").id for side in ("top", "bottom", "left", "right")]] = True
         self.wall_geom = torch.as_tensor(wall, device=self.device)
         self.pusher_geom = m.geom("pusher").id
+        self.block_geoms = np.array([m.geom(f"block_{i}").id for i in range(self.num_blocks)])
         d = self.data
         self.contact_geom, self.contact_world, self.nacon = self.wp.to_torch(d.contact.geom), self.wp.to_torch(d.contact.worldid), self.wp.to_torch(d.nacon)
         n, dev = num_envs, self.device
@@ -142,6 +161,16 @@ class TabletopBatchedEnv(BatchedMujocoEnv):
         self.block_present = torch.ones(n, self.num_blocks, dtype=torch.bool, device=dev)  # False: parked (the world's family lacks it)
         self._potential = torch.zeros(n, device=dev)
         self._pusher_before = torch.zeros(n, 2, device=dev)
+        # rgb: where a task's family colours its blocks unlike the scene, each world its own
+        # block materials ([T, n] material of each block per task; parked blocks keep theirs)
+        self._geom_matid = None
+        materials = np.array([[m.geom_matid[m.geom(f"block_{i}").id] for i in range(self.num_blocks)]] * len(self.task_names))
+        for t, name in enumerate(self.task_names):
+            for i, colour in enumerate(FAMILIES[TASKS[name].family].colours):
+                materials[t, i] = m.material(colour).id
+        if obs_mode == "rgb" and ((materials != materials[:1]).any() or (materials[0] != m.geom_matid[self.block_geoms]).any()):
+            self._geom_matid = self.per_world("geom_matid")
+            self._task_materials = torch.as_tensor(materials, dtype=self._geom_matid.dtype, device=dev)
 
     # ------------------------------------------------------------------ the task
 
@@ -194,6 +223,8 @@ class TabletopBatchedEnv(BatchedMujocoEnv):
         self.goal_kind[worlds], self.corner_sign[worlds], self.other[worlds] = tensor(kind, torch.long), tensor(sign), tensor(other, torch.long)
         for cost in self.costs.values():
             cost[worlds] = 0
+        if self._geom_matid is not None:
+            self._geom_matid[worlds[:, None], torch.as_tensor(self.block_geoms, device=self.device)] = self._task_materials[self.task_index[worlds]]
 
     def apply_action(self, action: Tensor) -> None:
         self._pusher_before = self.pusher_position()
@@ -297,8 +328,17 @@ class TabletopBatchedEnv(BatchedMujocoEnv):
         return torch.cat([self.pusher_position(), self.pusher_velocity(), blocks, self.zone, task], 1).to(torch.float32)
 
     def observe(self) -> dict:
-        state = self.full_state()
-        obs = {"state": state, "instruction": tuple(TASKS[name].instruction for name in self.world_tasks)}
+        """``state``: the state vector and the instruction; ``rgb``: the images of every
+        camera ([N, H, W, 3] uint8, or [N, K, H, W, 3] for K cameras), the pusher's
+        [x, y, vx, vy] and the instruction (``TabletopEnv``'s observation, per world)."""
+        instruction = tuple(TASKS[name].instruction for name in self.world_tasks)
+        state = self.full_state() if self.obs_mode == "state" or self.privileged_state else None
+        if self.obs_mode == "state":
+            obs = {"state": state, "instruction": instruction}
+        else:
+            images = self.render_images()
+            pusher = torch.cat([self.pusher_position(), self.pusher_velocity()], 1).to(torch.float32)
+            obs = {"image": images[:, 0] if len(self.cameras) == 1 else images, "state": pusher, "instruction": instruction}
         if self.privileged_state:
             obs["privileged"] = state.clone()
         return obs
@@ -306,7 +346,7 @@ class TabletopBatchedEnv(BatchedMujocoEnv):
 
 @dataclass
 class TabletopWarpEnvConfig(EnvConfig):
-    """The tabletop suite in one batch of worlds on MuJoCo Warp (state observations)."""
+    """The tabletop suite in one batch of worlds on MuJoCo Warp (state or rgb observations)."""
 
     type: str = option("tabletop_warp", "registered name of this component (see `mmrl list`)")
     num_envs: int = option(64, "worlds in the batch", ge=1)
@@ -314,7 +354,13 @@ class TabletopWarpEnvConfig(EnvConfig):
     layout: str = option("random", "initial-state distribution", choices=LAYOUTS)
     layout_noise: float = option(0.03, "nominal layout: metres of jitter per coordinate", ge=0.0, le=0.05)
     reward_mode: str = option("sparse", "sparse (1 at success) or dense (plus potential-based shaping)", choices=REWARD_MODES)
-    obs_mode: str = option("state", "state (rgb runs on the CPU env mmrl/Tabletop-v0)", choices=OBS_MODES)
+    obs_mode: str = option(
+        "state", "state (the simulator's state and a task one-hot), or rgb (every camera of every world ray-traced in one batch by MuJoCo Warp: "
+        "images uint8 [N, H, W, 3], [N, K, H, W, 3] for K cameras, the pusher's [x, y, vx, vy] and the instruction, as mmrl/Tabletop-v0 gives them)",
+        choices=OBS_MODES,
+    )
+    image_size: int = option(64, "rgb: side of the observed images in pixels", ge=8, le=2048)
+    cameras: str | list[str] = option("top", "rgb: top (straight down), front (angled), or a list of both (images [N, K, H, W, 3])")
     privileged_state: bool = option(False, "also give the state vector as the observation's privileged entry (a critic's input)")
     terminate_on_success: bool = option(True, "end an episode at success (false: run it to the time limit)")
     device: str | None = option(None, "warp device: cpu, cuda or cuda:K (null: CUDA if warp finds one, else the CPU)")
@@ -330,14 +376,14 @@ class TabletopWarpEnvConfig(EnvConfig):
 
 @ENVS.register("tabletop_warp", config=TabletopWarpEnvConfig)
 def make_vector_env(cfg: TabletopWarpEnvConfig, seed: int) -> gymnasium.vector.VectorEnv:
-    """The tabletop suite in one batch of MuJoCo Warp worlds (state observations).
+    """The tabletop suite in one batch of MuJoCo Warp worlds (state or rgb observations).
 
     Finished worlds keep stepping until the next reset: the env sampler resets each wave
     itself and reads each episode's final observation at its end."""
     cfg.validate("env")
     env = TabletopBatchedEnv(
         cfg.num_envs, task=cfg.task, layout=cfg.layout, layout_noise=cfg.layout_noise, terminate_on_success=cfg.terminate_on_success,
-        reward_mode=cfg.reward_mode, obs_mode=cfg.obs_mode, privileged_state=cfg.privileged_state,
+        reward_mode=cfg.reward_mode, obs_mode=cfg.obs_mode, privileged_state=cfg.privileged_state, image_size=cfg.image_size, cameras=cfg.cameras,
         max_episode_steps=cfg.max_episode_steps or 60, autoreset="disabled", device=cfg.device,
     )
     env.action_space.seed(seed)

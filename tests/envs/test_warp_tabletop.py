@@ -1,8 +1,9 @@
 """The tabletop suite on MuJoCo Warp (env type tabletop_warp) against mmrl/Tabletop-v0: the
 same tasks and initial states from the same seeds, states equal to float32 rounding until the
 pusher touches a block, the scripted expert's success (for one family and for a task list
-mixing all three), masked and same-step resets, costs, config errors, and the env sampler
-on it.
+mixing all three), masked and same-step resets, costs, config errors, the env sampler
+on it, and ``obs_mode: rgb``: what a policy sees in MuJoCo Warp's ray-traced images against
+the CPU env's OpenGL ones.
 
 MuJoCo Warp's kernels compile on first use (10-40 s on a CPU, then cached in warp's kernel
 cache); the tests that step share one compiled batch (``batch``). They need the warp extra:
@@ -17,6 +18,7 @@ import torch
 
 from mmrl.envs.tabletop.env import PHYSICS_STEPS, TabletopEnv
 from mmrl.envs.tabletop.expert import expert_action
+from mmrl.envs.tabletop.tasks import TASKS
 from mmrl.errors import ConfigError
 
 WORLDS = 16
@@ -305,7 +307,10 @@ def test_the_env_sampler_collects_tensors_from_the_warp_tabletop(batch):
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
-        ({"obs_mode": "rgb"}, "env.obs_mode"),
+        ({"obs_mode": "depth"}, "env.obs_mode"),
+        ({"obs_mode": "rgb", "cameras": ["top", "side"]}, "env.cameras"),
+        ({"obs_mode": "rgb", "cameras": []}, "env.cameras"),
+        ({"obs_mode": "rgb", "image_size": 4}, "env.image_size"),
         ({"task": []}, "env.task"),
         ({"task": "push everything"}, "env.task"),
         ({"task": ["spatial", "object_red", "push everything"]}, "env.task"),
@@ -360,3 +365,170 @@ def test_a_missing_warp_extra_skips_here_and_fails_under_mmrl_require_warp(monke
 
     with pytest.raises(MissingExtraError, match=r"pip install 'mmrl\[warp\]'"):
         import_warp()
+
+
+# ------------------------------------------------------------------ obs_mode: rgb
+
+
+@pytest.fixture(scope="module")
+def rgb():
+    """``mixed`` with ``obs_mode: rgb`` and both cameras: the same worlds, rendered."""
+    require_warp()
+    from mmrl.envs.tabletop.batched import TabletopBatchedEnv
+
+    env = TabletopBatchedEnv(WORLDS, task=MIXED, obs_mode="rgb", cameras=["top", "front"], privileged_state=True, autoreset="disabled", device="cpu")
+    yield env
+    env.close()
+
+
+# What a policy sees, compared by colour segmentation (tests below). Both renderers draw the same
+# state through the same pinhole cameras and sample each pixel once, at its centre (OpenGL
+# without multisampling fills a pixel whose centre a triangle covers; the ray tracer shoots its
+# ray through the centre), with the same flat material colours, lights and headlight and no
+# shadows. So their masks can differ only in pixels whose centre lies within rounding of an
+# outline (float32 on both sides; 1/256 px in GL's fixed-point rasterizer). Allowed: one whole
+# row of such pixels along one side of a mask of area A (side ~ sqrt(A)), in one image and not
+# the other. That moves the mask's centroid by at most half a pixel and leaves IoU >= A / (A +
+# sqrt(A)) = sqrt(A) / (sqrt(A) + 1): 0.75 at the smallest mask compared (MIN_AREA = 9, 3 x 3),
+# 0.86 at a 64-pixel block's ~36 px from the top camera.
+CENTROID_TOLERANCE = 0.5  # pixels
+MIN_AREA = 9  # pixels: smaller masks (a block hidden behind another) are checked for being small in both
+# A mask's dominant colour (the CPU image's most frequent pixel value in it, and the warp image's
+# at those pixels: one face of the object) is Lambert shading of one material: headlight ambient
+# + headlight diffuse + the sun's diffuse, each rounded to 8 bits its own way by each renderer
+# (at most a level each).
+COLOUR_TOLERANCE = 3  # 8-bit levels per channel
+RGB_STEPS = 12  # scripted expert steps before the second comparison: blocks have been pushed
+
+
+def _material_labels(image: np.ndarray, colours: np.ndarray) -> np.ndarray:
+    """Each pixel's material: the index of the nearest shaded colour ``k * rgb`` (k in
+    [0.3, 2], clipped at 1, as light scales a flat colour) among ``colours`` [M, 3]; -1 for
+    the black background."""
+    scales = np.linspace(0.3, 2.0, 35)
+    shaded = np.clip(colours[:, None, :] * scales[None, :, None], 0.0, 1.0).reshape(-1, 3) * 255
+    shaded = np.concatenate([shaded, np.zeros((1, 3))])
+    nearest = ((image[..., None, :].astype(np.float64) - shaded) ** 2).sum(-1).argmin(-1)
+    return np.where(nearest == len(shaded) - 1, -1, nearest // len(scales))
+
+
+def _dominant_colour(image: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    values, counts = np.unique(image[mask], axis=0, return_counts=True)
+    return values[counts.argmax()].astype(int)
+
+
+def _compare_what_a_policy_sees(cpu_images: np.ndarray, warp_images: np.ndarray, sim, objects: list[str]) -> list[tuple]:
+    """Per camera and per object (a block colour, the pusher, the zone): the masks of the
+    object's material in the two images; asserts the tolerances above and returns
+    ``(centroid error, IoU, dominant colour difference)`` of each mask compared."""
+    model = sim.model
+    names = [model.material(i).name for i in range(model.nmat)]
+    colours = model.mat_rgba[:, :3].astype(np.float64)
+    figures = []
+    for camera, (cpu, warp) in enumerate(zip(cpu_images, warp_images)):
+        cpu_labels, warp_labels = _material_labels(cpu, colours), _material_labels(warp, colours)
+        rows, cols = np.indices(cpu.shape[:2])
+        for name in objects:
+            a, b = cpu_labels == names.index(name), warp_labels == names.index(name)
+            where = f"camera {camera}, {name}: CPU {a.sum()} px, warp {b.sum()} px"
+            if a.sum() < MIN_AREA:
+                assert b.sum() < MIN_AREA + np.sqrt(MIN_AREA), where
+                continue
+            assert b.sum() > 0, where
+            centroid = lambda m: np.array([rows[m].mean(), cols[m].mean()])  # noqa: E731
+            error = float(np.abs(centroid(a) - centroid(b)).max())
+            iou = float((a & b).sum() / (a | b).sum())
+            assert error <= CENTROID_TOLERANCE, f"{where}: centroids {centroid(a)} and {centroid(b)}"
+            assert iou >= np.sqrt(a.sum()) / (np.sqrt(a.sum()) + 1), f"{where}: IoU {iou:.3f}"
+            # the CPU mask's most frequent colour, and the warp image's at those pixels (the same face)
+            dominant_cpu = _dominant_colour(cpu, a & b)
+            dominant_warp = _dominant_colour(warp, a & b & (cpu == dominant_cpu).all(-1))
+            assert np.abs(dominant_cpu - dominant_warp).max() <= COLOUR_TOLERANCE, f"{where}: {dominant_cpu} and {dominant_warp}"
+            for dominant in (dominant_cpu, dominant_warp):  # the colour a policy sees there is the block's
+                assert _material_labels(dominant[None].astype(np.uint8), colours)[0] == names.index(name), f"{where}: {dominant}"
+            figures.append((error, iou, int(np.abs(dominant_cpu - dominant_warp).max())))
+    return figures
+
+
+def _cpu_scene_objects(env: TabletopEnv) -> list[str]:
+    from mmrl.envs.tabletop.tasks import FAMILIES
+
+    family = FAMILIES[env.task.family]
+    return sorted(set(family.colours)) + ["pusher"] + (["green"] if family.zone else [])
+
+
+def _put_warp_state(env: TabletopEnv, batch, w: int) -> None:
+    """Give the CPU env world ``w``'s state (pusher, its family's blocks, the zone)."""
+    sim, qpos = env._sim, batch.qpos[w].double().cpu().numpy()
+    sim.data.qpos[sim.pusher_qpos] = qpos[batch.pusher_qpos.cpu().numpy()]
+    for i, adr in enumerate(sim.block_qpos):
+        start = int(batch.block_qpos[i])
+        sim.data.qpos[adr : adr + 7] = qpos[start : start + 7]
+    if sim.zone_mocap is not None:
+        sim.data.mocap_pos[sim.zone_mocap] = batch.mocap_pos[w, batch.zone_mocap].double().cpu().numpy()
+    sim.mujoco.mj_forward(sim.model, sim.data)
+
+
+def test_rgb_observations_have_the_cpu_envs_entries_as_tensors_on_the_simulators_device(rgb):
+    obs, _ = rgb.reset(seed=list(range(WORLDS)))
+    cpu = TabletopEnv(task=MIXED, cameras=["top", "front"], privileged_state=True)
+    cpu_obs, _ = cpu.reset(seed=0)
+    assert set(obs) == set(cpu_obs) == set(rgb.single_observation_space.spaces)
+    assert obs["image"].shape == (WORLDS, 2, 64, 64, 3) and obs["image"].dtype == torch.uint8 and obs["image"].device == rgb.device
+    assert rgb.single_observation_space["image"] == cpu.observation_space["image"]
+    assert obs["state"].shape == (WORLDS, 4) and torch.equal(obs["state"], torch.cat([rgb.pusher_position(), rgb.pusher_velocity()], 1))
+    assert torch.equal(obs["privileged"], rgb.full_state()) and obs["instruction"][0] == cpu_obs["instruction"]
+    np.testing.assert_allclose(obs["state"][0].numpy(), cpu_obs["state"], atol=1e-6)
+    cpu.close()
+
+
+def test_rendering_leaves_the_physics_as_the_state_batch_steps_it(rgb, mixed):
+    actions = torch.from_numpy(np.random.default_rng(0).uniform(-1, 1, (5, WORLDS, 2)).astype(np.float32))
+    for env in (rgb, mixed):
+        env.reset(seed=list(range(WORLDS)))
+        for a in actions:
+            env.step(a)
+    assert torch.equal(rgb.qpos, mixed.qpos) and torch.equal(rgb.qvel, mixed.qvel)
+
+
+def test_what_a_policy_sees_in_warps_images_agrees_with_the_cpu_envs(rgb):
+    """Every world of a mixed batch (all three families; a spatial world's blocks white, as in
+    its own scene), at the reset (the CPU env's own observation) and after RGB_STEPS scripted
+    steps (the warp world's state given to the CPU env), both cameras at 64 px: per block
+    colour, the pusher and the zone, mask centroids within CENTROID_TOLERANCE and IoU above
+    sqrt(A) / (sqrt(A) + 1), dominant colours within COLOUR_TOLERANCE and of the block's material.
+    Measured (mujoco_warp 3.17.0 on warp's CPU backend against MuJoCo 3 on EGL, 279 masks):
+    at most 0.16 px between centroids, IoU at least 0.93 (one pixel of a 14-pixel mask),
+    dominant colours at most 1 level apart; 269 of the 279 masks pixel for pixel equal."""
+    seeds = list(range(WORLDS))
+    obs, _ = rgb.reset(seed=seeds)
+    cpu = TabletopEnv(task=MIXED, cameras=["top", "front"])
+    assert {TASKS[name].family for name in rgb.world_tasks} == {"spatial", "object", "goal"}
+    figures, start = [], rgb.block_positions().clone()
+    for w, seed in enumerate(seeds):
+        cpu_obs, _ = cpu.reset(seed=seed)
+        figures += _compare_what_a_policy_sees(cpu_obs["image"], obs["image"][w].numpy(), cpu._sim, _cpu_scene_objects(cpu))
+    from mmrl.envs.tabletop.batched import expert_actions
+
+    for _ in range(RGB_STEPS):
+        obs, *_ = rgb.step(expert_actions(rgb))
+    moved = torch.linalg.vector_norm(rgb.block_positions() - start, dim=-1).amax(-1) > 0.01
+    assert moved.sum() >= WORLDS // 4  # the expert has pushed blocks in many worlds
+    for w, seed in enumerate(seeds):
+        cpu.reset(seed=seed)
+        _put_warp_state(cpu, rgb, w)
+        cpu_images = cpu._sim.render(cpu.cameras, cpu.image_size, cpu.image_size)
+        figures += _compare_what_a_policy_sees(cpu_images, obs["image"][w].numpy(), cpu._sim, _cpu_scene_objects(cpu))
+    cpu.close()
+    assert len(figures) >= 2 * WORLDS * 2 * 4  # two times, two cameras, >= 4 objects a world
+
+
+def test_one_camera_gives_images_of_one_camera_per_world():
+    require_warp()
+    from mmrl.envs.tabletop.batched import TabletopBatchedEnv
+
+    env = TabletopBatchedEnv(2, task="goal", obs_mode="rgb", cameras="front", image_size=32, device="cpu")
+    obs, _ = env.reset(seed=[5, 6])
+    assert obs["image"].shape == (2, 32, 32, 3) and env.single_observation_space["image"].shape == (32, 32, 3)
+    assert not torch.equal(obs["image"][0], obs["image"][1])  # each world its own scene
+    env.close()
