@@ -65,9 +65,51 @@ class Collectives:
         torch.distributed.all_gather_object(out, obj)
         return out
 
+    def gather_tree(self, tree: dict) -> dict:
+        """:meth:`gather_rows` of every tensor of the nested dict ``tree`` (all with the same
+        number of rows on a process): every process's rows, rank-major, on the CPU. A bool
+        tensor travels as uint8 (not every backend reduces bools)."""
+        if self.world == 1:
+            return tree
+        sizes = self.sizes(_row_count(tree))
+
+        def gather(t: Tensor) -> Tensor:
+            return self.gather_rows(t.to(torch.uint8), sizes).bool() if t.dtype == torch.bool else self.gather_rows(t, sizes)
+
+        return _map_tree(tree, gather)
+
+    def average_grads(self, params) -> None:
+        """Average the gradients of ``params`` over processes, one all-reduce per dtype: the
+        parameters the distributed wrapper does not hold (an off-policy loss's critics and
+        temperature). A parameter without a gradient keeps none (alike in every process:
+        which terms ran is decided by the step count)."""
+        if self.world == 1:
+            return
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for p in params:
+            if p.grad is not None:
+                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for grads in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in grads]).to(self.device)
+            torch.distributed.all_reduce(flat)
+            flat /= self.world
+            at = 0
+            for g in grads:
+                g.copy_(flat[at : at + g.numel()].view_as(g))
+                at += g.numel()
+
     def offset(self, sizes: list[int]) -> int:
         """Global index of this process's first row."""
         return sum(sizes[: self.rank])
+
+
+def _row_count(tree: dict) -> int:
+    first = next(iter(tree.values()))
+    return _row_count(first) if isinstance(first, dict) else int(first.shape[0])
+
+
+def _map_tree(tree: dict, fn) -> dict:
+    return {k: _map_tree(v, fn) if isinstance(v, dict) else fn(v) for k, v in tree.items()}
 
 
 def local_rows(global_rows: Tensor, start: int, count: int) -> Tensor:

@@ -12,7 +12,8 @@ One update, on the samples of all processes:
 
 A loss that trains from the replay buffer (``sac``) takes ``mmrl/train/off_policy.py``'s
 update instead: the step's transitions join the buffer, and ``utd`` optimizer steps per new
-transition each draw a batch from it.
+transition each draw a batch from it. In N processes every process holds the whole buffer
+(the step's transitions gathered) and trains on its 1/N share of each batch.
 
 The loss turns a piece into its scalar and metrics (``mmrl/algo/losses/``); the optimizer
 and the schedule live in ``mmrl/train/optimization.py``; the speed-ups, each exact, in
@@ -76,9 +77,7 @@ class Learner:
             inner.add_param_group({**group, "base_lr": group.get("base_lr") or cfg.optim.lr})
         self.off_policy = None  # the replay buffer and its updates, for a loss that trains from it
         if self.loss.trains_from_buffer:
-            if self.world > 1:
-                raise ConfigError("algo.loss.type", algo.loss.type, f"trains from a replay buffer in one learner process for now ({self.world} processes): launch one")
-            self.off_policy = BufferUpdates(cfg, accelerator.device, policy)
+            self.off_policy = BufferUpdates(cfg, accelerator.device, policy, dist)
         self.critic_only = False  # set during a critic warm-up update (learn)
         self.sft = registry.LOSSES.get("sft")(algo, None, policy) if data is not None else None
         self.version = 0

@@ -14,7 +14,21 @@ With an intervener (``sampler.intervener``, HIL-SERL), every transition carries
 demonstrations' buffer, which then exists even without ``demos``: ``buffer_size`` rows of
 a ring after the demonstrations from files, which stay. Until the first intervention every
 batch comes from the online buffer. ``intervention/rate`` is the share of a step's new
-transitions that an intervener took over."""
+transitions that an intervener took over.
+
+In N learner processes, every process holds the whole buffer: each step's transitions (the
+``intervened`` marks with them) are gathered from all processes, rank-major, before they
+join the buffers, so every buffer, generator and draw is alike everywhere and is saved from
+process 0 as from one. Each optimizer step's batch is drawn whole in every process; process
+r computes the loss on its contiguous share, rows [r B/N, (r + 1) B/N) (``batch_size`` B
+divisible by N), with the noise one process would give those rows, and the gradients are
+averaged over the processes: the policy's by the distributed wrapper, the loss's own
+critics' and temperature's (which it does not hold) by one all-reduce before the step. The
+mean over equal shares is the mean over the batch, so N processes take one process's steps
+(to rounding) and the learner's compute is split N ways. Why not a buffer per process,
+each drawing its share: the batch would be another one than one process draws, nothing to
+test N = 1 against, and a checkpoint would have to gather N buffers; what the copies cost
+is the buffer's memory in every process and one gather of the step's transitions."""
 
 from __future__ import annotations
 
@@ -36,8 +50,10 @@ _DEMO_STREAM = (1 << 44) + 1
 class BufferUpdates:
     """The replay buffer of one learner process and the optimizer steps it feeds."""
 
-    def __init__(self, cfg, device, policy):
-        self.cfg, self.options = cfg, cfg.algo.loss
+    def __init__(self, cfg, device, policy, dist):
+        self.cfg, self.options, self.dist = cfg, cfg.algo.loss, dist
+        if self.options.batch_size % dist.world:
+            raise ConfigError("algo.loss.batch_size", self.options.batch_size, f"must divide by the number of learner processes ({dist.world}): each process trains on an equal share of every batch")
         where = device if self.options.buffer_device == "learner" else "cpu"
         self.buffer = ReplayBuffer(self.options.buffer_size, where, group_seed(cfg.seed, 0, _BUFFER_STREAM))
         self.owed_updates = 0.0  # utd x new transitions not yet spent on optimizer steps
@@ -102,12 +118,13 @@ class BufferUpdates:
         """Add ``rollout``'s transitions, take the optimizer steps they buy with ``learner``'s
         loss, model and optimizer. Returns the rollout, zero advantages (none are computed) and
         the steps' mean metrics."""
-        o, loss = self.options, learner.loss
+        o, loss, dist = self.options, learner.loss, self.dist
         new = transitions(rollout, o.gamma, o.n_step)
         if self.intervening:  # one mark per transition, in their order (valid decisions, row-major)
-            new["intervened"] = taken = rollout.info["intervened"][rollout.mask.bool()].to(new["reward"].device)
-            if bool(taken.any()):
-                self.demos.add(_take(new, taken))
+            new["intervened"] = rollout.info["intervened"][rollout.mask.bool()].to(new["reward"].device)
+        new = dist.gather_tree(new)  # every process's transitions, rank-major: the buffers are alike everywhere
+        if self.intervening and bool(new["intervened"].any()):
+            self.demos.add(_take(new, new["intervened"]))
         added = self.buffer.add(new)
         steps = 0
         if len(self.buffer) >= o.learning_starts:
@@ -117,21 +134,34 @@ class BufferUpdates:
         loss.begin_update(step)
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}  # a term some steps leave out (the actor's, between actor steps) averages over those that have it
+        share = o.batch_size // dist.world
+        rows = slice(dist.rank * share, (dist.rank + 1) * share) if dist.world > 1 else None  # this process's share of every batch
+        own = [p for group in loss.parameter_groups() for p in group["params"]]  # outside the distributed wrapper
+
+        def average_own_grads() -> bool:  # after the backward pass: the critics' and temperature's gradients, all processes
+            dist.average_grads(own)
+            return True
+
         for _ in range(steps):
             batch = self.draw(learner.accelerator.device)
             terms = {}
 
             def loss_of(piece):
-                out = loss(learner.model, piece)
+                out = loss(learner.model, piece, rows=rows) if rows is not None else loss(learner.model, piece)
                 terms.update(out.terms)
                 return out.loss
 
-            grad_norm = optimizer_step(learner.accelerator, learner.model, learner.optimizer, [batch], loss_of, f"loss ({o.type})", step, self.cfg.optim.max_grad_norm)
+            grad_norm = optimizer_step(learner.accelerator, learner.model, learner.optimizer, [batch], loss_of, f"loss ({o.type})", step, self.cfg.optim.max_grad_norm,
+                                       proceed=average_own_grads if dist.world > 1 else None)
             loss.after_optimizer_step()
             if grad_norm is not None:
                 terms["grad_norm"] = grad_norm
             for k, v in terms.items():
                 sums[k], counts[k] = sums.get(k, 0.0) + float(v), counts.get(k, 0) + 1
+        if dist.world > 1 and sums:  # each process's terms are means over its share: their mean is the batch's
+            keys = sorted(sums)
+            total = dist.sum(torch.tensor([sums[k] for k in keys], dtype=torch.float64)) / dist.world
+            sums = dict(zip(keys, total.tolist()))
         stats = {k: v / counts[k] for k, v in sums.items()}
         stats = {**stats, **loss.end_update(step), "buffer/size": float(len(self.buffer)), "buffer/added": float(added), "update/steps": float(steps)}
         if self.demos is not None:

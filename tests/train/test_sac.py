@@ -202,8 +202,9 @@ def test_a_kl_term_under_sac_is_refused(tmp_path):
     assert (e.value.field, e.value.value) == ("algo.kl.coef", 0.1)
 
 
-def test_sac_in_several_learner_processes_is_refused_in_one_line(tmp_path):
-    """The buffer lives in one learner process for now: two are refused when the learner is built."""
+def test_a_batch_that_learner_processes_cannot_share_equally_is_refused_in_one_line(tmp_path):
+    """N learner processes each train on 1/N of every batch (mmrl/train/off_policy.py): a
+    batch_size of 128 is refused with 3 processes when the learner is built."""
     from types import SimpleNamespace
 
     from accelerate import Accelerator
@@ -217,10 +218,10 @@ def test_sac_in_several_learner_processes_is_refused_in_one_line(tmp_path):
     try:
         policy = build_policy(cfg.policy, sampler.policy_spec())
         with pytest.raises(ConfigError) as e:
-            Learner(cfg, policy, Accelerator(cpu=True), SimpleNamespace(world=2, rank=0))
+            Learner(cfg, policy, Accelerator(cpu=True), SimpleNamespace(world=3, rank=0))
     finally:
         sampler.close()
-    assert (e.value.field, e.value.value) == ("algo.loss.type", "sac") and "2 processes" in str(e.value) and "\n" not in str(e.value)
+    assert (e.value.field, e.value.value) == ("algo.loss.batch_size", 128) and "(3)" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_the_command_line_refuses_sac_with_an_unbounded_policy_with_exit_status_2(tmp_path, write_config):

@@ -170,12 +170,17 @@ class SAC(Loss):
                 terms["loss/alpha"] = l_alpha.detach()
         return LossOutput(loss, terms)
 
-    def __call__(self, model, batch, targets=None, norm=None, at_sampling_weights: bool = False) -> LossOutput:
+    def __call__(self, model, batch, targets=None, norm=None, at_sampling_weights: bool = False, rows: slice | None = None) -> LossOutput:
+        """The loss of ``batch``, or with ``rows`` of those rows of it (one learner process's
+        share, ``mmrl/train/off_policy.py``): the noise is drawn for the whole batch either
+        way, so the processes' shares together take one process's draws."""
         n, o = batch["reward"].shape[0], self.options
         next_noise = torch.randn(n, 1, self.action_dim, generator=self.generator)
         actor_noise = torch.randn(n, 1, self.action_dim, generator=self.generator)
         m = o.target_critics
         subset = sorted(torch.randperm(o.num_critics, generator=self.generator)[:m].tolist()) if m is not None and m < o.num_critics else None
+        if rows is not None:
+            batch, next_noise, actor_noise = _rows_of(batch, rows), next_noise[rows], actor_noise[rows]
         device = batch["reward"].device
         return self.terms(model, batch, actor_noise.to(device), next_noise.to(device), subset, actor_step=self.updates % o.actor_every == 0)
 
@@ -201,3 +206,7 @@ class SAC(Loss):
             self.log_alpha.copy_(state["log_alpha"])
         self.generator.set_state(state["generator"])
         self.updates = int(state["updates"])
+
+
+def _rows_of(tree: dict, rows: slice) -> dict:
+    return {k: _rows_of(v, rows) if isinstance(v, dict) else v[rows] for k, v in tree.items()}
