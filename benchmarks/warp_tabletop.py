@@ -1,11 +1,15 @@
 """The tabletop suite on MuJoCo Warp against the CPU env: throughput and equivalence.
 
     python benchmarks/warp_tabletop.py throughput [--device cpu|cuda] [--worlds 1 64 256] [--steps 10]
+        [--obs-mode state|rgb] [--cameras top front] [--image-size 64]
     python benchmarks/warp_tabletop.py equivalence [--episodes 256] [--families spatial object goal]
 
-``throughput``: env steps/s of ``mmrl/Tabletop-v0`` (state observations) in a gymnasium
-SyncVectorEnv of N envs against one warp batch of N worlds (``tabletop_warp``), in the same
-run, random actions, finished episodes reset inside both; the ratio is warp / CPU.
+``throughput``: env steps/s of ``mmrl/Tabletop-v0`` in a gymnasium SyncVectorEnv of N envs
+against one warp batch of N worlds (``tabletop_warp``), both with the same ``--obs-mode``
+(``rgb``: every camera of ``--cameras`` rendered at every step, by OpenGL in each CPU env and
+by MuJoCo Warp's ray tracer for all worlds in one batch), in the same run, random actions,
+finished episodes reset inside both; the ratio is warp / CPU. With ``rgb`` the last column is
+the share of a warp step spent rendering (``render_images`` timed alone).
 ``equivalence``: per family (or ``all``, one batch of every family's tasks), episodes seeded 0..E-1 run by the scripted expert closed loop
 on both backends (``--noise``: with Gaussian action noise, equal draws on both); prints both success rates, how often success agrees, and where the states
 part: the first control step at which a block or the pusher is more than 1 mm apart, and
@@ -37,10 +41,13 @@ PART = 1e-3  # metres: states "part" when a block or the pusher is this far apar
 
 
 def throughput(args) -> None:
-    print(f"| worlds | CPU env steps/s | warp ({args.device}) steps/s | warp / CPU |")
-    print("|---|---|---|---|")
+    rgb = args.obs_mode == "rgb"
+    images = {"cameras": args.cameras, "image_size": args.image_size} if rgb else {}
+    what = f"{args.obs_mode}" + (f", {' + '.join(args.cameras)} at {args.image_size} px" if rgb else "")
+    print(f"| worlds | CPU env steps/s ({what}) | warp ({args.device}) steps/s | warp / CPU |" + (" warp's time rendering |" if rgb else ""))
+    print("|---|---|---|---|" + ("---|" if rgb else ""))
     for n in args.worlds:
-        cpu = gymnasium.vector.SyncVectorEnv([lambda: gymnasium.make("mmrl/Tabletop-v0", task=args.family, obs_mode="state")] * n)
+        cpu = gymnasium.vector.SyncVectorEnv([lambda: gymnasium.make("mmrl/Tabletop-v0", task=args.family, obs_mode=args.obs_mode, **images)] * n)
         cpu.reset(seed=list(range(n)))
         rng = np.random.default_rng(0)
         actions = rng.uniform(-1, 1, size=(args.steps, n, 2)).astype(np.float32)
@@ -50,7 +57,7 @@ def throughput(args) -> None:
             cpu.step(a)
         cpu_rate = n * args.steps / (time.perf_counter() - start)
         cpu.close()
-        warp = TabletopBatchedEnv(n, task=args.family, device=args.device)
+        warp = TabletopBatchedEnv(n, task=args.family, obs_mode=args.obs_mode, device=args.device, **images)
         warp.reset(seed=list(range(n)))
         batch = torch.from_numpy(actions).to(warp.device)
         warp.step(batch[0])  # loads the kernels (and on CUDA the next step captures a graph)
@@ -61,7 +68,15 @@ def throughput(args) -> None:
             warp.step(a)
         _synchronize(warp.device)
         warp_rate = n * args.steps / (time.perf_counter() - start)
-        print(f"| {n} | {cpu_rate:,.0f} | {warp_rate:,.0f} | {warp_rate / cpu_rate:.3f} |", flush=True)
+        share = ""
+        if rgb:
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                warp.render_images()
+            _synchronize(warp.device)
+            share = f" {(time.perf_counter() - start) * warp_rate / (n * args.steps):.0%} |"
+        warp.close()
+        print(f"| {n} | {cpu_rate:,.0f} | {warp_rate:,.0f} | {warp_rate / cpu_rate:.3f} |" + share, flush=True)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -202,6 +217,9 @@ def main() -> None:
     t.add_argument("--steps", type=int, default=10, help="timed control steps")
     t.add_argument("--family", default="object")
     t.add_argument("--device", default="cpu", help="warp device: cpu or cuda")
+    t.add_argument("--obs-mode", default="state", choices=["state", "rgb"], help="the observations both backends give")
+    t.add_argument("--cameras", nargs="+", default=["top"], help="rgb: the cameras rendered (top, front)")
+    t.add_argument("--image-size", type=int, default=64, help="rgb: side of the images")
     e = sub.add_parser("equivalence")
     e.add_argument("--episodes", type=int, default=256, help="expert episodes per family")
     e.add_argument("--open-loop", type=int, default=64, help="worlds of the open-loop comparison (0: none)")

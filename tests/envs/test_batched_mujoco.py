@@ -67,3 +67,67 @@ def test_the_device_defaults_to_cuda_where_warp_finds_one_and_an_unknown_one_nam
 
         box = spaces.Box(-1, 1, (1,), np.float32)
         BatchedMujocoEnv("<mujoco/>", 1, box, box, autoreset="next_step", device="cpu")
+
+
+# A flat red tile on two slide joints over a grey floor, seen straight down by "down" (image up
+# = +y) and at an angle from the front by "side".
+TILE = """
+<mujoco>
+  <visual><headlight ambient="0.4 0.4 0.4" diffuse="0.6 0.6 0.6" specular="0 0 0"/></visual>
+  <worldbody>
+    <camera name="side" pos="0 -0.8 0.7" xyaxes="1 0 0 0 0.6 0.8" fovy="60"/>
+    <camera name="down" pos="0 0 1" xyaxes="1 0 0 0 1 0" fovy="60"/>
+    <geom type="box" size="1 1 0.01" pos="0 0 -0.01" rgba="0.4 0.4 0.4 1"/>
+    <body name="tile" pos="0 0 0.1">
+      <joint name="x" type="slide" axis="1 0 0"/>
+      <joint name="y" type="slide" axis="0 1 0"/>
+      <geom name="tile" type="box" size="0.05 0.05 0.001" rgba="0.9 0.1 0.1 1" contype="0" conaffinity="0"/>
+    </body>
+  </worldbody>
+</mujoco>
+"""
+
+
+def _red(images: torch.Tensor) -> torch.Tensor:
+    rgb = images.int()
+    return (rgb[..., 0] > 150) & (rgb[..., 1] < 80) & (rgb[..., 2] < 80)
+
+
+def test_render_images_ray_traces_every_named_camera_of_every_world_where_qpos_puts_the_bodies():
+    """The tile's centroid in "down" is its centre's pinhole projection: focal length
+    32 / tan(30 deg) = 55.4 px at 64 px, 0.9 m from the camera to the tile; an outline pixel
+    more or less on one side moves a ~36-pixel mask's centroid by at most half a pixel."""
+    require_warp()
+    from gymnasium import spaces
+
+    from mmrl.envs.batched_mujoco import BatchedMujocoEnv
+
+    places = [(0.0, 0.0), (0.2, 0.0), (0.0, -0.15)]
+
+    class Tiles(BatchedMujocoEnv):
+        def reset_worlds(self, worlds):
+            self.qpos[worlds] = torch.tensor(places, dtype=self.qpos.dtype)[worlds]
+
+        def observe(self):
+            return self.render_images()
+
+    box = spaces.Box(-1, 1, (2,), np.float32)
+    env = Tiles(TILE, 3, box, box, device="cpu", cameras=["down", "side"], image_width=64, image_height=48)
+    images, _ = env.reset(seed=0)  # no step: the images show the state the reset wrote
+    assert images.shape == (3, 2, 48, 64, 3) and images.dtype == torch.uint8 and images.device == env.device
+    focal = 24 / np.tan(np.radians(30))  # the vertical field of view spans the image's height
+    for w, (x, y) in enumerate(places):
+        rows, cols = _red(images[w, 0]).nonzero(as_tuple=True)
+        assert abs(cols.float().mean().item() + 0.5 - (32 + focal * x / 0.9)) <= 0.5
+        assert abs(rows.float().mean().item() + 0.5 - (24 - focal * y / 0.9)) <= 0.5
+    assert _red(images[:, 1]).sum((1, 2)).min() > 0  # the side camera, second as named, sees it too
+    env.qpos[0, 0] = 0.2  # a state written between steps is drawn too
+    assert torch.equal(env.render_images()[0], images[1])
+    tile = env.mj_model.geom("tile").id
+    env.per_world("geom_rgba")[2, tile] = torch.tensor([0.1, 0.1, 0.9, 1.0])  # world 2's tile alone turns blue
+    recoloured = env.render_images()
+    assert not _red(recoloured[2]).any() and torch.equal(recoloured[:2], env.render_images()[:2]) and _red(recoloured[1]).any()
+    with pytest.raises(ConfigError, match=r"^cameras: got \['down', 'top'\]"):
+        Tiles(TILE, 1, box, box, device="cpu", cameras=["down", "top"])
+    with pytest.raises(RuntimeError, match="cameras"):
+        Tiles(TILE, 1, box, box, device="cpu").render_images()

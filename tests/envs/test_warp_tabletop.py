@@ -532,3 +532,30 @@ def test_one_camera_gives_images_of_one_camera_per_world():
     assert obs["image"].shape == (2, 32, 32, 3) and env.single_observation_space["image"].shape == (32, 32, 3)
     assert not torch.equal(obs["image"][0], obs["image"][1])  # each world its own scene
     env.close()
+
+
+def test_the_env_sampler_collects_images_from_the_warp_tabletop_for_a_vla():
+    require_warp()
+    from mmrl.config import from_dict
+    from mmrl.core.sampler import sampler_context
+    from mmrl.core.weights import build_policy
+    from mmrl.samplers.env import EnvSampler
+    from mmrl.train.run_config import TrainConfig
+
+    cfg = from_dict(TrainConfig, {
+        "env": {"type": "tabletop_warp", "num_envs": 4, "task": "object", "device": "cpu", "obs_mode": "rgb", "image_size": 32},
+        "policy": {"type": "flow_vla", "action_chunk": 2, "backbone": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64, "vision_channels": [8, 16], "patch_grid": 4}},
+        "sampler": {"type": "env", "max_decisions": 2},
+        "rewards": [{"type": "success"}],
+        "algo": {"group_size": 2, "groups_per_step": 2},
+    })
+    sampler = EnvSampler(cfg.sampler, sampler_context(cfg))
+    try:
+        spec = sampler.policy_spec()
+        assert spec["image_shape"] == [32, 32, 3]
+        torch.manual_seed(0)
+        rollout = sampler.collect(build_policy(cfg.policy, spec), num_groups=2, group_size=2, step=0)
+    finally:
+        sampler.close()
+    assert rollout.mask.shape[0] == 4 and rollout.mask.sum() > 0
+    assert sampler.env_steps == 2 * 2 * 4
