@@ -99,12 +99,16 @@ def _train(workdir, name: str, run):
             size = yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text())["policy"]["image_size"]
             write_shapes_pairs(pairs, size=size, num_train=8, num_held_out=4, set_size=4 if "_set_" in name else 0)
         overrides += [f"data.path={pairs}", "data.batch_size=4"]
-    if name.startswith("learned_success_"):  # labelled episodes: the expert's successes, and failures of a very noisy expert
-        failures = workdir / "failures"
-        if not failures.exists():
-            done = run_mmrl("collect", "--task", "spatial", "--episodes-per-task", "1", "--noise", "5", "--keep-failures", "--out", failures, timeout=900)
-            assert done.returncode == 0, done.stderr[-2000:]
-        overrides += [f"data.path={workdir / 'demos'}", f"data.more_paths=[{failures}]", "data.held_out=0", "data.batch_size=8"]
+    if name.startswith("learned_success_"):  # frames labelled with the success of the state each shows (labels: step), so recorded
+        # as the config's own episodes are, from an env whose success does not end them: the expert's (the approach, then
+        # solved states) and a very noisy expert's failures. The module's demos end at success and show no solved state.
+        episodes = workdir / "success_episodes"
+        if not episodes.exists():
+            from mmrl.collect import collect
+
+            for noise, keep_failures in ((0.0, False), (5.0, True)):
+                collect(["spatial"], 1, episodes, env_kwargs={"terminate_on_success": False}, noise=noise, keep_failures=keep_failures, append=noise > 0)
+        overrides += [f"data.path={episodes}", "data.held_out=0", "data.batch_size=8"]
     if name.startswith("reward_tabletop_"):  # trajectory pairs: the expert's successes and episodes cut after 2 steps (failures)
         pairs = workdir / f"{name}_pairs"
         if not pairs.exists():
