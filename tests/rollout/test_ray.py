@@ -123,15 +123,23 @@ def test_a_language_agent_trains_on_a_ray_actor_as_on_the_local_engine(tmp_path)
     assert all(torch.equal(runs["local"][k], runs["ray"][k]) for k in runs["local"])
 
 
-def test_sac_on_a_ray_actor_trains_as_on_the_local_engine(tmp_path):
+@pytest.mark.parametrize("mode", [{}, {"mode": "async", "max_staleness": 2}], ids=["sync", "async"])
+def test_sac_on_a_ray_actor_trains_as_on_the_local_engine(tmp_path, mode):
     """An off-policy run (algo.loss: sac): the actor's episodes fill the learner's replay
-    buffer as the local engine's do, and the weights after the updates are the same."""
+    buffer as the local engine's do, and the weights after the updates are the same; async
+    (max_staleness 2, lockstep), the actor's transitions lag 0, 1, 2, 2 updates as a local
+    worker's do."""
     from safetensors.torch import load_file
 
+    from mmrl.train.metrics import read_metrics
     from tests.train.test_sac import sac_config
 
-    data = sac_config(total_steps=3, loss={"learning_starts": 100})
-    for name, rollout in (("local", {}), ("ray", {"engine": "ray", "workers": 1})):
+    data = sac_config(total_steps=4 if mode else 3, loss={"learning_starts": 100})
+    for name, rollout in (("local", {**mode, "workers": 1} if mode else {}), ("ray", {**mode, "engine": "ray", "workers": 1})):
         train(from_dict(TrainConfig, {**data, "rollout": rollout}), tmp_path / name)
-    a, b = (load_file(tmp_path / name / "checkpoints" / "step_00000003" / "model.safetensors") for name in ("local", "ray"))
+    last = f"step_{data['total_steps']:08d}"
+    a, b = (load_file(tmp_path / name / "checkpoints" / last / "model.safetensors") for name in ("local", "ray"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+    if mode:
+        _same(_steps(read_metrics(tmp_path / "local")), _steps(read_metrics(tmp_path / "ray")))
+        assert [r["staleness/lag_max"] for r in _steps(read_metrics(tmp_path / "ray"))] == [0, 1, 2, 2]
