@@ -22,8 +22,10 @@ join the buffers, so every buffer, generator and draw is alike everywhere and is
 process 0 as from one. Each optimizer step's batch is drawn whole in every process; process
 r computes the loss on its contiguous share, rows [r B/N, (r + 1) B/N) (``batch_size`` B
 divisible by N), with the noise one process would give those rows, and the gradients are
-averaged over the processes: the policy's by the distributed wrapper, the loss's own
-critics' and temperature's (which it does not hold) by one all-reduce before the step. The
+averaged over the processes: the policy's by the distributed wrapper (the loss reads the
+policy through it; a critic-only step between actor steps runs it without grad only, so
+it has nothing to reduce), the loss's own critics' and temperature's (which it does not
+hold) by one all-reduce before the step. The
 mean over equal shares is the mean over the batch, so N processes take one process's steps
 (to rounding) and the learner's compute is split N ways. Why not a buffer per process,
 each drawing its share: the batch would be another one than one process draws, nothing to
