@@ -103,7 +103,7 @@ def for_section(section: str) -> Registry | None:
 
 SECTIONS: dict[str, Registry] = {}
 
-ENVS = Registry("envs", ("mmrl.envs",), "mmrl.envs", section="env")
+ENVS = Registry("envs", ("mmrl.envs", "mmrl.tasks"), "mmrl.envs", section="env")  # a task folder registers its gymnasium id
 POLICIES = Registry("policies", ("mmrl.policies",), "mmrl.policies", section="policy")
 REWARDS = Registry("rewards", ("mmrl.rewards", "mmrl.tasks"), "mmrl.rewards", section="rewards")
 SAMPLERS = Registry("samplers", ("mmrl.samplers",), "mmrl.samplers", section="sampler")
