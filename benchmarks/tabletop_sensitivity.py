@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 import mmrl.envs  # noqa: F401  (registers mmrl/Tabletop-v0)
-from mmrl.collect import run_expert_episode
+from mmrl.commands.collect import run_expert_episode
 from mmrl.envs.tabletop.expert import expert_action
 from mmrl.envs.tabletop.tasks import family_tasks
 from mmrl.policies.token_vla.model import action_bins, bin_centers

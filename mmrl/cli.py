@@ -134,7 +134,7 @@ def cmd_train_reward(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from mmrl.evaluate import evaluate_run
+    from mmrl.commands.evaluate import evaluate_run
 
     target = Path(args.target)
     if target.is_dir() and (target / "train_config.yaml").is_file():
@@ -152,7 +152,7 @@ def cmd_eval(args) -> int:
     if not args.suite and args.videos is not None:
         raise ConfigError("--videos", args.videos, "writes the videos of a suite evaluation: add --suite (a plain evaluation writes none; --save-episodes keeps every frame)")
     if args.suite:
-        from mmrl.evaluate import evaluate_suite
+        from mmrl.commands.evaluate import evaluate_suite
         from mmrl.suites import load_suite
 
         suite = load_suite(args.suite)
@@ -168,7 +168,7 @@ def cmd_eval(args) -> int:
 def cmd_serve_reward(args) -> int:
     """Serve the ``rewards:`` of a run config over HTTP (the ``remote`` reward's protocol,
     docs/reward_models.md) until interrupted; one line per request on stderr."""
-    from mmrl.serve_reward import build_server
+    from mmrl.commands.serve_reward import build_server
 
     cfg, _ = _config_and_dir(args.config, args.overrides)
     log = None if args.quiet else (lambda line: print(f"mmrl serve-reward: {line}", file=sys.stderr, flush=True))
@@ -273,20 +273,20 @@ def _task_lines() -> list[str]:
 
 
 def cmd_doctor(args) -> int:
-    from mmrl.doctor import report
+    from mmrl.commands.doctor import report
 
     return report()
 
 
 class _ExportHelp(argparse.Action):
     """``mmrl export --help``: the help with every format a policy writes, read from the
-    policies (:func:`mmrl.export.layouts_help`) only when asked, as the policies load slowly."""
+    policies (:func:`mmrl.commands.export.layouts_help`) only when asked, as the policies load slowly."""
 
     def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
         super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from mmrl.export import layouts_help
+        from mmrl.commands.export import layouts_help
 
         parser.epilog = layouts_help()
         parser.print_help()
@@ -294,25 +294,31 @@ class _ExportHelp(argparse.Action):
 
 
 def cmd_export(args) -> int:
-    from mmrl.export import export_policy
+    from mmrl.commands.export import export_policy
 
     print(export_policy(args.source, args.format, args.out))
     return 0
 
 
 def cmd_plot(args) -> int:
-    from mmrl.plot import plot_run
+    from mmrl.commands.plot import plot_run
 
     for path in plot_run(args.run_dir, args.out):
         print(path)
     return 0
 
 
+def cmd_pairs(args) -> int:
+    from mmrl.commands.pairs import main as pairs_main
+
+    return pairs_main(args.args)
+
+
 def _collect_plan(args) -> dict:
     """Tasks, episode count and env settings of ``mmrl collect`` from its flags: ``--task``
     names tasks, families or ``all``, or is one suite (a built-in name or a YAML file) whose
     env, tasks and episodes_per_task are used; flags given explicitly win over the suite."""
-    from mmrl.collect import TABLETOP_ID
+    from mmrl.commands.collect import TABLETOP_ID
     from mmrl.envs.tabletop.tasks import resolve_tasks
     from mmrl.suites import list_suites, load_suite
 
@@ -350,7 +356,7 @@ def _collect_plan(args) -> dict:
 
 
 def cmd_collect(args) -> int:
-    from mmrl.collect import collect, collect_from_config
+    from mmrl.commands.collect import collect, collect_from_config
 
     if args.config is not None:
         if args.task is not None:
@@ -426,7 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "train-reward", help="train a pairwise (Bradley-Terry) reward model on preference pairs", add_help=False,
         description="Train a pairwise reward model (policy.type bt_image, bt_image_set, bt_text or bt_trajectory; algo.type sft; data.type preferences) "
-        "through the training loop; evaluation reports held-out pairwise accuracy. Write pairs with `python -m mmrl.pairs`.",
+        "through the training loop; evaluation reports held-out pairwise accuracy. Write pairs with `python -m mmrl pairs`.",
     )
     p.add_argument("-h", "--help", action=_TrainHelp, nargs=0, help="show this help and every config field")
     p.add_argument("config", help="YAML config, or a run directory with --resume")
@@ -495,6 +501,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="new directory to write (must not exist, or be empty)")
     p.set_defaults(func=cmd_export)
 
+    p = sub.add_parser(
+        "pairs", help="write preference pairs for a pairwise reward model (mmrl pairs --help lists the sources)", add_help=False,
+        description="Write verifier-labelled preference pairs (shapes, arithmetic, policy, episodes, merge).",
+    )
+    p.add_argument("args", nargs=argparse.REMAINDER, help="a source and its options (mmrl pairs SOURCE --help)")
+    p.set_defaults(func=cmd_pairs)
+
     p = sub.add_parser("plot", help="write PNG learning curves of a run")
     p.add_argument("run_dir")
     p.add_argument("--out", default=None, help="output directory (default: <run_dir>/plots)")
@@ -519,7 +532,11 @@ def _main(argv: list[str] | None) -> int:
     # Options may come after the overrides (`mmrl train cfg.yaml a.b=1 --run-dir X`):
     # argparse stops filling a positional list at the first option, so dotted overrides
     # left over after the options are appended here; anything else is an error.
-    args, rest = parser.parse_known_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["pairs"]:  # its own parser reads everything after the word, --help included
+        args, rest = argparse.Namespace(func=cmd_pairs, args=argv[1:]), []
+    else:
+        args, rest = parser.parse_known_args(argv)
     if rest:
         if not hasattr(args, "overrides") or any(r.startswith("-") or "=" not in r for r in rest):
             parser.error(f"unrecognized arguments: {' '.join(rest)}")

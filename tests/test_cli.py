@@ -3,7 +3,7 @@
 import pytest
 
 from mmrl.cli import build_parser, listed_registries, main
-from tests.conftest import point_reach_config, run_mmrl
+from tests.conftest import ROOT, point_reach_config, run_mmrl
 
 
 def _error_line(capsys):
@@ -242,7 +242,7 @@ def test_eval_suite_from_a_yaml_writes_tables_and_videos(tmp_path, write_config)
 
 
 def test_doctor_names_the_extra_for_each_missing_optional_package(monkeypatch):
-    from mmrl import doctor
+    from mmrl.commands import doctor
 
     present = {"diffusers": "0.42.1", "transformers": "5.0", "tokenizers": "0.23"}
     monkeypatch.setattr(doctor, "_version", lambda dist: present.get(dist))
@@ -281,3 +281,17 @@ def test_help_into_a_reader_that_stops_early_ends_without_a_traceback():
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 141
     assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_mmrl_pairs_writes_preference_pairs_and_passes_its_own_help_through(tmp_path):
+    """``mmrl pairs`` is the pairs command (mmrl/commands/pairs.py): everything after the word,
+    --help included, goes to its parser."""
+    from mmrl.data.preferences import read_info
+
+    shown = run_mmrl("pairs", "--help")
+    assert shown.returncode == 0 and "{shapes,arithmetic,policy,episodes,merge}" in shown.stdout
+    done = run_mmrl("pairs", "arithmetic", "--prompts", ROOT / "examples" / "arithmetic", "--out", tmp_path / "pairs")
+    assert done.returncode == 0, done.stderr
+    assert "train" in done.stdout and read_info(tmp_path / "pairs")["kind"] == "text"
+    missing = run_mmrl("pairs", "merge", "--out", tmp_path / "merged", tmp_path / "nope", tmp_path / "pairs")
+    assert missing.returncode == 2 and "nope" in missing.stderr and len(missing.stderr.strip().splitlines()) == 1

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from mmrl.cli import main
-from mmrl.collect import collect
+from mmrl.commands.collect import collect
 from mmrl.demos import read_demos, read_index
 from mmrl.envs.tabletop.tasks import TASKS, family_tasks
 from mmrl.errors import ConfigError

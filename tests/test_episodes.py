@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mmrl.cli import main
-from mmrl.collect import collect
+from mmrl.commands.collect import collect
 from mmrl.demos import Episode, read_demos, write_demos
 from mmrl.episodes import read_episodes, write_episodes
 from mmrl.errors import ConfigError

@@ -13,7 +13,7 @@ from mmrl.config import option
 from mmrl.core.policy import PolicyModule, Sample
 from mmrl.envs.gym import GymEnvConfig
 from mmrl.core.statistics import wilson_interval
-from mmrl.evaluate import evaluate_suite
+from mmrl.commands.evaluate import evaluate_suite
 from mmrl.media import OUTCOME_COLOURS, _wrap, annotate_episode
 from mmrl.registry import POLICIES
 from mmrl.core.sampler import sampler_context

@@ -17,7 +17,7 @@ import torch
 from mmrl import registry
 from mmrl.config import from_dict
 from mmrl.core.weights import build_policy, save_pretrained
-from mmrl.export import export_policy
+from mmrl.commands.export import export_policy
 from mmrl.tools.tool import TOOLS
 from mmrl.train.run_config import TrainConfig
 from mmrl.train.trainer import train

@@ -202,7 +202,7 @@ def test_a_lerobot_checkpoints_vlm_name_fetches_its_config_and_tokenizer_not_its
 def test_doctor_reports_the_cache_and_offline_mode(cache, monkeypatch):
     from huggingface_hub import constants
 
-    from mmrl.doctor import hub_row
+    from mmrl.commands.doctor import hub_row
 
     name, status, detail = hub_row()
     assert (name, status) == ("hub", "ok") and str(cache) in detail and "online" in detail

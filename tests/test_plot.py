@@ -11,7 +11,7 @@ import pytest
 from mmrl.core.statistics import wilson_interval
 from mmrl.errors import ConfigError
 from mmrl.config import load_yaml
-from mmrl.plot import (
+from mmrl.commands.plot import (
     HEADLINE_TRAIN,
     UPDATE_TIME,
     categories_of,
@@ -301,6 +301,6 @@ def test_the_weights_are_read_from_the_runs_config_by_the_components_metric_name
     run = _write(tmp_path / "run", step_reward_records())
     (run / "config.yaml").write_text((ROOT / "configs" / "maniskill_pushcube_gae.yaml").read_text())
     planned = []
-    monkeypatch.setattr("mmrl.plot.plan_panels", lambda records, weights=None: planned.append(weights) or plan_panels(records, weights))
+    monkeypatch.setattr("mmrl.commands.plot.plan_panels", lambda records, weights=None: planned.append(weights) or plan_panels(records, weights))
     plot_run(run)
     assert planned == [{"success": 0.0}]

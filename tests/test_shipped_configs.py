@@ -104,7 +104,7 @@ def _train(workdir, name: str, run):
         # solved states) and a very noisy expert's failures. The module's demos end at success and show no solved state.
         episodes = workdir / "success_episodes"
         if not episodes.exists():
-            from mmrl.collect import collect
+            from mmrl.commands.collect import collect
 
             for noise, keep_failures in ((0.0, False), (5.0, True)):
                 collect(["spatial"], 1, episodes, env_kwargs={"terminate_on_success": False}, noise=noise, keep_failures=keep_failures, append=noise > 0)
@@ -116,7 +116,7 @@ def _train(workdir, name: str, run):
             for flags in ([], ["--max-episode-steps", "2", "--keep-failures", "--append"]):
                 done = run_mmrl("collect", "--task", "spatial", "--episodes-per-task", "1", "--out", episodes, *flags, timeout=900)
                 assert done.returncode == 0, done.stderr[-2000:]
-            from mmrl.pairs import write_episode_pairs
+            from mmrl.commands.pairs import write_episode_pairs
 
             write_episode_pairs(pairs, episodes, held_out_fraction=0.0)
         overrides += [f"data.path={pairs}", "data.batch_size=4"]

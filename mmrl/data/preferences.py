@@ -1,5 +1,5 @@
 """Preference pairs for pairwise (Bradley–Terry) reward models: the pair-file format and
-merging (``python -m mmrl.pairs`` writes them: :mod:`mmrl.pairs`).
+merging (``python -m mmrl pairs`` writes them: :mod:`mmrl.commands.pairs`).
 
 A preference directory holds
 
@@ -60,7 +60,7 @@ def read_info(directory: str | Path, field: str = "data.path") -> dict:
 
     d = Path(directory)
     if not (d / "info.json").is_file():
-        raise ConfigError(field, str(directory), "expected a preference directory with info.json, train.jsonl and held_out.jsonl (python -m mmrl.pairs)")
+        raise ConfigError(field, str(directory), "expected a preference directory with info.json, train.jsonl and held_out.jsonl (python -m mmrl pairs)")
     info = json.loads((d / "info.json").read_text())
     kinds = pair_kinds()
     if info.get("kind") not in kinds:

@@ -214,7 +214,7 @@ class Conversations(DataSource):
 @dataclass
 class PreferencesConfig(DataSourceConfig):
     type: str = option("preferences", "data source (mmrl list data)")
-    path: str | None = option(None, "a preference directory (info.json, train.jsonl, held_out.jsonl; images.npz or saved episodes) written by python -m mmrl.pairs")
+    path: str | None = option(None, "a preference directory (info.json, train.jsonl, held_out.jsonl; images.npz or saved episodes) written by python -m mmrl pairs")
     eval_batch_size: int = option(256, "held-out pairs scored per forward pass at evaluation", ge=1)
     category_key: str | None = option("category", "metadata key whose values get their own held-out accuracy pairwise_accuracy/<value> (null = none)")
 

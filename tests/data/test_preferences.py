@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mmrl.data.preferences import read_info, read_pairs
-from mmrl.pairs import main
+from mmrl.commands.pairs import main
 from mmrl.tasks.arithmetic.pairs import write_arithmetic_pairs
 from mmrl.tasks.shapes.pairs import write_shapes_pairs
 from tests.conftest import ROOT

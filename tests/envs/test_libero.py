@@ -63,7 +63,7 @@ def test_quaternion_to_axis_angle():
 
 
 def test_doctor_row_of_libero_says_what_to_install_or_what_failed(monkeypatch):
-    from mmrl import doctor
+    from mmrl.commands import doctor
 
     monkeypatch.setattr(doctor, "_version", lambda dist: None)
     assert doctor.libero_row() == ("libero", "missing", "pip install 'mmrl[libero]'")

@@ -272,7 +272,7 @@ def test_rgb_envs_run_in_spawned_async_workers(mani_skill):
 
 
 def test_doctor_says_how_to_install_lavapipe_when_maniskill_finds_no_vulkan_device(monkeypatch):
-    from mmrl import doctor
+    from mmrl.commands import doctor
 
     monkeypatch.setattr(doctor, "_version", lambda dist: "3.0.1" if dist == "mani_skill" else None)
     monkeypatch.setattr(doctor, "_run", lambda code: (False, 'RuntimeError: Failed to find a supported physical device "cpu"'))
@@ -285,7 +285,7 @@ def test_doctor_says_how_to_install_lavapipe_when_maniskill_finds_no_vulkan_devi
 
 
 def test_doctor_rows_of_maniskill_when_missing_or_working(monkeypatch):
-    from mmrl import doctor
+    from mmrl.commands import doctor
 
     monkeypatch.setattr(doctor, "_version", lambda dist: None)
     assert doctor.maniskill_row() == ("mani_skill", "missing", "pip install 'mmrl[maniskill]'")
@@ -298,7 +298,7 @@ def test_doctor_rows_of_maniskill_when_missing_or_working(monkeypatch):
 def test_the_pushcube_expert_solves_every_episode_and_its_demonstrations_bootstrap_from_their_final_state(mani_skill, tmp_path):
     """`mmrl collect --config` on the shipped RLPD config: 8 scripted episodes, each solved
     and still solved at its 50-step limit, written with the state after the last action."""
-    from mmrl.collect import collect_from_config
+    from mmrl.commands.collect import collect_from_config
     from mmrl.config import load_config
     from mmrl.demos import read_demos
     from mmrl.train.run_config import TrainConfig

@@ -344,7 +344,7 @@ def test_the_env_section_refuses_async_vectorization_and_wrappers():
 
 
 def test_doctor_reports_mujoco_warp_and_names_the_extra_when_it_is_missing(monkeypatch):
-    from mmrl import doctor
+    from mmrl.commands import doctor
 
     monkeypatch.setattr(doctor, "_version", lambda dist: None)
     assert doctor.warp_row() == ("mujoco_warp", "missing", "pip install 'mmrl[warp]' (batched MuJoCo worlds: env type tabletop_warp)")

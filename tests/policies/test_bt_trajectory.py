@@ -14,7 +14,7 @@ from mmrl.config import from_dict
 from mmrl.data.preferences import read_pairs
 from mmrl.demos import Episode, Trajectories, write_demos
 from mmrl.errors import ConfigError
-from mmrl.pairs import write_episode_pairs
+from mmrl.commands.pairs import write_episode_pairs
 from mmrl.policies.reward_model import BTTrajectoryConfig, BTTrajectoryModel
 
 INSTRUCTIONS = ("push the red block left", "push the blue block up")
@@ -185,7 +185,7 @@ def test_bad_episode_and_pair_files_end_in_one_line_naming_what_is_wrong(tmp_pat
 
 
 def main_pairs(argv):
-    from mmrl.pairs import main as pairs_main
+    from mmrl.commands.pairs import main as pairs_main
 
     return pairs_main(argv)
 

@@ -177,7 +177,7 @@ def test_every_reward_model_names_a_registered_kind_and_the_pairwise_ones_are_th
 
 def test_no_module_branches_on_a_reward_models_input_kind():
     """What differs between kinds is a kind's hook, looked up, not an if/elif over kind names."""
-    files = ["policies/reward_model/model.py", "rewards/pairwise.py", "mmrl/data/preferences.py", "mmrl/data/sources.py", "mmrl/pairs.py"]
+    files = ["policies/reward_model/model.py", "rewards/pairwise.py", "mmrl/data/preferences.py", "mmrl/data/sources.py", "mmrl/commands/pairs.py"]
     branch = re.compile(r"""(input_kind|kind)\s*(==|!=|in)\s*\(?["']""")
     found = [f"{f}:{n}" for f in files for n, line in enumerate((ROOT / f).read_text().splitlines(), 1) if branch.search(line)]
     assert found == []

@@ -337,7 +337,7 @@ def test_bad_inputs_are_one_line_config_errors(checkpoint, tmp_path):
 
 def test_mmrl_export_writes_a_saved_policy_in_the_openvla_layout(checkpoint, tmp_path):
     from mmrl.core.weights import save_pretrained
-    from mmrl.export import export_policy
+    from mmrl.commands.export import export_policy
 
     policy = make(checkpoint)
     _perturb(policy)

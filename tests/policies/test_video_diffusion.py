@@ -241,7 +241,7 @@ def test_trains_end_to_end_and_writes_eval_videos_into_the_run_directory(tmp_pat
         directory = tmp_path / "run" / "samples" / f"step_{step:06d}"
         assert sorted(p.name for p in directory.iterdir()) == ["videos.mp4", "videos.png"]
     # `mmrl eval` of the run writes them beside its tables, and keeps them out of eval.json
-    from mmrl.evaluate import evaluate_run
+    from mmrl.commands.evaluate import evaluate_run
 
     result = evaluate_run(cfg, tmp_path / "run")
     assert "media" not in result and 0 < result["reward_mean"] <= 1

@@ -1,5 +1,5 @@
 """Rewards served over HTTP: the ``remote`` reward (rewards/remote.py) against loopback
-servers in this process, and ``mmrl serve-reward`` (mmrl/serve_reward.py) serving a run
+servers in this process, and ``mmrl serve-reward`` (mmrl/commands/serve_reward.py) serving a run
 config's rewards over the same protocol (docs/reward_models.md, "Rewards served over HTTP")."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import mmrl.serve_reward
+import mmrl.commands.serve_reward
 from mmrl.cli import main
 from mmrl.config import from_dict
 from mmrl.core.reward import RewardContext, RewardSet, build_reward
@@ -26,7 +26,7 @@ from mmrl.core.rollout import OldLogProbs, Rollout
 from mmrl.errors import ConfigError, UserCodeError
 from mmrl.registry import REWARDS
 from mmrl.rewards.remote import RemoteRewardError, decode_samples, encode_samples, request_rows
-from mmrl.serve_reward import build_server
+from mmrl.commands.serve_reward import build_server
 from mmrl.train.metrics import read_metrics
 from mmrl.train.run_config import TrainConfig
 from mmrl.train.trainer import Trainer, train
@@ -380,7 +380,7 @@ def test_the_command_serves_until_stopped_and_refuses_a_bad_config_with_exit_2(t
         servers.append(build_server(*args, **kwargs))
         return servers[-1]
 
-    monkeypatch.setattr(mmrl.serve_reward, "build_server", build)
+    monkeypatch.setattr(mmrl.commands.serve_reward, "build_server", build)
     path = write_config(toy(rewards=[{"type": "token_fraction", "token": 1}]))
     codes = []
     thread = threading.Thread(target=lambda: codes.append(main(["serve-reward", str(path), "rewards=[{type: token_fraction, token: 3}]", "--port", "0", "--quiet"])))

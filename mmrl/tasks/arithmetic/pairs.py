@@ -1,5 +1,5 @@
 """A correct and an incorrect worked completion of each arithmetic prompt, the one with the
-record's answer chosen (``python -m mmrl.pairs arithmetic``)."""
+record's answer chosen (``python -m mmrl pairs arithmetic``)."""
 
 from __future__ import annotations
 

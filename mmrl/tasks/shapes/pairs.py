@@ -1,5 +1,5 @@
 """Verifier-labelled preference pairs of the shapes world (images or image sets): the better
-by ``shapes_geneval`` chosen (``python -m mmrl.pairs shapes``)."""
+by ``shapes_geneval`` chosen (``python -m mmrl pairs shapes``)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,17 @@
-"""``python -m mmrl.pairs``: write preference pairs for pairwise reward models, in the
+"""``python -m mmrl pairs``: write preference pairs for pairwise reward models, in the
 pair-file format of :mod:`mmrl.data.preferences`: verifier-labelled pairs of the demo worlds
 (:mod:`mmrl.tasks.shapes.pairs`, :mod:`mmrl.tasks.arithmetic.pairs`), a generator's own
 samples labelled by a run config's rewards (:func:`write_policy_pairs`), robot episodes
 ranked by success and cost (:func:`write_episode_pairs`), or a merge.
 
-    python -m mmrl.pairs shapes --out DIR [--size 32 --num-train 2000 --pairs-per-prompt 1
+    python -m mmrl pairs shapes --out DIR [--size 32 --num-train 2000 --pairs-per-prompt 1
         --num-held-out 500 --set-size 0 --flip 0.0 --pixel-noise 0 --seed 0]
-    python -m mmrl.pairs arithmetic --prompts examples/arithmetic --out DIR [--flip 0.0 --seed 0]
-    python -m mmrl.pairs policy CONFIG [overrides ...] --out DIR [--group-size 16 --rounds 1
+    python -m mmrl pairs arithmetic --prompts examples/arithmetic --out DIR [--flip 0.0 --seed 0]
+    python -m mmrl pairs policy CONFIG [overrides ...] --out DIR [--group-size 16 --rounds 1
         --pairs-per-prompt 8 --flip 0.0 --seed 0 --held-out-seed SEED]
-    python -m mmrl.pairs episodes EPISODES --out DIR [--cost path_length --margin 0.1
+    python -m mmrl pairs episodes EPISODES --out DIR [--cost path_length --margin 0.1
         --held-out-fraction 0.25 --max-pairs-per-instruction N --prefixes 0 --seed 0]
-    python -m mmrl.pairs merge --out DIR A B ...
+    python -m mmrl pairs merge --out DIR A B ...
 
 **Shapes** (:mod:`mmrl.tasks.shapes.world`). Prompts are the scenes of the compositional split
 (held-out pairs use only held-out prompts: unseen colour–shape–count combinations). For each
@@ -220,7 +220,7 @@ def write_episode_pairs(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mmrl.pairs", description="Write verifier-labelled preference pairs for pairwise reward models.")
+    parser = argparse.ArgumentParser(prog="mmrl pairs", description="Write verifier-labelled preference pairs for pairwise reward models.")
     sub = parser.add_subparsers(dest="source", required=True)
     p = sub.add_parser("shapes", help="pairs of shapes images (or image sets) for one prompt, the better by the shapes verifier chosen")
     p.add_argument("--out", required=True, help="output directory")
