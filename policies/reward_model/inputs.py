@@ -215,7 +215,7 @@ class TrajectoryItems(InputKind):
     episodes info.json's ``episodes`` names, or their first steps."""
 
     prompt_key = "instruction"
-    merge_refusal = "trajectory pairs name the episodes of their own episodes directory; write pairs of all the episodes at once (python -m mmrl.pairs episodes)"
+    merge_refusal = "trajectory pairs name the episodes of their own episodes directory; write pairs of all the episodes at once (python -m mmrl pairs episodes)"
 
     def read_pairs(self, directory, info, path, rows, prompts, field, frames):
         """Episode indices of the episodes ``info["episodes"]`` names, checked (every index
