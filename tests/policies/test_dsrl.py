@@ -225,3 +225,21 @@ def test_an_asymmetric_critic_reads_the_privileged_state_that_the_noise_policy_n
     with pytest.raises(ConfigError) as e:
         build({"policy": BASE, "critic_privileged": True})
     assert e.value.field == "policy.critic_privileged" and "\n" not in str(e.value)
+
+
+def test_the_noise_sensitivity_benchmark_measures_how_far_the_noise_moves_the_chunk(tmp_path, write_config):
+    """benchmarks/dsrl_noise_sensitivity.py on a frozen random diffusion policy: a wider noise
+    moves the decoded actions further (the std across noises, at most 1 on PointReach's
+    [-1, 1] actions but for the n/(n-1) of a sample std over 8 noises)."""
+    import re
+    import subprocess
+    import sys
+
+    path = write_config(dsrl_config())
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "dsrl_noise_sensitivity.py"), str(path), "--states", "4", "--noises", "8", "--scales", "0.1", "2"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = re.findall(r"\| N\(0, ([0-9.]+)²\) \| ([0-9.]+) \| ([0-9.]+) \|", done.stdout)
+    assert [scale for scale, _, _ in rows] == ["0.1", "2"]
+    (_, narrow, _), (_, wide, largest) = rows
+    assert 0 < float(narrow) < float(wide) and float(largest) <= (8 / 7) ** 0.5 + 1e-3
