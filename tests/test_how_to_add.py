@@ -18,10 +18,13 @@ from mmrl import registry
 from mmrl.config import from_dict
 from mmrl.core.weights import build_policy, save_pretrained
 from mmrl.commands.export import export_policy
+from mmrl.policies.reward_model.inputs import INPUT_KINDS
 from mmrl.tools.tool import TOOLS
 from mmrl.train.run_config import TrainConfig
 from mmrl.train.trainer import train
 from tests.conftest import ROOT, point_reach_config
+from tests.policies.test_input_kinds import VECTOR_KIND, W
+from tests.policies.test_input_kinds import _pairs as vector_pairs
 
 # ---------------------------------------------------------------- what each kind's files hold
 
@@ -225,8 +228,10 @@ TOOL = {
     ''',
 }
 
-KINDS = {"loss": LOSS, "reward": REWARD, "policy family": POLICY, "checkpoint format": CHECKPOINT_FORMAT, "env": ENV, "tool": TOOL}
-REGISTRIES = (registry.LOSSES, registry.REWARDS, registry.POLICIES, registry.ENVS, TOOLS)
+REWARD_MODEL = {"howto_vector.py": VECTOR_KIND}  # a Bradley-Terry model of a new kind of item (feature vectors), and that kind
+
+KINDS = {"loss": LOSS, "reward": REWARD, "policy family": POLICY, "checkpoint format": CHECKPOINT_FORMAT, "env": ENV, "tool": TOOL, "reward model": REWARD_MODEL}
+REGISTRIES = (registry.LOSSES, registry.REWARDS, registry.POLICIES, registry.ENVS, TOOLS, INPUT_KINDS)
 
 
 def tiny_run(algo: dict | None = None, **sections) -> TrainConfig:
@@ -365,3 +370,20 @@ def test_a_tool_is_one_module_and_the_tool_env_calls_it(add):
     assert "- howto_reverse: Reverse a string." in obs
     obs, reward, terminated, truncated, info = env.step('{"tool": "howto_reverse", "arguments": {"text": "mmrl"}}')
     assert obs == "Result of howto_reverse:\nlrmm" and info["tool_calls"] == 1 and not (terminated or truncated)
+
+
+def test_a_reward_model_is_one_module_and_trains_on_its_pairs(add, tmp_path):
+    """A reward model of a new kind of item (feature vectors): its kind and its model in one
+    module; it learns the preference its pairs encode through the training loop."""
+    files = add("reward model")
+    assert len(files) == documented_files()["reward model"]
+    import howto_vector  # noqa: F401  (in policies/reward_model/ the registries import it; a plugin names it as an mmrl.policies entry point)
+    from mmrl.core.weights import latest_checkpoint, load_pretrained
+
+    vector_pairs(tmp_path / "pairs", 64, 16, seed=0)
+    cfg = from_dict(TrainConfig, {"name": "rm", "seed": 0, "total_steps": 40, "policy": {"type": "howto_bt_vector"}, "algo": {"type": "sft"}, "optim": {"lr": 0.05},
+                                  "data": {"type": "preferences", "path": str(tmp_path / "pairs"), "batch_size": 16}, "log": {"progress": False, "tensorboard": False}})
+    summary = train(cfg, tmp_path / "run")
+    assert summary["eval"]["pairs"] == 16 and summary["eval"]["pairwise_accuracy"] >= 0.8  # 0.5: chance
+    learned = load_pretrained(latest_checkpoint(tmp_path / "run")).linear.weight.detach().flatten().double()
+    assert torch.nn.functional.cosine_similarity(learned, torch.tensor(W), dim=0) > 0.9

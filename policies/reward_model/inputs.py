@@ -38,8 +38,9 @@ from torch import Tensor
 from mmrl.errors import ConfigError
 from mmrl.registry import POLICIES, Registry
 
-# mmrl's own kinds register below; a plugin's register when its policy module is imported
-INPUT_KINDS = Registry("input kinds", (), "mmrl.policies")
+# mmrl's own kinds register below or in a module of policies/reward_model/ (walked on the first
+# lookup); a plugin's register when its policy module is imported (its mmrl.policies entry point)
+INPUT_KINDS = Registry("input kinds", ("mmrl.policies.reward_model",), "mmrl.policies")
 
 
 def register_input_kind(name: str):
