@@ -15,7 +15,7 @@ from safetensors import safe_open  # noqa: E402
 
 from mmrl.core.weights import save_pretrained  # noqa: E402
 from mmrl.errors import ConfigError  # noqa: E402
-from mmrl.policies.image_diffusion.model import save_diffusers_lora  # noqa: E402
+from mmrl.policies.image_diffusion.export import save_diffusers_lora  # noqa: E402
 from mmrl.train.checkpoint import Checkpointer  # noqa: E402
 from tests.policies.test_image_diffusion_models import SD3_DENOISING, SD_DENOISING, make, sd3_pipeline, sd_pipeline  # noqa: E402
 from tests.policies.test_image_diffusion_sdxl import sdxl_pipeline  # noqa: E402
