@@ -68,9 +68,9 @@ class PolicyModule(nn.Module):
     # a copy of it can be rebuilt in a rollout worker process (``rollout.workers`` > 0); a policy
     # that cannot says False and is refused there with a one-line error
     runs_in_worker: bool = True
-    # a pairwise reward model's items (``image``, ``image_set``, ``text``, ``trajectory``, or a
-    # success detector's ``observation``): what a ``preferences`` data source must hold; None or
-    # "": the model scores nothing of the kind
+    # a reward model's items: a kind registered in policies/reward_model/inputs.py
+    # (``mmrl.policies.reward_model.inputs.INPUT_KINDS``), what a ``preferences`` data source
+    # must hold; None or "": the model scores nothing of the kind
     input_kind: ClassVar[str | None] = None
     # the (H, W), or the side, of the images it generates, which an image data source renders
     # its images at; None: it generates no images of a fixed size
