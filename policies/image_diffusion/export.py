@@ -1,8 +1,8 @@
 """The diffusers LoRA layout of an ``image_diffusion`` policy's adapters
 (``pytorch_lora_weights.safetensors``, for ``pipeline.load_lora_weights``).
 
-Apart from the policy because it writes a file format for diffusers to read, and reads
-only the policy's adapters and denoiser class.
+Apart from the policy because it writes a file format for diffusers to read, from the
+policy's denoiser, adapters and pipeline kind alone (model.py imports it; it imports nothing of model.py).
 """
 
 from __future__ import annotations
@@ -10,23 +10,20 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from mmrl.errors import ConfigError
 from mmrl.policies.image_diffusion.build import require_diffusers
-
-if TYPE_CHECKING:
-    from mmrl.policies.image_diffusion.model import ImageDiffusionPolicy
 
 
 # the pipeline class whose save_lora_weights / load_lora_weights a denoiser's adapters follow
 LORA_EXPORTS = {"UNet2DConditionModel": "unet", "SD3Transformer2DModel": "transformer", "FluxTransformer2DModel": "transformer"}
 
 
-def save_diffusers_lora(policy: "ImageDiffusionPolicy", out_dir: str | os.PathLike) -> Path:
-    """Write the policy's LoRA adapters where diffusers' LoRA loaders read them:
-    ``out_dir/pytorch_lora_weights.safetensors``, which ``pipeline.load_lora_weights(out_dir)``
-    of the user's pipeline (built from the same base directory) loads into its denoiser.
+def save_diffusers_lora(policy, out_dir: str | os.PathLike) -> Path:
+    """Write the LoRA adapters of ``policy`` (an ``ImageDiffusionPolicy``) where diffusers'
+    LoRA loaders read them: ``out_dir/pytorch_lora_weights.safetensors``, which
+    ``pipeline.load_lora_weights(out_dir)`` of the user's pipeline (built from the same base
+    directory) loads into its denoiser.
 
     Follows diffusers' LoRA training scripts (``train_text_to_image_lora.py``,
     ``train_dreambooth_lora_sdxl.py``, ``train_dreambooth_lora_sd3.py``): peft's
