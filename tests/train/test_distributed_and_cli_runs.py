@@ -243,6 +243,9 @@ def _image_runs_with_one_and_two_processes_match(tmp_path, name: str, algo: dict
     b = load_file(str(tmp_path / "two/checkpoints/step_00000002/model.safetensors"))
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=2e-4)
+    # the training steps (eval.at_start logs an evaluation at step 0, without reward or loss)
+    ra, rb = [r for r in ra if "reward/total" in r], [r for r in rb if "reward/total" in r]
+    assert [r["step"] for r in ra] == [r["step"] for r in rb] == [1, 2]
     for key in ("reward/total", "loss/policy", "grad_norm"):
         for x, y in zip(ra, rb):
             assert math.isclose(x[key], y[key], rel_tol=1e-4, abs_tol=1e-7), (key, x[key], y[key])
