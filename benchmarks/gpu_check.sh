@@ -17,6 +17,10 @@
 #   scripts/pretrained_vla_tabletop.sh makes; carry runs/vlm/pretrained_smolvlm64 and
 #   runs/tabletop_spatial_vlm_token_vla_sft) on CUDA, one run per seed in RL_SEEDS side by side,
 #   each stopped by SIGTERM after RL_SECONDS (its checkpoint stays whole); their metrics go to $OUT.
+# - warp: tabletop_warp on CUDA (MuJoCo Warp): env steps/s at 256 / 1,024 / 4,096 worlds (state)
+#   and 256 / 1,024 (rgb), each against the CPU vector env's rate at 256; then one flow VLA
+#   GRPO update (random weights) at 1,024 worlds with rgb frames on CUDA, and the same update at
+#   64 CPU-env worlds on the CPU, seconds of sampling and of the update of each.
 # - versions: only the package versions (every call prints them first).
 #
 # Results go to $OUT (default /tmp/mmrl_gpu_check): log files and the benchmark tables.
@@ -25,7 +29,8 @@
 # checkout, filled where an index is reachable (Python 3.12 wheels for x86-64):
 #   .gpu/whl/  pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #                --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .gpu/whl \
-#                gymnasium farama-notifications mujoco glfw pyopengl websockets transformers peft
+#                gymnasium farama-notifications mujoco glfw pyopengl websockets transformers peft \
+#                mujoco-warp==3.17.0 warp-lang
 #   .gpu/gl/   Debian packages of the GL and Vulkan loaders (libegl1 libglvnd0 libopengl0
 #              libgl1 libglx0 libgles2 libvulkan1), unpacked into / for MuJoCo's EGL renderer.
 set -u
@@ -93,6 +98,21 @@ for check in $CHECKS; do
         for seed in ${RL_SEEDS:-1}; do
             cp /tmp/mmrl_rl_s$seed/metrics.jsonl "$OUT/rl_s$seed.metrics.jsonl"
             python3 -c "from mmrl.train.metrics import read_metrics; rows = read_metrics('/tmp/mmrl_rl_s$seed'); print('seed $seed', [(r['step'], round(r['success_rate'], 3), round(r['time/step_s'], 1)) for r in rows if 'time/step_s' in r][-5:], [(r['step'], r[k]) for r in rows for k in r if k.startswith('eval/') and 'success' in k])" 2>&1 | tee -a "$OUT/rl.txt"
+        done
+        ;;
+    warp)
+        stamp "tabletop_warp throughput on CUDA, state"
+        timeout 150 python3 benchmarks/warp_tabletop.py throughput --device cuda --worlds 256 1024 4096 --cpu-max-worlds 256 --steps 20 2>&1 | tee "$OUT/warp_state.txt"
+        stamp "tabletop_warp throughput on CUDA, rgb"
+        timeout 150 python3 benchmarks/warp_tabletop.py throughput --device cuda --obs-mode rgb --worlds 256 1024 --cpu-max-worlds 256 --steps 10 2>&1 | tee "$OUT/warp_rgb.txt"
+        for where in cuda cpu; do
+            if [ $where = cuda ]; then worlds=1024; env="{type: tabletop_warp, num_envs: 1024, task: spatial, obs_mode: rgb, cameras: top, image_size: 64, layout: nominal, layout_noise: 0.03, device: cuda}"
+            else worlds=64; env="{type: gym, id: mmrl/Tabletop-v0, num_envs: 64, vectorization: async, kwargs: {task: spatial, image_size: 64, cameras: top, layout: nominal, layout_noise: 0.03}}"; fi
+            stamp "one flow VLA GRPO update, $worlds worlds, device=$where"
+            timeout 150 python3 -m mmrl train configs/tabletop_spatial_flow_vla_grpo.yaml device=$where policy.pretrained=null "env=$env" \
+                algo.groups_per_step=$((worlds / 8)) algo.group_size=8 total_steps=2 eval.every=0 eval.at_start=false eval.at_end=false log.progress=false \
+                --run-dir /tmp/mmrl_warp_vla_$where 2>&1 | tail -2
+            python3 -c "from mmrl.train.metrics import read_metrics; print('$where $worlds worlds', [(r['step'], r['env_steps'], round(r['time/sample_s'], 1), round(r['time/update_s'], 1)) for r in read_metrics('/tmp/mmrl_warp_vla_$where') if 'time/step_s' in r])" 2>&1 | tee -a "$OUT/warp_vla.txt"
         done
         ;;
     versions) ;;

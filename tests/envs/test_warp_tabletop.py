@@ -559,3 +559,24 @@ def test_the_env_sampler_collects_images_from_the_warp_tabletop_for_a_vla():
         sampler.close()
     assert rollout.mask.shape[0] == 4 and rollout.mask.sum() > 0
     assert sampler.env_steps == 2 * 2 * 4
+
+
+def test_the_throughput_benchmark_compares_larger_batches_with_the_cpu_envs_rate_at_its_cap():
+    """benchmarks/warp_tabletop.py throughput --cpu-max-worlds: above the cap the CPU vector
+    env is not built (at GPU batch sizes it would not fit in memory) and the ratio is taken
+    against its rate at the largest count measured; a cap below every count is refused."""
+    import re
+    import subprocess
+    import sys
+
+    require_warp()
+    from tests.conftest import ROOT
+
+    script = [sys.executable, str(ROOT / "benchmarks" / "warp_tabletop.py"), "throughput", "--steps", "1"]
+    done = subprocess.run([*script, "--worlds", "4", "2", "--cpu-max-worlds", "2"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = re.findall(r"^\| (\d+) \| ([\d,]+)( \(at 2\))? \| ([\d,]+) \| ([\d.]+) \|$", done.stdout, re.M)
+    assert [(n, at) for n, _, at, _, _ in rows] == [("2", ""), ("4", " (at 2)")]
+    assert rows[0][1] == rows[1][1]  # the same CPU rate stands for both
+    refused = subprocess.run([*script, "--worlds", "4", "--cpu-max-worlds", "2"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert refused.returncode != 0 and "--cpu-max-worlds 2" in refused.stderr
