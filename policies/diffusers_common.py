@@ -17,6 +17,16 @@ from mmrl.policies.hf import require_transformers
 from mmrl.policies.lora import LoraOptions
 from mmrl.policies.tiny_tokenizers import byte_tokenizer, word_tokenizer
 
+def require_diffusers(what: str):
+    """The ``diffusers`` module, or a :class:`MissingExtraError` saying that ``what`` needs it
+    and that the ``image`` extra brings it."""
+    try:
+        import diffusers
+    except ImportError:
+        raise MissingExtraError("diffusers", "image", what) from None
+    return diffusers
+
+
 # What each family of transitions takes from the denoiser: an ε-prediction diffusion step
 # converts epsilon / v_prediction / sample outputs to ε; a flow step takes the velocity.
 DIFFUSION_PREDICTIONS = ("epsilon", "v_prediction", "sample")

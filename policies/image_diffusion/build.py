@@ -13,19 +13,16 @@ from pathlib import Path
 
 from torch import nn
 
-from mmrl.errors import ConfigError, MissingExtraError
+from mmrl.errors import ConfigError
 from mmrl.hub import pipeline_dir
+from mmrl.policies.diffusers_common import require_diffusers as require_diffusers_for
 from mmrl.policies.diffusers_common import tiny_text_encoder
 from mmrl.policies.hf import require_transformers
 from mmrl.policies.image_diffusion.config import ImageDiffusionConfig
 
 
 def require_diffusers():
-    try:
-        import diffusers
-    except ImportError:
-        raise MissingExtraError("diffusers", "image", "the image_diffusion policy") from None
-    return diffusers
+    return require_diffusers_for("the image_diffusion policy")
 
 
 def _transformers():

@@ -30,18 +30,14 @@ from mmrl.core.policy import Sample
 from mmrl.core.rollout import Rollout
 from mmrl.data.prompts import require_text_prompts
 from mmrl.denoising import DenoisingPolicy, alphas_cumprod, ddpm_betas
-from mmrl.errors import ConfigError, MissingExtraError
-from mmrl.policies.diffusers_common import diffusion_target, epsilon_from_prediction, tiny_text_encoder, uint8_to_pixels, videos_to_uint8
+from mmrl.errors import ConfigError
+from mmrl.policies.diffusers_common import diffusion_target, epsilon_from_prediction, require_diffusers, tiny_text_encoder, uint8_to_pixels, videos_to_uint8
 from mmrl.policies.video_diffusion.config import VideoDiffusionConfig
 from mmrl.registry import POLICIES
 
 
 def _diffusers():
-    try:
-        import diffusers
-    except ImportError:
-        raise MissingExtraError("diffusers", "image", "the video_diffusion policy") from None
-    return diffusers
+    return require_diffusers("the video_diffusion policy")
 
 
 def uint8_to_videos(videos: Tensor) -> Tensor:

@@ -54,9 +54,9 @@ from mmrl.data.prompts import require_text_prompts
 from mmrl.denoising import DenoisingPolicy
 from mmrl.denoising.options import DenoisingOptions
 from mmrl.denoising.transitions import FlowTransition
-from mmrl.errors import ConfigError, MissingExtraError
+from mmrl.errors import ConfigError
 from mmrl.hub import pipeline_dir
-from mmrl.policies.diffusers_common import PromptCache, leave_frozen_weights_unsaved, videos_to_uint8, with_lora
+from mmrl.policies.diffusers_common import PromptCache, leave_frozen_weights_unsaved, require_diffusers, videos_to_uint8, with_lora
 from mmrl.policies.hf import require_transformers, save_tied_weights_once
 from mmrl.policies.lora import adapters_disabled
 from mmrl.policies.wan_video.config import WanVideoConfig
@@ -67,11 +67,7 @@ TEXT_ENCODER_CLASSES = ("UMT5EncoderModel", "T5EncoderModel")
 
 
 def _diffusers():
-    try:
-        import diffusers
-    except ImportError:
-        raise MissingExtraError("diffusers", "image", "the wan_video policy") from None
-    return diffusers
+    return require_diffusers("the wan_video policy")
 
 
 def _transformers():
