@@ -4,6 +4,7 @@ call and per decision, and the decisions per second on this CPU, for the token V
 miniature, and on a tiny SmolVLM) and the flow VLA at B = 1, 32 and 256.
 
     python benchmarks/launches.py [--old <commit>] [--batches 1 32 256] [--rounds 3] [--device cuda]
+    python benchmarks/launches.py --compile --cases flow_vla --batches 32 256 --rounds 3
 
 The count is that of a ``TorchDispatchMode`` around one ``sample`` call: every operator the
 dispatcher runs, views included, the same on any machine for the same code and inputs. With
@@ -13,6 +14,12 @@ checkout's own code, and the table gives the ratios old / new of one run. Timing
 over repeated calls on one thread (``torch.set_num_threads(1)``); with ``--rounds R`` each case
 is measured R times, old and new taking turns, and the median of the R is shown (on a machine
 that others load, one round's timings scatter by ±20%).
+
+``--compile`` times, in the same run, the cases that can compile their denoising step
+(``compile_denoiser``: the flow VLA) both eager and compiled (``torch.compile``, CUDA graphs on
+CUDA; each batch size compiles once, in the warm-up call, outside the timings), eager and
+compiled taking turns, and prints decisions/s of both and their ratio. Their operator counts
+are not compared: a compiled step runs fused kernels that no dispatch mode sees one by one.
 
 The policies are random, built in-process at the sizes of the tabletop configs
 (``configs/tabletop_{token,flow}_vla_sft.yaml``: 64 px camera, hidden 64, 2 layers, chunk 4)
@@ -47,7 +54,10 @@ CASES = {
 # ------------------------------------------------------------------ one tree's measurements (a subprocess)
 
 
-def _policy(case: str, vlm_dir: str | None):
+COMPILABLE = ("flow_vla",)
+
+
+def _policy(case: str, vlm_dir: str | None, compiled: bool = False):
     import torch
 
     from mmrl.config import from_dict
@@ -57,6 +67,8 @@ def _policy(case: str, vlm_dir: str | None):
     data = json.loads(json.dumps(CASES[case]))
     if case.endswith("smolvlm"):
         data["backbone"]["vlm_path"] = vlm_dir
+    if compiled:
+        data["compile_denoiser"] = True
     config = from_dict(POLICIES.entry(data["type"]).config, data, "policy")
     torch.manual_seed(0)
     return build_policy(config, SPEC).eval()
@@ -93,18 +105,21 @@ def count_operators(policy, inputs) -> int:
     return counter.calls
 
 
-def measure(case: str, batches: list[int], seconds: float, vlm_dir: str | None, device: str = "cpu") -> list[dict]:
-    """Per batch size: operators per ``sample`` call and the median decisions per second."""
+def measure(case: str, batches: list[int], seconds: float, vlm_dir: str | None, device: str = "cpu", compiled: bool = False) -> list[dict]:
+    """Per batch size: operators per ``sample`` call (None when ``compiled``) and the median
+    decisions per second."""
     import torch
 
     torch.set_num_threads(1)
-    policy = _policy(case, vlm_dir).to(device)
+    policy = _policy(case, vlm_dir, compiled).to(device)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)  # a call's time includes its kernels
     rows = []
     for batch in batches:
         inputs = _inputs(batch)
-        policy.sample(inputs, torch.Generator().manual_seed(0))  # warm-up (allocations, lazy inits)
-        ops = count_operators(policy, inputs)
+        policy.sample(inputs, torch.Generator().manual_seed(0))  # warm-up (allocations, lazy inits, the compile)
+        if compiled:
+            policy.sample(inputs, torch.Generator().manual_seed(0))  # CUDA graphs record on the second call
+        ops = None if compiled else count_operators(policy, inputs)
         times, start = [], time.perf_counter()
         while len(times) < 3 or (time.perf_counter() - start < seconds and len(times) < 50):
             sync()
@@ -119,8 +134,10 @@ def measure(case: str, batches: list[int], seconds: float, vlm_dir: str | None, 
 # ------------------------------------------------------------------ the comparison
 
 
-def run_tree(tree: Path, case: str, batches: list[int], seconds: float, vlm_dir: str | None, device: str) -> list[dict]:
+def run_tree(tree: Path, case: str, batches: list[int], seconds: float, vlm_dir: str | None, device: str, compiled: bool = False) -> list[dict]:
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", case, "--batches", *map(str, batches), "--seconds", str(seconds), "--device", device]
+    if compiled:
+        command.append("--compiled")
     if vlm_dir:
         command += ["--vlm-dir", vlm_dir]
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
@@ -138,11 +155,13 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=3.0, help="timed calls per batch size, at least 3 and for about this long")
     parser.add_argument("--rounds", type=int, default=1, help="measurements per case and commit, old and new taking turns; the table gives the median decisions/s")
     parser.add_argument("--device", default="cpu", help="where the policies run (cuda: the timings wait for the kernels); the counts do not depend on the machine, and on a GPU add the copies of the inputs to it")
+    parser.add_argument("--compile", action="store_true", help="time the flow VLA's compiled denoising step (compile_denoiser) against its eager one in the same run")
     parser.add_argument("--worker", choices=list(CASES), help=argparse.SUPPRESS)
+    parser.add_argument("--compiled", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--vlm-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(measure(args.worker, args.batches, args.seconds, args.vlm_dir, args.device)))
+        print(json.dumps(measure(args.worker, args.batches, args.seconds, args.vlm_dir, args.device, args.compiled)))
         return 0
 
     import platform
@@ -191,6 +210,16 @@ def main() -> int:
                         )
                     else:
                         print(f"| {case} | {b} | {new['ops']} | {new['ops'] / b:.2f} | {new['decisions_per_s']:.0f} |")
+            compilable = [case for case in args.cases if case in COMPILABLE]
+            if args.compile and compilable:
+                print("\ncompile_denoiser: eager against compiled denoising steps of this checkout, decisions/s")
+                print("| policy | B | eager | compiled | compiled / eager |")
+                print("|---|---|---|---|---|")
+                for case in compilable:
+                    rounds = [{compiled: run_tree(ROOT, case, args.batches, args.seconds, vlm_dir, args.device, compiled) for compiled in (False, True)} for _ in range(args.rounds)]
+                    for i, b in enumerate(args.batches):
+                        eager, compiled = (statistics.median(r[flag][i]["decisions_per_s"] for r in rounds) for flag in (False, True))
+                        print(f"| {case} | {b} | {eager:.0f} | {compiled:.0f} | {compiled / eager:.2f} |")
         finally:
             if args.old:
                 subprocess.run(["git", "worktree", "remove", "--force", str(trees["old"])], cwd=ROOT, capture_output=True)

@@ -38,12 +38,15 @@ class DiffusionPolicyConfig(PolicyConfig):
         ),
         doc="the denoising chain (ddim or ddpm over a DDPM schedule): steps, which of them are the decisions (DPPO: the last 5 of 10), log-prob options",
     )
+    compile_denoiser: bool = option(False, "sampling (no grad) runs the denoiser step network through torch.compile at fixed shapes (CUDA graphs on CUDA; one compile per batch size, ~20 s on a CPU): fewer launches per step; log_prob's recompute stays eager, so it needs denoising.old_logp: deferred (ratios of exactly 1)")
 
     def validate(self, path: str) -> None:
         p = f"{path}." if path else ""
         if self.denoising.transition not in DIFFUSION_TRANSITIONS:
             allowed = ", ".join(DIFFUSION_TRANSITIONS)
             raise ConfigError(p + "denoising.transition", self.denoising.transition, f"diffusion_policy predicts the noise (epsilon); allowed: {allowed}")
+        if self.compile_denoiser and self.denoising.old_logp != "deferred":
+            raise ConfigError(p + "compile_denoiser", True, "the compiled sampling pass rounds otherwise than log_prob's eager recompute: it needs denoising.old_logp: deferred (ratios of exactly 1)")
         self.denoising.validate(p + "denoising")
         if self.hidden_size % 2:
             raise ConfigError(p + "hidden_size", self.hidden_size, "must be even (sinusoidal time features)")

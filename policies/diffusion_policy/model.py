@@ -203,11 +203,12 @@ class DiffusionPolicy(ActionChunkPolicy):
         cond = self.conditioning(obs)
         return cond, cond
 
-    def _denoiser(self, cond: Tensor):
+    def _denoiser(self, cond: Tensor, compiled: bool = False):
         scale = 1.0 / self.denoising.num_train_timesteps
+        network = self.compiled_step("denoiser", self.denoiser) if compiled else self.denoiser  # compile_denoiser
 
         def denoise(x: Tensor, t: Tensor, rows: Tensor) -> Tensor:
-            return self.denoiser(x, t * scale, cond[rows])
+            return network(x, t * scale, cond[rows])
 
         return denoise
 

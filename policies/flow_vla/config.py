@@ -31,12 +31,15 @@ class FlowVLAConfig(PolicyConfig):
         doc="the action expert's denoising chain (a flow transition): steps, noise, which steps are stochastic, what one decision is (default: one per action chunk)",
     )
     time_sampling: Literal["beta", "uniform"] = option("beta", "flow-matching training times: sigma = 0.001 + 0.999 u with u ~ Beta(1.5, 1) (pi0, weighting noisy times) or u ~ U(0, 1)")
+    compile_denoiser: bool = option(False, "sampling (no grad) runs the denoiser step network through torch.compile at fixed shapes (CUDA graphs on CUDA; one compile per batch size, ~20 s on a CPU): fewer launches per step; log_prob's recompute stays eager, so it needs denoising.old_logp: deferred (ratios of exactly 1)")
 
     def validate(self, path: str) -> None:
         p = f"{path}." if path else ""
         if self.denoising.transition not in FLOW_TRANSITIONS:
             allowed = ", ".join(FLOW_TRANSITIONS)
             raise ConfigError(p + "denoising.transition", self.denoising.transition, f"flow_vla's action expert predicts a velocity; allowed: {allowed}")
+        if self.compile_denoiser and self.denoising.old_logp != "deferred":
+            raise ConfigError(p + "compile_denoiser", True, "the compiled sampling pass rounds otherwise than log_prob's eager recompute: it needs denoising.old_logp: deferred (ratios of exactly 1)")
         self.denoising.validate(p + "denoising")
         width = self.expert_hidden_size or self.backbone.hidden_size
         if self.backbone.vlm_path is None or self.expert_hidden_size is not None:  # else the VLM's width, checked when it loads

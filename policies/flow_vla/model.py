@@ -286,13 +286,17 @@ class FlowVLAPolicy(ActionChunkPolicy):
         states, mask = self._prefix_states(obs)
         return self.expert.memory(states, mask), pooled_prefix_state(states, mask).to(torch.float32)
 
-    def _denoiser(self, memory: dict):
+    def _denoiser(self, memory: dict, compiled: bool = False):
         picked = {}  # the memory of the last rows seen: sampling hands the same rows to every step
+        expert = self.expert
+        if compiled:  # ``compile_denoiser``: the compiler lays out the linear layers itself (no pre-transposed weights)
+            expert = self.compiled_step("expert", self.expert)
+            memory = {key: value for key, value in memory.items() if key != "weights"}
 
         def denoise(x: Tensor, sigma: Tensor, rows: Tensor):
             if picked.get("rows") is not rows:
                 picked.update(rows=rows, memory=self.expert.select(memory, rows))
-            v, std = self.expert(x, sigma, picked["memory"])
+            v, std = expert(x, sigma, picked["memory"])
             return v if std is None else (v, std)
 
         return denoise

@@ -15,19 +15,37 @@ its supervised error per action (:meth:`~ActionChunkPolicy.sft_errors`). This ba
 samples (the replay: each observation tensor and the chain, with a call dim 1),
 recomputes a replay's chains (``chain_denoiser``), behaviour-clones (``sft_loss``) and
 turns a replay into a ``sft_loss`` batch (``imitation_batch``).
+
+``compile_denoiser`` (a subclass's config field; off by default): sampling without grad runs
+the network of a denoising step through ``torch.compile`` (:meth:`compiled_step`), which a
+subclass's ``_denoiser(cond, compiled=True)`` calls. ``log_prob``'s recompute and the update
+run the eager network at the stored latents, so the trainer's deferred old log-probs (its own
+eager pass) give ratios of exactly 1; the sampling pass's own log-probs round otherwise.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 from mmrl.core.policy import Sample
 from mmrl.denoising import DenoisingPolicy
 from mmrl.denoising.chain import Denoiser
+
+
+class _CompiledSteps(dict):
+    """A policy's compiled step networks, keyed by (name, device type): a cache, not state (a
+    copy or a pickle of the policy starts empty and compiles its own)."""
+
+    def __deepcopy__(self, memo):
+        return _CompiledSteps()
+
+    def __reduce__(self):
+        return (_CompiledSteps, ())
 
 
 class ActionChunkPolicy(DenoisingPolicy):
@@ -49,6 +67,7 @@ class ActionChunkPolicy(DenoisingPolicy):
         # Derived from the spec and config, not learned: kept out of the saved weights.
         self.register_buffer("action_center", torch.where(finite, (low + high) / 2, 0.0), persistent=False)
         self.register_buffer("action_half_range", torch.where(finite, (high - low) / 2, 1.0), persistent=False)
+        self._compiled_steps = _CompiledSteps()
 
     # ------------------------------------------------------------------ what a subclass says
 
@@ -62,8 +81,43 @@ class ActionChunkPolicy(DenoisingPolicy):
         raise NotImplementedError
 
     def _denoiser(self, cond: Any) -> Denoiser:
-        """The denoiser ``(x, t, rows) -> output`` of the chunks whose conditioning is ``cond``."""
+        """The denoiser ``(x, t, rows) -> output`` of the chunks whose conditioning is ``cond``;
+        a subclass with ``compile_denoiser`` also takes ``compiled=True`` (:meth:`compiled_step`)."""
         raise NotImplementedError
+
+    # ------------------------------------------------------------------ compiled sampling
+
+    @property
+    def compiles_denoiser(self) -> bool:
+        """Whether no-grad sampling runs the compiled step network (``config.compile_denoiser``)."""
+        return bool(getattr(self.config, "compile_denoiser", False))
+
+    def _sampling_denoiser(self, cond: Any) -> Denoiser:
+        """The denoiser of :meth:`sample` and :meth:`sample_from_noise` (no grad): the compiled
+        one under ``compile_denoiser``, else the eager one that ``log_prob`` runs."""
+        return self._denoiser(cond, compiled=True) if self.compiles_denoiser else self._denoiser(cond)
+
+    def compiled_step(self, name: str, module: nn.Module) -> Callable:
+        """``module`` (the network one denoising step runs) under ``torch.compile(dynamic=False,
+        fullgraph=False)``, compiled once per batch shape: mode ``reduce-overhead`` (CUDA graphs)
+        on CUDA, the default mode elsewhere. On CUDA each call starts a new graph step and
+        returns copies of the outputs, which the next replay would overwrite."""
+        device = self.action_center.device
+        key = (name, device.type)
+        step = self._compiled_steps.get(key)
+        if step is None:
+            cuda = device.type == "cuda"
+            compiled = torch.compile(module, dynamic=False, fullgraph=False, mode="reduce-overhead" if cuda else None)
+            if cuda:
+
+                def step(*args, **kwargs):
+                    torch.compiler.cudagraph_mark_step_begin()
+                    return tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, compiled(*args, **kwargs))
+
+            else:
+                step = compiled
+            self._compiled_steps[key] = step
+        return step
 
     def sft_errors(self, cond: Any, x0: Tensor) -> Tensor:
         """The supervised error [B, C] of each action of the expert chunks ``x0`` [B, C, A]
@@ -113,7 +167,7 @@ class ActionChunkPolicy(DenoisingPolicy):
         device = self.action_center.device
         shape = (next(iter(obs.values())).shape[0], *self.latent_shape)
         x_init = torch.zeros(shape, device=device) if deterministic else torch.randn(shape, generator=generator).to(device)
-        out = self.sample_chain(self._denoiser(cond), x_init, generator, deterministic, final_only=final_only)
+        out = self.sample_chain(self._sampling_denoiser(cond), x_init, generator, deterministic, final_only=final_only)
         replay = {key: value.unsqueeze(1) for key, value in obs.items()}
         replay["chain"] = {key: value.unsqueeze(1) for key, value in out.chain.items()}
         return Sample(output=self.env_actions(out.final), logp=out.logp, replay=replay, mask=out.mask, entropy=out.entropy, logp_deferred=out.deferred)
@@ -141,7 +195,7 @@ class ActionChunkPolicy(DenoisingPolicy):
         n = x_init.shape[0]
         if tuple(x_init.shape[1:]) != self.noise_shape:
             raise ValueError(f"expected initial noise [N, {', '.join(map(str, self.noise_shape))}], got {list(x_init.shape)}")
-        out = self.sample_chain(self._denoiser(cond), x_init, deterministic=True, final_only=True)
+        out = self.sample_chain(self._sampling_denoiser(cond), x_init, deterministic=True, final_only=True)
         replay = {key: value.unsqueeze(1) for key, value in obs.items()}
         replay["chain"] = {key: value.unsqueeze(1) for key, value in out.chain.items()}
         zeros = torch.zeros(n, 1, device=x_init.device)
