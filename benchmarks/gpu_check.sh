@@ -9,7 +9,8 @@
 #   mmrl's code assumes the CPU.
 # - bench: benchmarks/vla_rollout_cost.py on the CPU and the GPU in one run at the tabletop
 #   size, then the pretrained families at `--vlm-size base` on the GPU in float32 and bfloat16
-#   (throughput and the PPO ratio's error on recompute).
+#   (throughput and the PPO ratio's error on recompute); the flow VLA's chain eager against
+#   compiled (policy.compile_denoiser: CUDA graphs on CUDA), decisions/s at B = 32 and 256.
 # - train: a few updates of the object-family dense-reward GAE recipe with `device=cuda` and
 #   `device=cpu`, seconds per update of each.
 # - rl: the pretrained-backbone token VLA's GAE recipe on the spatial family
@@ -77,6 +78,8 @@ for check in $CHECKS; do
         stamp "vla_rollout_cost, base size, GPU float32 and bfloat16"
         timeout 100 python3 benchmarks/vla_rollout_cost.py --devices cuda --vlm-families smolvlm qwen2_vl --vlm-size base \
             --vlm-dtypes float32 bfloat16 --no-miniatures --batch-sizes 64 8 --rounds 2 --env-steps 50 2>&1 | tee "$OUT/bench_base.txt"
+        stamp "the flow VLA's denoising chain, eager against compiled (CUDA graphs), B = 32 and 256"
+        timeout 150 python3 benchmarks/launches.py --compile --cases flow_vla --batches 32 256 --rounds 3 --device cuda 2>&1 | tee "$OUT/bench_compile.txt"
         ;;
     train)
         for device in ${TRAIN_DEVICES:-cuda cpu}; do
