@@ -17,6 +17,19 @@ from mmrl.policies.hf import require_transformers
 from mmrl.policies.lora import LoraOptions
 from mmrl.policies.tiny_tokenizers import byte_tokenizer, word_tokenizer
 
+def class_name(directory, config_file: str = "config.json") -> str | None:
+    """The class a diffusers or transformers sub-directory's config names (``_class_name``,
+    else the first of ``architectures``); None when it has no such config."""
+    import json
+    from pathlib import Path
+
+    path = Path(directory) / config_file
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    return data.get("_class_name") or (data.get("architectures") or [None])[0]
+
+
 def require_diffusers(what: str):
     """The ``diffusers`` module, or a :class:`MissingExtraError` saying that ``what`` needs it
     and that the ``image`` extra brings it."""

@@ -15,6 +15,7 @@ from torch import nn
 
 from mmrl.errors import ConfigError
 from mmrl.hub import pipeline_dir
+from mmrl.policies.diffusers_common import class_name as config_class_name
 from mmrl.policies.diffusers_common import require_diffusers as require_diffusers_for
 from mmrl.policies.diffusers_common import tiny_text_encoder
 from mmrl.policies.hf import require_transformers
@@ -154,14 +155,6 @@ def tiny_parts(config: ImageDiffusionConfig, spec: dict) -> Parts:
     return Parts(diffusers.UNet2DModel(**common, **blocks, num_class_embeds=_num_conditions(spec) + 1), "unet", "class", vae=vae)
 
 
-def _class_name(directory: Path, config_file: str = "config.json") -> str | None:
-    path = directory / config_file
-    if not path.is_file():
-        return None
-    data = json.loads(path.read_text())
-    return data.get("_class_name") or (data.get("architectures") or [None])[0]
-
-
 def _load_text_encoders(root: Path, kind: str, sdxl: bool = False) -> tuple[list, list]:
     """The pipeline's text encoders and tokenizers by slot: text_encoder/ + tokenizer/ (a
     UNet2DConditionModel's CLIPTextModel; SD3's first CLIPTextModelWithProjection), for SDXL
@@ -184,7 +177,7 @@ def _load_text_encoders(root: Path, kind: str, sdxl: bool = False) -> tuple[list
             continue
         if not tokenizer_dir.is_dir():
             raise ConfigError(field_name, value, f"text_encoder{suffix}/ needs tokenizer{suffix}/ beside it")
-        class_name = _class_name(encoder_dir)
+        class_name = config_class_name(encoder_dir)
         if suffix == "_3" or (kind == "flux" and suffix == "_2"):
             allowed = ("T5EncoderModel",)
         elif kind == "sd3" or (sdxl and suffix == "_2"):
@@ -208,7 +201,7 @@ def load_parts(config: ImageDiffusionConfig) -> Parts:
     diffusers = require_diffusers()
     field_name = "policy.model_path"
     root = pipeline_dir(config.model_path, field_name)
-    unet_name, transformer_name = _class_name(root / "unet"), _class_name(root / "transformer")
+    unet_name, transformer_name = config_class_name(root / "unet"), config_class_name(root / "transformer")
     if unet_name is None and transformer_name is None:
         raise ConfigError(
             field_name, config.model_path, "expected a diffusers pipeline directory with unet/ or transformer/ (written by save_pretrained), and text_encoder/ + tokenizer/ for text prompts"
@@ -228,7 +221,7 @@ def load_parts(config: ImageDiffusionConfig) -> Parts:
             "the UNet2DConditionModel takes added conditions other than SDXL's (addition_embed_type text_time); supported: UNets conditioned on the text encoder's states, and SDXL's",
         )
     vae = None
-    vae_name = _class_name(root / "vae")
+    vae_name = config_class_name(root / "vae")
     if vae_name is not None:
         if vae_name not in VAE_CLASSES:
             raise ConfigError(field_name, config.model_path, f"vae/ holds a {vae_name}; supported: {list(VAE_CLASSES)}")

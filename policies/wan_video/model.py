@@ -56,7 +56,7 @@ from mmrl.denoising.options import DenoisingOptions
 from mmrl.denoising.transitions import FlowTransition
 from mmrl.errors import ConfigError
 from mmrl.hub import pipeline_dir
-from mmrl.policies.diffusers_common import PromptCache, leave_frozen_weights_unsaved, require_diffusers, videos_to_uint8, with_lora
+from mmrl.policies.diffusers_common import PromptCache, class_name, leave_frozen_weights_unsaved, require_diffusers, videos_to_uint8, with_lora
 from mmrl.policies.hf import require_transformers, save_tied_weights_once
 from mmrl.policies.lora import adapters_disabled
 from mmrl.policies.wan_video.config import WanVideoConfig
@@ -84,14 +84,6 @@ class _Parts:
     text_encoder: nn.Module
     tokenizer: object
     scheduler: dict | None  # scheduler_config.json of the directory
-
-
-def _class_name(directory: Path, config_file: str = "config.json") -> str | None:
-    path = directory / config_file
-    if not path.is_file():
-        return None
-    data = json.loads(path.read_text())
-    return data.get("_class_name") or (data.get("architectures") or [None])[0]
 
 
 def _tiny_parts(config: WanVideoConfig) -> _Parts:
@@ -123,7 +115,7 @@ def _load_parts(config: WanVideoConfig) -> _Parts:
     """transformer/, vae/, text_encoder/ + tokenizer/ and scheduler/ of a WanPipeline directory."""
     diffusers, tf = _diffusers(), _transformers()
     root, value = pipeline_dir(config.model_path, FIELD), config.model_path
-    names = {sub: _class_name(root / sub) for sub in ("transformer", "vae", "text_encoder")}
+    names = {sub: class_name(root / sub) for sub in ("transformer", "vae", "text_encoder")}
     if names["transformer"] is None:
         raise ConfigError(FIELD, value, "expected a WanPipeline directory (written by save_pretrained): transformer/, vae/, text_encoder/ + tokenizer/, scheduler/")
     if (root / "transformer_2").is_dir():
