@@ -4,7 +4,7 @@ call and per decision, and the decisions per second on this CPU, for the token V
 miniature, and on a tiny SmolVLM) and the flow VLA at B = 1, 32 and 256.
 
     python benchmarks/launches.py [--old <commit>] [--batches 1 32 256] [--rounds 3] [--device cuda]
-    python benchmarks/launches.py --compile --cases flow_vla --batches 32 256 --rounds 3
+    python benchmarks/launches.py --compile --batches 32 256 --rounds 3
 
 The count is that of a ``TorchDispatchMode`` around one ``sample`` call: every operator the
 dispatcher runs, views included, the same on any machine for the same code and inputs. With
@@ -15,11 +15,18 @@ over repeated calls on one thread (``torch.set_num_threads(1)``); with ``--round
 is measured R times, old and new taking turns, and the median of the R is shown (on a machine
 that others load, one round's timings scatter by ±20%).
 
-``--compile`` times, in the same run, the cases that can compile their denoising step
-(``compile_denoiser``: the flow VLA) both eager and compiled (``torch.compile``, CUDA graphs on
-CUDA; each batch size compiles once, in the warm-up call, outside the timings), eager and
-compiled taking turns, and prints decisions/s of both and their ratio. Their operator counts
-are not compared: a compiled step runs fused kernels that no dispatch mode sees one by one.
+``--compile`` measures, in the same run, each case eager and with its sampling compiled
+(``torch.compile``, CUDA graphs on CUDA; the flow VLA's ``compile_denoiser`` and
+``compile_prefix``, the token VLA's ``compile_decoder``; each batch size compiles once, in the
+warm-up call, outside the timings), eager and compiled taking turns, and prints decisions/s of
+both and, on the CPU, what a compiled call launches: the aten operators it dispatches (the eager
+code around the compiled graphs, and the extern kernels the graphs call: matrix products,
+attention), counted by the same dispatch mode declared an infrastructure mode (under a user
+mode ``torch.compile`` runs the Python eagerly instead), and the fused C++ kernels inductor
+generated, each run recording a profiler event of its name
+(``torch._inductor.config.cpp.enable_kernel_profile``). Kernels launched = the two together.
+The fused kernels are inductor's for the CPU; on CUDA its Triton kernels fuse otherwise, and
+CUDA graphs replay a graph's kernels in one launch: neither is counted here.
 
 The policies are random, built in-process at the sizes of the tabletop configs
 (``configs/tabletop_{token,flow}_vla_sft.yaml``: 64 px camera, hidden 64, 2 layers, chunk 4)
@@ -54,7 +61,7 @@ CASES = {
 # ------------------------------------------------------------------ one tree's measurements (a subprocess)
 
 
-COMPILABLE = ("flow_vla",)
+COMPILABLE = {"flow_vla": ("compile_denoiser", "compile_prefix"), "token_vla": ("compile_decoder",), "token_vla_smolvlm": ("compile_decoder",)}
 
 
 def _policy(case: str, vlm_dir: str | None, compiled: bool = False):
@@ -68,7 +75,10 @@ def _policy(case: str, vlm_dir: str | None, compiled: bool = False):
     if case.endswith("smolvlm"):
         data["backbone"]["vlm_path"] = vlm_dir
     if compiled:
-        data["compile_denoiser"] = True
+        import torch._inductor.config
+
+        torch._inductor.config.cpp.enable_kernel_profile = True  # a profiler event per fused kernel run (count_compiled_launches)
+        data.update(dict.fromkeys(COMPILABLE[case], True))
     config = from_dict(POLICIES.entry(data["type"]).config, data, "policy")
     torch.manual_seed(0)
     return build_policy(config, SPEC).eval()
@@ -85,9 +95,10 @@ def _inputs(batch: int) -> dict:
     }
 
 
-def count_operators(policy, inputs) -> int:
-    """The aten operators one ``policy.sample(inputs)`` dispatches."""
-    import torch
+def _counter(infra: bool = False):
+    """A ``TorchDispatchMode`` counting the operators dispatched under it. ``infra``: declared an
+    infrastructure mode, which ``torch.compile`` lets its compiled code run under (under a user
+    mode it runs the original Python eagerly instead)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
@@ -95,19 +106,47 @@ def count_operators(policy, inputs) -> int:
             super().__init__()
             self.calls = 0
 
+        @classmethod
+        def is_infra_mode(cls):
+            return infra
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self.calls += 1
             return func(*args, **(kwargs or {}))
 
-    counter = Count()
+    return Count()
+
+
+def count_operators(policy, inputs) -> int:
+    """The aten operators one ``policy.sample(inputs)`` dispatches."""
+    import torch
+
+    counter = _counter()
     with counter:
         policy.sample(inputs, torch.Generator().manual_seed(0))
     return counter.calls
 
 
+def count_compiled_launches(policy, inputs) -> tuple[int, int]:
+    """(aten operators dispatched, inductor kernels run) by one ``policy.sample(inputs)`` of a
+    policy whose step was compiled on the CPU with ``torch._inductor.config.cpp.enable_kernel_profile``
+    set (:func:`_policy` sets it): the aten operators are those of the eager code around the
+    compiled graphs and those the graphs call as extern kernels (matrix products, attention);
+    each of inductor's fused C++ kernels then records a profiler event of its own name
+    (``graph_<i>_cpp_fused_…``), and those are counted."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    counter = _counter(infra=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof, counter:
+        policy.sample(inputs, torch.Generator().manual_seed(0))
+    return counter.calls, sum(1 for event in prof.events() if "cpp_fused" in event.name)
+
+
 def measure(case: str, batches: list[int], seconds: float, vlm_dir: str | None, device: str = "cpu", compiled: bool = False) -> list[dict]:
-    """Per batch size: operators per ``sample`` call (None when ``compiled``) and the median
-    decisions per second."""
+    """Per batch size: operators per ``sample`` call (with ``compiled`` on the CPU, the aten
+    operators and the fused kernels of :func:`count_compiled_launches`) and the median decisions
+    per second."""
     import torch
 
     torch.set_num_threads(1)
@@ -119,7 +158,13 @@ def measure(case: str, batches: list[int], seconds: float, vlm_dir: str | None, 
         policy.sample(inputs, torch.Generator().manual_seed(0))  # warm-up (allocations, lazy inits, the compile)
         if compiled:
             policy.sample(inputs, torch.Generator().manual_seed(0))  # CUDA graphs record on the second call
-        ops = None if compiled else count_operators(policy, inputs)
+        fused = None
+        if not compiled:
+            ops = count_operators(policy, inputs)
+        elif device == "cpu":
+            ops, fused = count_compiled_launches(policy, inputs)
+        else:
+            ops = None
         times, start = [], time.perf_counter()
         while len(times) < 3 or (time.perf_counter() - start < seconds and len(times) < 50):
             sync()
@@ -127,7 +172,7 @@ def measure(case: str, batches: list[int], seconds: float, vlm_dir: str | None, 
             policy.sample(inputs, torch.Generator().manual_seed(len(times)))
             sync()
             times.append(time.perf_counter() - t0)
-        rows.append({"batch": batch, "ops": ops, "decisions_per_s": batch / statistics.median(times)})
+        rows.append({"batch": batch, "ops": ops, "fused": fused, "decisions_per_s": batch / statistics.median(times)})
     return rows
 
 
@@ -155,7 +200,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=3.0, help="timed calls per batch size, at least 3 and for about this long")
     parser.add_argument("--rounds", type=int, default=1, help="measurements per case and commit, old and new taking turns; the table gives the median decisions/s")
     parser.add_argument("--device", default="cpu", help="where the policies run (cuda: the timings wait for the kernels); the counts do not depend on the machine, and on a GPU add the copies of the inputs to it")
-    parser.add_argument("--compile", action="store_true", help="time the flow VLA's compiled denoising step (compile_denoiser) against its eager one in the same run")
+    parser.add_argument("--compile", action="store_true", help="measure each case's compiled sampling (compile_denoiser and compile_prefix, compile_decoder) against its eager one in the same run: launches (on the CPU) and decisions/s")
     parser.add_argument("--worker", choices=list(CASES), help=argparse.SUPPRESS)
     parser.add_argument("--compiled", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--vlm-dir", help=argparse.SUPPRESS)
@@ -194,6 +239,7 @@ def main() -> int:
             else:
                 print("| policy | B | ops / call | ops / decision | decisions/s |")
                 print("|---|---|---|---|---|")
+            before = {}  # (case, B): the old commit's operators per call
             for case in args.cases:
                 rounds = [{label: run_tree(tree, case, args.batches, args.seconds, vlm_dir, args.device) for label, tree in trees.items()} for _ in range(args.rounds)]
                 results = {
@@ -204,6 +250,7 @@ def main() -> int:
                     b = new["batch"]
                     if args.old:
                         old = results["old"][i]
+                        before[case, b] = old["ops"]
                         print(
                             f"| {case} | {b} | {old['ops']} | {new['ops']} | {old['ops'] / new['ops']:.2f} | {new['ops'] / b:.2f} "
                             f"| {old['decisions_per_s']:.0f} | {new['decisions_per_s']:.0f} | {new['decisions_per_s'] / old['decisions_per_s']:.2f} |"
@@ -212,14 +259,23 @@ def main() -> int:
                         print(f"| {case} | {b} | {new['ops']} | {new['ops'] / b:.2f} | {new['decisions_per_s']:.0f} |")
             compilable = [case for case in args.cases if case in COMPILABLE]
             if args.compile and compilable:
-                print("\ncompile_denoiser: eager against compiled denoising steps of this checkout, decisions/s")
-                print("| policy | B | eager | compiled | compiled / eager |")
-                print("|---|---|---|---|---|")
+                print("\ncompiled sampling (flow_vla: compile_denoiser + compile_prefix; token_vla: compile_decoder) against eager, this checkout: per sample call, ops eager, "
+                      "and compiled: aten ops dispatched, inductor's fused kernels, kernels launched = the two; decisions/s")
+                old_column = ("| old ops / launched ", "|---") if args.old else ("", "")
+                print(f"| policy | B | ops eager | aten ops compiled | fused kernels | kernels launched | launched / eager ops {old_column[0]}| decisions/s eager | compiled | compiled / eager |")
+                print(f"|---|---|---|---|---|---|---{old_column[1]}|---|---|---|")
                 for case in compilable:
                     rounds = [{compiled: run_tree(ROOT, case, args.batches, args.seconds, vlm_dir, args.device, compiled) for compiled in (False, True)} for _ in range(args.rounds)]
                     for i, b in enumerate(args.batches):
                         eager, compiled = (statistics.median(r[flag][i]["decisions_per_s"] for r in rounds) for flag in (False, True))
-                        print(f"| {case} | {b} | {eager:.0f} | {compiled:.0f} | {compiled / eager:.2f} |")
+                        ops, row = rounds[0][False][i]["ops"], rounds[0][True][i]
+                        if row["fused"] is None:
+                            counts = f"| {ops} | - | - | - | - " + ("| - " if args.old else "")
+                        else:
+                            launched = row["ops"] + row["fused"]
+                            counts = f"| {ops} | {row['ops']} | {row['fused']} | {launched} | {launched / ops:.2f} "
+                            counts += f"| {before[case, b] / launched:.2f} " if args.old else ""
+                        print(f"| {case} | {b} {counts}| {eager:.0f} | {compiled:.0f} | {compiled / eager:.2f} |")
         finally:
             if args.old:
                 subprocess.run(["git", "worktree", "remove", "--force", str(trees["old"])], cwd=ROOT, capture_output=True)

@@ -89,6 +89,11 @@ def _floor(std: Tensor, min_std: float) -> Tensor:
     return std.clamp(min=min_std) if min_std > 0 else std
 
 
+def _data(x: Tensor) -> Tensor:
+    """``x`` detached from the autograd graph (itself where it has none: no operator)."""
+    return x.detach() if x.requires_grad else x
+
+
 def run_chain(
     denoiser: Denoiser,
     transition: Transition,
@@ -133,7 +138,7 @@ def run_chain(
     # steps that every row takes alike (all stochastic or none): the same values, fewer operators.
     # A chain whose graph is kept (reused for the update) takes the per-step path that log_prob's
     # recompute takes, so that the two give the same gradients.
-    table = transition.step_table(n, x_init.device) if getattr(transition, "step_table", None) is not None and not keep_graph else None
+    table = transition.step_table(n, x_init.device, tuple(x_init.shape[1:])) if getattr(transition, "step_table", None) is not None and not keep_graph else None
     x = x_init.detach()
     latents = [x]
     log_probs, entropies, zero_std = [], [], []
@@ -151,13 +156,18 @@ def run_chain(
                 out = denoiser(x, transition.model_time(step), rows)
                 mean, std = transition.mean_std(step, x, out, is_stochastic, all_stochastic=all_stochastic, any_stochastic=any_stochastic)
             if all_stochastic:  # the usual case: no masking needed
+                from_table = alike and std is table[k].get("std")
                 std = _floor(std, min_std)
-                zero_std.append((k, (std <= 0).any()))
+                if not from_table:
+                    zero_std.append((k, (std <= 0).any()))
+                elif min_std <= 0:  # the table's std: the table checked it (a floor > 0 leaves no zero)
+                    zero_std.append((k, table[k]["zero_std"]))
                 noise = next(noises)
                 # the drawn latent is data, not a function of the parameters (module docstring)
-                x = (mean + std * noise).detach()
-                log_probs.append(gaussian_log_prob(x, mean, std, reduce, clamp=clamp))
-                entropies.append(gaussian_entropy(std, x, reduce).detach())
+                x = _data(mean + std * noise)
+                log_std = std.log()  # the log-prob's and the entropy's
+                log_probs.append(gaussian_log_prob(x, mean, std, reduce, clamp=clamp, log_std=log_std))
+                entropies.append(_data(gaussian_entropy(std, x, reduce, log_std=log_std)))
             elif any_stochastic:
                 std = _floor(std, min_std)
                 noisy = is_stochastic.view(n, *([1] * (x.ndim - 1))).expand_as(x)
@@ -170,7 +180,7 @@ def run_chain(
                 ent = gaussian_entropy(safe_std, x, reduce).detach()
                 entropies.append(torch.where(is_stochastic, ent, torch.zeros_like(ent)))
             else:
-                x = mean.detach()
+                x = _data(mean)
                 log_probs.append(x.new_zeros(n))
                 entropies.append(x.new_zeros(n))
         latents.append(x)

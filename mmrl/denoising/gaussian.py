@@ -40,6 +40,7 @@ def gaussian_log_prob(
     reduce: str = "sum",
     batch_dims: int = 1,
     clamp: tuple[float, float] | None = None,
+    log_std: Tensor | None = None,
 ) -> Tensor:
     """log N(x; mean, std²) per element, reduced (``"sum"`` or ``"mean"``) over every dim
     after the first ``batch_dims``; ``std`` broadcasts against ``x`` (a float, a per-sample
@@ -47,17 +48,19 @@ def gaussian_log_prob(
 
     ``clamp=(lo, hi)`` clamps the per-element log-densities before the reduction, as DPPO
     does with (−5, 2) so that one far-off element cannot dominate the ratio; the gradient
-    of a clamped element is zero.
+    of a clamped element is zero. ``log_std``: ``std.log()``, where the caller has it already.
     """
     std_t = std if isinstance(std, Tensor) else x.new_tensor(float(std))
-    per_element = -0.5 * ((x - mean) / std_t).square() - std_t.log() - _LOG_SQRT_2PI
+    log_std = std_t.log() if log_std is None else log_std
+    per_element = -0.5 * ((x - mean) / std_t).square() - log_std - _LOG_SQRT_2PI
     if clamp is not None:
         per_element = per_element.clamp(clamp[0], clamp[1])
     return _reduce(per_element, reduce, batch_dims)
 
 
-def gaussian_entropy(std: Tensor, shape_like: Tensor, reduce: str = "sum", batch_dims: int = 1) -> Tensor:
+def gaussian_entropy(std: Tensor, shape_like: Tensor, reduce: str = "sum", batch_dims: int = 1, log_std: Tensor | None = None) -> Tensor:
     """Differential entropy of N(·, std²) over the elements of ``shape_like``:
-    Σ_d (log σ_d + ½ log 2πe), reduced like :func:`gaussian_log_prob`."""
-    per_element = (std.log() + _LOG_SQRT_2PI + 0.5).expand_as(shape_like)
+    Σ_d (log σ_d + ½ log 2πe), reduced like :func:`gaussian_log_prob` (``log_std``:
+    ``std.log()``, where the caller has it already)."""
+    per_element = ((std.log() if log_std is None else log_std) + _LOG_SQRT_2PI + 0.5).expand_as(shape_like)
     return _reduce(per_element, reduce, batch_dims)

@@ -22,9 +22,9 @@ def sinusoidal_embedding(t: Tensor, dim: int, min_period: float = 4e-3, max_peri
     periods p_i spaced geometrically from ``min_period`` to ``max_period`` (π0's time
     embedding, Black et al. 2024; the Transformer's position encoding with periods suited
     to t ∈ [0, 1]). ``dim`` must be even. ``periods``: :func:`sinusoidal_periods` of the same
-    arguments, computed beforehand."""
+    arguments, computed beforehand ([dim/2], or [1, dim/2] as the division broadcasts it)."""
     if dim % 2:
         raise ValueError(f"dim must be even, got {dim}")
     period = sinusoidal_periods(dim, min_period, max_period, t.device) if periods is None else periods
-    angle = 2 * math.pi * t.float()[:, None] / period[None]
+    angle = 2 * math.pi * t.float()[:, None] / (period[None] if period.dim() == 1 else period)
     return torch.cat([torch.sin(angle), torch.cos(angle)], dim=-1)

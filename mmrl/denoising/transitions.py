@@ -311,11 +311,14 @@ class FlowTransition:
     def model_time(self, step: Tensor) -> Tensor:
         return self.sigmas.to(step.device)[step]
 
-    def step_table(self, n: int, device=None) -> list[dict[str, Tensor]]:
+    def step_table(self, n: int, device=None, shape: tuple[int, ...] | None = None) -> list[dict[str, Tensor]]:
         """What :meth:`mean_std_at` needs of each of the K steps when all N rows take the same
         step (a sampling chain), computed once for the chain with the operators and float32
         values :meth:`mean_std` computes per step: ``time`` [N] (the model time), the update's
-        coefficients (0-dim) and, for flow_sde and flow_cps, ``std`` [N] (the schedule's std)."""
+        coefficients (0-dim) and, for flow_sde and flow_cps, ``std`` (the schedule's std) and
+        ``zero_std`` (0-dim bool: whether some row's std is 0). ``std`` is [N], or with ``shape``
+        (one latent's) the [N, *shape] view of it that :meth:`mean_std` makes per step (the same
+        strides), which :meth:`mean_std_at` then hands back as it is."""
         sigmas = self.sigmas.to(device)
         sigma, sigma_next = sigmas[:-1], sigmas[1:]
         columns: dict[str, Tensor] = {"time": sigma, "dt": sigma_next - sigma}
@@ -333,7 +336,11 @@ class FlowTransition:
             columns.update(sigma=sigma, keep=1 - sigma, clean=1 - sigma_next, noisy=_sqrt(_clamp_min0(sigma_next**2 - std**2)))
         rows = {"time": columns.pop("time").unsqueeze(1).expand(-1, n).contiguous().unbind(0)}
         if std is not None:  # [N, 1] rows as mean_std's per-sample std (its layout, so entropies sum alike)
-            rows["std"] = std.to(sigmas.dtype).unsqueeze(1).expand(-1, n).contiguous().unbind(0)
+            table = std.to(sigmas.dtype).unsqueeze(1).expand(-1, n).contiguous()  # [K, N]
+            rows["zero_std"] = (table <= 0).any(1).unbind(0)
+            if shape is not None:  # row k viewed [N, 1, ...] and expanded, as mean_std_at would per step
+                table = table.view(*table.shape, *([1] * len(shape))).expand(*table.shape, *shape)
+            rows["std"] = table.unbind(0)
         scalars = {key: value.unbind(0) for key, value in columns.items()}
         return [{**{key: value[k] for key, value in rows.items()}, **{key: value[k] for key, value in scalars.items()}} for k in range(self.num_steps)]
 
@@ -353,7 +360,8 @@ class FlowTransition:
             if learned_std is None:
                 raise ValueError("flow_noise needs a denoiser that returns (v, std) from a learned noise head")
             return x + v * entry["dt"], learned_std.expand_as(x)
-        return mean, entry["std"].view(per_sample).expand_as(x)
+        std = entry["std"]
+        return mean, std if std.shape == x.shape else std.view(per_sample).expand_as(x)
 
     def mean_std(self, step: Tensor, x: Tensor, model_output, stochastic: Tensor, all_stochastic: bool | None = None, any_stochastic: bool | None = None) -> tuple[Tensor, Tensor]:
         v, learned_std = model_output if isinstance(model_output, tuple) else (model_output, None)

@@ -32,14 +32,16 @@ class FlowVLAConfig(PolicyConfig):
     )
     time_sampling: Literal["beta", "uniform"] = option("beta", "flow-matching training times: sigma = 0.001 + 0.999 u with u ~ Beta(1.5, 1) (pi0, weighting noisy times) or u ~ U(0, 1)")
     compile_denoiser: bool = option(False, "sampling (no grad) runs the denoiser step network through torch.compile at fixed shapes (CUDA graphs on CUDA; one compile per batch size, ~20 s on a CPU): fewer launches per step; log_prob's recompute stays eager, so it needs denoising.old_logp: deferred (ratios of exactly 1)")
+    compile_prefix: bool = option(False, "sampling (no grad) runs the backbone's pass over the prefix through torch.compile at fixed shapes (CUDA graphs on CUDA; one compile per batch size): fewer launches per chunk; log_prob's recompute stays eager, so it needs denoising.old_logp: deferred (ratios of exactly 1)")
 
     def validate(self, path: str) -> None:
         p = f"{path}." if path else ""
         if self.denoising.transition not in FLOW_TRANSITIONS:
             allowed = ", ".join(FLOW_TRANSITIONS)
             raise ConfigError(p + "denoising.transition", self.denoising.transition, f"flow_vla's action expert predicts a velocity; allowed: {allowed}")
-        if self.compile_denoiser and self.denoising.old_logp != "deferred":
-            raise ConfigError(p + "compile_denoiser", True, "the compiled sampling pass rounds otherwise than log_prob's eager recompute: it needs denoising.old_logp: deferred (ratios of exactly 1)")
+        for field in ("compile_denoiser", "compile_prefix"):
+            if getattr(self, field) and self.denoising.old_logp != "deferred":
+                raise ConfigError(p + field, True, "the compiled sampling pass rounds otherwise than log_prob's eager recompute: it needs denoising.old_logp: deferred (ratios of exactly 1)")
         self.denoising.validate(p + "denoising")
         width = self.expert_hidden_size or self.backbone.hidden_size
         if self.backbone.vlm_path is None or self.expert_hidden_size is not None:  # else the VLM's width, checked when it loads

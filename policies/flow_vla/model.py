@@ -143,11 +143,12 @@ class ActionExpert(nn.Module):
         if std_range is not None:
             self.noise_head = nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, action_dim))
 
-    def memory(self, prefix: Tensor, prefix_mask: Tensor) -> dict:
+    def memory(self, prefix: Tensor, prefix_mask: Tensor, transposed: bool = True) -> dict:
         """What every denoising step of a chunk reuses: each block's prefix keys/values and
         the attention mask, from the prefix states [N, P, hidden] and mask [N, P]; and what
         does not depend on the chunk, computed once rather than at every step: the weights
-        of the step's linear layers transposed (for ``addmm``) and the time features' periods."""
+        of the step's linear layers transposed (for ``addmm``; not with ``transposed=False``, for a
+        compiled step that lays them out itself) and the time features' periods."""
         states = self.memory_norm(prefix)
         kv = [block.memory_kv(states) for block in self.blocks]
         step_linears = [m for name, m in self.named_modules() if isinstance(m, nn.Linear) and not name.endswith("cross_kv")]
@@ -156,8 +157,8 @@ class ActionExpert(nn.Module):
             "kv": kv,
             # additive (0 or −inf), as attention turns a boolean mask into at every call
             "attend": torch.zeros(attend.shape, dtype=states.dtype, device=attend.device).masked_fill(~attend, float("-inf")),
-            "weights": {layer: layer.weight.t() for layer in step_linears},
-            "periods": sinusoidal_periods(self.hidden, device=prefix.device),
+            **({"weights": {layer: layer.weight.t() for layer in step_linears}} if transposed else {}),
+            "periods": sinusoidal_periods(self.hidden, device=prefix.device)[None],  # as every step's division broadcasts them
         }
 
     @staticmethod
@@ -241,14 +242,16 @@ class FlowVLAPolicy(ActionChunkPolicy):
         decision dim): uint8 image, float state, instruction token ids and mask."""
         return encode_observations(self.backbone, self.tokenizer, inputs, self.action_center.device, self.max_words)
 
-    def _prefix_states(self, obs: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-        """The backbone's hidden states [N, P, hidden] over each observation's prefix, and its mask."""
+    def _prefix_states(self, obs: dict[str, Tensor], compiled: bool = False) -> tuple[Tensor, Tensor]:
+        """The backbone's hidden states [N, P, hidden] over each observation's prefix, and its mask
+        (``compiled``: the backbone's pass through ``torch.compile``, :meth:`compiled_step`)."""
         # Every real instruction starts with [BOS]; forcing its slot on keeps all-padding
         # rows (right-padded replays) finite without changing real ones.
         instruction_mask = obs["instruction_mask"].clone()
         instruction_mask[:, 0] = 1.0
         embeds, mask = self.backbone.prefix(obs.get("image"), obs.get("state"), obs["instruction_ids"], instruction_mask)
-        return self.backbone(embeds, mask), mask
+        backbone = self.compiled_step("backbone", self.backbone) if compiled else self.backbone
+        return backbone(embeds, mask), mask
 
     def prefix_memory(self, obs: dict[str, Tensor]) -> dict:
         """Run the backbone over each chunk's prefix once: the action expert's per-block
@@ -276,6 +279,11 @@ class FlowVLAPolicy(ActionChunkPolicy):
     def conditioning(self, obs: dict[str, Tensor]) -> dict:
         """The action expert is conditioned on the prefix (:meth:`prefix_memory`)."""
         return self.prefix_memory(obs)
+
+    def _sampling_conditioning(self, obs: dict[str, Tensor]) -> dict:
+        """:meth:`conditioning` in sampling: the prefix pass compiled under ``compile_prefix``, and
+        no transposed weights for a compiled denoiser (``compile_denoiser``), which drops them."""
+        return self.expert.memory(*self._prefix_states(obs, compiled=self.config.compile_prefix), transposed=not self.compiles_denoiser)
 
     @property
     def noise_feature_dim(self) -> int:

@@ -24,6 +24,10 @@ class TokenVLAConfig(PolicyConfig):
     decode_cache: Literal["static", "dynamic"] = option(
         "static", "key/value cache of the sampling loop: static = buffers for the chunk's slots, each step runs only the decoder's layers (Llama-layout decoders; others stay dynamic); dynamic = transformers' growing cache"
     )
+    compile_decoder: bool = option(
+        False,
+        "sampling (no grad) runs each decoding step of the static cache through torch.compile at fixed shapes (one compile per batch size): fewer launches per token; log_prob stays eager, so it needs old_logp: deferred (ratios of exactly 1) and decode_cache: static. On CUDA mode reduce-overhead, whose CUDA graphs torch skips for a step that writes key/value buffers it is handed (not yet measured on a GPU)",
+    )
     old_logp: Literal["deferred", "sampler"] = option(
         "deferred",
         "where the old log-probs of the ratio come from: deferred = the trainer's teacher-forced log_prob at the sampling weights (the first minibatch's own forward, one no-grad pass over the other rows), ratios of exactly 1 before an update; sampler = the cached decoding loop's own numbers (no extra pass; they round differently, by up to ~1e-2 nats a chunk in bf16: the metric old_logp/sampler_gap_max shows it under deferred)",
@@ -38,3 +42,7 @@ class TokenVLAConfig(PolicyConfig):
         if not self.temperature > 0:
             raise ConfigError(p + "temperature", self.temperature, "must be > 0")
         self.backbone.validate(p + "backbone")
+        if self.compile_decoder and self.old_logp != "deferred":
+            raise ConfigError(p + "compile_decoder", True, "the compiled decoding steps round otherwise than log_prob's eager pass: it needs old_logp: deferred (ratios of exactly 1)")
+        if self.compile_decoder and self.decode_cache != "static":
+            raise ConfigError(p + "compile_decoder", True, "compiles the steps of the static key/value cache: it needs decode_cache: static")

@@ -28,7 +28,9 @@ and its entropy is the sum of the per-token entropies (the entropy of the chunk'
 distribution given the sampled prefix of tokens). Sampling decodes token by token with a
 static key/value cache of the chunk's slots (``decode_cache``, ``mmrl.policies.vla.static_decode``);
 ``log_prob`` recomputes all C·A tokens in one teacher-forced pass, equal to the sampling
-log-prob up to float rounding.
+log-prob up to float rounding. ``compile_decoder`` runs the decoding steps after the prefix
+through ``torch.compile`` (``mmrl.policies.vla.static_decode.decode_step``); ``log_prob`` stays
+eager, so the trainer's deferred old log-probs give ratios of exactly 1.
 """
 
 from __future__ import annotations
@@ -42,8 +44,10 @@ from torch import Tensor, nn
 from mmrl.core.policy import PolicyModule, Sample
 from mmrl.errors import ConfigError
 from mmrl.policies.token_vla.config import TokenVLAConfig
+from mmrl.policies.vla.action_chunk import CompiledSteps, compiled_callable
 from mmrl.policies.vla.backbone import encode_observations, pooled_prefix_state
 from mmrl.policies.vla.pretrained import VLM_LAYOUTS, AdapterFreeReference, build_backbone, export_vlm, vlm_export_formats
+from mmrl.policies.vla.static_decode import decode_step
 from mmrl.policies.vla.tokenizer import FILE_NAME as TOKENIZER_FILE
 from mmrl.policies.vla.tokenizer import InstructionTokenizer
 from mmrl.registry import POLICIES
@@ -113,6 +117,7 @@ class TokenVLAPolicy(PolicyModule):
         self.register_buffer("action_center", torch.where(finite, (low + high) / 2, 0.0), persistent=False)
         self.register_buffer("action_half_range", torch.where(finite, (high - low) / 2, 1.0), persistent=False)
         self.register_buffer("bin_centers", bin_centers(self.bins), persistent=False)
+        self._compiled_steps = CompiledSteps()  # compile_decoder's compiled step (a cache, not state)
 
     # ------------------------------------------------------------------ actions <-> tokens
 
@@ -151,6 +156,13 @@ class TokenVLAPolicy(PolicyModule):
             return nn.functional.linear(hidden, weight.float(), None if bias is None else bias.float())
         return self.action_head(hidden)
 
+    def _step_logits(self):
+        """``_action_logits`` of the decoding loop's [N, hidden] rows, its weight picked, cast and
+        transposed once per call: the matrix product ``F.linear`` runs (addmm, or mm without bias)."""
+        weight, bias = self.backbone.output_rows(self.action_vocab) if self.backbone.pretrained else (self.action_head.weight, self.action_head.bias)
+        weight_t, bias = weight.float().t(), None if bias is None else bias.float()
+        return (lambda hidden: torch.mm(hidden, weight_t)) if bias is None else (lambda hidden: torch.addmm(bias, hidden, weight_t))
+
     def _action_inputs(self, tokens: Tensor) -> Tensor:
         """Decoder inputs of the C*A action slots given the chunk's tokens [M, C*A]:
         slot j holds the embedding of token j-1 (the start vector for j = 0) + slot j's embedding."""
@@ -187,11 +199,14 @@ class TokenVLAPolicy(PolicyModule):
         # the prefix's keys/values move into a cache of all the chunk's slots (static_decode.py);
         # None: this decoder keeps transformers' growing cache
         decoder = self.backbone.static_decoder(cache, mask, self.num_tokens - 1) if self.config.decode_cache == "static" and self.num_tokens > 1 else None
+        # compile_decoder: each step after the prefix through torch.compile; log_prob stays eager
+        compiled = compiled_callable(self._compiled_steps, "decoder", decode_step, embeds.device) if decoder is not None and self.config.compile_decoder else None
         slots = self.action_slot.unbind(0)
         temperature = self.config.temperature
+        action_logits = self._step_logits()
         tokens, step_log_probs = [], []
         for j in range(self.num_tokens):
-            logits = self._action_logits(hidden)
+            logits = action_logits(hidden)
             log_probs = torch.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)  # x / 1 is x
             if deterministic:
                 token = log_probs.argmax(-1)
@@ -203,7 +218,7 @@ class TokenVLAPolicy(PolicyModule):
             if j + 1 < self.num_tokens:
                 x = self._embed_actions(token) + slots[j + 1]
                 if decoder is not None:
-                    hidden = decoder.step(x)
+                    hidden = decoder.step(x, compiled)
                 else:
                     mask = torch.cat([mask, mask.new_ones(n, 1)], dim=1)
                     hidden = self.backbone(x.unsqueeze(1), mask, cache)[:, -1]

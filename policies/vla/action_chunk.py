@@ -20,7 +20,9 @@ turns a replay into a ``sft_loss`` batch (``imitation_batch``).
 the network of a denoising step through ``torch.compile`` (:meth:`compiled_step`), which a
 subclass's ``_denoiser(cond, compiled=True)`` calls. ``log_prob``'s recompute and the update
 run the eager network at the stored latents, so the trainer's deferred old log-probs (its own
-eager pass) give ratios of exactly 1; the sampling pass's own log-probs round otherwise.
+eager pass) give ratios of exactly 1; the sampling pass's own log-probs round otherwise. A
+subclass may compile what sampling conditions on too (:meth:`_sampling_conditioning`: the flow
+VLA's ``compile_prefix``).
 """
 
 from __future__ import annotations
@@ -37,15 +39,38 @@ from mmrl.denoising import DenoisingPolicy
 from mmrl.denoising.chain import Denoiser
 
 
-class _CompiledSteps(dict):
+class CompiledSteps(dict):
     """A policy's compiled step networks, keyed by (name, device type): a cache, not state (a
     copy or a pickle of the policy starts empty and compiles its own)."""
 
     def __deepcopy__(self, memo):
-        return _CompiledSteps()
+        return CompiledSteps()
 
     def __reduce__(self):
-        return (_CompiledSteps, ())
+        return (CompiledSteps, ())
+
+
+def compiled_callable(cache: dict, name: str, fn: Callable, device: torch.device) -> Callable:
+    """``fn`` (a module or function of tensors) under ``torch.compile(dynamic=False,
+    fullgraph=False)``, kept in ``cache`` under (``name``, device type) and compiled once per
+    batch shape: mode ``reduce-overhead`` (CUDA graphs) on CUDA, the default mode elsewhere. On
+    CUDA each call starts a new graph step and returns copies of the outputs, which the next
+    replay would overwrite."""
+    key = (name, device.type)
+    step = cache.get(key)
+    if step is None:
+        cuda = device.type == "cuda"
+        compiled = torch.compile(fn, dynamic=False, fullgraph=False, mode="reduce-overhead" if cuda else None)
+        if cuda:
+
+            def step(*args, **kwargs):
+                torch.compiler.cudagraph_mark_step_begin()
+                return tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, compiled(*args, **kwargs))
+
+        else:
+            step = compiled
+        cache[key] = step
+    return step
 
 
 class ActionChunkPolicy(DenoisingPolicy):
@@ -67,7 +92,7 @@ class ActionChunkPolicy(DenoisingPolicy):
         # Derived from the spec and config, not learned: kept out of the saved weights.
         self.register_buffer("action_center", torch.where(finite, (low + high) / 2, 0.0), persistent=False)
         self.register_buffer("action_half_range", torch.where(finite, (high - low) / 2, 1.0), persistent=False)
-        self._compiled_steps = _CompiledSteps()
+        self._compiled_steps = CompiledSteps()
 
     # ------------------------------------------------------------------ what a subclass says
 
@@ -92,32 +117,20 @@ class ActionChunkPolicy(DenoisingPolicy):
         """Whether no-grad sampling runs the compiled step network (``config.compile_denoiser``)."""
         return bool(getattr(self.config, "compile_denoiser", False))
 
+    def _sampling_conditioning(self, obs: dict[str, Tensor]) -> Any:
+        """The conditioning :meth:`sample` computes (no grad): :meth:`conditioning`, unless a
+        subclass compiles part of it for sampling."""
+        return self.conditioning(obs)
+
     def _sampling_denoiser(self, cond: Any) -> Denoiser:
         """The denoiser of :meth:`sample` and :meth:`sample_from_noise` (no grad): the compiled
         one under ``compile_denoiser``, else the eager one that ``log_prob`` runs."""
         return self._denoiser(cond, compiled=True) if self.compiles_denoiser else self._denoiser(cond)
 
     def compiled_step(self, name: str, module: nn.Module) -> Callable:
-        """``module`` (the network one denoising step runs) under ``torch.compile(dynamic=False,
-        fullgraph=False)``, compiled once per batch shape: mode ``reduce-overhead`` (CUDA graphs)
-        on CUDA, the default mode elsewhere. On CUDA each call starts a new graph step and
-        returns copies of the outputs, which the next replay would overwrite."""
-        device = self.action_center.device
-        key = (name, device.type)
-        step = self._compiled_steps.get(key)
-        if step is None:
-            cuda = device.type == "cuda"
-            compiled = torch.compile(module, dynamic=False, fullgraph=False, mode="reduce-overhead" if cuda else None)
-            if cuda:
-
-                def step(*args, **kwargs):
-                    torch.compiler.cudagraph_mark_step_begin()
-                    return tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, compiled(*args, **kwargs))
-
-            else:
-                step = compiled
-            self._compiled_steps[key] = step
-        return step
+        """``module`` (a network that sampling runs: a denoising step's, a subclass's prefix pass)
+        compiled for sampling, once per batch shape (:func:`compiled_callable`)."""
+        return compiled_callable(self._compiled_steps, name, module, self.action_center.device)
 
     def sft_errors(self, cond: Any, x0: Tensor) -> Tensor:
         """The supervised error [B, C] of each action of the expert chunks ``x0`` [B, C, A]
@@ -163,7 +176,7 @@ class ActionChunkPolicy(DenoisingPolicy):
         summed entropy of its stochastic steps), [N, W] with ``step`` (one per stored
         denoising step, with a mask of the stochastic ones)."""
         obs = self.observation(inputs)
-        cond = self.conditioning(obs)
+        cond = self._sampling_conditioning(obs)
         device = self.action_center.device
         shape = (next(iter(obs.values())).shape[0], *self.latent_shape)
         x_init = torch.zeros(shape, device=device) if deterministic else torch.randn(shape, generator=generator).to(device)

@@ -258,10 +258,16 @@ class PretrainedVLMBackbone(nn.Module):
         device = next(self.vision_tower.parameters()).device
         dtype = next(self.vision_tower.parameters()).dtype
         inputs = {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device)) for k, v in inputs.items()}
+        if self.family in ("idefics3", "smolvlm"):
+            # the M single-image samples [M, 1, ...] as one sample of M images [1, M, ...]: the
+            # vision model runs on the same [M, 3, H, W] pixels, and the model hands back one
+            # feature tensor rather than a view per sample
+            inputs = {k: v.reshape(1, -1, *v.shape[2:]) if k in ("pixel_values", "pixel_attention_mask") else v for k, v in inputs.items()}
         out = self.vlm.model.get_image_features(**inputs)
         features = out.pooler_output if hasattr(out, "pooler_output") else out
         if isinstance(features, (list, tuple)):
-            features = torch.cat([f if f.dim() == 2 else f.reshape(-1, f.shape[-1]) for f in features])  # no view per image where it is flat already
+            flat = [f if f.dim() == 2 else f.reshape(-1, f.shape[-1]) for f in features]  # no view per image where it is flat already
+            features = flat[0] if len(flat) == 1 else torch.cat(flat)
         features = features.reshape(images.shape[0], -1, features.shape[-1])
         grid = None
         if "image_grid_thw" in inputs:

@@ -17,6 +17,11 @@ not yet decoded (and the prefix's padding) masked out. The layer modules are the
 attention runs over more (masked) keys, so a hidden state may differ from the model's in the
 last bits (the tests bound it, and the tokens sampled are the same).
 
+``compile_decoder`` (the token VLA's option): :func:`decode_step` is the same step as one function
+of tensors (the buffers written with ``index_copy_`` at the step's slot, the step's rotary
+tables and mask picked inside), which ``torch.compile`` compiles once for all T steps of a
+batch shape; :meth:`StaticDecoder.step` with ``compiled`` runs it.
+
 It serves the Llama-layout decoders (``llama``, ``qwen2``, ``mistral``; the language model
 of LLaVA, Idefics3 and SmolVLM) with ``sdpa`` attention; any other decoder keeps the
 ``transformers`` path (:func:`static_decoder` returns None).
@@ -53,6 +58,8 @@ class StaticDecoder:
 
     def __init__(self, model: nn.Module, layers: list[nn.Module], prefix_kv: list[tuple[Tensor, Tensor]], prefix_mask: Tensor, positions: Tensor):
         self.model = model
+        self.decoder_layers = layers
+        self.step_tensors = None  # the compiled step's index of each step (long [1]), made on its first call
         n, p = prefix_mask.shape
         steps = positions.shape[1]
         self.dtype = prefix_kv[0][0].dtype
@@ -80,22 +87,30 @@ class StaticDecoder:
         reach = slots[None, :] <= (p + torch.arange(steps, device=prefix_mask.device))[:, None]  # [T, P + T]
         real = torch.cat([prefix_mask > 0.5, prefix_mask.new_ones(n, steps, dtype=torch.bool)], dim=1)  # [N, P + T]
         allowed = (real[:, None, :] & reach[None]).transpose(0, 1)[:, :, None, None, :]  # [T, N, 1, 1, P + T]
-        self.masks = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device).masked_fill(~allowed, float("-inf")).unbind(0)
+        self.mask_table = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
+        self.masks = self.mask_table.unbind(0)
         cos, sin = model.rotary_emb(k_buffer[:, 0, :1], positions)  # [N, T, d], in the cache's dtype
         # rotate_half(x)·sin = roll(x, d/2)·(sin with its first half negated): the tables are
         # cat(freqs, freqs), and negating a factor is exact
         half = cos.shape[-1] // 2
         signed = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
-        self.cos, self.sin = cos[:, :, None, None, :].unbind(1), signed[:, :, None, None, :].unbind(1)  # T x [N, 1, 1, d]
+        self.cos_table, self.sin_table = cos[:, :, None, None, :], signed[:, :, None, None, :]  # [N, T, 1, 1, d]
+        self.cos, self.sin = self.cos_table.unbind(1), self.sin_table.unbind(1)  # T x [N, 1, 1, d]
         self.half = half
 
-    def step(self, embeds: Tensor) -> Tensor:
+    def step(self, embeds: Tensor, compiled=None) -> Tensor:
         """Decoder inputs [N, hidden] of the next token → its last hidden state [N, hidden]
-        (float32, after the final norm)."""
+        (float32, after the final norm). ``compiled``: :func:`decode_step` compiled, run in place
+        of the eager step."""
         j, n = self.step_index, embeds.shape[0]
         if j >= len(self.masks):
             raise IndexError(f"the static cache holds {len(self.masks)} steps after the prefix")
         self.step_index += 1
+        if compiled is not None:
+            if self.step_tensors is None:
+                self.step_tensors = torch.arange(len(self.masks), device=embeds.device).view(-1, 1).unbind(0)
+            caches = [layer["cache"] for layer in self.layers]
+            return compiled(self.decoder_layers, self.model.norm, embeds, self.step_tensors[j], caches, self.cos_table, self.sin_table, self.mask_table)
         cos, sin, mask, half = self.cos[j], self.sin[j], self.masks[j], self.half
         h = embeds.to(self.dtype)
         for layer in self.layers:
@@ -121,6 +136,34 @@ class StaticDecoder:
                 x = mlp(x)
             h = h + x
         return self.model.norm(h).float()
+
+
+def decode_step(layers: list[nn.Module], norm: nn.Module, embeds: Tensor, index: Tensor, caches: list[tuple[Tensor, Tensor]], cos: Tensor, sin: Tensor, masks: Tensor) -> Tensor:
+    """:meth:`StaticDecoder.step` as one function of tensors, for ``torch.compile``: step
+    ``index`` (long [1]) of the decoder ``layers`` (and final ``norm``) on the inputs ``embeds``
+    [N, hidden], writing its keys and values at slot P + index of the ``caches`` [N, kv_heads,
+    P + T, d] in place, with the rotary tables ``cos`` / ``sin`` [N, T, 1, 1, d] and the additive
+    ``masks`` [T, N, 1, 1, P + T] of :class:`StaticDecoder`."""
+    n = embeds.shape[0]
+    slot = index + (masks.shape[-1] - masks.shape[0])  # P + index
+    cos, sin, mask = cos.index_select(1, index).squeeze(1), sin.index_select(1, index).squeeze(1), masks.index_select(0, index).squeeze(0)
+    h = embeds.to(caches[0][0].dtype)
+    for layer, (keys, values) in zip(layers, caches):
+        attn = layer.self_attn
+        heads, kv_heads, d = attn.config.num_attention_heads, attn.config.num_key_value_heads, attn.head_dim
+        half = d // 2
+        x = layer.input_layernorm(h)
+        q = attn.q_proj(x).view(n, heads, 1, d)
+        k = attn.k_proj(x).view(n, kv_heads, 1, d)
+        q = q * cos + q.roll(half, -1) * sin
+        keys.index_copy_(2, slot, k * cos + k.roll(half, -1) * sin)
+        values.index_copy_(2, slot, attn.v_proj(x).view(n, kv_heads, 1, d))
+        if heads != kv_heads:
+            q = q.view(n, kv_heads, heads // kv_heads, d)
+        out = nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling)
+        h = h + attn.o_proj(out.reshape(n, heads * d))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return norm(h).float()
 
 
 def _linear(module: nn.Module):

@@ -1,6 +1,7 @@
 """``compile_denoiser`` of the action-chunk policies (flow_vla, diffusion_policy): no-grad
 sampling runs the denoising step's network through ``torch.compile``; ``log_prob``'s recompute
-runs the eager one. Off by default, and off changes nothing.
+runs the eager one. Off by default, and off changes nothing. The flow VLA's ``compile_prefix``
+compiles the backbone's pass over the prefix for sampling the same way.
 
 Tolerance of compiled against eager chunks: the compiled step computes the same float32
 operations with other kernels (fused pointwise ops, another summation order in the norms,
@@ -10,7 +11,8 @@ each scaled by its step size (Σ dt = 1 for a flow) and carried on by a Lipschit
 ``LATENT_ATOL`` = 64 eps x max(1, |x|) leaves a margin of > 10 over what was measured (at
 most 3.6e-7 = 3 eps, on the tiny flow VLA over seeds 0-2). The log-probs the sampling pass
 reports round with it; the trainer's deferred old log-probs are its own eager pass at the
-stored latents, so its first ratio stays exactly 1."""
+stored latents, so its first ratio stays exactly 1. A compiled prefix pass adds a few ulps to
+the prefix states the expert attends to, which move a velocity by as little: the same bound."""
 
 import copy
 import json
@@ -60,7 +62,7 @@ def one_thread():
 
 
 def test_off_by_default_and_off_samples_the_eager_chain_bit_for_bit():
-    assert FlowVLAConfig().compile_denoiser is False and DiffusionPolicyConfig().compile_denoiser is False
+    assert FlowVLAConfig().compile_denoiser is False and DiffusionPolicyConfig().compile_denoiser is False and FlowVLAConfig().compile_prefix is False
     policy = make()
     sample = policy.sample(inputs(SPEC), torch.Generator().manual_seed(0))
     # the chain by hand through the eager denoiser: what sampling ran before the option existed
@@ -120,6 +122,30 @@ def test_compiled_flow_vla_samples_the_eager_chunks_and_recomputes_with_ratio_on
     a, b = eager.sample(inputs(SPEC), deterministic=True), compiled.sample(inputs(SPEC), deterministic=True)
     torch.testing.assert_close(b.output, a.output, atol=latent_atol(a.replay["chain"]["latents"]) * 4, rtol=0)
     assert set(compiled._compiled_steps) == {("expert", "cpu")}
+
+
+def test_compiling_the_prefix_with_the_samplers_old_logp_is_refused_naming_the_field():
+    data = {"type": "flow_vla", "compile_prefix": True, "denoising": {"old_logp": "sampler", "transition": "flow_sde"}}
+    with pytest.raises(ConfigError, match="policy.compile_prefix"):
+        from_dict(FlowVLAConfig, data, "policy").validate("policy")
+    data["denoising"]["old_logp"] = "deferred"
+    from_dict(FlowVLAConfig, data, "policy").validate("policy")
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("denoiser", [False, True])
+def test_a_compiled_prefix_pass_samples_the_eager_chunks_and_recomputes_with_ratio_one(denoiser):
+    eager = make()
+    compiled = build_policy(config(compile_prefix=True, compile_denoiser=denoiser), SPEC)
+    compiled.load_state_dict(eager.state_dict())
+    a = eager.sample(inputs(SPEC), torch.Generator().manual_seed(0))
+    b = compiled.sample(inputs(SPEC), torch.Generator().manual_seed(0))
+    la, lb = a.replay["chain"]["latents"], b.replay["chain"]["latents"]
+    torch.testing.assert_close(lb, la, atol=latent_atol(la), rtol=0)
+    recompute = compiled.log_prob(b.replay).detach()
+    assert torch.equal(recompute, eager.log_prob(b.replay).detach())  # the recompute is the eager backbone's and expert's
+    torch.testing.assert_close(b.logp, recompute, atol=1e-4, rtol=0)
+    assert set(compiled._compiled_steps) == {("backbone", "cpu"), *([("expert", "cpu")] if denoiser else [])}
 
 
 @pytest.mark.slow
