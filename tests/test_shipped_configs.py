@@ -120,7 +120,7 @@ def _train(workdir, name: str, run):
 
             write_episode_pairs(pairs, episodes, held_out_fraction=0.0)
         overrides += [f"data.path={pairs}", "data.batch_size=4"]
-    if name.startswith("tabletop_spatial_smolvla_"):  # the SmolVLA pipeline: a start written from the demos, RL from the SFT run's export
+    if name.startswith("tabletop_spatial_smolvla_"):  # the SmolVLA pipeline: a start written from the demos, RL and DSRL from the SFT run's export
         import importlib.util
 
         start = workdir / "smolvla_start"
@@ -129,7 +129,8 @@ def _train(workdir, name: str, run):
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
             module.write_start(workdir / "demos", start / "policy")
-        overrides += [f"policy.vlm_dir={start / 'smolvlm'}"]
+        section = "policy.policy" if name.endswith("_dsrl") else "policy"  # DSRL steers the SmolVLA frozen, in policy.policy
+        overrides += [f"{section}.vlm_dir={start / 'smolvlm'}"]
         if name.endswith("_sft"):
             overrides += [f"policy.checkpoint={start / 'policy'}"]
         else:
@@ -137,7 +138,7 @@ def _train(workdir, name: str, run):
             if not (exported / "config.json").is_file():
                 done = run_mmrl("export", _start(workdir, "tabletop_spatial_smolvla_sft"), "--format", "lerobot", "--out", exported, timeout=600)
                 assert done.returncode == 0, done.stderr[-2000:]
-            overrides += [f"policy.checkpoint={exported}"]
+            overrides += [f"{section}.checkpoint={exported}"]
     if name == "tabletop_vlm_pretrain" or name.startswith("tabletop_spatial_vlm_token_vla_"):  # the VLA on mmrl's own pretrained VLM
         overrides.append(f"policy.backbone.vlm_path={_vlm(workdir, pretrained=name != 'tabletop_vlm_pretrain')}")
     if name == "maniskill_pushcube_rlpd":  # demonstrations of the config's own env, by its scripted expert (as `make train` collects them)
