@@ -36,29 +36,7 @@ def latent_atol(x: torch.Tensor) -> float:
     return 64 * EPS * max(1.0, float(x.abs().max()))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def inductor_cache_per_kernel_set(tmp_path_factory):
-    """A compile cache of this CPU kernel set's own: inductor's precompiled C++ header, built
-    under one ATEN_CPU_CAPABILITY and reused under another (CI runs the numerics tests again
-    under ``default``), leaves the vectorized kernels it writes without ``at::vec``."""
-    import os
-
-    capability = torch.backends.cpu.get_cpu_capability().lower()
-    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.getbasetemp() / f"inductor_{capability}")
-    yield
-    if before is None:
-        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    else:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("inductor_cache_per_kernel_set", "one_thread")  # tests/policies/conftest.py
 
 
 def test_off_by_default_and_off_samples_the_eager_chain_bit_for_bit():

@@ -8,7 +8,6 @@ call launches on the CPU, the aten operators it dispatches and inductor's fused 
 within a quarter of those. A count depends on the code and the library versions, not on the
 machine."""
 
-import os
 import runpy
 from pathlib import Path
 
@@ -30,19 +29,6 @@ def vlm_dir(tmp_path_factory):
     from mmrl.policies.vla.tiny_vlm import TinyVLMSize, save_tiny_vlm
 
     return str(save_tiny_vlm("smolvlm", tmp_path_factory.mktemp("vlm") / "smolvlm64", TinyVLMSize(**LAUNCHES["VLM_SIZE"])))
-
-
-@pytest.fixture
-def inductor_cache_per_kernel_set(tmp_path_factory):
-    """A compile cache of this CPU kernel set's own (tests/policies/test_action_chunk_compile.py)."""
-    capability = torch.backends.cpu.get_cpu_capability().lower()
-    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.getbasetemp() / f"inductor_{capability}")
-    yield
-    if before is None:
-        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    else:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
 
 
 @pytest.mark.parametrize("case", sorted(BOUNDS))
