@@ -31,7 +31,7 @@
 #   .gpu/whl/  pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #                --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .gpu/whl \
 #                gymnasium farama-notifications mujoco glfw pyopengl websockets transformers peft \
-#                mujoco-warp==3.17.0 warp-lang
+#                mujoco-warp==3.17.0 warp-lang==1.19.0
 #   .gpu/gl/   Debian packages of the GL and Vulkan loaders (libegl1 libglvnd0 libopengl0
 #              libgl1 libglx0 libgles2 libvulkan1), unpacked into / for MuJoCo's EGL renderer.
 set -u

@@ -1,7 +1,7 @@
 """The tabletop suite on MuJoCo Warp against the CPU env: throughput and equivalence.
 
     python benchmarks/warp_tabletop.py throughput [--device cpu|cuda] [--worlds 1 64 256] [--steps 10]
-        [--obs-mode state|rgb] [--cameras top front] [--image-size 64]
+        [--obs-mode state|rgb] [--cameras top front] [--image-size 64] [--launched]
     python benchmarks/warp_tabletop.py equivalence [--episodes 256] [--families spatial object goal]
 
 ``throughput``: env steps/s of ``mmrl/Tabletop-v0`` in a gymnasium SyncVectorEnv of N envs
@@ -9,7 +9,8 @@ against one warp batch of N worlds (``tabletop_warp``), both with the same ``--o
 (``rgb``: every camera of ``--cameras`` rendered at every step, by OpenGL in each CPU env and
 by MuJoCo Warp's ray tracer for all worlds in one batch), in the same run, random actions,
 finished episodes reset inside both; the ratio is warp / CPU. With ``rgb`` the last column is
-the share of a warp step spent rendering (``render_images`` timed alone).
+the share of a warp step spent rendering (``render_images`` timed alone). ``--launched``
+adds warp with each kernel launched from Python instead of the captured graph's replay.
 ``equivalence``: per family (or ``all``, one batch of every family's tasks), episodes seeded 0..E-1 run by the scripted expert closed loop
 on both backends (``--noise``: with Gaussian action noise, equal draws on both); prints both success rates, how often success agrees, and where the states
 part: the first control step at which a block or the pusher is more than 1 mm apart, and
@@ -44,8 +45,9 @@ def throughput(args) -> None:
     rgb = args.obs_mode == "rgb"
     images = {"cameras": args.cameras, "image_size": args.image_size} if rgb else {}
     what = f"{args.obs_mode}" + (f", {' + '.join(args.cameras)} at {args.image_size} px" if rgb else "")
-    print(f"| worlds | CPU env steps/s ({what}) | warp ({args.device}) steps/s | warp / CPU |" + (" warp's time rendering |" if rgb else ""))
-    print("|---|---|---|---|" + ("---|" if rgb else ""))
+    unc = " warp, each kernel launched from Python, steps/s | graph / launched |" if args.launched else ""
+    print(f"| worlds | CPU env steps/s ({what}) | warp ({args.device}) steps/s | warp / CPU |" + (" warp's time rendering |" if rgb else "") + unc)
+    print("|---|---|---|---|" + ("---|" if rgb else "") + ("---|---|" if args.launched else ""))
     args.worlds = sorted(args.worlds)
     if args.cpu_max_worlds is not None and args.worlds[0] > args.cpu_max_worlds:
         raise SystemExit(f"--cpu-max-worlds {args.cpu_max_worlds} leaves no world count to measure the CPU env at: include one at or below it")
@@ -65,17 +67,13 @@ def throughput(args) -> None:
         else:  # one process steps its envs one after another: its rate at the largest count measured stands for more
             cpu_note = f" (at {max(w for w in args.worlds if w <= args.cpu_max_worlds)})"
         warp = TabletopBatchedEnv(n, task=args.family, obs_mode=args.obs_mode, device=args.device, **images)
-        warp.reset(seed=list(range(n)))
-        batch = torch.from_numpy(actions).to(warp.device)
-        warp.step(batch[0])  # loads the kernels (and on CUDA the next step captures a graph)
-        warp.step(batch[0])
-        _synchronize(warp.device)
-        start = time.perf_counter()
-        for a in batch:
-            warp.step(a)
-        _synchronize(warp.device)
-        warp_rate = n * args.steps / (time.perf_counter() - start)
-        share = ""
+        warp_rate = _warp_rate(warp, actions, args.steps)
+        share, launched = "", ""
+        if args.launched:
+            plain = TabletopBatchedEnv(n, task=args.family, obs_mode=args.obs_mode, device=args.device, capture_graph=False, **images)
+            plain_rate = _warp_rate(plain, actions, args.steps)
+            plain.close()
+            launched = f" {plain_rate:,.0f} | {warp_rate / plain_rate:.2f} |"
         if rgb:
             start = time.perf_counter()
             for _ in range(args.steps):
@@ -83,7 +81,21 @@ def throughput(args) -> None:
             _synchronize(warp.device)
             share = f" {(time.perf_counter() - start) * warp_rate / (n * args.steps):.0%} |"
         warp.close()
-        print(f"| {n} | {cpu_rate:,.0f}{cpu_note} | {warp_rate:,.0f} | {warp_rate / cpu_rate:.3f} |" + share, flush=True)
+        print(f"| {n} | {cpu_rate:,.0f}{cpu_note} | {warp_rate:,.0f} | {warp_rate / cpu_rate:.3f} |" + share + launched, flush=True)
+
+
+def _warp_rate(warp: TabletopBatchedEnv, actions: np.ndarray, steps: int) -> float:
+    """Env steps/s of ``warp`` over ``actions`` [steps, N, 2], after two untimed steps."""
+    warp.reset(seed=list(range(warp.num_envs)))
+    batch = torch.from_numpy(actions).to(warp.device)
+    warp.step(batch[0])  # loads the kernels (and the next step captures the graph)
+    warp.step(batch[0])
+    _synchronize(warp.device)
+    start = time.perf_counter()
+    for a in batch:
+        warp.step(a)
+    _synchronize(warp.device)
+    return warp.num_envs * steps / (time.perf_counter() - start)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -227,6 +239,7 @@ def main() -> None:
     t.add_argument("--obs-mode", default="state", choices=["state", "rgb"], help="the observations both backends give")
     t.add_argument("--cameras", nargs="+", default=["top"], help="rgb: the cameras rendered (top, front)")
     t.add_argument("--image-size", type=int, default=64, help="rgb: side of the images")
+    t.add_argument("--launched", action="store_true", help="also time warp launching each kernel from Python (capture_graph=False), in the same run")
     t.add_argument("--cpu-max-worlds", type=int, default=None, help="build the CPU vector env only up to this many worlds; larger counts compare with its rate there (default: every count)")
     e = sub.add_parser("equivalence")
     e.add_argument("--episodes", type=int, default=256, help="expert episodes per family")

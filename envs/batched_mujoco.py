@@ -32,6 +32,11 @@ headlight, no shadows and one sample per pixel, as MuJoCo's OpenGL renderer draw
 with ``shadowsize=0`` and ``offsamples=0``. :meth:`per_world` gives a model field one row per
 world (e.g. ``geom_matid``: each world's own materials).
 
+From the second control step on, the physics replays as one captured warp graph
+(``capture_graph``): a CUDA graph on CUDA, warp's C++ replay on the CPU, bit for bit what
+launching each kernel from Python steps. A model field made per-world (:meth:`per_world`) is
+a new array, so the graph is captured again.
+
 Warp's kernels compile on first use (about 10-40 s on a CPU) into warp's kernel cache
 (``~/.cache/warp``) and load from there afterwards. ``warp-lang`` and ``mujoco-warp`` come
 with ``pip install 'mmrl[warp]'``; examples/batched_cartpole.py is a whole task in a few
@@ -110,6 +115,7 @@ class BatchedMujocoEnv(gymnasium.vector.VectorEnv):
         cameras: Sequence[str] | None = None,
         image_width: int = 64,
         image_height: int = 64,
+        capture_graph: bool = True,
     ):
         """``model``: a ``mujoco.MjModel``, an MJCF path or an MJCF string; ``num_envs``: the
         worlds; ``physics_steps``: MuJoCo steps per control step; ``max_episode_steps``:
@@ -119,7 +125,9 @@ class BatchedMujocoEnv(gymnasium.vector.VectorEnv):
         the CPU); ``nconmax``/``njmax``: contacts and constraint rows allocated per world
         (None: mujoco_warp's defaults); ``cameras``: names of the model's cameras that
         :meth:`render_images` renders (None: no rendering), each ``image_width`` x
-        ``image_height`` pixels."""
+        ``image_height`` pixels; ``capture_graph``: replay a control step's physics as one
+        captured warp graph from the second step on (a CUDA graph on CUDA, warp's C++ replay
+        on the CPU: the same kernels on the same arrays, without a Python launch per kernel)."""
         wp, mujoco, mjw = import_warp()
         if not isinstance(num_envs, int) or isinstance(num_envs, bool) or num_envs < 1:
             raise ConfigError("num_envs", num_envs, "expected an integer >= 1 (worlds in the batch)")
@@ -153,7 +161,10 @@ class BatchedMujocoEnv(gymnasium.vector.VectorEnv):
         self.elapsed = torch.zeros(num_envs, dtype=torch.long, device=self.device)
         self.world_rngs = [seeding.np_random(None)[0] for _ in range(num_envs)]
         self.all_worlds = torch.arange(num_envs, device=self.device)
-        self._graph = None  # the physics steps as a CUDA graph, captured on the second step
+        if not isinstance(capture_graph, bool):
+            raise ConfigError("capture_graph", capture_graph, "expected true or false")
+        self.capture_graph = capture_graph
+        self._graph = None  # the physics steps as a warp graph, captured on the second step
         self._stepped = False
         self.cameras: tuple[str, ...] = ()
         self.render_context = None
@@ -307,7 +318,7 @@ class BatchedMujocoEnv(gymnasium.vector.VectorEnv):
         with self._warp_stream():
             if self._graph is not None:
                 wp.capture_launch(self._graph)
-            elif self.device.type == "cuda" and self._stepped:  # the kernels are loaded: capture
+            elif self.capture_graph and self._stepped:  # the kernels are loaded: capture
                 with wp.ScopedCapture() as capture:
                     self._run_physics()
                 self._graph = capture.graph

@@ -80,11 +80,12 @@ class TabletopBatchedEnv(BatchedMujocoEnv):
         max_episode_steps: int | None = 60,
         autoreset: str = "same_step",
         device: str | None = None,
+        capture_graph: bool = True,
         field: str = "env",
     ):
         """The options of ``mmrl/Tabletop-v0`` but ``image_every`` and the ``render()``
-        frames (see :class:`~mmrl.envs.tabletop.env.TabletopEnv`), plus ``num_envs``, ``autoreset`` and
-        ``device`` (:class:`~mmrl.envs.batched_mujoco.BatchedMujocoEnv`); ``field`` prefixes
+        frames (see :class:`~mmrl.envs.tabletop.env.TabletopEnv`), plus ``num_envs``, ``autoreset``,
+        ``device`` and ``capture_graph`` (:class:`~mmrl.envs.batched_mujoco.BatchedMujocoEnv`); ``field`` prefixes
         the names in config errors."""
         self.task_names = resolve_tasks(task, f"{field}.task")
         families = [FAMILIES[f] for f in dict.fromkeys(TASKS[name].family for name in self.task_names)]
@@ -127,6 +128,7 @@ class TabletopBatchedEnv(BatchedMujocoEnv):
         super().__init__(
             model, num_envs, spaces.Dict(observed), spaces.Box(-1.0, 1.0, (2,), np.float32), physics_steps=PHYSICS_STEPS,
             max_episode_steps=max_episode_steps, terminate_on_success=terminate_on_success, autoreset=autoreset, device=device, nconmax=48, njmax=160,
+            capture_graph=capture_graph,
             cameras=camera_names if obs_mode == "rgb" else None, image_width=image_size, image_height=image_size,
         )
         m = self.mj_model

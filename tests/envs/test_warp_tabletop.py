@@ -254,6 +254,34 @@ def test_same_step_autoreset_starts_each_finished_world_from_its_own_generator(b
         batch.autoreset, batch.max_episode_steps = "disabled", 60
 
 
+def test_a_captured_physics_graph_steps_every_world_as_launching_each_kernel_does_across_resets():
+    """The captured graph replays the same kernels on the same arrays, so what it steps is
+    bit for bit what launching each kernel from Python steps, also after resets write the state
+    through the torch views and after a per-world model field replaces an array."""
+    require_warp()
+    from mmrl.envs.tabletop.batched import TabletopBatchedEnv
+
+    envs = [TabletopBatchedEnv(4, task="spatial", reward_mode="dense", max_episode_steps=6, device="cpu", capture_graph=c) for c in (True, False)]
+    for env in envs:
+        env.reset(seed=[5, 6, 7, 8])
+    actions = torch.rand(14, 4, 2, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    finals = 0
+    for t, action in enumerate(actions):
+        if t == 9:  # a new array for a model field (the pushers' damping): the graph is captured again
+            for env in envs:
+                env.per_world("dof_damping")[1:, :2] *= 4
+        (a, ra, ta, ua, ia), (b, rb, tb, ub, ib) = (env.step(action) for env in envs)
+        assert torch.equal(a["state"], b["state"]) and torch.equal(ra, rb) and torch.equal(ta, tb) and torch.equal(ua, ub)
+        assert all(torch.equal(ia["costs"][k], ib["costs"][k]) for k in ia["costs"])
+        finals += int(ia["_final"].sum()) if "_final" in ia else 0
+    assert finals >= 4  # every world was reset inside the batch at least once
+    assert envs[0]._graph is not None and envs[1]._graph is None
+    assert torch.equal(envs[0].qpos, envs[1].qpos) and torch.equal(envs[0].qvel, envs[1].qvel)
+    with pytest.raises(ConfigError) as error:
+        TabletopBatchedEnv(1, device="cpu", capture_graph="yes")
+    assert error.value.field == "capture_graph"
+
+
 def test_the_collision_cost_counts_a_block_pinned_by_the_pusher_against_a_wall_as_the_cpu_env_does(batch):
     batch.reset(seed=list(range(WORLDS)))
     cpu = _cpu_envs(1)[0]
