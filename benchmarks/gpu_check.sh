@@ -22,6 +22,10 @@
 #   and 256 / 1,024 (rgb), each against the CPU vector env's rate at 256; then one flow VLA
 #   GRPO update (random weights) at 1,024 worlds with rgb frames on CUDA, and the same update at
 #   64 CPU-env worlds on the CPU, seconds of sampling and of the update of each.
+# - warp_gae: the state GAE recipe on tabletop_warp on CUDA (configs/tabletop_object_state_gae_warp.yaml)
+#   from an SFT start made here (20 expert episodes per task, ~30 s), one run per seed in
+#   RL_SEEDS side by side, each stopped by SIGTERM after WARP_SECONDS; seconds per update and the
+#   evaluations go to $OUT (the CPU's curves of both backends: benchmarks/results/robots_tabletop.md).
 # - versions: only the package versions (every call prints them first).
 #
 # Results go to $OUT (default /tmp/mmrl_gpu_check): log files and the benchmark tables.
@@ -116,6 +120,21 @@ for check in $CHECKS; do
                 algo.groups_per_step=$((worlds / 8)) algo.group_size=8 total_steps=2 eval.every=0 eval.at_start=false eval.at_end=false log.progress=false \
                 --run-dir /tmp/mmrl_warp_vla_$where 2>&1 | tail -2
             python3 -c "from mmrl.train.metrics import read_metrics; print('$where $worlds worlds', [(r['step'], r['env_steps'], round(r['time/sample_s'], 1), round(r['time/update_s'], 1)) for r in read_metrics('/tmp/mmrl_warp_vla_$where') if 'time/step_s' in r])" 2>&1 | tee -a "$OUT/warp_vla.txt"
+        done
+        ;;
+    warp_gae)
+        stamp "state GAE on tabletop_warp, CUDA: the SFT start"
+        python3 -m mmrl collect --task tabletop_object_nominal --episodes-per-task 20 --obs-mode state --out /tmp/mmrl_warp_gae/demos 2>&1 | tail -1
+        python3 -m mmrl train configs/tabletop_object_state_sft.yaml --run-dir /tmp/mmrl_warp_gae/sft data.path=/tmp/mmrl_warp_gae/demos log.progress=false device=cuda 2>&1 | tail -1
+        for seed in ${RL_SEEDS:-1 2 3}; do
+            stamp "state GAE on tabletop_warp, CUDA, seed $seed, ${WARP_SECONDS:-240} s"
+            timeout -s TERM ${WARP_SECONDS:-240} python3 -m mmrl train configs/tabletop_object_state_gae_warp.yaml --run-dir /tmp/mmrl_warp_gae/s$seed \
+                seed=$seed device=cuda env.device=cuda policy.pretrained=/tmp/mmrl_warp_gae/sft log.progress=false > "$OUT/warp_gae_s$seed.log" 2>&1 &
+        done
+        wait
+        for seed in ${RL_SEEDS:-1 2 3}; do
+            cp /tmp/mmrl_warp_gae/s$seed/metrics.jsonl "$OUT/warp_gae_s$seed.metrics.jsonl"
+            python3 -c "from mmrl.train.metrics import read_metrics; rows = read_metrics('/tmp/mmrl_warp_gae/s$seed'); print('seed $seed', [(r['step'], round(r['time/sample_s'], 2), round(r['time/step_s'], 2)) for r in rows if 'time/step_s' in r][-3:], [(r['step'], round(r['eval/success_rate'], 3)) for r in rows if 'eval/success_rate' in r])" 2>&1 | tee -a "$OUT/warp_gae.txt"
         done
         ;;
     versions) ;;

@@ -18,6 +18,7 @@ SFT_OF["tabletop_object_flow_vla_gae_privileged"] = "tabletop_flow_vla_sft"
 SFT_OF.pop("tabletop_spatial_smolvla_grpo", None)  # starts from the SFT run's LeRobot export (policy.checkpoint), not policy.pretrained
 SFT_OF["tabletop_spatial_flow_vla_gae"] = "tabletop_spatial_flow_vla_sft"  # the spatial family's value-baseline RL
 SFT_OF["tabletop_object_state_gae"] = "tabletop_object_state_sft"  # the state policy's value-baseline RL
+SFT_OF["tabletop_object_state_gae_warp"] = "tabletop_object_state_sft"  # the same on MuJoCo Warp
 SFT_OF["tabletop_spatial_vlm_token_vla_gae"] = "tabletop_spatial_vlm_token_vla_sft"  # RL of the VLA on mmrl's pretrained VLM
 SFT_OF["image_shapes_flow_grpo"] = "image_shapes_flow_sft_words"  # the word-level generator
 SFT_OF["image_shapes_flow_grpo_adversarial"] = "image_shapes_flow_sft_words"
