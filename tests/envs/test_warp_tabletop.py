@@ -257,7 +257,9 @@ def test_same_step_autoreset_starts_each_finished_world_from_its_own_generator(b
 def test_a_captured_physics_graph_steps_every_world_as_launching_each_kernel_does_across_resets():
     """The captured graph replays the same kernels on the same arrays, so what it steps is
     bit for bit what launching each kernel from Python steps, also after resets write the state
-    through the torch views and after a per-world model field replaces an array."""
+    through the torch views and after a per-world model field replaces an array. Exact on any
+    CPU: both sides run the same compiled kernels on the same arrays, each on one thread in one
+    order (warp's CPU backend), so only the launching differs."""
     require_warp()
     from mmrl.envs.tabletop.batched import TabletopBatchedEnv
 
