@@ -88,7 +88,7 @@ def _vlm(workdir, pretrained: bool):
 def _train(workdir, name: str, run):
     overrides = list(SHORT)
     if name.startswith("tabletop_"):
-        rl = name.endswith(("_grpo", "_dsrl")) or "_gae" in name
+        rl = name.endswith("_dsrl") or "_grpo" in name or "_gae" in name
         overrides += ["env.num_envs=8", "algo.groups_per_step=1"] if rl else [f"data.path={_demos(workdir, name)}", "data.batch_size=8"]
     if name.startswith("reward_shapes"):  # pairs written by their documented command, smaller
         pairs = workdir / f"{name}_pairs"
