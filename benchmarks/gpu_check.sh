@@ -26,6 +26,9 @@
 #   from an SFT start made here (20 expert episodes per task, ~30 s), one run per seed in
 #   RL_SEEDS side by side, each stopped by SIGTERM after WARP_SECONDS; seconds per update and the
 #   evaluations go to $OUT (the CPU's curves of both backends: benchmarks/results/robots_tabletop.md).
+# - warp_grpo: the same for the flow VLA's GRPO recipe from images
+#   (configs/tabletop_spatial_flow_vla_grpo_warp.yaml, 16 groups per update as its CPU study)
+#   from an SFT start made here (5 expert episodes per task, 1,500 steps).
 # - versions: only the package versions (every call prints them first).
 #
 # Results go to $OUT (default /tmp/mmrl_gpu_check): log files and the benchmark tables.
@@ -43,6 +46,27 @@ OUT=${OUT:-/tmp/mmrl_gpu_check}
 mkdir -p "$OUT"
 CHECKS=${*:-tests bench train}
 stamp() { echo "== $* ($(date +%T))"; }
+
+# rl_on_warp NAME "COLLECT ARGS" SFT_CONFIG RL_CONFIG [OVERRIDES...]: an SFT start on CUDA from
+# expert demos, then one RL run per seed in RL_SEEDS side by side on tabletop_warp on CUDA, each
+# stopped by SIGTERM after WARP_SECONDS; seconds per update and the evaluations go to $OUT.
+rl_on_warp() {
+    local name=$1 collect=$2 sft=$3 rl=$4 dir=/tmp/mmrl_$1
+    shift 4
+    stamp "$name: the SFT start on CUDA"
+    python3 -m mmrl collect $collect --out $dir/demos 2>&1 | tail -1
+    python3 -m mmrl train $sft --run-dir $dir/sft data.path=$dir/demos log.progress=false device=cuda 2>&1 | tail -1
+    for seed in ${RL_SEEDS:-1 2 3}; do
+        stamp "$name: $rl on tabletop_warp, CUDA, seed $seed, ${WARP_SECONDS:-240} s"
+        timeout -s TERM ${WARP_SECONDS:-240} python3 -m mmrl train $rl --run-dir $dir/s$seed \
+            seed=$seed device=cuda env.device=cuda policy.pretrained=$dir/sft log.progress=false "$@" > "$OUT/${name}_s$seed.log" 2>&1 &
+    done
+    wait
+    for seed in ${RL_SEEDS:-1 2 3}; do
+        cp $dir/s$seed/metrics.jsonl "$OUT/${name}_s$seed.metrics.jsonl"
+        python3 -c "from mmrl.train.metrics import read_metrics; rows = read_metrics('$dir/s$seed'); print('seed $seed', [(r['step'], round(r['time/sample_s'], 2), round(r['time/step_s'], 2)) for r in rows if 'time/step_s' in r][-3:], [(r['step'], round(r['eval/success_rate'], 3)) for r in rows if 'eval/success_rate' in r])" 2>&1 | tee -a "$OUT/$name.txt"
+    done
+}
 
 # A second call on the same machine (two checks side by side) finds the packages in place.
 if [ -d .gpu/gl ] && [ ! -f /tmp/mmrl_gl.done ]; then
@@ -123,19 +147,13 @@ for check in $CHECKS; do
         done
         ;;
     warp_gae)
-        stamp "state GAE on tabletop_warp, CUDA: the SFT start"
-        python3 -m mmrl collect --task tabletop_object_nominal --episodes-per-task 20 --obs-mode state --out /tmp/mmrl_warp_gae/demos 2>&1 | tail -1
-        python3 -m mmrl train configs/tabletop_object_state_sft.yaml --run-dir /tmp/mmrl_warp_gae/sft data.path=/tmp/mmrl_warp_gae/demos log.progress=false device=cuda 2>&1 | tail -1
-        for seed in ${RL_SEEDS:-1 2 3}; do
-            stamp "state GAE on tabletop_warp, CUDA, seed $seed, ${WARP_SECONDS:-240} s"
-            timeout -s TERM ${WARP_SECONDS:-240} python3 -m mmrl train configs/tabletop_object_state_gae_warp.yaml --run-dir /tmp/mmrl_warp_gae/s$seed \
-                seed=$seed device=cuda env.device=cuda policy.pretrained=/tmp/mmrl_warp_gae/sft log.progress=false > "$OUT/warp_gae_s$seed.log" 2>&1 &
-        done
-        wait
-        for seed in ${RL_SEEDS:-1 2 3}; do
-            cp /tmp/mmrl_warp_gae/s$seed/metrics.jsonl "$OUT/warp_gae_s$seed.metrics.jsonl"
-            python3 -c "from mmrl.train.metrics import read_metrics; rows = read_metrics('/tmp/mmrl_warp_gae/s$seed'); print('seed $seed', [(r['step'], round(r['time/sample_s'], 2), round(r['time/step_s'], 2)) for r in rows if 'time/step_s' in r][-3:], [(r['step'], round(r['eval/success_rate'], 3)) for r in rows if 'eval/success_rate' in r])" 2>&1 | tee -a "$OUT/warp_gae.txt"
-        done
+        rl_on_warp warp_gae "--task tabletop_object_nominal --episodes-per-task 20 --obs-mode state" \
+            configs/tabletop_object_state_sft.yaml configs/tabletop_object_state_gae_warp.yaml
+        ;;
+    warp_grpo)
+        rl_on_warp warp_grpo "--task tabletop_spatial_nominal --episodes-per-task 5" \
+            configs/tabletop_spatial_flow_vla_sft.yaml configs/tabletop_spatial_flow_vla_grpo_warp.yaml \
+            algo.groups_per_step=16 eval.every=10 eval.episodes=64
         ;;
     versions) ;;
     esac
