@@ -610,3 +610,28 @@ def test_the_throughput_benchmark_compares_larger_batches_with_the_cpu_envs_rate
     assert rows[0][1] == rows[1][1]  # the same CPU rate stands for both
     refused = subprocess.run([*script, "--worlds", "4", "--cpu-max-worlds", "2"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert refused.returncode != 0 and "--cpu-max-worlds 2" in refused.stderr
+
+
+def test_the_rollout_overhead_benchmark_steps_the_warp_worlds_by_hand_as_the_env_sampler_does():
+    """benchmarks/rollout_overhead.py --env tabletop_warp:TASK: the hand loop steps the same
+    worlds on the state tensor until every episode has ended, so both sides of the ratio count
+    the same env steps for the same groups (here every episode runs to its 3-step limit)."""
+    import importlib.util
+
+    require_warp()
+    from tests.conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("rollout_overhead", ROOT / "benchmarks" / "rollout_overhead.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    sampler, policy = bench.build("tabletop_warp:spatial", 8, 4, max_episode_steps=3)
+    try:
+        seeds = [s for g in range(2) for s in [1000 + g] * 4]
+        assert bench.hand_loop(sampler.env, policy, seeds, sampler.action_low, sampler.action_high) == 8 * 3
+        before = sampler.env_steps
+        sampler.collect(policy, 2, 4, 0)
+        assert sampler.env_steps - before == 8 * 3
+        rate_sampler, rate_hand = bench.interleaved_rates(sampler, policy, bench.hand_loop, 2, 4, rounds=1)
+        assert rate_sampler > 0 and rate_hand > 0
+    finally:
+        sampler.close()
