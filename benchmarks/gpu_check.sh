@@ -19,7 +19,8 @@
 #   runs/tabletop_spatial_vlm_token_vla_sft) on CUDA, one run per seed in RL_SEEDS side by side,
 #   each stopped by SIGTERM after RL_SECONDS (its checkpoint stays whole); their metrics go to $OUT.
 # - warp: tabletop_warp on CUDA (MuJoCo Warp): env steps/s at 256 / 1,024 / 4,096 worlds (state)
-#   and 256 / 1,024 (rgb), each against the CPU vector env's rate at 256; then one flow VLA
+#   and 256 / 1,024 (rgb), each against the CPU vector env's rate at 256; the env sampler against
+#   stepping 4,096 worlds by hand (benchmarks/rollout_overhead.py); then one flow VLA
 #   GRPO update (random weights) at 1,024 worlds with rgb frames on CUDA, and the same update at
 #   64 CPU-env worlds on the CPU, seconds of sampling and of the update of each.
 # - warp_gae: the state GAE recipe on tabletop_warp on CUDA (configs/tabletop_object_state_gae_warp.yaml)
@@ -136,6 +137,8 @@ for check in $CHECKS; do
         timeout 150 python3 benchmarks/warp_tabletop.py throughput --device cuda --worlds 256 1024 4096 --cpu-max-worlds 256 --steps 20 2>&1 | tee "$OUT/warp_state.txt"
         stamp "tabletop_warp throughput on CUDA, rgb"
         timeout 150 python3 benchmarks/warp_tabletop.py throughput --device cuda --obs-mode rgb --worlds 256 1024 --cpu-max-worlds 256 --steps 10 2>&1 | tee "$OUT/warp_rgb.txt"
+        stamp "the env sampler against stepping 4,096 warp worlds by hand, CUDA"
+        timeout 150 python3 benchmarks/rollout_overhead.py --env tabletop_warp:spatial --num-envs 4096 --sim-backend cuda --device cuda --rounds 3 2>&1 | tail -2 | tee "$OUT/warp_overhead.txt"
         for where in cuda cpu; do
             if [ $where = cuda ]; then worlds=1024; env="{type: tabletop_warp, num_envs: 1024, task: spatial, obs_mode: rgb, cameras: top, image_size: 64, layout: nominal, layout_noise: 0.03, device: cuda}"
             else worlds=64; env="{type: gym, id: mmrl/Tabletop-v0, num_envs: 64, vectorization: async, kwargs: {task: spatial, image_size: 64, cameras: top, layout: nominal, layout_noise: 0.03}}"; fi
