@@ -12,8 +12,8 @@ replay the trainer needs. Prints env steps/s of both and their ratio (target ≥
 
 ``tabletop_warp:TASK`` is the tabletop suite in one batch of MuJoCo Warp worlds (state
 observations; ``--sim-backend cuda`` puts the worlds on CUDA), stepped by hand on the state
-tensor. A simulator that returns torch tensors (ManiSkill's GPU backend, MuJoCo Warp) is stepped by hand with
-torch ops on its device, as the sampler does; what both leave on the host is one
+tensor. A simulator that returns torch tensors (ManiSkill's GPU backend, MuJoCo Warp) is
+stepped by hand with torch ops on its device, as the sampler does; what both leave on the host is one
 ``alive.any()`` per env step (the loop's stopping test).
 """
 
@@ -52,14 +52,15 @@ def hand_loop(env, policy, seeds, low, high):
 
 
 def tensor_hand_loop(env, policy, obs, low, high, key=None):
-    device = (obs[key] if key else obs).device
+    view = (lambda o: o[key]) if key else (lambda o: o)  # noqa: E731  (what the policy reads)
+    device = view(obs).device
     low, high = torch.as_tensor(low, device=device), torch.as_tensor(high, device=device)
     alive = torch.ones(env.num_envs, dtype=torch.bool, device=device)
     steps = 0
     generator = torch.Generator().manual_seed(0)
     while alive.any():
         with torch.no_grad():
-            action = policy.sample((obs[key] if key else obs).float(), generator).output[:, 0].to(device)
+            action = policy.sample(view(obs).float(), generator).output[:, 0].to(device)
         obs, _, term, trunc, _ = env.step(torch.minimum(torch.maximum(action, low), high))
         alive &= ~(term | trunc)
         steps += env.num_envs
