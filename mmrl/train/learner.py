@@ -44,8 +44,7 @@ from mmrl.train.optimization import frozen_reference, lr_factor, optimizer_step,
 from mmrl.train.off_policy import BufferUpdates
 from mmrl.train.run_config import TrainConfig
 
-# group indices reserved for the seeds of a step's minibatch order and self-imitation draws
-_UPDATE_STREAM, _SELF_IMITATION_STREAM = 1 << 40, 1 << 41
+_UPDATE_STREAM = 1 << 40  # the group index reserved for the seed of a step's minibatch order
 
 
 class Learner:
@@ -273,30 +272,9 @@ class Learner:
         return out, torch.cat(forward_logp) if forward_logp else mb.old_logp.new_zeros(mb.old_logp.shape)
 
     def self_imitation(self, step: int, spare: Rollout | None = None) -> dict[str, float]:
-        """``self_imitation.steps`` steps of the ``self_imitation`` loss, each on
-        ``self_imitation.batch`` samples drawn from the memory of all processes."""
-        si, device = self.cfg.algo.self_imitation, self.accelerator.device
-        gen = torch.Generator().manual_seed(group_seed(self.cfg.seed, step, _SELF_IMITATION_STREAM))  # the same draws in every process
-        losses = []
-        for _ in range(si.steps):
-            batch, adv = self.memory.sample(si.batch, gen)
-            if batch is None or batch.batch_size == 0:  # none of the draws lives here
-                batch, adv = spare, torch.zeros_like(spare.mask)
-            batch, targets = batch.to(device), Targets(adv.to(device))
-            norm = {"count": self.dist.sum(self.imitation.counts(batch, targets)).clamp_min(self.imitation.count_floor).to(device) / self.world}
-            # an empty piece runs a masked spare sample: it keeps the all-reduce in step
-            k = speedups.num_pieces(self.cfg, device, self.policy, batch, self.dist)
-            pieces = speedups.pieces_of(batch, targets, k, spare.to(device) if spare is not None else None)
-            total = []
-
-            def loss_of(piece):
-                out = self.imitation(self.model, piece[0], piece[1], norm)
-                total.append(out.loss.detach().cpu())
-                return out.loss
-
-            optimizer_step(self.accelerator, self.model, self.optimizer, pieces, loss_of, "self-imitation loss", step, self.cfg.optim.max_grad_norm)
-            losses.append(float(self.dist.sum(sum(total)) / self.world))
-        return {"loss/self_imitation": sum(losses) / len(losses)}
+        """``self_imitation.steps`` steps of the ``self_imitation`` loss on draws from the
+        memory of all processes (:func:`mmrl.train.self_imitation.imitation_steps`)."""
+        return sil.imitation_steps(self, step, spare)
 
     def sft_step(self, step: int) -> dict[str, float]:
         """One optimizer step of the ``sft`` loss on this process's share of the step's batch."""

@@ -35,10 +35,15 @@ from typing import Any
 
 import torch
 
+from mmrl.algo.losses import Targets
 from mmrl.core.rollout import OldLogProbs, Rollout
+from mmrl.core.sampler import group_seed
+from mmrl.train import speedups
+from mmrl.train.optimization import optimizer_step
 
 
 _STEP = 1 << 32  # key = step * _STEP + position of the sample among the step's additions
+_STREAM = 1 << 41  # the group index reserved for the seed of a step's draws (the learner's update order: 1 << 40)
 
 
 class SelfImitationMemory:
@@ -149,3 +154,32 @@ class SelfImitationMemory:
         mine = torch.arange(data.batch_size) % self.dist.world == self.dist.rank
         if mine.any():
             self.data, self.adv, self.keys = data[mine], state["adv"][mine], state["keys"][mine]
+
+
+def imitation_steps(learner, step: int, spare: Rollout | None = None) -> dict[str, float]:
+    """``self_imitation.steps`` optimizer steps of the learner's ``self_imitation`` loss
+    (``learner.imitation``), each on ``self_imitation.batch`` samples drawn from its memory
+    (``learner.memory``) by a generator every process seeds alike; a process that holds none
+    of a draw runs a masked spare sample, which keeps the all-reduce in step."""
+    cfg, dist, device = learner.cfg, learner.dist, learner.accelerator.device
+    si, imitation = cfg.algo.self_imitation, learner.imitation
+    gen = torch.Generator().manual_seed(group_seed(cfg.seed, step, _STREAM))
+    losses = []
+    for _ in range(si.steps):
+        batch, adv = learner.memory.sample(si.batch, gen)
+        if batch is None or batch.batch_size == 0:  # none of the draws lives here
+            batch, adv = spare, torch.zeros_like(spare.mask)
+        batch, targets = batch.to(device), Targets(adv.to(device))
+        norm = {"count": dist.sum(imitation.counts(batch, targets)).clamp_min(imitation.count_floor).to(device) / dist.world}
+        k = speedups.num_pieces(cfg, device, learner.policy, batch, dist)
+        pieces = speedups.pieces_of(batch, targets, k, spare.to(device) if spare is not None else None)
+        total = []
+
+        def loss_of(piece):
+            out = imitation(learner.model, piece[0], piece[1], norm)
+            total.append(out.loss.detach().cpu())
+            return out.loss
+
+        optimizer_step(learner.accelerator, learner.model, learner.optimizer, pieces, loss_of, "self-imitation loss", step, cfg.optim.max_grad_norm)
+        losses.append(float(dist.sum(sum(total)) / dist.world))
+    return {"loss/self_imitation": sum(losses) / len(losses)}
