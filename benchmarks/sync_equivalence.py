@@ -1,5 +1,5 @@
-"""Does a commit train exactly as another one? Runs N updates of the toy, point_reach,
-text-demo, shapes and PushCube (GAE) configs at two commits of this repository on this machine and compares
+"""Does a commit train exactly as another one? Runs N updates of the toy, point_reach (also
+with self-imitation), text-demo, shapes and PushCube (GAE) configs at two commits of this repository on this machine and compares
 every logged metric (less wall-clock times; a metric only one commit logs is listed, not
 compared) and the final weights bit for bit.
 
@@ -30,6 +30,7 @@ def cases(steps: int) -> list[tuple[str, str, list[str], str | None]]:
     return [
         ("toy_sequence", "configs/toy_sequence_grpo.yaml", quiet, None),
         ("point_reach", "configs/point_reach_grpo.yaml", quiet, None),
+        ("point_reach_self_imitation", "configs/point_reach_grpo.yaml", [*quiet, "algo.self_imitation.size=512", "algo.self_imitation.steps=2"], None),
         ("text_sft", "configs/text_arithmetic_sft.yaml", [*quiet, f"total_steps={10 * steps}"], None),
         ("text_grpo", "configs/text_arithmetic_grpo.yaml", [*quiet, "algo.groups_per_step=4"], "text_sft"),
         ("shapes_flow_grpo", "configs/image_shapes_flow_grpo.yaml", [*quiet, "algo.groups_per_step=4"], None),
